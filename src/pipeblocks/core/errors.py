@@ -1,0 +1,16 @@
+"""Errors raised for schedules that cannot run.
+
+`ScheduleError` is a `ValueError`: bad input, never a bug. Its message names the rank,
+the action in text form and what to change, so a CLI can print it as it is.
+"""
+from __future__ import annotations
+
+__all__ = ["ScheduleError", "DeadlockError"]
+
+
+class ScheduleError(ValueError):
+    """A schedule is incomplete, out of order, or does not fit its placement."""
+
+
+class DeadlockError(ScheduleError):
+    """A lowered program would block forever: every unfinished rank waits on another."""

@@ -1,0 +1,87 @@
+"""Lowering a Schedule into a Program, and the deadlock check.
+
+Lowering puts a receive just before the action that consumes a tensor from another rank
+and a send just after the action that produces one. Neighbouring stages on one rank
+(the turn of a V) hand over locally, with no op.
+
+The deadlock check runs the Program under the runtime's semantics: sends never block
+(they are posted asynchronously), receives block until the matching send has run.
+"""
+from __future__ import annotations
+
+from .actions import Action, Kind
+from .errors import DeadlockError
+from .program import Comm, Op, Program
+from .schedule import Schedule
+
+__all__ = ["lower", "check_deadlock"]
+
+
+def lower(schedule: Schedule) -> Program:
+    """Insert sends and receives. Assumes `check_structure` passed."""
+    rank_of = schedule.placement.stage_to_rank
+    last = schedule.num_stages - 1
+    programs: list[tuple[Op, ...]] = []
+    for rank, actions in enumerate(schedule.ranks):
+        ops: list[Op] = []
+        for a in actions:
+            s, mb, chunk = a.stage, a.microbatch, a.seq_chunk
+            kind = a.kind
+            if kind is Kind.F:
+                if s > 0 and rank_of[s - 1] != rank:
+                    ops.append(Comm("F", False, s, mb, chunk, rank_of[s - 1]))
+                ops.append(a)
+                if s < last and rank_of[s + 1] != rank:
+                    ops.append(Comm("F", True, s, mb, chunk, rank_of[s + 1]))
+            elif kind is Kind.W:
+                ops.append(a)
+            else:
+                if s < last and rank_of[s + 1] != rank:
+                    ops.append(Comm("B", False, s, mb, chunk, rank_of[s + 1]))
+                ops.append(a)
+                if s > 0 and rank_of[s - 1] != rank:
+                    ops.append(Comm("B", True, s, mb, chunk, rank_of[s - 1]))
+        programs.append(tuple(ops))
+    return Program(schedule, tuple(programs))
+
+
+def check_deadlock(program: Program) -> None:
+    """Raise DeadlockError naming every blocked rank and the receive it waits on."""
+    ranks = program.ranks
+    cursor = [0] * len(ranks)
+    sent: set[tuple] = set()
+    waiting: dict[tuple, int] = {}
+    ready = list(range(len(ranks)))
+    while ready:
+        rank = ready.pop()
+        ops = ranks[rank]
+        pos = cursor[rank]
+        while pos < len(ops):
+            op = ops[pos]
+            if isinstance(op, Comm):
+                key = op.key
+                if op.send:
+                    sent.add(key)
+                    woken = waiting.pop(key, None)
+                    if woken is not None:
+                        ready.append(woken)
+                elif key not in sent:
+                    waiting[key] = rank
+                    break
+            pos += 1
+        cursor[rank] = pos
+    blocked = [r for r in range(len(ranks)) if cursor[r] < len(ranks[r])]
+    if blocked:
+        lines = []
+        for r in blocked:
+            op = ranks[r][cursor[r]]
+            consumer = next((o for o in ranks[r][cursor[r]:] if isinstance(o, Action)), None)
+            lines.append(
+                f"rank {r} blocks at {op} (before {consumer}), waiting for rank {op.peer}, "
+                f"which is itself blocked at {ranks[op.peer][cursor[op.peer]] if cursor[op.peer] < len(ranks[op.peer]) else 'its end'}"
+            )
+        raise DeadlockError(
+            f"schedule {program.schedule.name!r} (p={program.p}, m={program.schedule.m}) deadlocks:\n  "
+            + "\n  ".join(lines)
+            + "\nreorder the actions so that each rank produces what another rank waits for before it waits itself"
+        )

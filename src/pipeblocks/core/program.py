@@ -1,0 +1,69 @@
+"""The lowered Program: per rank, compute actions interleaved with communication ops.
+
+Text form of a communication op follows torch.distributed.pipelining: the stage is the
+stage on this rank, the payload travels to or from its neighbour stage::
+
+    2SEND_F5   stage 2 sends its output activation of microbatch 5 to stage 3
+    3RECV_F5   stage 3 receives its input activation of microbatch 5 from stage 2
+    3SEND_B5   stage 3 sends the gradient of its input, microbatch 5, to stage 2
+    2RECV_B5   stage 2 receives the gradient of its output, microbatch 5, from stage 3
+
+Other op types (DP gradient reduce, parameter gather/free, recomputation) join `Op` as
+new dataclasses; consumers dispatch on the type.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Union
+
+from .actions import Action
+from .schedule import Schedule
+
+__all__ = ["Comm", "Op", "Program"]
+
+
+class Comm(NamedTuple):
+    """A point-to-point transfer seen from one rank.
+
+    payload: "F" (activation, travels to stage+1) or "B" (input gradient, travels to stage-1).
+    send: True on the producing rank, False on the consuming rank.
+    stage: this rank's stage.  peer: the other rank.
+    """
+
+    payload: str
+    send: bool
+    stage: int
+    microbatch: int
+    seq_chunk: int | None
+    peer: int
+
+    @property
+    def key(self) -> tuple[str, int, int, int]:
+        """Identifies the tensor: (payload, producing stage, microbatch, chunk); equal on both ends."""
+        if self.send:
+            producer = self.stage
+        else:
+            producer = self.stage - 1 if self.payload == "F" else self.stage + 1
+        return (self.payload, producer, self.microbatch, self.seq_chunk or 0)
+
+    def __str__(self) -> str:
+        text = f"{self.stage}{'SEND' if self.send else 'RECV'}_{self.payload}{self.microbatch}"
+        return text if self.seq_chunk is None else f"{text}.{self.seq_chunk}"
+
+
+Op = Union[Action, Comm]
+
+
+@dataclass(frozen=True)
+class Program:
+    """A schedule lowered for execution: `ranks[r]` is rank r's ops in order."""
+
+    schedule: Schedule
+    ranks: tuple[tuple[Op, ...], ...]
+
+    @property
+    def p(self) -> int:
+        return self.schedule.p
+
+    def to_text(self) -> str:
+        return "\n".join(f"{r}: " + " ".join(map(str, ops)) for r, ops in enumerate(self.ranks)) + "\n"

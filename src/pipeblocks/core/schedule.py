@@ -1,0 +1,199 @@
+"""The Schedule: per rank, an ordered list of compute actions, plus placement and sizes.
+
+Text form (`Schedule.to_text`), one line per rank after a header::
+
+    # pipeblocks schedule 1f1b p=2 m=3 placement=loop stages=2
+    0: 0F0 0F1 0BW0 0F2 0BW1 0BW2
+    1: 1F0 1BW0 1F1 1BW1 1F2 1BW2
+
+`Schedule.from_text(s.to_text()) == s`, and JSON (`to_json`/`from_json`, `save`/`load`)
+round-trips too. A schedule says only the order on each rank; times come from the
+simulator.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .actions import Action, parse_actions
+from .errors import ScheduleError
+from .placement import Placement
+
+__all__ = ["Schedule"]
+
+_FORMAT = "pipeblocks-schedule/1"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A complete pipeline schedule.
+
+    name: the generator (or "custom").
+    p: pipeline ranks.  m: microbatches per step.  seq_chunks: sequence chunks per microbatch.
+    placement: which rank runs each global stage.
+    ranks: `ranks[r]` is rank r's actions in execution order.
+    options: the generator options that built it, for display and reproduction.
+    """
+
+    name: str
+    p: int
+    m: int
+    placement: Placement
+    ranks: tuple[tuple[Action, ...], ...]
+    seq_chunks: int = 1
+    options: tuple[tuple[str, object], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for label, value in (("p", self.p), ("m", self.m), ("seq_chunks", self.seq_chunks)):
+            if not isinstance(value, int) or value < 1:
+                raise ScheduleError(f"schedule {self.name!r}: {label} must be an integer >= 1, got {value!r}")
+        if self.placement.num_ranks != self.p:
+            raise ScheduleError(
+                f"schedule {self.name!r}: placement covers {self.placement.num_ranks} ranks but p={self.p}"
+            )
+        if len(self.ranks) != self.p:
+            raise ScheduleError(f"schedule {self.name!r}: {len(self.ranks)} rank programs given for p={self.p}")
+
+    @property
+    def num_stages(self) -> int:
+        return self.placement.num_stages
+
+    @property
+    def v(self) -> int:
+        """Stages (chunks) per rank."""
+        return self.placement.stages_per_rank
+
+    @property
+    def has_split_backward(self) -> bool:
+        return any(a.kind.value == "W" for actions in self.ranks for a in actions)
+
+    def option(self, key: str, default: object = None) -> object:
+        return dict(self.options).get(key, default)
+
+    # ---- text form ------------------------------------------------------------
+    def to_text(self) -> str:
+        header = (
+            f"# pipeblocks schedule {self.name} p={self.p} m={self.m} placement={self.placement.shape} "
+            f"stages={','.join(map(str, self.placement.stage_to_rank))}"
+        )
+        if self.seq_chunks != 1:
+            header += f" seq_chunks={self.seq_chunks}"
+        lines = [header] + [f"{r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.ranks)]
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def from_text(text: str) -> Schedule:
+        header: dict[str, str] = {}
+        name = "custom"
+        rows: dict[int, tuple[Action, ...]] = {}
+        for lineno, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
+            if not line:
+                continue
+            if line.startswith("#"):
+                words = line.lstrip("#").split()
+                if words[:2] == ["pipeblocks", "schedule"] and len(words) > 2:
+                    name = words[2]
+                    header.update(w.split("=", 1) for w in words[3:] if "=" in w)
+                continue
+            rank_text, sep, body = line.partition(":")
+            if not sep or not rank_text.strip().isdigit():
+                raise ScheduleError(f"schedule text line {lineno}: expected '<rank>: <actions>', got {raw!r}")
+            rank = int(rank_text)
+            if rank in rows:
+                raise ScheduleError(f"schedule text line {lineno}: rank {rank} is listed twice")
+            rows[rank] = parse_actions(body)
+        if not rows:
+            raise ScheduleError("schedule text has no rank lines: expected lines like '0: 0F0 0F1 0BW0 ...'")
+        p = max(rows) + 1
+        missing = [r for r in range(p) if r not in rows]
+        if missing:
+            raise ScheduleError(f"schedule text lacks rank(s) {missing} (ranks 0..{p - 1} must all appear)")
+        ranks = tuple(rows[r] for r in range(p))
+        placement = _placement_from_header(header, ranks, p)
+        m = int(header["m"]) if "m" in header else 1 + max(a.microbatch for acts in ranks for a in acts)
+        seq = int(header.get("seq_chunks", 0)) or 1 + max((a.seq_chunk or 0) for acts in ranks for a in acts)
+        return Schedule(name, p, m, placement, ranks, seq_chunks=seq)
+
+    # ---- JSON -----------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "format": _FORMAT,
+            "name": self.name,
+            "p": self.p,
+            "m": self.m,
+            "seq_chunks": self.seq_chunks,
+            "placement": self.placement.to_json(),
+            "options": {k: v for k, v in self.options},
+            "ranks": [" ".join(map(str, acts)) for acts in self.ranks],
+        }
+
+    @staticmethod
+    def from_json(data: dict) -> Schedule:
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            raise ScheduleError(f"not a pipeblocks schedule: expected a JSON object with \"format\": \"{_FORMAT}\"")
+        try:
+            return Schedule(
+                name=str(data["name"]),
+                p=int(data["p"]),
+                m=int(data["m"]),
+                seq_chunks=int(data.get("seq_chunks", 1)),
+                placement=Placement.from_json(data["placement"]),
+                ranks=tuple(parse_actions(row) for row in data["ranks"]),
+                options=tuple(sorted(dict(data.get("options", {})).items())),
+            )
+        except (KeyError, TypeError) as err:
+            raise ScheduleError(f"malformed schedule JSON: missing or wrong field {err}") from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write JSON (`.json`) or the text form (any other suffix), atomically."""
+        path = Path(path)
+        body = json.dumps(self.to_json(), indent=1) if path.suffix == ".json" else self.to_text()
+        write_atomically(path, body)
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> Schedule:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise ScheduleError(f"cannot read schedule file {str(path)!r}: {err.strerror}") from None
+        if path.suffix == ".json":
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise ScheduleError(f"schedule file {str(path)!r} is not valid JSON: {err}") from None
+            return Schedule.from_json(data)
+        return Schedule.from_text(text)
+
+
+def _placement_from_header(header: dict[str, str], ranks: tuple[tuple[Action, ...], ...], p: int) -> Placement:
+    if "stages" in header:
+        return Placement(tuple(int(r) for r in header["stages"].split(",")), header.get("placement", "explicit"))
+    owner: dict[int, int] = {}
+    for rank, acts in enumerate(ranks):
+        for action in acts:
+            if owner.setdefault(action.stage, rank) != rank:
+                raise ScheduleError(
+                    f"stage {action.stage} appears on ranks {owner[action.stage]} and {rank}: "
+                    "a stage must live on one rank (add a 'stages=' header to state the placement)"
+                )
+    if sorted(owner) != list(range(len(owner))):
+        raise ScheduleError(f"stages {sorted(owner)} are not numbered 0..{len(owner) - 1}")
+    return Placement(tuple(owner[s] for s in range(len(owner))))
+
+
+def write_atomically(path: Path, body: str) -> None:
+    """Write to a temporary file beside `path`, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(body)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,111 @@
+"""Structural validation of a Schedule: placement, completeness, local order.
+
+Cross-rank order is checked after lowering, by the deadlock check in `lower.py`;
+`validate` runs both and returns the lowered Program.
+"""
+from __future__ import annotations
+
+from .actions import Action, Kind
+from .deps import phase_of, requirements
+from .errors import ScheduleError
+from .schedule import Schedule
+
+__all__ = ["check_structure", "validate"]
+
+
+def check_structure(schedule: Schedule) -> None:
+    """Raise ScheduleError unless every pass runs exactly once, on its own rank, in local order."""
+    _check_placement_and_ranges(schedule)
+    _check_completeness(schedule)
+    _check_local_order(schedule)
+
+
+def validate(schedule: Schedule):
+    """Check structure, lower, and prove the Program free of deadlock. Returns the Program."""
+    from .lower import check_deadlock, lower
+
+    check_structure(schedule)
+    program = lower(schedule)
+    check_deadlock(program)
+    return program
+
+
+def _check_placement_and_ranges(schedule: Schedule) -> None:
+    S, m, k = schedule.num_stages, schedule.m, schedule.seq_chunks
+    owner_of = schedule.placement.stage_to_rank
+    for rank, actions in enumerate(schedule.ranks):
+        for pos, action in enumerate(actions):
+            stage, chunk = action.stage, action.seq_chunk
+            if stage < S and owner_of[stage] == rank and action.microbatch < m and (
+                (chunk is None or chunk == 0) if k == 1 else (chunk is not None and chunk < k)
+            ):
+                continue
+            where = f"rank {rank}, action {pos} ({action})"
+            if stage >= S:
+                raise ScheduleError(f"{where}: stage {stage} does not exist (stages 0..{S - 1})")
+            if owner_of[stage] != rank:
+                raise ScheduleError(
+                    f"{where}: stage {stage} is placed on rank {owner_of[stage]}; "
+                    f"move {action} to rank {owner_of[stage]}'s list"
+                )
+            if action.microbatch >= m:
+                raise ScheduleError(f"{where}: microbatch {action.microbatch} is out of range for m={m} (0..{m - 1})")
+            if k == 1:
+                raise ScheduleError(f"{where}: sequence chunk {chunk} given but the schedule has seq_chunks=1")
+            raise ScheduleError(f"{where}: needs a sequence chunk 0..{k - 1} (e.g. {stage}F0.0)")
+
+
+def _check_completeness(schedule: Schedule) -> None:
+    seen: set[tuple[int, int, int, Kind]] = set()
+    for rank, actions in enumerate(schedule.ranks):
+        for a in actions:
+            key = (a.stage, a.microbatch, a.seq_chunk or 0, a.kind)
+            if key in seen:
+                raise ScheduleError(f"rank {rank}: {a} runs more than once; every pass runs exactly once")
+            seen.add(key)
+    k = schedule.seq_chunks
+    F_, B_, W_, BW_ = Kind.F, Kind.B, Kind.W, Kind.BW
+    for stage in range(schedule.num_stages):
+        for mb in range(schedule.m):
+            for chunk in range(k):
+                has_f = (stage, mb, chunk, F_) in seen
+                has_bw = (stage, mb, chunk, BW_) in seen
+                has_b = (stage, mb, chunk, B_) in seen
+                has_w = (stage, mb, chunk, W_) in seen
+                if has_f and (has_bw != (has_b or has_w)) and has_b == has_w:
+                    continue
+                rank = schedule.placement.rank_of(stage)
+                name = Action(stage, F_, mb, chunk if k > 1 else None)
+                if not has_f:
+                    raise ScheduleError(f"rank {rank}: missing {name}; add it to rank {rank}'s list")
+                if has_bw and (has_b or has_w):
+                    raise ScheduleError(
+                        f"rank {rank}: unit {name} has both a fused {name.with_kind(BW_)} and split B/W passes; "
+                        "use either BW or B then W"
+                    )
+                lacking = name.with_kind(B_ if has_w else W_ if has_b else BW_)
+                raise ScheduleError(f"rank {rank}: missing {lacking}; add it to rank {rank}'s list")
+
+
+def _check_local_order(schedule: Schedule) -> None:
+    S, k = schedule.num_stages, schedule.seq_chunks
+    owner_of = schedule.placement.stage_to_rank
+    for rank, actions in enumerate(schedule.ranks):
+        done: set[tuple] = set()
+        for pos, action in enumerate(actions):
+            for need in requirements(action, S, k):
+                if owner_of[need[1]] == rank and need not in done:
+                    later = _finisher(actions, need, pos)
+                    raise ScheduleError(
+                        f"rank {rank}, action {pos} ({action}) runs before {later}, which it depends on; "
+                        f"move {action} after {later}"
+                    )
+            done.update(phase_of(action))
+
+
+def _finisher(actions: tuple[Action, ...], need: tuple, after: int) -> str:
+    for action in actions[after:]:
+        if need in phase_of(action):
+            return str(action)
+    phase, stage, mb, chunk = need
+    return f"{stage}{phase}{mb}"

@@ -1,0 +1,133 @@
+"""The cost model: how long each pass takes and how much activation it holds.
+
+Scalars are per full pipeline stage (1/p of the model): a chunk that holds 1/v of a stage
+takes t/v and stores mem_b/v, so makespans and memory compare across schedules. Per-stage
+sequences (one value per global stage) are taken as given, for profiled or analytic costs.
+
+Memory per (stage, microbatch), after the ZB paper: F stores M_B; B keeps M_W = ratio*M_B
+until W (the default ratio 1 keeps everything); W or a fused BW frees the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..core.actions import Kind
+from ..core.errors import ScheduleError
+from ..core.schedule import Schedule
+
+__all__ = ["Costs", "StageCosts", "parse_costs"]
+
+Value = float | tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Durations and activation memory of the passes.
+
+    t_f, t_b, t_w: forward, input-gradient and weight-gradient time; fused BW takes t_b + t_w.
+    t_comm: time for one activation or gradient to cross between ranks.
+    mem_b: activation that F stores for B (unit model: 1 per full stage).
+    mem_w_ratio: M_W / M_B, the share that B keeps until W.
+    seq_time, seq_mem: per sequence chunk, its share of a microbatch's time and memory
+        (None: even shares); Seq1F1B's balanced split sets them from token positions.
+    """
+
+    t_f: Value = 1.0
+    t_b: Value = 1.0
+    t_w: Value = 1.0
+    t_comm: float = 0.0
+    mem_b: Value = 1.0
+    mem_w_ratio: float = 1.0
+    seq_time: tuple[float, ...] | None = None
+    seq_mem: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("t_f", "t_b", "t_w", "t_comm", "mem_b", "mem_w_ratio"):
+            value = getattr(self, name)
+            values = value if isinstance(value, tuple) else (value,)
+            if any(not isinstance(x, (int, float)) or x < 0 for x in values):
+                raise ScheduleError(f"cost {name} must be >= 0, got {value!r}: costs are durations and sizes")
+        if self.mem_w_ratio > 1:
+            raise ScheduleError(f"mem_w_ratio must be in [0, 1] (M_W <= M_B), got {self.mem_w_ratio}")
+
+    def for_schedule(self, schedule: Schedule) -> StageCosts:
+        """Resolve to per-global-stage tables for this schedule."""
+        S = schedule.num_stages
+        frac = schedule.placement.stage_fraction
+
+        def per_stage(name: str) -> tuple[float, ...]:
+            value = getattr(self, name)
+            if isinstance(value, tuple):
+                if len(value) != S:
+                    raise ScheduleError(
+                        f"cost {name} has {len(value)} per-stage values but schedule {schedule.name!r} "
+                        f"has {S} stages: give one value per stage or a scalar"
+                    )
+                return value
+            return (float(value) * frac,) * S
+
+        k = schedule.seq_chunks
+        seq_time = _shares(self.seq_time, k, "seq_time")
+        seq_mem = _shares(self.seq_mem, k, "seq_mem")
+        return StageCosts(
+            f=per_stage("t_f"), b=per_stage("t_b"), w=per_stage("t_w"), mem_b=per_stage("mem_b"),
+            mem_w_ratio=self.mem_w_ratio, t_comm=self.t_comm, seq_time=seq_time, seq_mem=seq_mem,
+        )
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Costs resolved per global stage (and per sequence chunk share)."""
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    w: tuple[float, ...]
+    mem_b: tuple[float, ...]
+    mem_w_ratio: float
+    t_comm: float
+    seq_time: tuple[float, ...]
+    seq_mem: tuple[float, ...]
+
+    def duration(self, kind: Kind, stage: int, seq_chunk: int = 0) -> float:
+        share = self.seq_time[seq_chunk]
+        if kind is Kind.F:
+            return self.f[stage] * share
+        if kind is Kind.B:
+            return self.b[stage] * share
+        if kind is Kind.W:
+            return self.w[stage] * share
+        return (self.b[stage] + self.w[stage]) * share
+
+    def memory(self, kind: Kind, stage: int, seq_chunk: int = 0) -> tuple[float, float]:
+        """(allocated at start, released at end) by this pass; releases are negative."""
+        m_b = self.mem_b[stage] * self.seq_mem[seq_chunk]
+        if kind is Kind.F:
+            return (m_b, 0.0)
+        if kind is Kind.B:
+            return (0.0, m_b * self.mem_w_ratio - m_b)
+        if kind is Kind.W:
+            return (0.0, -m_b * self.mem_w_ratio)
+        return (0.0, -m_b)
+
+
+def _shares(value: Sequence[float] | None, k: int, name: str) -> tuple[float, ...]:
+    if value is None:
+        return (1.0 / k,) * k
+    if len(value) != k:
+        raise ScheduleError(f"{name} has {len(value)} shares but the schedule has {k} sequence chunks")
+    return tuple(float(x) for x in value)
+
+
+def parse_costs(text: str) -> Costs:
+    """Parse 'TF,TB,TW[,TCOMM]' as given on the command line."""
+    parts = [x.strip() for x in text.split(",")]
+    try:
+        values = [float(x) for x in parts]
+    except ValueError:
+        raise ScheduleError(f"--costs {text!r}: expected numbers TF,TB,TW[,TCOMM], e.g. 1,1,1 or 3,4,2,0.1") from None
+    if len(values) not in (3, 4):
+        raise ScheduleError(f"--costs {text!r}: expected 3 or 4 numbers TF,TB,TW[,TCOMM], got {len(values)}")
+    if any(v < 0 for v in values):
+        raise ScheduleError(f"--costs {text!r}: costs must be >= 0")
+    return Costs(t_f=values[0], t_b=values[1], t_w=values[2], t_comm=values[3] if len(values) == 4 else 0.0)

@@ -1,0 +1,106 @@
+"""Event simulation of a Program under a cost model.
+
+Each rank runs its ops in order. A compute op starts when the rank is free; a receive
+completes when its send has run plus t_comm (so the consumer waits); a send costs the
+sender nothing (it is posted asynchronously, as the runtime does). Activation memory is
+allocated at the start of F and released at the end of the freeing pass.
+
+The loop visits every op once: a rank runs until it meets a receive whose send has not
+happened yet, parks there, and is woken by that send.
+"""
+from __future__ import annotations
+
+from ..core.actions import Action
+from ..core.errors import DeadlockError
+from ..core.lower import check_deadlock, lower
+from ..core.program import Comm, Program
+from ..core.schedule import Schedule
+from ..core.validate import check_structure
+from .costs import Costs
+from .timeline import Event, Timeline
+
+__all__ = ["simulate", "simulate_program"]
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
+    """Validate, lower and simulate a schedule (a deadlock is found by the simulation itself)."""
+    check_structure(schedule)
+    return simulate_program(lower(schedule), costs)
+
+
+def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
+    schedule = program.schedule
+    table = (costs or Costs()).for_schedule(schedule)
+    t_comm = table.t_comm
+    compiled = [_compile(ops, table) for ops in program.ranks]
+    p = len(compiled)
+    cursor = [0] * p
+    clock = [0.0] * p
+    mem = [0.0] * p
+    peak = [0.0] * p
+    events: list[list[Event]] = [[] for _ in range(p)]
+    traces: list[list[tuple[float, float]]] = [[(0.0, 0.0)] for _ in range(p)]
+    arrival: dict[tuple, float] = {}
+    parked: dict[tuple, int] = {}
+    ready = list(range(p))
+    while ready:
+        r = ready.pop()
+        ops = compiled[r]
+        pos, now, held, top = cursor[r], clock[r], mem[r], peak[r]
+        evs, trace = events[r], traces[r]
+        n = len(ops)
+        while pos < n:
+            op = ops[pos]
+            if op[0] is None:  # receive
+                t = arrival.get(op[1])
+                if t is None:
+                    parked[op[1]] = r
+                    break
+                if t > now:
+                    now = t
+            elif op[0] is True:  # send
+                arrival[op[1]] = now + t_comm
+                woken = parked.pop(op[1], None)
+                if woken is not None:
+                    ready.append(woken)
+            else:
+                action, duration, alloc, release = op
+                end = now + duration
+                evs.append(Event(action, now, end))
+                if alloc:
+                    held += alloc
+                    trace.append((now, held))
+                    if held > top:
+                        top = held
+                if release:
+                    held += release
+                    trace.append((end, held))
+                now = end
+            pos += 1
+        cursor[r], clock[r], mem[r], peak[r] = pos, now, held, top
+    if any(cursor[r] < len(compiled[r]) for r in range(p)):
+        check_deadlock(program)  # raises with the blocked ranks named
+        raise DeadlockError(f"schedule {schedule.name!r} did not finish in simulation")
+    return Timeline(
+        schedule=schedule,
+        events=tuple(tuple(e) for e in events),
+        memory=tuple(tuple(t) for t in traces),
+        peak_activation=tuple(peak),
+    )
+
+
+def _compile(ops, table) -> list[tuple]:
+    """Ops as tuples: (None, key) receive, (True, key) send, (action, dur, alloc, release) compute."""
+    out: list[tuple] = []
+    cost_of: dict[tuple, tuple[float, float, float]] = {}
+    for op in ops:
+        if type(op) is Action:
+            key = (op.kind, op.stage, op.seq_chunk or 0)
+            cost = cost_of.get(key)
+            if cost is None:
+                cost = cost_of[key] = (table.duration(*key), *table.memory(*key))
+            out.append((op, *cost))
+        elif type(op) is Comm:
+            out.append((True if op.send else None, op.key))
+        # future op types (reduce, gather) cost nothing until the cost model knows them
+    return out

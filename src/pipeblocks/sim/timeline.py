@@ -1,0 +1,75 @@
+"""A simulated (or measured) Timeline and the metrics read off it.
+
+Definitions (the JSON of `pipeblocks simulate` follows them):
+    makespan      last action's end minus first action's start, over all ranks
+    busy(r)       total compute time on rank r
+    bubble_ratio  (makespan - max_r busy(r)) / makespan
+    peak_activation[r]  the largest activation memory rank r holds at any time
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ..core.actions import Action
+from ..core.schedule import Schedule
+
+__all__ = ["Event", "Timeline"]
+
+
+class Event(NamedTuple):
+    """One action's run on its rank."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Per rank: the events in execution order and the memory trace.
+
+    memory[r] is a tuple of (time, activation held from that time on).
+    """
+
+    schedule: Schedule
+    events: tuple[tuple[Event, ...], ...]
+    memory: tuple[tuple[tuple[float, float], ...], ...]
+    peak_activation: tuple[float, ...]
+
+    @property
+    def start(self) -> float:
+        return min((evs[0].start for evs in self.events if evs), default=0.0)
+
+    @property
+    def end(self) -> float:
+        return max((evs[-1].end for evs in self.events if evs), default=0.0)
+
+    @property
+    def makespan(self) -> float:
+        return self.end - self.start
+
+    def busy(self, rank: int) -> float:
+        return sum(e.end - e.start for e in self.events[rank])
+
+    @property
+    def bubble_ratio(self) -> float:
+        span = self.makespan
+        if span <= 0:
+            return 0.0
+        return (span - max(self.busy(r) for r in range(len(self.events)))) / span
+
+    def summary(self) -> dict:
+        """The JSON object of `pipeblocks simulate --json`."""
+        s = self.schedule
+        return {
+            "schedule": s.name,
+            "p": s.p,
+            "m": s.m,
+            "v": s.v,
+            "seq_chunks": s.seq_chunks,
+            "makespan": self.makespan,
+            "bubble_ratio": self.bubble_ratio,
+            "busy": [self.busy(r) for r in range(s.p)],
+            "peak_activation": list(self.peak_activation),
+        }
