@@ -1,0 +1,1 @@
+"""The `pipeblocks` command line."""

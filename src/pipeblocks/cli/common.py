@@ -1,0 +1,74 @@
+"""Options shared by the schedule commands, and building a schedule from them.
+
+A generator receives only the options it accepts (its keyword parameters); an option the
+user gave that the schedule does not take is an error, not silently dropped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..core.errors import ScheduleError
+from ..core.schedule import Schedule
+from ..schedules import get
+from ..sim.costs import Costs, parse_costs
+
+__all__ = ["add_schedule_options", "build_schedule", "costs_from_args", "print_json", "progress"]
+
+
+def add_schedule_options(parser: argparse.ArgumentParser, *, name: bool = True) -> None:
+    if name:
+        parser.add_argument("name", help="schedule name (see `pipeblocks list`)")
+    parser.add_argument("-p", type=int, default=4, help="pipeline ranks (default 4)")
+    parser.add_argument("-m", type=int, default=8, help="microbatches per step (default 8)")
+    parser.add_argument("-v", type=int, default=None, help="chunks per rank, for looped schedules (default 2)")
+    parser.add_argument("--group-size", type=int, default=None, help="interleaved-1f1b: microbatches per group (p..m)")
+    parser.add_argument(
+        "--memory-limit", type=float, default=None,
+        help="activation budget per rank, in peak_activation units (1F1B's peak is p)",
+    )
+    parser.add_argument(
+        "--costs", default=None, metavar="TF,TB,TW[,TCOMM]",
+        help="pass times per full stage (default 1,1,1,0); fused BW takes TB+TW",
+    )
+    parser.add_argument("--mem-w-ratio", type=float, default=1.0, help="M_W/M_B: share of activation B keeps until W")
+    parser.add_argument("--file", default=None, help="load a schedule from a .json or text file instead of a name")
+
+
+def costs_from_args(args: argparse.Namespace) -> Costs:
+    base = parse_costs(args.costs) if args.costs else Costs()
+    return Costs(t_f=base.t_f, t_b=base.t_b, t_w=base.t_w, t_comm=base.t_comm, mem_w_ratio=args.mem_w_ratio)
+
+
+# CLI option -> generator keyword
+_OPTIONS = {"v": "v", "group_size": "group_size", "memory_limit": "memory_limit"}
+
+
+def build_schedule(args: argparse.Namespace, name: str | None = None) -> Schedule:
+    """The schedule the options describe: from --file, or by name through the registry."""
+    if getattr(args, "file", None):
+        return Schedule.load(args.file)
+    spec = get(name or args.name)
+    kwargs: dict[str, object] = {"p": args.p, "m": args.m}
+    for option, keyword in _OPTIONS.items():
+        value = getattr(args, option, None)
+        if value is None:
+            continue
+        if not spec.accepts(keyword):
+            flag = "-" + option if len(option) == 1 else "--" + option.replace("_", "-")
+            raise ScheduleError(f"schedule {spec.name!r} does not take {flag}; drop it or choose another schedule")
+        kwargs[keyword] = value
+    if spec.accepts("costs"):
+        kwargs["costs"] = costs_from_args(args)
+    return spec(**kwargs)
+
+
+def print_json(data: object) -> None:
+    json.dump(data, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def progress(message: str) -> None:
+    """Progress for long work goes to stderr, so stdout stays clean for tables and JSON."""
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,30 @@
+"""`pipeblocks simulate NAME -p P -m M`: makespan, bubble and peak memory per rank."""
+from __future__ import annotations
+
+import argparse
+
+from ..sim.simulator import simulate
+from .common import add_schedule_options, build_schedule, costs_from_args, print_json
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("simulate", help="simulate one schedule: makespan, bubble ratio, peak memory per rank")
+    add_schedule_options(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    schedule = build_schedule(args)
+    timeline = simulate(schedule, costs_from_args(args))
+    summary = timeline.summary()
+    if args.json:
+        print_json(summary)
+        return 0
+    print(f"schedule      {schedule.name}  (p={schedule.p}, m={schedule.m}, v={schedule.v})")
+    print(f"makespan      {summary['makespan']:.6g}")
+    print(f"bubble ratio  {summary['bubble_ratio']:.4f}")
+    print("rank  busy      peak activation")
+    for r in range(schedule.p):
+        print(f"{r:>4}  {summary['busy'][r]:<8.6g}  {summary['peak_activation'][r]:.6g}")
+    return 0
