@@ -36,7 +36,8 @@ def add_schedule_options(parser: argparse.ArgumentParser, *, name: bool = True) 
     parser.add_argument("--file", default=None, help="load a schedule from a .json or text file instead of a name")
 
 
-def costs_from_args(args: argparse.Namespace) -> Costs:
+def costs_from_args(args: argparse.Namespace, schedule: Schedule | None = None) -> Costs:
+    """Costs from --costs and --mem-w-ratio (unit costs by default)."""
     base = parse_costs(args.costs) if args.costs else Costs()
     return Costs(t_f=base.t_f, t_b=base.t_b, t_w=base.t_w, t_comm=base.t_comm, mem_w_ratio=args.mem_w_ratio)
 

@@ -16,7 +16,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     schedule = build_schedule(args)
-    timeline = simulate(schedule, costs_from_args(args))
+    timeline = simulate(schedule, costs_from_args(args, schedule))
     summary = timeline.summary()
     if args.json:
         print_json(summary)

@@ -1,0 +1,65 @@
+"""`pipeblocks compare -p P -m M`: bubble, makespan and peak memory across schedules."""
+from __future__ import annotations
+
+import argparse
+import time
+
+from ..core.errors import ScheduleError
+from ..schedules import names
+from ..sim.plots import ParetoPoint, plot_pareto
+from ..sim.simulator import simulate
+from .common import add_schedule_options, build_schedule, costs_from_args, print_json, progress
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("compare", help="compare schedules: bubble ratio, makespan, peak activation vs 1F1B")
+    add_schedule_options(parser, name=False)
+    parser.add_argument("--schedules", default=None, help="comma-separated names (default: every registered schedule)")
+    parser.add_argument("--plot", default=None, metavar="FILE", help="write the memory-against-bubble picture (.png/.svg)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    chosen = args.schedules.split(",") if args.schedules else names()
+    if "1f1b" not in chosen:
+        chosen = ["1f1b", *chosen]
+    rows, skipped = [], []
+    started = time.monotonic()
+    for name in chosen:
+        try:
+            schedule = build_schedule(args, name)
+            timeline = simulate(schedule, costs_from_args(args, schedule))
+        except ScheduleError as err:
+            if args.schedules:  # asked for by name: the user wants to know
+                raise
+            skipped.append((name, str(err).splitlines()[0]))
+            continue
+        rows.append({**timeline.summary(), "peak_max": max(timeline.peak_activation)})
+        if time.monotonic() - started > 2:
+            progress(f"compare: simulated {name} ({len(rows)}/{len(chosen)})")
+    reference = next(r["peak_max"] for r in rows if r["schedule"] == "1f1b")
+    for row in rows:
+        row["peak_vs_1f1b"] = row["peak_max"] / reference if reference else float("nan")
+    if args.plot:
+        points = [ParetoPoint(r["schedule"], r["peak_max"], r["bubble_ratio"]) for r in rows]
+        plot_pareto(points, args.plot, title=f"p={args.p}, m={args.m}: peak activation against bubble ratio")
+    if args.json:
+        print_json({"p": args.p, "m": args.m, "schedules": rows, "skipped": [{"name": n, "reason": w} for n, w in skipped]})
+        return 0
+    _print_table(rows, args)
+    for name, why in skipped:
+        print(f"skipped {name}: {why}")
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
+    width = max(len("schedule"), *(len(r["schedule"]) for r in rows))
+    print(f"p={args.p} m={args.m}  (peak activation: 1 = one microbatch through one full stage; 1F1B peaks at p)")
+    print(f"{'schedule':<{width}}  {'v':>2}  {'makespan':>9}  {'bubble':>7}  {'peak max':>8}  {'vs 1F1B':>7}  peak per rank")
+    for r in rows:
+        per_rank = " ".join(f"{x:.3g}" for x in r["peak_activation"])
+        print(f"{r['schedule']:<{width}}  {r['v']:>2}  {r['makespan']:>9.4g}  {r['bubble_ratio']:>7.4f}  "
+              f"{r['peak_max']:>8.4g}  {r['peak_vs_1f1b']:>7.3f}  {per_rank}")

@@ -1,0 +1,24 @@
+"""`pipeblocks plot NAME -p P -m M -o FILE`: timeline and memory plot (PNG or SVG)."""
+from __future__ import annotations
+
+import argparse
+
+from ..sim.plots import plot_timeline
+from ..sim.simulator import simulate
+from .common import add_schedule_options, build_schedule, costs_from_args
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("plot", help="plot a schedule's timeline and memory over time to PNG/SVG")
+    add_schedule_options(parser)
+    parser.add_argument("-o", "--output", required=True, help="output file, .png or .svg")
+    parser.add_argument("--no-memory", action="store_true", help="leave out the memory panel")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    schedule = build_schedule(args)
+    timeline = simulate(schedule, costs_from_args(args, schedule))
+    path = plot_timeline(timeline, args.output, memory=not args.no_memory)
+    print(f"wrote {path}")
+    return 0

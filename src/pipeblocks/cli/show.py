@@ -1,0 +1,30 @@
+"""`pipeblocks show NAME -p P -m M`: the schedule as a text timeline (or its action lists)."""
+from __future__ import annotations
+
+import argparse
+
+from ..sim.simulator import simulate
+from ..sim.text_timeline import render_text_timeline
+from .common import add_schedule_options, build_schedule, costs_from_args
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("show", help="print a schedule as a text timeline")
+    add_schedule_options(parser)
+    parser.add_argument("--actions", action="store_true", help="print the per-rank action lists (the text form) instead")
+    parser.add_argument("-o", "--output", default=None, help="also save the schedule (.json or text form)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    schedule = build_schedule(args)
+    if args.output:
+        schedule.save(args.output)
+    if args.actions:
+        print(schedule.to_text(), end="")
+        return 0
+    timeline = simulate(schedule, costs_from_args(args, schedule))
+    print(render_text_timeline(timeline), end="")
+    print(f"makespan {timeline.makespan:.6g}   bubble ratio {timeline.bubble_ratio:.4f}   "
+          f"peak activation per rank {[round(x, 4) for x in timeline.peak_activation]}")
+    return 0
