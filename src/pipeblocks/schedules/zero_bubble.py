@@ -44,9 +44,9 @@ def zb_h1(*, p: int, m: int) -> Schedule:
     its Ws lagging its Bs by s microbatches; the deferred Ws fill the cool-down bubble.
 
     Peak activation p*M_B on stage 0, as 1F1B (stage s holds (p-s)*M_B + s*M_W).
-    Bubble (p-1)*(T_F+T_B-T_W) for m >= p and T_W <= T_F (the paper's setting), against 1F1B's (p-1)*(T_F+T_B+T_W): at equal
-    costs a rate of (p-1)/(3m+p-1). Any m >= 1 runs (m < p only shortens the warm-up).
-    p=4, m=8::
+    Bubble (p-1)*(T_F+T_B-T_W) for m >= p and T_W <= T_F (the paper's setting), against
+    1F1B's (p-1)*(T_F+T_B+T_W): at equal costs a rate of (p-1)/(3m+p-1). Any m >= 1 runs
+    (m < p only shortens the warm-up). p=4, m=8::
 
         0: 0F0 0F1 0F2 0F3 0B0 0W0 0F4 0B1 0W1 0F5 0B2 0W2 0F6 0B3 0W3 0F7 0B4 0W4 0B5 0W5 0B6 0W6 0B7 0W7
         1: 1F0 1F1 1F2 1B0 1F3 1B1 1W0 1F4 1B2 1W1 1F5 1B3 1W2 1F6 1B4 1W3 1F7 1B5 1W4 1B6 1W5 1B7 1W6 1W7
