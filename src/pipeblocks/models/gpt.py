@@ -1,0 +1,243 @@
+"""A small GPT-style decoder: the reference model that pipeblocks trains and checks against.
+
+    >>> from pipeblocks.models import GPT, GPTConfig
+    >>> cfg = GPTConfig(layers=4, hidden=64, heads=4, seq=64, vocab=256, dtype="float64")
+    >>> model = GPT(cfg, seed=0)              # the same seed gives the same weights, everywhere
+    >>> logits = model(torch.zeros(2, 64, dtype=torch.long))    # [2, 64, 256]
+
+Layout (parameter names in brackets; a stage module uses the same names, so the union of
+the stages' state dicts is the full model's state dict)::
+
+    token ids [b, s]
+      -> Embedding: token + learned position           [embed.tok, embed.pos]
+      -> Block x layers: x + attn(ln1(x)); x + mlp(ln2(x))   [blocks.<i>.*]
+      -> Head: final LayerNorm, linear to vocab (no tying) [head.norm, head.out]
+    logits [b, s, vocab]
+
+The LM head is not tied to the token embedding: the embedding lives on the first pipeline
+stage and the head on the last, and tying would make them share a parameter across ranks.
+
+Initialisation is a function of (seed, parameter name) alone (see `init_parameters`), so a
+pipeline rank can build just its own stages (`pipeblocks.models.split.build_stages`) and get
+exactly the weights that the whole model built from the same seed has.
+
+Attention seam for sequence-chunked schedules (Seq1F1B, ALGORITHMS.md §5.3): the embedding
+takes a position `offset`, and `CausalSelfAttention.forward` takes an optional `kv` object
+whose `extend(k, v)` returns the keys and values to attend over (this chunk's, prefixed by
+earlier chunks'). `causal_attention` already handles k_len > q_len with a bottom-right
+aligned mask. Nothing here caches K/V yet; stage modules pass `kv=None`.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "GPTConfig", "GPT", "Embedding", "Block", "Head", "CausalSelfAttention", "MLP", "KVExtender",
+    "causal_attention", "init_parameters", "cross_entropy",
+]
+
+DTypeName = Literal["float32", "float64"]
+_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the reference GPT. Defaults train in seconds on a laptop CPU."""
+
+    layers: int = 4
+    """Transformer blocks (the embedding and the head are not counted)."""
+    hidden: int = 64
+    """Model width h."""
+    heads: int = 4
+    """Attention heads a; must divide hidden."""
+    seq: int = 64
+    """Context length s: the longest sequence the position table covers."""
+    vocab: int = 256
+    """Vocabulary size (256 for the byte tokenizer)."""
+    dtype: DTypeName = "float32"
+    """Parameter and activation dtype: "float32" or "float64"."""
+    mlp_ratio: int = 4
+    """MLP inner width, as a multiple of hidden."""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "seq", "vocab", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"hidden ({self.hidden}) must be a multiple of heads ({self.heads}): "
+                f"change --hidden to e.g. {self.heads * max(1, round(self.hidden / self.heads))} or --heads"
+            )
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict) -> GPTConfig:
+        return GPTConfig(**data)
+
+
+class KVExtender(Protocol):
+    """What a sequence-chunk schedule will pass to attention (not implemented yet).
+
+    `extend(k, v)` receives this chunk's keys and values, [b, a, s_chunk, d], and returns
+    the ones to attend over, [b, a, offset + s_chunk, d]: earlier chunks' K/V in front.
+    """
+
+    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """softmax(q kᵀ/√d) v under a causal mask aligned bottom-right.
+
+    q is [b, a, s_q, d]; k and v are [b, a, s_k, d] with s_k >= s_q. Query i sits at absolute
+    position s_k - s_q + i and sees keys 0..s_k - s_q + i; with s_k == s_q this is the usual
+    causal mask. (A top-left `is_causal` would be wrong when s_k > s_q.)
+    """
+    s_q, s_k = q.size(-2), k.size(-2)
+    if s_k == s_q:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if s_k < s_q:
+        raise ValueError(f"attention over {s_k} keys for {s_q} queries: keys must include the queries' own positions")
+    mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, dtype=cfg.torch_dtype)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden, dtype=cfg.torch_dtype)
+
+    def forward(self, x: Tensor, kv: KVExtender | None = None) -> Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).split(h, dim=2)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        if kv is not None:
+            k, v = kv.extend(k, v)
+        y = causal_attention(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden, dtype=cfg.torch_dtype)
+        self.down = nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden, dtype=cfg.torch_dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.hidden, dtype=cfg.torch_dtype)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.hidden, dtype=cfg.torch_dtype)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, kv: KVExtender | None = None) -> Tensor:
+        x = x + self.attn(self.ln1(x), kv)
+        return x + self.mlp(self.ln2(x))
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.hidden, dtype=cfg.torch_dtype)
+        self.pos = nn.Embedding(cfg.seq, cfg.hidden, dtype=cfg.torch_dtype)
+
+    def forward(self, idx: Tensor, offset: int = 0) -> Tensor:
+        """idx: LongTensor [b, s] of tokens at positions offset..offset+s-1."""
+        s = idx.size(1)
+        if offset + s > self.pos.num_embeddings:
+            raise ValueError(
+                f"positions {offset}..{offset + s - 1} exceed the model's context of {self.pos.num_embeddings}: "
+                "use shorter sequences or a larger GPTConfig.seq"
+            )
+        positions = torch.arange(offset, offset + s, device=idx.device)
+        return self.tok(idx) + self.pos(positions)
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the projection to vocabulary logits."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.hidden, dtype=cfg.torch_dtype)
+        self.out = nn.Linear(cfg.hidden, cfg.vocab, bias=False, dtype=cfg.torch_dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.norm(x))
+
+
+class GPT(nn.Module):
+    """The whole model in one module: what one process trains as the reference."""
+
+    def __init__(self, cfg: GPTConfig, *, seed: int = 0) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = Embedding(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.head = Head(cfg)
+        init_parameters(self, cfg, seed=seed)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def init_parameters(module: nn.Module, cfg: GPTConfig, *, seed: int) -> None:
+    """Fill every parameter from (seed, its name), so any subset of the model can be built alone.
+
+    GPT-2 style: weights N(0, 0.02), the residual projections (attn.proj, mlp.down) scaled
+    by 1/sqrt(2·layers), biases zero, LayerNorm weight one. Values are drawn in float64 and
+    cast, so a float32 and a float64 model from one seed agree to float32 rounding.
+    """
+    residual_std = 0.02 / math.sqrt(2 * cfg.layers)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name.endswith(".bias"):
+                param.zero_()
+            elif ".ln" in name or "norm." in name:
+                param.fill_(1.0)
+            else:
+                std = residual_std if name.endswith(("attn.proj.weight", "mlp.down.weight")) else 0.02
+                gen = torch.Generator().manual_seed(_param_seed(seed, name))
+                values = torch.randn(param.shape, generator=gen, dtype=torch.float64) * std
+                param.copy_(values.to(param.dtype))
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63)
+
+
+def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy: logits [b, s, V], targets LongTensor [b, s]."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

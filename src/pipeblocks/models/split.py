@@ -1,0 +1,167 @@
+"""Cut the reference GPT into S pipeline stages.
+
+    >>> model = GPT(GPTConfig(layers=6), seed=0)
+    >>> stages = split_gpt(model, 4)                     # shares parameters with `model`
+    >>> [s.layers for s in stages]
+    [range(0, 1), range(1, 3), range(3, 5), range(5, 6)]
+    >>> mine = build_stages(model.config, seed=0, num_stages=4, stages=(0, 3))   # one V rank, p=2
+
+Global stage s always holds the s-th contiguous slice of blocks, whatever the placement:
+the placement (loop: stage s on rank s mod p; V: rank i holds stages i and 2p-1-i) only
+decides which rank runs it, so a rank asks for `placement.stages_of(rank)`.
+
+How layers are counted. Only transformer blocks count. The embedding (a table lookup)
+rides on stage 0 and the final norm + LM head on stage S-1; the head costs about
+vocab/(12·hidden) of a block's FLOPs (a third for the defaults). Blocks are spread as
+evenly as possible; when they do not divide evenly, the extra blocks go first to the
+middle stages 1..S-2, then to stage 0, then to stage S-1, so the two ends, which carry
+the embedding and the head, get the lighter share:
+
+    layers=10, S=4  ->  2 3 3 2        layers=5, S=2  ->  3 2        layers=7, S=4  ->  2 2 2 1
+
+Every stage needs at least one block, so layers < S is an error that names both numbers.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .gpt import GPT, Block, Embedding, GPTConfig, Head, init_parameters
+
+__all__ = ["GPTStage", "layer_counts", "layer_ranges", "split_gpt", "build_stages"]
+
+
+def layer_counts(layers: int, num_stages: int) -> tuple[int, ...]:
+    """Blocks per stage, balanced as the module docstring describes."""
+    if num_stages < 1:
+        raise ValueError(f"a pipeline needs at least one stage, got {num_stages}")
+    if layers < num_stages:
+        raise ValueError(
+            f"the model has {layers} transformer layers but the pipeline has {num_stages} stages, and every "
+            f"stage needs at least one layer: use {num_stages} or more layers (--layers {num_stages}) "
+            "or fewer stages (lower -p or -v)"
+        )
+    base, extra = divmod(layers, num_stages)
+    priority = list(range(1, num_stages - 1)) + [0, num_stages - 1][: min(2, num_stages)]
+    counts = [base] * num_stages
+    for stage in priority[:extra]:
+        counts[stage] += 1
+    return tuple(counts)
+
+
+def layer_ranges(counts: Sequence[int]) -> tuple[range, ...]:
+    """Block index ranges from per-stage counts."""
+    ranges, start = [], 0
+    for n in counts:
+        ranges.append(range(start, start + n))
+        start += n
+    return tuple(ranges)
+
+
+class GPTStage(nn.Module):
+    """One pipeline stage: [embedding] + a slice of blocks + [final norm and head].
+
+    forward takes one tensor and returns one: token ids [b, s] -> hidden [b, s, h] on
+    stage 0, hidden -> hidden in the middle, hidden -> logits [b, s, vocab] on the last.
+    Parameter names match the full model's (`blocks.3.attn.qkv.weight`, ...).
+    """
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        *,
+        index: int,
+        num_stages: int,
+        layers: range,
+        embed: Embedding | None,
+        blocks: Sequence[Block],
+        head: Head | None,
+    ) -> None:
+        super().__init__()
+        if len(blocks) != len(layers):
+            raise ValueError(f"stage {index}: {len(blocks)} blocks given for layers {layers}")
+        self.config = cfg
+        self.index = index
+        self.num_stages = num_stages
+        self.layers = layers
+        self.embed = embed
+        self.blocks = nn.ModuleDict({str(i): b for i, b in zip(layers, blocks)})
+        self.head = head
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"stage={self.index}/{self.num_stages}, layers={self.layers.start}..{self.layers.stop - 1}"
+
+
+def split_gpt(model: GPT, num_stages: int, *, counts: Sequence[int] | None = None) -> list[GPTStage]:
+    """All S stages of `model`, sharing its parameters (a gradient on a stage is on the model)."""
+    ranges = _ranges(model.config, num_stages, counts)
+    return [
+        GPTStage(
+            model.config, index=s, num_stages=num_stages, layers=r,
+            embed=model.embed if s == 0 else None,
+            blocks=[model.blocks[i] for i in r],
+            head=model.head if s == num_stages - 1 else None,
+        )
+        for s, r in enumerate(ranges)
+    ]
+
+
+def build_stages(
+    cfg: GPTConfig,
+    *,
+    seed: int,
+    num_stages: int,
+    stages: Sequence[int],
+    counts: Sequence[int] | None = None,
+    device: torch.device | str | None = None,
+) -> list[GPTStage]:
+    """Build only the listed stages, with the weights `GPT(cfg, seed=seed)` would have.
+
+    A pipeline rank calls this with `placement.stages_of(rank)`; nothing else of the model
+    is allocated.
+    """
+    ranges = _ranges(cfg, num_stages, counts)
+    built = []
+    for s in stages:
+        if not 0 <= s < num_stages:
+            raise ValueError(f"stage {s} is out of range: the pipeline has stages 0..{num_stages - 1}")
+        stage = GPTStage(
+            cfg, index=s, num_stages=num_stages, layers=ranges[s],
+            embed=Embedding(cfg) if s == 0 else None,
+            blocks=[Block(cfg) for _ in ranges[s]],
+            head=Head(cfg) if s == num_stages - 1 else None,
+        )
+        init_parameters(stage, cfg, seed=seed)
+        built.append(stage.to(device) if device is not None else stage)
+    return built
+
+
+def _ranges(cfg: GPTConfig, num_stages: int, counts: Sequence[int] | None) -> tuple[range, ...]:
+    if counts is None:
+        return layer_ranges(layer_counts(cfg.layers, num_stages))
+    counts = tuple(counts)
+    if len(counts) != num_stages or sum(counts) != cfg.layers or min(counts) < 1:
+        raise ValueError(
+            f"layer counts {list(counts)} do not fit {num_stages} stages of a {cfg.layers}-layer model: "
+            f"give {num_stages} counts, each >= 1, summing to {cfg.layers}"
+        )
+    return layer_ranges(counts)
