@@ -6,12 +6,14 @@ user gave that the schedule does not take is an error, not silently dropped.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 from ..core.errors import ScheduleError
 from ..core.schedule import Schedule
 from ..schedules import get
+from ..sim.analytic import HARDWARE, MODELS, parse_model, transformer_costs
 from ..sim.costs import Costs, parse_costs
 
 __all__ = ["add_schedule_options", "build_schedule", "costs_from_args", "print_json", "progress"]
@@ -32,14 +34,32 @@ def add_schedule_options(parser: argparse.ArgumentParser, *, name: bool = True) 
         "--costs", default=None, metavar="TF,TB,TW[,TCOMM]",
         help="pass times per full stage (default 1,1,1,0); fused BW takes TB+TW",
     )
-    parser.add_argument("--mem-w-ratio", type=float, default=1.0, help="M_W/M_B: share of activation B keeps until W")
+    parser.add_argument(
+        "--mem-w-ratio", type=float, default=None, help="M_W/M_B: share of activation B keeps until W (default 1)"
+    )
+    parser.add_argument(
+        "--model", default=None, metavar="PRESET|L,H,A,S[,V[,B]]",
+        help=f"analytic transformer costs instead of unit costs (presets: {', '.join(MODELS)}); memory then in bytes",
+    )
+    parser.add_argument("--hardware", default="a100", choices=sorted(HARDWARE), help="hardware profile for --model")
     parser.add_argument("--file", default=None, help="load a schedule from a .json or text file instead of a name")
 
 
 def costs_from_args(args: argparse.Namespace, schedule: Schedule | None = None) -> Costs:
-    """Costs from --costs and --mem-w-ratio (unit costs by default)."""
+    """Costs from --model (analytic, needs the schedule for its stage count), or --costs and
+    --mem-w-ratio (unit costs by default)."""
+    if args.model:
+        if args.costs:
+            raise ScheduleError("give either --model (analytic costs) or --costs, not both")
+        if schedule is None:
+            raise ScheduleError("--model needs the schedule's stage count")
+        costs = transformer_costs(parse_model(args.model), HARDWARE[args.hardware], num_stages=schedule.num_stages)
+        if args.mem_w_ratio is not None:
+            costs = dataclasses.replace(costs, mem_w_ratio=args.mem_w_ratio)
+        return costs
     base = parse_costs(args.costs) if args.costs else Costs()
-    return Costs(t_f=base.t_f, t_b=base.t_b, t_w=base.t_w, t_comm=base.t_comm, mem_w_ratio=args.mem_w_ratio)
+    ratio = 1.0 if args.mem_w_ratio is None else args.mem_w_ratio
+    return dataclasses.replace(base, mem_w_ratio=ratio)
 
 
 # CLI option -> generator keyword
@@ -60,9 +80,12 @@ def build_schedule(args: argparse.Namespace, name: str | None = None) -> Schedul
             flag = "-" + option if len(option) == 1 else "--" + option.replace("_", "-")
             raise ScheduleError(f"schedule {spec.name!r} does not take {flag}; drop it or choose another schedule")
         kwargs[keyword] = value
+    schedule = spec(**kwargs)
     if spec.accepts("costs"):
-        kwargs["costs"] = costs_from_args(args)
-    return spec(**kwargs)
+        # Cost-aware generators: analytic costs depend on the stage count, which the first
+        # build tells; the second build uses the real costs.
+        schedule = spec(**kwargs, costs=costs_from_args(args, schedule))
+    return schedule
 
 
 def print_json(data: object) -> None:

@@ -57,9 +57,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
     width = max(len("schedule"), *(len(r["schedule"]) for r in rows))
-    print(f"p={args.p} m={args.m}  (peak activation: 1 = one microbatch through one full stage; 1F1B peaks at p)")
+    if args.model:
+        print(f"p={args.p} m={args.m} model {args.model} on {args.hardware}  (makespan in s, peak activation in GiB)")
+    else:
+        print(f"p={args.p} m={args.m}  (peak activation: 1 = one microbatch through one full stage; 1F1B peaks at p)")
+    unit = 2**30 if args.model else 1
     print(f"{'schedule':<{width}}  {'v':>2}  {'makespan':>9}  {'bubble':>7}  {'peak max':>8}  {'vs 1F1B':>7}  peak per rank")
     for r in rows:
-        per_rank = " ".join(f"{x:.3g}" for x in r["peak_activation"])
+        per_rank = " ".join(f"{x / unit:.3g}" for x in r["peak_activation"])
         print(f"{r['schedule']:<{width}}  {r['v']:>2}  {r['makespan']:>9.4g}  {r['bubble_ratio']:>7.4f}  "
-              f"{r['peak_max']:>8.4g}  {r['peak_vs_1f1b']:>7.3f}  {per_rank}")
+              f"{r['peak_max'] / unit:>8.4g}  {r['peak_vs_1f1b']:>7.3f}  {per_rank}")

@@ -21,7 +21,8 @@ def interleaved_1f1b(*, p: int, m: int, v: int = 2, group_size: int | None = Non
     through chunk 0, then chunk 1, ...; its backwards through chunk v-1 down to 0. Rank r
     warms up with (v-1)*G + 2(p-r-1) forward units, then alternates one forward unit and
     one backward unit. G = p is Megatron's depth-first order; G = m is breadth-first order
-    inside the same 1F1B loop. Peak on rank 0: p + (p-1)/v stages' activations; bubble
+    inside the same 1F1B loop. When G does not divide m, the order is built for m rounded up
+    to whole groups and the padding microbatches are dropped. Peak on rank 0: p + (p-1)/v stages' activations; bubble
     (p-1)/(v*m+p-1) when p divides m. p=4, m=8, v=2 (stage c*p+r on rank r)::
 
         0: 0F0 0F1 0F2 0F3 4F0 4F1 4F2 4F3 0F4 0F5 0F6 4BW0 0F7 4BW1 4F4 4BW2 4F5 4BW3 4F6 0BW0 4F7 0BW1 0BW2 0BW3 4BW4 4BW5 4BW6 4BW7 0BW4 0BW5 0BW6 0BW7
@@ -35,19 +36,22 @@ def interleaved_1f1b(*, p: int, m: int, v: int = 2, group_size: int | None = Non
         isinstance(group, int) and p <= group,
         f"group_size must be an integer >= p={p}, got {group!r}: smaller groups starve the pipeline; use p..m",
     )
-    group = min(group, m)
-    forward_units = [(c, i) for g in _microbatch_groups(m, group) for c in range(v) for i in g]
-    backward_units = [(c, i) for g in _microbatch_groups(m, group) for c in reversed(range(v)) for i in g]
+    group = min(group, max(m, p))
+    # Build for whole groups, then drop the padding microbatches: a partial last group can
+    # otherwise deadlock (p=5, m=7), and the kept order is a subsequence of a valid one.
+    padded = -(-m // group) * group
+    forward_units = [(c, i) for g in _microbatch_groups(padded, group) for c in range(v) for i in g]
+    backward_units = [(c, i) for g in _microbatch_groups(padded, group) for c in reversed(range(v)) for i in g]
     ranks = []
     for r in range(p):
-        warmup = min(m * v, (v - 1) * group + 2 * (p - r - 1))
+        warmup = min(padded * v, (v - 1) * group + 2 * (p - r - 1))
         fwd = [F(c * p + r, i) for c, i in forward_units]
         bwd = [BW(c * p + r, i) for c, i in backward_units]
         actions = fwd[:warmup]
-        for k in range(m * v - warmup):
+        for k in range(padded * v - warmup):
             actions += [fwd[warmup + k], bwd[k]]
-        actions += bwd[m * v - warmup :]
-        ranks.append(tuple(actions))
+        actions += bwd[padded * v - warmup :]
+        ranks.append(tuple(a for a in actions if a.microbatch < m))
     options = (("group_size", group), ("v", v))
     return Schedule("interleaved-1f1b", p, m, Placement.loop(p, v), tuple(ranks), options=options)
 

@@ -1,0 +1,147 @@
+"""An analytic transformer cost model: pass times and activation bytes per stage from a
+model config and a hardware profile.
+
+Per transformer layer, with s = sequence, b = microbatch size, h = hidden, a = heads
+(FLOPs from the Zero Bubble paper, Table 1; activation bytes for 16-bit activations)::
+
+    F = s*b*h*(24h + 4s)    B = s*b*h*(24h + 8s)    W = 24*s*b*h^2        (so B + W = 2F)
+    M_B = s*b*(34h + 5*a*s) bytes     M_W = 32*s*b*h bytes
+
+The LM head (on the last stage, which gets fewer layers to balance it) adds 2*s*b*h*V FLOPs to each of F, B and W and keeps the
+fp32 logits (4*s*b*V bytes). Time = FLOPs / (peak FLOP/s * achievable fraction); one hop
+between ranks takes latency + s*b*h*dtype_bytes / bandwidth.
+
+    >>> from pipeblocks.sim.analytic import MODELS, HARDWARE, transformer_costs
+    >>> costs = transformer_costs(MODELS["1.5b"], HARDWARE["a100"], num_stages=8)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from ..core.errors import ScheduleError
+from .costs import Costs
+
+__all__ = ["TransformerConfig", "Hardware", "MODELS", "HARDWARE", "layer_split", "transformer_costs", "parse_model"]
+
+_DTYPE_BYTES = MappingProxyType({"fp32": 4, "float32": 4, "bf16": 2, "fp16": 2, "float16": 2, "float64": 8})
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """A GPT-style decoder.
+
+    layers, hidden, heads: the transformer stack.
+    seq: tokens per sequence.  vocab: vocabulary (padded).  microbatch_size: sequences per microbatch.
+    dtype: activation dtype name (bf16, fp16, fp32, float64).
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int = 51200
+    microbatch_size: int = 1
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "seq", "vocab", "microbatch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ScheduleError(f"model {name} must be an integer >= 1, got {value!r}")
+        if self.hidden % self.heads:
+            raise ScheduleError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if self.dtype not in _DTYPE_BYTES:
+            raise ScheduleError(f"unknown dtype {self.dtype!r}; choose one of {sorted(_DTYPE_BYTES)}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A device and its pipeline link.
+
+    flops: peak FLOP/s at the activation dtype.  efficiency: the achievable fraction of it.
+    bandwidth: bytes/s of one point-to-point hop.  latency: seconds per hop.
+    """
+
+    name: str
+    flops: float
+    efficiency: float
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self) -> None:
+        if self.flops <= 0 or self.bandwidth <= 0 or self.latency < 0 or not 0 < self.efficiency <= 1:
+            raise ScheduleError(
+                f"hardware {self.name!r}: need flops > 0, bandwidth > 0, latency >= 0 and 0 < efficiency <= 1"
+            )
+
+
+# Models of the Zero Bubble paper's experiments (§9.1 of the algorithms reference).
+MODELS = MappingProxyType({
+    "1.5b": TransformerConfig(layers=22, hidden=2304, heads=24, seq=1024, microbatch_size=6),
+    "6.2b": TransformerConfig(layers=30, hidden=4096, heads=32, seq=1024, microbatch_size=3),
+    "14.6b": TransformerConfig(layers=46, hidden=5120, heads=40, seq=1024, microbatch_size=1),
+    "28.3b": TransformerConfig(layers=62, hidden=6144, heads=48, seq=1024, microbatch_size=1),
+})
+
+# Dense 16-bit peak, a typical achievable fraction, and an inter-node link (one NIC).
+HARDWARE = MappingProxyType({
+    "a100": Hardware("a100", flops=312e12, efficiency=0.5, bandwidth=25e9, latency=10e-6),
+    "h100": Hardware("h100", flops=989e12, efficiency=0.45, bandwidth=50e9, latency=10e-6),
+})
+
+
+def layer_split(layers: int, num_stages: int, head_layers: float = 0.0) -> tuple[int, ...]:
+    """Layers per stage, balancing compute: the last stage also runs the LM head, worth
+    `head_layers` layers, so it gets that many fewer. Each layer goes to the least loaded
+    stage (ties to the earlier stage)."""
+    if layers < num_stages:
+        raise ScheduleError(
+            f"{layers} layers cannot fill {num_stages} stages: use at least {num_stages} layers or fewer stages"
+        )
+    counts = [1] * num_stages  # every stage holds at least one layer
+    for _ in range(layers - num_stages):
+        load = [n + (head_layers if i == num_stages - 1 else 0.0) for i, n in enumerate(counts)]
+        counts[load.index(min(load))] += 1
+    return tuple(counts)
+
+
+def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stages: int) -> Costs:
+    """Per-stage costs (seconds, bytes) for `num_stages` global stages of `config`."""
+    s, b, h, a, V = config.seq, config.microbatch_size, config.hidden, config.heads, config.vocab
+    rate = hardware.flops * hardware.efficiency
+    scale = config.dtype_bytes / 2  # the activation formulas count 16-bit bytes
+    layer_f = s * b * h * (24 * h + 4 * s)
+    layer_b = s * b * h * (24 * h + 8 * s)
+    layer_w = 24 * s * b * h * h
+    layer_mem_b = s * b * (34 * h + 5 * a * s) * scale
+    layer_mem_w = 32 * s * b * h * scale
+    head = 2 * s * b * h * V
+    counts = layer_split(config.layers, num_stages, head_layers=3 * head / (layer_f + layer_b + layer_w))
+    last = num_stages - 1
+    t_f = tuple((n * layer_f + (head if i == last else 0)) / rate for i, n in enumerate(counts))
+    t_b = tuple((n * layer_b + (head if i == last else 0)) / rate for i, n in enumerate(counts))
+    t_w = tuple((n * layer_w + (head if i == last else 0)) / rate for i, n in enumerate(counts))
+    mem_b = tuple(n * layer_mem_b + (4 * s * b * V if i == last else 0) for i, n in enumerate(counts))
+    t_comm = hardware.latency + s * b * h * config.dtype_bytes / hardware.bandwidth
+    return Costs(t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, mem_b=mem_b, mem_w_ratio=layer_mem_w / layer_mem_b)
+
+
+def parse_model(text: str) -> TransformerConfig:
+    """A preset name (1.5b, 6.2b, 14.6b, 28.3b) or 'LAYERS,HIDDEN,HEADS,SEQ[,VOCAB[,MICROBATCH]]'."""
+    if text in MODELS:
+        return MODELS[text]
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not 4 <= len(values) <= 6:
+        raise ScheduleError(
+            f"--model {text!r}: give a preset ({', '.join(MODELS)}) or LAYERS,HIDDEN,HEADS,SEQ[,VOCAB[,MICROBATCH]]"
+        )
+    names = ("layers", "hidden", "heads", "seq", "vocab", "microbatch_size")
+    return TransformerConfig(**dict(zip(names, values)))

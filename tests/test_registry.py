@@ -1,0 +1,49 @@
+"""Every registered schedule: validates over a range of (p, m), and its docstring shows its
+real schedule."""
+import re
+
+import pytest
+
+from pipeblocks import ScheduleError, schedules, simulate, validate
+
+NAMES = schedules.names()
+
+
+def test_registry_has_the_classics():
+    assert {"gpipe", "1f1b", "interleaved-1f1b", "bfs"} <= set(NAMES)
+    for spec in schedules.specs().values():
+        assert spec.summary and spec.name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_docstring_shows_the_generated_schedule(name):
+    spec = schedules.get(name)
+    doc = spec.doc
+    case = re.search(r"p=(\d+), m=(\d+)(?:, v=(\d+))?[^\n]*::", doc)
+    assert case, f"{name}: docstring must show the schedule for a small case ('p=4, m=8::' then rank lines)"
+    p, m = int(case.group(1)), int(case.group(2))
+    shown = re.findall(r"^\s+(\d+): (.+)$", doc[case.end():], flags=re.M)[:p]
+    assert len(shown) == p, f"{name}: docstring shows {len(shown)} rank lines for p={p}"
+    kwargs = {"v": int(case.group(3))} if case.group(3) and spec.accepts("v") else {}
+    schedule = spec(p=p, m=m, **kwargs)
+    actual = [" ".join(map(str, acts)) for acts in schedule.ranks]
+    assert [line.strip() for _, line in shown] == actual
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_validates_over_a_range(name):
+    spec = schedules.get(name)
+    ran = 0
+    for p in (1, 2, 3, 4, 5, 8):
+        for m in (1, 2, 3, 4, 5, 8, 12, 17):
+            try:
+                schedule = spec(p=p, m=m)
+            except ScheduleError as err:
+                # an unsupported (p, m) must say so with numbers, not fail obscurely
+                assert re.search(r"\d", str(err)), f"{name} p={p} m={m}: {err}"
+                continue
+            validate(schedule)
+            t = simulate(schedule)
+            assert sum(len(e) for e in t.events) == sum(len(a) for a in schedule.ranks)
+            ran += 1
+    assert ran >= 10, f"{name} supports too few (p, m) pairs"
