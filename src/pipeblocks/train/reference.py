@@ -1,0 +1,67 @@
+"""The single-process reference that pipeline runs are checked against (`train --verify`).
+
+    >>> loss, grads = reference_step(cfg, seed=0, inputs=x, targets=y, microbatches=8)
+    >>> worst = compare_grads(pipeline_grads, grads)     # GradDiff(name, relative difference)
+
+One process builds the whole GPT from the same seed, runs the step's m microbatches one
+after another with loss/m each (the pipeline's per-step loss is the mean of its
+microbatch losses), and keeps every parameter's gradient by name. The names are the ones
+the stage modules use, so a pipeline's gradients compare one to one.
+"""
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..models import GPT, GPTConfig, cross_entropy
+
+__all__ = ["reference_step", "compare_grads", "GradDiff", "relative_difference", "TOLERANCE"]
+
+TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
+"""Largest relative difference `train --verify` accepts, by dtype (DESIGN.md invariant 2)."""
+
+
+class GradDiff(NamedTuple):
+    name: str
+    relative: float
+
+
+def reference_step(
+    cfg: GPTConfig, *, seed: int, inputs: Tensor, targets: Tensor, microbatches: int
+) -> tuple[float, dict[str, Tensor]]:
+    """(mean microbatch loss, gradient of every parameter by name) for one step."""
+    if inputs.size(0) % microbatches:
+        raise ValueError(f"a batch of {inputs.size(0)} does not split into {microbatches} equal microbatches")
+    model = GPT(cfg, seed=seed)
+    total = 0.0
+    for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches)):
+        loss = cross_entropy(model(x), y)
+        (loss / microbatches).backward()
+        total += loss.item()
+    return total / microbatches, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def relative_difference(a: Tensor | float, b: Tensor | float) -> float:
+    """max|a - b| / max|b| (absolute when b is all zero)."""
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    scale = b.abs().max().item()
+    diff = (a - b).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def compare_grads(got: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> GradDiff:
+    """The parameter whose gradient differs most (relative), over all parameters."""
+    if got.keys() != expected.keys():
+        missing = sorted(expected.keys() - got.keys())
+        extra = sorted(got.keys() - expected.keys())
+        raise ValueError(f"pipeline gradients do not cover the model: missing {missing[:5]}, unexpected {extra[:5]}")
+    worst = GradDiff("", 0.0)
+    for name, grad in expected.items():
+        if got[name] is None:
+            return GradDiff(name, float("inf"))
+        diff = relative_difference(got[name], grad)
+        if diff > worst.relative or not worst.name:
+            worst = GradDiff(name, diff)
+    return worst
