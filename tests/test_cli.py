@@ -1,0 +1,97 @@
+"""The `pipeblocks` command line: output, JSON fields, and user errors without tracebacks."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pipeblocks.cli.main import main
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_list(capsys):
+    code, out, _ = run_cli(capsys, "list")
+    assert code == 0 and "1f1b" in out and "gpipe" in out
+    code, out, _ = run_cli(capsys, "list", "--json")
+    assert {"name": "bfs"}.items() <= next(r for r in json.loads(out) if r["name"] == "bfs").items()
+
+
+def test_simulate_json_fields(capsys):
+    code, out, _ = run_cli(capsys, "simulate", "1f1b", "-p", "4", "-m", "8", "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert data["schedule"] == "1f1b" and data["p"] == 4 and data["m"] == 8
+    assert data["bubble_ratio"] == pytest.approx(3 / 11) and data["makespan"] == 33
+    assert data["peak_activation"] == [4, 3, 2, 1]
+
+
+def test_simulate_with_costs_and_v(capsys):
+    code, out, _ = run_cli(capsys, "simulate", "interleaved-1f1b", "-p", "4", "-m", "8", "-v", "4",
+                           "--costs", "1,1,1,0", "--json")
+    assert code == 0 and json.loads(out)["bubble_ratio"] == pytest.approx(3 / 35)
+
+
+def test_show_and_actions(capsys):
+    code, out, _ = run_cli(capsys, "show", "1f1b", "-p", "2", "-m", "2")
+    assert code == 0 and "rank 0" in out and "BW0" in out
+    code, out, _ = run_cli(capsys, "show", "gpipe", "-p", "2", "-m", "2", "--actions")
+    assert out.splitlines()[1] == "0: 0F0 0F1 0BW0 0BW1"
+
+
+def test_compare_table_json_and_plot(capsys, tmp_path):
+    plot = tmp_path / "cmp.png"
+    code, out, _ = run_cli(capsys, "compare", "-p", "4", "-m", "8", "--json", "--plot", str(plot))
+    data = json.loads(out)
+    rows = {r["schedule"]: r for r in data["schedules"]}
+    assert rows["1f1b"]["peak_vs_1f1b"] == 1 and rows["gpipe"]["peak_vs_1f1b"] == 2
+    assert plot.stat().st_size > 1000
+    code, out, _ = run_cli(capsys, "compare", "-p", "4", "-m", "8", "--schedules", "gpipe,interleaved-1f1b")
+    assert code == 0 and "interleaved-1f1b" in out and "vs 1F1B" in out
+
+
+def test_plot_and_saved_schedule_round_trip(capsys, tmp_path):
+    saved = tmp_path / "s.json"
+    run_cli(capsys, "show", "1f1b", "-p", "3", "-m", "4", "-o", str(saved))
+    code, out, _ = run_cli(capsys, "simulate", "custom", "--file", str(saved), "--json")
+    assert code == 0 and json.loads(out)["peak_activation"] == [3, 2, 1]
+    code, out, _ = run_cli(capsys, "plot", "1f1b", "-p", "3", "-m", "4", "-o", str(tmp_path / "t.svg"))
+    assert code == 0 and (tmp_path / "t.svg").exists()
+
+
+def test_model_costs(capsys):
+    code, out, _ = run_cli(capsys, "simulate", "1f1b", "-p", "4", "-m", "8", "--model", "8,512,8,256", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["peak_activation"][0] > 1e6  # bytes
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["simulate", "nope"], "unknown schedule 'nope'; choose one of"),
+        (["simulate", "1f1b", "-p", "0"], "p must be an integer >= 1, got 0"),
+        (["simulate", "1f1b", "-m", "0"], "m must be an integer >= 1, got 0"),
+        (["simulate", "1f1b", "--costs", "1,-1,1"], "costs must be >= 0"),
+        (["simulate", "1f1b", "-v", "2"], "does not take -v"),
+        (["simulate", "x", "--file", "/nonexistent/s.json"], "cannot read schedule file"),
+        (["plot", "1f1b", "-o", "out.bmp"], "suffix"),
+        (["simulate", "1f1b", "--model", "1.5b", "--costs", "1,1,1"], "not both"),
+    ],
+)
+def test_user_errors_exit_2_with_message(capsys, argv, message):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+
+
+def test_malformed_schedule_file_subprocess(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("0: 0F0 0QQ1\n")
+    proc = subprocess.run([sys.executable, "-m", "pipeblocks.cli.main", "simulate", "x", "--file", str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "cannot parse action '0QQ1'" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,127 @@
+"""Cost model, memory model, analytic transformer costs, text timeline, plots."""
+import pytest
+
+from pipeblocks import Costs, Schedule, ScheduleError, schedules, simulate
+from pipeblocks.sim.analytic import HARDWARE, MODELS, TransformerConfig, layer_split, parse_model, transformer_costs
+from pipeblocks.sim.costs import parse_costs
+from pipeblocks.sim.plots import ParetoPoint, plot_pareto, plot_timeline
+from pipeblocks.sim.text_timeline import render_text_timeline
+
+approx = pytest.approx
+
+
+def one_rank(text: str) -> Schedule:
+    return Schedule.from_text("0: " + text + "\n")
+
+
+def trace_values(timeline):
+    return [v for _, v in timeline.memory[0]]
+
+
+def test_memory_model_split_backward_default_keeps_all_until_w():
+    t = simulate(one_rank("0F0 0F1 0B0 0W0 0B1 0W1"))
+    assert trace_values(t) == [0, 1, 2, 1, 0]  # B frees nothing; each W frees its microbatch
+    assert t.peak_activation == (2,)
+
+
+def test_memory_model_mem_w_ratio():
+    t = simulate(one_rank("0F0 0F1 0B0 0B1 0W0 0W1"), Costs(mem_w_ratio=0.25))
+    assert trace_values(t) == approx([0, 1, 2, 1.25, 0.5, 0.25, 0])
+
+
+def test_fused_backward_frees_and_takes_b_plus_w():
+    t = simulate(one_rank("0F0 0BW0"), Costs(t_f=1, t_b=2, t_w=3))
+    assert [(e.start, e.end) for e in t.events[0]] == [(0, 1), (1, 6)]
+    assert trace_values(t) == [0, 1, 0]
+
+
+def test_chunk_costs_scale_with_stage_fraction():
+    t = simulate(schedules.get("interleaved-1f1b")(p=2, m=2, v=2), Costs(t_f=2, t_b=2, t_w=2, mem_b=3))
+    durations = {e.end - e.start for evs in t.events for e in evs}
+    assert durations == {1.0, 2.0}  # F = 2/2, BW = (2+2)/2
+    assert t.peak_activation[0] == approx(4 * 1.5)  # all 4 chunk passes in flight, 3/2 each
+
+
+def test_bubble_ratio_definition():
+    t = simulate(schedules.get("1f1b")(p=4, m=8))
+    span = t.makespan
+    assert t.bubble_ratio == approx((span - max(t.busy(r) for r in range(4))) / span)
+    assert t.summary()["peak_activation"] == [4, 3, 2, 1]
+
+
+@pytest.mark.parametrize("bad", ["1,2", "a,b,c", "1,2,3,4,5", "1,-2,3"])
+def test_bad_costs(bad):
+    with pytest.raises(ScheduleError, match="--costs"):
+        parse_costs(bad)
+
+
+def test_negative_cost_values_rejected():
+    with pytest.raises(ScheduleError, match="must be >= 0"):
+        Costs(t_f=-1)
+    with pytest.raises(ScheduleError, match="one value per stage"):
+        simulate(schedules.get("1f1b")(p=2, m=2), Costs(t_f=(1.0, 1.0, 1.0)))
+
+
+def test_analytic_formulas():
+    cfg = TransformerConfig(layers=4, hidden=64, heads=4, seq=32, vocab=100, microbatch_size=2, dtype="bf16")
+    hw = HARDWARE["a100"]
+    costs = transformer_costs(cfg, hw, num_stages=4)
+    s, b, h, a, V = 32, 2, 64, 4, 100
+    rate = hw.flops * hw.efficiency
+    # stage 0: one layer
+    assert costs.t_f[0] == approx(s * b * h * (24 * h + 4 * s) / rate)
+    assert costs.t_b[0] == approx(s * b * h * (24 * h + 8 * s) / rate)
+    assert costs.t_w[0] == approx(24 * s * b * h * h / rate)
+    assert costs.t_b[0] + costs.t_w[0] == approx(2 * costs.t_f[0])
+    assert costs.mem_b[0] == approx(s * b * (34 * h + 5 * a * s))
+    assert costs.mem_w_ratio == approx(32 * h / (34 * h + 5 * a * s))
+    assert costs.t_f[3] > costs.t_f[0]  # the head is on the last stage
+    assert costs.t_comm == approx(hw.latency + s * b * h * 2 / hw.bandwidth)
+
+
+def test_layer_split_balances_the_head():
+    assert layer_split(8, 4) == (2, 2, 2, 2)
+    assert layer_split(22, 8, head_layers=1.3) == (3, 3, 3, 3, 3, 3, 3, 1)
+    assert sum(layer_split(30, 8, head_layers=2)) == 30
+    with pytest.raises(ScheduleError, match="3 layers cannot fill 4 stages"):
+        layer_split(3, 4)
+
+
+def test_parse_model():
+    assert parse_model("1.5b") is MODELS["1.5b"]
+    assert parse_model("4,64,4,32").layers == 4
+    with pytest.raises(ScheduleError, match="give a preset"):
+        parse_model("big")
+    with pytest.raises(ScheduleError, match="divisible by heads"):
+        parse_model("4,65,4,32")
+
+
+def test_analytic_costs_simulate_in_bytes():
+    schedule = schedules.get("1f1b")(p=8, m=24)
+    costs = transformer_costs(MODELS["1.5b"], HARDWARE["a100"], num_stages=8)
+    t = simulate(schedule, costs)
+    # rank 0 holds p microbatches of its layers
+    assert t.peak_activation[0] == approx(8 * costs.mem_b[0])
+    assert 0 < t.bubble_ratio < 0.5
+
+
+def test_text_timeline_shows_every_pass():
+    t = simulate(schedules.get("1f1b")(p=2, m=3))
+    text = render_text_timeline(t)
+    rows = [line for line in text.splitlines() if line.startswith("rank")]
+    # rank 0 waits two slots for rank 1's BW0 (F0 at 1, BW0 over 2..4)
+    assert rows[0].split()[2:] == ["F0", "F1", ".", ".", "BW0", "---", "F2", "BW1", "---", ".", "BW2", "---"]
+    assert rows[1].split()[2:] == [".", "F0", "BW0", "---", "F1", "BW1", "---", "F2", "BW2", "---", ".", "."]
+
+
+def test_plots_write_png_and_svg(tmp_path):
+    t = simulate(schedules.get("interleaved-1f1b")(p=3, m=6))
+    png = plot_timeline(t, tmp_path / "t.png")
+    svg = plot_timeline(t, tmp_path / "t.svg", compare=t)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert b"<svg" in svg.read_bytes()[:500]
+    pareto = plot_pareto([ParetoPoint("1f1b", 3, 0.2), ParetoPoint("a", 2, 0.3, "curve"), ParetoPoint("b", 3, 0.1, "curve")],
+                         tmp_path / "p.png")
+    assert pareto.stat().st_size > 1000
+    with pytest.raises(ScheduleError, match="suffix"):
+        plot_timeline(t, tmp_path / "t.bmp")
