@@ -1,0 +1,154 @@
+"""Our own cost-aware search, for any placement: a memory-safe list scheduler and a
+bounded local search. Both only propose orders; `pick_best` in `_zb_timing` chooses.
+
+List scheduler. Every rank keeps its Fs and its Bs in microbatch order per stage. At each
+step the rank whose next pass can start earliest places it: a B or an F (by `prefer` on a
+tie), or a pending W when that W fits entirely in the wait for the B/F, or when nothing
+else can run. Memory: a microbatch may enter a rank (its first F there) only if the rank
+can also hold it on all its later stages; so the oldest microbatch always advances and no
+limit at or above the floor (`memory_floor`) deadlocks.
+
+Local search. Adjacent swaps on each rank, the ranks with the longest spans first; a swap
+is kept when it shortens (longest span, sum of spans) and stays valid and within memory.
+`budget` bounds the simulations, so the result is deterministic.
+"""
+from __future__ import annotations
+
+from ..core.actions import Action, Kind
+from ..core.errors import ScheduleError
+from ..core.placement import Placement
+from ..core.schedule import Schedule
+from ..sim.costs import Costs, StageCosts
+from ..sim.simulator import simulate
+from ._zb_timing import Timer, Unplaceable
+
+__all__ = ["list_schedule", "hill_climb"]
+
+F_, B_, W_ = Kind.F, Kind.B, Kind.W
+_EPS = 1e-9
+
+
+def list_schedule(
+    placement: Placement, m: int, table: StageCosts, limit: float, *, prefer: str = "B"
+) -> tuple[tuple[Action, ...], ...]:
+    timer = Timer(placement, table, limit)
+    p = placement.num_ranks
+    stages = [placement.stages_of(r) for r in range(p)]
+    next_f = {s: 0 for s in range(placement.num_stages)}
+    next_b = dict(next_f)
+    remaining = 2 * m * placement.num_stages
+    # per rank: microbatches with some but not all of the rank's forwards placed
+    open_mbs: list[dict[int, int]] = [{} for _ in range(p)]
+
+    def reserve(rank: int) -> float:
+        held = 0.0
+        for mb, done in open_mbs[rank].items():
+            held += sum(timer.delta(F_, s) for s in stages[rank][done:])
+        return held
+
+    def f_allowed(rank: int, stage: int, mb: int) -> bool:
+        if mb in open_mbs[rank]:
+            return True  # reserved when the microbatch entered
+        entry = stages[rank].index(stage)
+        need = sum(timer.delta(F_, s) for s in stages[rank][entry:])
+        freeable = sum(-timer.delta(W_, s) for s, _ in timer.pending[rank])
+        return timer.mem[rank] + reserve(rank) + need - freeable <= timer.limit
+
+    def candidate(rank: int):
+        """(start, is_w, kind, stage) of the pass this rank would place next, or None."""
+        best = None
+        for s in stages[rank]:
+            for kind, index in ((B_, next_b[s]), (F_, next_f[s])):
+                if index >= m:
+                    continue
+                if kind is B_ and index >= next_f[s]:
+                    continue
+                ready = timer.arrival(kind, s, index)
+                if ready is None or (kind is F_ and not f_allowed(rank, s, index)):
+                    continue
+                start = max(timer.clock[rank], ready)
+                tie = (0 if kind.value == prefer else 1, -s)
+                if best is None or (start, tie) < (best[0], best[3]):
+                    best = (start, False, kind, tie, s)
+        pending = timer.pending[rank]
+        if pending:
+            w_end = timer.clock[rank] + timer.cost(W_, pending[0][0])
+            if best is None or w_end <= best[0] + _EPS:
+                return (timer.clock[rank], True, W_, None)
+        return None if best is None else (best[0], False, best[2], best[4])
+
+    while remaining:
+        chosen = None
+        for rank in range(p):
+            c = candidate(rank)
+            if c is not None and (chosen is None or (c[0], c[1]) < (chosen[1][0], chosen[1][1])):
+                chosen = (rank, c)
+        if chosen is None:
+            raise Unplaceable("list scheduler stalled")
+        rank, (_, is_w, kind, stage) = chosen
+        if is_w:
+            timer.put_w(rank)
+            continue
+        index = next_f[stage] if kind is F_ else next_b[stage]
+        if kind is F_:
+            while not timer.fits(F_, stage):
+                timer.put_w(rank)
+            timer.put(F_, stage, index)
+            next_f[stage] += 1
+            done = open_mbs[rank].get(index, 0) + 1
+            if done == len(stages[rank]):
+                open_mbs[rank].pop(index, None)
+            else:
+                open_mbs[rank][index] = done
+        else:
+            timer.put(B_, stage, index)
+            next_b[stage] += 1
+        remaining -= 1
+    timer.drain()
+    return timer.ranks()
+
+
+def _score(schedule: Schedule, costs: Costs | None, limit: float):
+    try:
+        timeline = simulate(schedule, costs)
+    except ScheduleError:
+        return None
+    if max(timeline.peak_activation) > limit + _EPS:
+        return None
+    spans = [evs[-1].end - evs[0].start for evs in timeline.events]
+    return (round(max(spans), 9), round(sum(spans), 9)), spans
+
+
+def hill_climb(schedule: Schedule, costs: Costs | None, limit: float, budget: int) -> Schedule:
+    """First-improvement adjacent swaps under a simulation budget (see module docstring)."""
+    scored = _score(schedule, costs, limit)
+    if scored is None or budget <= 0:
+        return schedule
+    best_key, spans = scored
+    ranks = [list(actions) for actions in schedule.ranks]
+    used = 0
+    improved = True
+    while improved and used < budget:
+        improved = False
+        for rank in sorted(range(len(ranks)), key=lambda r: -spans[r]):
+            actions = ranks[rank]
+            for k in range(len(actions) - 1):
+                a, b = actions[k], actions[k + 1]
+                if a.unit == b.unit or a.kind is b.kind is W_:
+                    continue  # same unit: order is forced; two Ws: no timing effect
+                actions[k], actions[k + 1] = b, a
+                trial = Schedule(schedule.name, schedule.p, schedule.m, schedule.placement,
+                                 tuple(tuple(x) for x in ranks), options=schedule.options)
+                used += 1
+                result = _score(trial, costs, limit)
+                if result is not None and result[0] < best_key:
+                    best_key, spans = result
+                    schedule = trial
+                    improved = True
+                    break
+                actions[k], actions[k + 1] = a, b
+                if used >= budget:
+                    break
+            if improved or used >= budget:
+                break
+    return schedule

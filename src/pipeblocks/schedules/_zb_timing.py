@@ -1,0 +1,169 @@
+"""Shared machinery for the cost-aware zero-bubble generators.
+
+`Timer` places passes one at a time on their ranks and keeps, as the greedy schedulers
+need them, each pass's end time, each rank's clock, activation memory and accumulated
+bubble, and the Ws still pending. Its time model is the simulator's (ALGORITHMS §1.2):
+a pass starts when its rank is free and its inputs have arrived, t_comm after they were
+produced on another rank. A Timer lives for one build; nothing here is shared state.
+
+`Candidate` and `pick_best` evaluate finished orders with the real simulator and choose
+by the ZB objective: the longest rank span (first pass to last pass), then the makespan.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+from ..core.actions import Action, Kind
+from ..core.errors import ScheduleError
+from ..core.placement import Placement
+from ..core.schedule import Schedule
+from ..sim.costs import Costs, StageCosts
+from ..sim.simulator import simulate
+
+__all__ = ["Timer", "Unplaceable", "Candidate", "stage_costs", "evaluate", "pick_best", "memory_floor", "check_limit"]
+
+
+class Unplaceable(Exception):
+    """A greedy rule asked for a pass whose inputs are not placed, or that cannot fit memory."""
+
+
+def stage_costs(placement: Placement, m: int, costs: Costs | None) -> StageCosts:
+    """Per-global-stage durations and memory for this placement (V chunks take t/2)."""
+    probe = Schedule("probe", placement.num_ranks, m, placement, ((),) * placement.num_ranks)
+    return (costs or Costs()).for_schedule(probe)
+
+
+def memory_floor(placement: Placement, table: StageCosts) -> float:
+    """The smallest per-rank activation budget any schedule meets: every rank must hold
+    one microbatch on all its stages at once (a V rank keeps chunk 0 while chunk 1 runs)."""
+    return max(sum(table.mem_b[s] for s in placement.stages_of(r)) for r in range(placement.num_ranks))
+
+
+def check_limit(name: str, limit: float, placement: Placement, table: StageCosts) -> None:
+    floor = memory_floor(placement, table)
+    if not isinstance(limit, (int, float)) or limit < floor - 1e-9:
+        raise ScheduleError(
+            f"{name}: memory_limit={limit!r} is below what any schedule can meet; the smallest feasible "
+            f"limit is {floor:g} (one microbatch's activation on every stage of a rank): raise --memory-limit "
+            f"to at least {floor:g}"
+        )
+
+
+class Timer:
+    """Greedy placement with the simulator's timing; `order[r]` is rank r's program so far."""
+
+    def __init__(self, placement: Placement, table: StageCosts, memory_limit: float) -> None:
+        self.rank_of = placement.stage_to_rank
+        self.last = placement.num_stages - 1
+        self.table = table
+        self.limit = memory_limit + 1e-9
+        p = placement.num_ranks
+        self.order: list[list[Action]] = [[] for _ in range(p)]
+        self.clock = [0.0] * p
+        self.mem = [0.0] * p
+        self.bubble = [0.0] * p
+        self.started = [False] * p
+        self.pending: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
+        self.end: dict[tuple[Kind, int, int], float] = {}
+
+    # ---- costs ------------------------------------------------------------------
+    def cost(self, kind: Kind, stage: int) -> float:
+        return self.table.duration(kind, stage)
+
+    def delta(self, kind: Kind, stage: int) -> float:
+        m_b = self.table.mem_b[stage]
+        ratio = self.table.mem_w_ratio
+        return m_b if kind is Kind.F else (m_b * ratio - m_b if kind is Kind.B else -m_b * ratio)
+
+    def fits(self, kind: Kind, stage: int) -> bool:
+        return self.mem[self.rank_of[stage]] + self.delta(kind, stage) <= self.limit
+
+    # ---- dependencies -------------------------------------------------------------
+    def arrival(self, kind: Kind, stage: int, mb: int) -> float | None:
+        """When the cross-stage input of this pass is available here; None if not placed yet."""
+        if kind is Kind.F:
+            src = (Kind.F, stage - 1, mb) if stage > 0 else None
+        elif kind is Kind.B:
+            src = (Kind.B, stage + 1, mb) if stage < self.last else (Kind.F, stage, mb)
+        else:
+            src = (Kind.B, stage, mb)
+        if src is None:
+            return 0.0
+        done = self.end.get(src)
+        if done is None:
+            return None
+        hop = self.rank_of[src[1]] != self.rank_of[stage]
+        return done + (self.table.t_comm if hop else 0.0)
+
+    def placed(self, kind: Kind, stage: int, mb: int) -> bool:
+        return (kind, stage, mb) in self.end
+
+    # ---- placement ----------------------------------------------------------------
+    def put(self, kind: Kind, stage: int, mb: int) -> float:
+        """Place the pass at the end of its rank's program; returns its end time."""
+        rank = self.rank_of[stage]
+        ready = self.arrival(kind, stage, mb)
+        if ready is None or (kind is not Kind.F and not self.placed(Kind.F, stage, mb)):
+            raise Unplaceable(f"{stage}{kind.value}{mb} placed before its inputs")
+        if not self.fits(kind, stage):
+            raise Unplaceable(f"{stage}{kind.value}{mb} does not fit the memory limit on rank {rank}")
+        start = max(self.clock[rank], ready)
+        if self.started[rank]:
+            self.bubble[rank] += start - self.clock[rank]
+        self.started[rank] = True
+        end = start + self.cost(kind, stage)
+        self.clock[rank] = end
+        self.end[(kind, stage, mb)] = end
+        self.mem[rank] += self.delta(kind, stage)
+        self.order[rank].append(Action(stage, kind, mb))
+        if kind is Kind.B:
+            self.pending[rank].append((stage, mb))
+        return end
+
+    def put_w(self, rank: int) -> None:
+        """Run the oldest pending W of this rank."""
+        if not self.pending[rank]:
+            raise Unplaceable(f"rank {rank} has no pending W to free memory with")
+        stage, mb = self.pending[rank].popleft()
+        self.put(Kind.W, stage, mb)
+
+    def drain(self) -> None:
+        for rank in range(len(self.order)):
+            while self.pending[rank]:
+                self.put_w(rank)
+
+    def max_bubble(self) -> float:
+        return max(self.bubble)
+
+    def ranks(self) -> tuple[tuple[Action, ...], ...]:
+        return tuple(tuple(actions) for actions in self.order)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A finished order, its origin, and how it simulates."""
+
+    origin: str
+    ranks: tuple[tuple[Action, ...], ...]
+    max_span: float
+    makespan: float
+    peak: float
+
+    @property
+    def key(self) -> tuple[float, float]:
+        return (round(self.max_span, 9), round(self.makespan, 9))
+
+
+def evaluate(origin: str, schedule: Schedule, costs: Costs | None) -> Candidate:
+    """Simulate a complete schedule (validating it) and summarise it."""
+    timeline = simulate(schedule, costs)
+    span = max((evs[-1].end - evs[0].start) for evs in timeline.events if evs)
+    return Candidate(origin, schedule.ranks, span, timeline.makespan, max(timeline.peak_activation))
+
+
+def pick_best(candidates: Iterable[Candidate], limit: float) -> Candidate | None:
+    """The candidate within the memory limit with the shortest longest span (then makespan)."""
+    fitting = [c for c in candidates if c.peak <= limit + 1e-9]
+    return min(fitting, key=lambda c: c.key, default=None)
