@@ -22,6 +22,8 @@ def lower(schedule: Schedule) -> Program:
     rank_of = schedule.placement.stage_to_rank
     last = schedule.num_stages - 1
     programs: list[tuple[Op, ...]] = []
+    new = tuple.__new__  # Comm(...) without the Python-level NamedTuple __new__: one per transfer
+
     for rank, actions in enumerate(schedule.ranks):
         ops: list[Op] = []
         for a in actions:
@@ -29,18 +31,18 @@ def lower(schedule: Schedule) -> Program:
             kind = a.kind
             if kind is Kind.F:
                 if s > 0 and rank_of[s - 1] != rank:
-                    ops.append(Comm("F", False, s, mb, chunk, rank_of[s - 1]))
+                    ops.append(new(Comm, ("F", False, s, mb, chunk, rank_of[s - 1])))
                 ops.append(a)
                 if s < last and rank_of[s + 1] != rank:
-                    ops.append(Comm("F", True, s, mb, chunk, rank_of[s + 1]))
+                    ops.append(new(Comm, ("F", True, s, mb, chunk, rank_of[s + 1])))
             elif kind is Kind.W:
                 ops.append(a)
             else:
                 if s < last and rank_of[s + 1] != rank:
-                    ops.append(Comm("B", False, s, mb, chunk, rank_of[s + 1]))
+                    ops.append(new(Comm, ("B", False, s, mb, chunk, rank_of[s + 1])))
                 ops.append(a)
                 if s > 0 and rank_of[s - 1] != rank:
-                    ops.append(Comm("B", True, s, mb, chunk, rank_of[s - 1]))
+                    ops.append(new(Comm, ("B", True, s, mb, chunk, rank_of[s - 1])))
         programs.append(tuple(ops))
     return Program(schedule, tuple(programs))
 

@@ -43,39 +43,43 @@ def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
     arrival: dict[tuple, float] = {}
     parked: dict[tuple, int] = {}
     ready = list(range(p))
+    new_event = tuple.__new__  # Event(...) without the Python-level NamedTuple __new__: hot loop
     while ready:
         r = ready.pop()
-        ops = compiled[r]
+        steps = compiled[r]
         pos, now, held, top = cursor[r], clock[r], mem[r], peak[r]
         evs, trace = events[r], traces[r]
-        n = len(ops)
+        n = len(steps)
         while pos < n:
-            op = ops[pos]
-            if op[0] is None:  # receive
-                t = arrival.get(op[1])
-                if t is None:
-                    parked[op[1]] = r
+            receives, action, duration, alloc, release, sends = steps[pos]
+            if receives:
+                blocked = False
+                for key in receives:
+                    t = arrival.get(key)
+                    if t is None:
+                        parked[key] = r
+                        blocked = True
+                        break
+                    if t > now:
+                        now = t
+                if blocked:
                     break
-                if t > now:
-                    now = t
-            elif op[0] is True:  # send
-                arrival[op[1]] = now + t_comm
-                woken = parked.pop(op[1], None)
+            end = now + duration
+            evs.append(new_event(Event, (action, now, end)))
+            if alloc:
+                held += alloc
+                trace.append((now, held))
+                if held > top:
+                    top = held
+            if release:
+                held += release
+                trace.append((end, held))
+            now = end
+            for key in sends:
+                arrival[key] = now + t_comm
+                woken = parked.pop(key, None)
                 if woken is not None:
                     ready.append(woken)
-            else:
-                action, duration, alloc, release = op
-                end = now + duration
-                evs.append(Event(action, now, end))
-                if alloc:
-                    held += alloc
-                    trace.append((now, held))
-                    if held > top:
-                        top = held
-                if release:
-                    held += release
-                    trace.append((end, held))
-                now = end
             pos += 1
         cursor[r], clock[r], mem[r], peak[r] = pos, now, held, top
     if any(cursor[r] < len(compiled[r]) for r in range(p)):
@@ -90,17 +94,29 @@ def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
 
 
 def _compile(ops, table) -> list[tuple]:
-    """Ops as tuples: (None, key) receive, (True, key) send, (action, dur, alloc, release) compute."""
+    """One entry per compute action: (receive keys before it, action, duration, memory
+    allocated at its start, memory released at its end, send keys after it). A send
+    belongs to the action before it, a receive to the action after it. Keys are
+    `Comm.key`, unpacked inline because this loop runs once per op of the program."""
     out: list[tuple] = []
     cost_of: dict[tuple, tuple[float, float, float]] = {}
+    receives: list[tuple] = []
+    sends: list[tuple] = []
     for op in ops:
-        if type(op) is Action:
+        kind = type(op)
+        if kind is Comm:
+            payload, send, stage, mb, chunk, _peer = op
+            if send:
+                sends.append((payload, stage, mb, chunk or 0))
+            else:
+                receives.append((payload, stage - 1 if payload == "F" else stage + 1, mb, chunk or 0))
+        elif kind is Action:
             key = (op.kind, op.stage, op.seq_chunk or 0)
             cost = cost_of.get(key)
             if cost is None:
                 cost = cost_of[key] = (table.duration(*key), *table.memory(*key))
-            out.append((op, *cost))
-        elif type(op) is Comm:
-            out.append((True if op.send else None, op.key))
+            sends = []
+            out.append((tuple(receives) if receives else (), op, cost[0], cost[1], cost[2], sends))
+            receives.clear()
         # future op types (reduce, gather) cost nothing until the cost model knows them
     return out
