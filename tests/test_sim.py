@@ -49,6 +49,17 @@ def test_bubble_ratio_definition():
     assert t.summary()["peak_activation"] == [4, 3, 2, 1]
 
 
+def test_span_bubble_leaves_out_the_fill():
+    # GPipe p=2 m=1: rank 0 spans 0..6 (F, wait, BW), rank 1 spans 1..4
+    t = simulate(schedules.get("gpipe")(p=2, m=1))
+    assert [t.span(r) for r in range(2)] == [6, 3]
+    assert t.bubble_ratio == approx(3 / 6) and t.bubble_ratio_span == approx(3 / 6)
+    # a parallelogram: both ranks busy over their whole spans, shifted by one forward
+    t = simulate(Schedule.from_text("0: 0F0 0F1 0B0 0W0 0B1 0W1\n1: 1F0 1B0 1F1 1B1 1W0 1W1\n"))
+    assert t.busy(0) == t.busy(1) == 6
+    assert t.bubble_ratio_span <= t.bubble_ratio
+
+
 @pytest.mark.parametrize("bad", ["1,2", "a,b,c", "1,2,3,4,5", "1,-2,3"])
 def test_bad_costs(bad):
     with pytest.raises(ScheduleError, match="--costs"):

@@ -62,8 +62,8 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
     else:
         print(f"p={args.p} m={args.m}  (peak activation: 1 = one microbatch through one full stage; 1F1B peaks at p)")
     unit = 2**30 if args.model else 1
-    print(f"{'schedule':<{width}}  {'v':>2}  {'makespan':>9}  {'bubble':>7}  {'peak max':>8}  {'vs 1F1B':>7}  peak per rank")
+    print(f"{'schedule':<{width}}  {'v':>2}  {'makespan':>9}  {'bubble':>7}  {'span bub':>8}  {'peak max':>8}  {'vs 1F1B':>7}  peak per rank")
     for r in rows:
         per_rank = " ".join(f"{x / unit:.3g}" for x in r["peak_activation"])
-        print(f"{r['schedule']:<{width}}  {r['v']:>2}  {r['makespan']:>9.4g}  {r['bubble_ratio']:>7.4f}  "
+        print(f"{r['schedule']:<{width}}  {r['v']:>2}  {r['makespan']:>9.4g}  {r['bubble_ratio']:>7.4f}  {r['bubble_ratio_span']:>8.4f}  "
               f"{r['peak_max'] / unit:>8.4g}  {r['peak_vs_1f1b']:>7.3f}  {per_rank}")

@@ -23,7 +23,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"schedule      {schedule.name}  (p={schedule.p}, m={schedule.m}, v={schedule.v})")
     print(f"makespan      {summary['makespan']:.6g}")
-    print(f"bubble ratio  {summary['bubble_ratio']:.4f}")
+    print(f"bubble ratio  {summary['bubble_ratio']:.4f}   (per-rank span, as in the papers: "
+          f"{summary['bubble_ratio_span']:.4f})")
     print("rank  busy      peak activation")
     for r in range(schedule.p):
         print(f"{r:>4}  {summary['busy'][r]:<8.6g}  {summary['peak_activation'][r]:.6g}")

@@ -4,6 +4,11 @@ Definitions (the JSON of `pipeblocks simulate` follows them):
     makespan      last action's end minus first action's start, over all ranks
     busy(r)       total compute time on rank r
     bubble_ratio  (makespan - max_r busy(r)) / makespan
+    span(r)       rank r's last end minus its first start
+    bubble_ratio_span  (max_r span(r) - max_r busy(r)) / max_r span(r): the papers' bubble
+                  rate (ALGORITHMS.md §1.4), which leaves out each rank's wait for its first
+                  input; "zero bubble" schedules reach 0 here, while bubble_ratio keeps the
+                  unavoidable fill, (p-1)*T_F for the last rank
     peak_activation[r]  the largest activation memory rank r holds at any time
 """
 from __future__ import annotations
@@ -59,6 +64,17 @@ class Timeline:
             return 0.0
         return (span - max(self.busy(r) for r in range(len(self.events)))) / span
 
+    def span(self, rank: int) -> float:
+        events = self.events[rank]
+        return events[-1].end - events[0].start if events else 0.0
+
+    @property
+    def bubble_ratio_span(self) -> float:
+        cost = max(self.span(r) for r in range(len(self.events)))
+        if cost <= 0:
+            return 0.0
+        return (cost - max(self.busy(r) for r in range(len(self.events)))) / cost
+
     def summary(self) -> dict:
         """The JSON object of `pipeblocks simulate --json`."""
         s = self.schedule
@@ -70,6 +86,7 @@ class Timeline:
             "seq_chunks": s.seq_chunks,
             "makespan": self.makespan,
             "bubble_ratio": self.bubble_ratio,
+            "bubble_ratio_span": self.bubble_ratio_span,
             "busy": [self.busy(r) for r in range(s.p)],
             "peak_activation": list(self.peak_activation),
         }
