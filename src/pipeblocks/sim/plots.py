@@ -137,13 +137,16 @@ def plot_pareto(points: Sequence[ParetoPoint], path: str | os.PathLike, *, title
     path = _check_path(path)
     fig, ax = plt.subplots(figsize=(7.5, 5))
     series: dict[str, list[ParetoPoint]] = {}
+    spots: dict[tuple[float, float], list[str]] = {}  # schedules that land on one spot share a label
     for point in points:
         if point.series:
             series.setdefault(point.series, []).append(point)
         else:
-            ax.scatter([point.peak_activation], [point.bubble_ratio], s=40, zorder=3)
-            ax.annotate(point.label, (point.peak_activation, point.bubble_ratio), textcoords="offset points",
-                        xytext=(5, 4), fontsize=8)
+            spot = (round(point.peak_activation, 9), round(point.bubble_ratio, 9))
+            spots.setdefault(spot, []).append(point.label)
+    for (x, y), labels in spots.items():
+        ax.scatter([x], [y], s=40, zorder=3)
+        ax.annotate(", ".join(labels), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
     for name, pts in series.items():
         pts = sorted(pts, key=lambda q: q.peak_activation)
         ax.plot([q.peak_activation for q in pts], [q.bubble_ratio for q in pts], marker=".", label=name)
