@@ -1,0 +1,346 @@
+"""Timing and reordering of per-rank pass orders, for generators that weigh costs.
+
+The schedules layer does not import the simulator; this module replays an order under a
+cost table with the same rules (a pass starts when its rank is free and its inputs have
+arrived, t_comm after they were produced on another rank) and the same memory model
+(allocate at the start of F, release at the end of B/W/BW). `pipeblocks.sim.simulate`
+stays the reference; the tests hold the two in agreement.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..core.actions import Action, Kind
+from ..core.deps import phase_of, requirements
+from ..core.placement import Placement
+from ..core.schedule import Schedule
+
+__all__ = ["CostTable", "peaks_of", "replay", "list_schedule"]
+
+Orders = tuple[tuple[Action, ...], ...]
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Per global stage: durations, F's allocation and the releases of B and W."""
+
+    placement: Placement
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    w: tuple[float, ...]
+    mem_b: tuple[float, ...]
+    mem_w_ratio: float
+    t_comm: float
+
+    @staticmethod
+    def of(placement: Placement, costs: object | None) -> CostTable:
+        """From a `pipeblocks.sim.Costs` (anything with `for_schedule`), or unit costs for None."""
+        S = placement.num_stages
+        if costs is None:
+            unit = (placement.stage_fraction,) * S
+            return CostTable(placement, unit, unit, unit, unit, 1.0, 0.0)
+        probe = Schedule("probe", placement.num_ranks, 1, placement, ((),) * placement.num_ranks)
+        table = costs.for_schedule(probe)  # type: ignore[attr-defined]
+        return CostTable(
+            placement, tuple(table.f), tuple(table.b), tuple(table.w), tuple(table.mem_b),
+            float(table.mem_w_ratio), float(table.t_comm),
+        )
+
+    def duration(self, a: Action) -> float:
+        s = a.stage
+        if a.kind is Kind.F:
+            return self.f[s]
+        if a.kind is Kind.B:
+            return self.b[s]
+        if a.kind is Kind.W:
+            return self.w[s]
+        return self.b[s] + self.w[s]
+
+    def alloc(self, a: Action) -> float:
+        return self.mem_b[a.stage] if a.kind is Kind.F else 0.0
+
+    def release(self, a: Action) -> float:
+        m_b = self.mem_b[a.stage]
+        if a.kind is Kind.B:
+            return m_b * self.mem_w_ratio - m_b
+        if a.kind is Kind.W:
+            return -m_b * self.mem_w_ratio
+        return -m_b if a.kind is Kind.BW else 0.0
+
+
+def peaks_of(orders: Orders, table: CostTable) -> tuple[float, ...]:
+    """Peak activation per rank; it depends on the order alone."""
+    out = []
+    for row in orders:
+        held = top = 0.0
+        for a in row:
+            held += table.alloc(a)
+            top = max(top, held)
+            held += table.release(a)
+        out.append(top)
+    return tuple(out)
+
+
+def _needs(a: Action, table: CostTable) -> tuple[tuple[tuple, float], ...]:
+    """(phase, delay after it ends) for each input of `a`; delay is t_comm across ranks."""
+    rank_of = table.placement.stage_to_rank
+    mine = rank_of[a.stage]
+    return tuple(
+        (need, table.t_comm if rank_of[need[1]] != mine else 0.0)
+        for need in requirements(a, table.placement.num_stages, 1)
+    )
+
+
+def replay(orders: Orders, table: CostTable) -> float:
+    """Makespan of the orders under the table; infinity if they cannot complete."""
+    p = len(orders)
+    done: dict[tuple, float] = {}
+    parked: dict[tuple, list[int]] = {}
+    cursor, clock = [0] * p, [0.0] * p
+    ready = list(range(p))
+    while ready:
+        r = ready.pop()
+        row, pos, now = orders[r], cursor[r], clock[r]
+        while pos < len(row):
+            a = row[pos]
+            start = now
+            blocked = None
+            for need, delay in _needs(a, table):
+                t = done.get(need)
+                if t is None:
+                    blocked = need
+                    break
+                start = max(start, t + delay)
+            if blocked is not None:
+                parked.setdefault(blocked, []).append(r)
+                break
+            now = start + table.duration(a)
+            for ph in phase_of(a):
+                done[ph] = now
+                ready.extend(parked.pop(ph, ()))
+            pos += 1
+        cursor[r], clock[r] = pos, now
+    if any(cursor[r] < len(orders[r]) for r in range(p)):
+        return float("inf")
+    return max(clock)
+
+
+def list_schedule(
+    orders: Orders, table: CostTable, caps: Sequence[float], *, lookahead: bool, window: int | None = None
+) -> Orders | None:
+    """Reorder by list scheduling: each rank runs, as early as possible, the first pass in
+    its priority order (`orders`) whose inputs are ready and whose F fits the rank's cap.
+
+    Passes start in time order across ranks, so a pass never waits on one scheduled later.
+    With `lookahead`, a pass may jump ahead of the rank's next pass in priority order only
+    if it ends before that pass's inputs arrive (when known). None if memory blocks every
+    rank before all passes ran.
+    """
+    p = len(orders)
+    rank_of = table.placement.stage_to_rank
+    S = table.placement.num_stages
+    K = window or (8 * p + 24)
+    rows = [list(r) for r in orders]
+    taken = [[False] * len(r) for r in rows]
+    head = [0] * p
+    free = [0.0] * p
+    held = [0.0] * p
+    done: dict[tuple, float] = {}
+    out: list[list[Action]] = [[] for _ in range(p)]
+    needs = {a: _needs(a, table) for row in rows for a in row}
+    best: list[tuple[float, int] | None] = [None] * p
+
+    def ready_at(a: Action) -> float | None:
+        t = 0.0
+        for need, delay in needs[a]:
+            end = done.get(need)
+            if end is None:
+                return None
+            t = max(t, end + delay)
+        return t
+
+    def choose(r: int) -> tuple[float, int] | None:
+        row, flags = rows[r], taken[r]
+        while head[r] < len(row) and flags[head[r]]:
+            head[r] += 1
+        limit = free[r]
+        first_ready: float | None = None
+        found: tuple[float, int] | None = None
+        seen = 0
+        for i in range(head[r], len(row)):
+            if flags[i]:
+                continue
+            seen += 1
+            if seen > K:
+                break
+            a = row[i]
+            t = ready_at(a)
+            if t is None:
+                continue
+            if a.kind is Kind.F and held[r] + table.alloc(a) > caps[r] + _EPS:
+                continue
+            if i == head[r]:
+                first_ready = max(t, limit)
+            start = max(t, limit)
+            if lookahead and first_ready is not None and i != head[r]:
+                if start + table.duration(a) > first_ready + _EPS:
+                    continue
+            if found is None or start < found[0] - _EPS:
+                found = (start, i)
+                if start <= limit + _EPS:
+                    break
+        return found
+
+    for r in range(p):
+        best[r] = choose(r)
+    remaining = sum(len(r) for r in rows)
+    while remaining:
+        pick = None
+        for r in range(p):
+            c = best[r]
+            if c is not None and (pick is None or c[0] < pick[1] - _EPS):
+                pick = (r, c[0], c[1])
+        if pick is None:
+            return None
+        r, start, i = pick
+        a = rows[r][i]
+        taken[r][i] = True
+        remaining -= 1
+        end = start + table.duration(a)
+        free[r] = end
+        held[r] += table.alloc(a) + table.release(a)
+        out[r].append(a)
+        for ph in phase_of(a):
+            done[ph] = end
+        touched = {r}
+        if a.kind is Kind.F and a.stage + 1 < S:
+            touched.add(rank_of[a.stage + 1])
+        if a.kind in (Kind.B, Kind.BW) and a.stage > 0:
+            touched.add(rank_of[a.stage - 1])
+        for t in touched:
+            best[t] = choose(t)
+    return tuple(tuple(r) for r in out)
+
+
+def compact(
+    timed: Sequence[Sequence[tuple[int, int, Action]]],
+    table: CostTable,
+    caps: Sequence[float],
+    *,
+    float_weights: bool = True,
+) -> Orders:
+    """Reorder on the slot grid: visit passes in time order and move each to the earliest
+    free slots on its rank after its inputs end, unless that would lift the rank's memory
+    above its cap. Moving a pass earlier never breaks a later pass, so the result is valid.
+
+    With `float_weights`, a second round lifts the Ws that run after their rank's last F
+    (where memory only falls), compacts again so the cool-down's B chain is not held up
+    by them, and puts them back first-in first-out into the earliest free slots.
+
+    `timed[r]` holds (start slot, length, action) for rank r (the tiled block).
+    """
+    grid = _Grid(timed, table)
+    grid.compact(caps)
+    if float_weights:
+        lifted = grid.lift_tail_weights()
+        grid.compact(caps)
+        grid.place_first_free(lifted)
+    return grid.orders()
+
+
+class _Grid:
+    """Per rank: which slots are busy, the activation held in each slot, and where each pass sits."""
+
+    def __init__(self, timed: Sequence[Sequence[tuple[int, int, Action]]], table: CostTable) -> None:
+        self.table = table
+        self.rank_of = table.placement.stage_to_rank
+        self.horizon = max((s + n for row in timed for s, n, _ in row), default=0) + 1
+        p = len(timed)
+        self.busy = [bytearray(self.horizon * 2) for _ in range(p)]
+        self.mem = [[0.0] * (self.horizon * 2 + 1) for _ in range(p)]
+        self.where: dict[Action, tuple[int, int]] = {}
+        for r, row in enumerate(timed):
+            for s, n, a in row:
+                self.where[a] = (s, n)
+                self.busy[r][s : s + n] = b"\x01" * n
+                self.mem[r][s] += table.alloc(a)
+                self.mem[r][s + n] += table.release(a)
+        for prof in self.mem:
+            for t in range(1, len(prof)):
+                prof[t] += prof[t - 1]
+
+    def _shift_memory(self, r: int, a: Action, old: int | None, new: int | None) -> None:
+        """Move a's allocation/release from slot `old` to slot `new` (None: absent)."""
+        n = self.where.get(a, (0, 1))[1]
+        prof = self.mem[r]
+        end = len(prof)
+        for start, sign in ((old, -1.0), (new, 1.0)):
+            if start is None:
+                continue
+            alloc, release = self.table.alloc(a) * sign, self.table.release(a) * sign
+            if alloc:
+                for t in range(start, end):
+                    prof[t] += alloc
+            if release:
+                for t in range(start + n, end):
+                    prof[t] += release
+
+    def _earliest(self, a: Action) -> int:
+        t = 0
+        for phase, stage, mb, _ in requirements(a, self.table.placement.num_stages, 1):
+            dep = Action(stage, Kind(phase), mb)
+            s, n = self.where[dep] if dep in self.where else self.where[dep.with_kind(Kind.BW)]
+            t = max(t, s + n)
+        return t
+
+    def compact(self, caps: Sequence[float]) -> None:
+        for (cur, n), a in sorted((v, k) for k, v in self.where.items()):
+            r = self.rank_of[a.stage]
+            row, prof = self.busy[r], self.mem[r]
+            alloc = self.table.alloc(a)
+            for s in range(self._earliest(a), cur):
+                if any(row[t] for t in range(s, min(s + n, cur))):
+                    continue
+                if alloc and max(prof[s:cur]) + alloc > caps[r] + _EPS:
+                    continue
+                row[cur : cur + n] = b"\x00" * n
+                row[s : s + n] = b"\x01" * n
+                self._shift_memory(r, a, cur, s)
+                self.where[a] = (s, n)
+                break
+
+    def lift_tail_weights(self) -> list[Action]:
+        last_f = {}
+        for a, (s, _) in self.where.items():
+            if a.kind is Kind.F:
+                r = self.rank_of[a.stage]
+                last_f[r] = max(last_f.get(r, -1), s)
+        lifted = [a for a, (s, _) in self.where.items() if a.kind is Kind.W and s > last_f.get(self.rank_of[a.stage], -1)]
+        for a in lifted:
+            s, n = self.where[a]
+            r = self.rank_of[a.stage]
+            self._shift_memory(r, a, s, None)
+            self.busy[r][s : s + n] = b"\x00" * n
+        for a in lifted:
+            del self.where[a]
+        return lifted
+
+    def place_first_free(self, actions: list[Action]) -> None:
+        """Put each pass, in the order of its inputs' end, into its rank's first free slot."""
+        for a in sorted(actions, key=lambda x: (self._earliest(x), x.stage)):
+            r = self.rank_of[a.stage]
+            row = self.busy[r]
+            s = self._earliest(a)
+            while row[s]:
+                s += 1
+            row[s] = 1
+            self.where[a] = (s, 1)
+            self._shift_memory(r, a, None, s)
+
+    def orders(self) -> Orders:
+        rows: list[list[tuple[int, Action]]] = [[] for _ in self.busy]
+        for a, (s, _) in self.where.items():
+            rows[self.rank_of[a.stage]].append((s, a))
+        return tuple(tuple(a for _, a in sorted(row)) for row in rows)
