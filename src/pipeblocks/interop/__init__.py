@@ -1,0 +1,4 @@
+"""Exchange schedules with other libraries. No torch import here: the formats are text."""
+from .torch_pipelining import from_torch_csv, from_torch_rows, to_torch_csv, to_torch_rows
+
+__all__ = ["to_torch_csv", "from_torch_csv", "to_torch_rows", "from_torch_rows"]
