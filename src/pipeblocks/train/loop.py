@@ -1,0 +1,170 @@
+"""The training loop behind `pipeblocks train`: one process per pipeline rank.
+
+    >>> from pipeblocks.schedules import get
+    >>> cfg = TrainConfig(schedule=get("1f1b")(p=2, m=4), model=GPTConfig(layers=4), steps=20)
+    >>> results = launch(cfg)       # p local processes; one RankResult per rank
+
+Each rank builds only its own stages from the seed (`build_stages`, so the weights are
+those of `GPT(cfg.model, seed=cfg.seed)`), an AdamW over their parameters, and a
+`PipelineRunner`. Step k feeds the batch `TokenWindows.batch(k, m*b, seed)` (the runner
+cuts it into m microbatches), then steps the optimizer. The rank that holds the last
+stage prints one progress line per step. Checkpoints go to `cfg.checkpoint` every
+`save_every` steps and after the last one (see checkpoint.py); `resume` continues from
+the newest step that every rank saved.
+
+Rank 0 also collects the measured Timeline of every step (one gather per step), from
+which the launcher profiles pass times and the bubble (report.py).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..core.schedule import Schedule
+from ..data import TokenWindows
+from ..models import GPTConfig, build_stages, cross_entropy
+from ..sim.costs import Costs
+from . import checkpoint as ckpt
+from .report import RankResult
+
+__all__ = ["TrainConfig", "launch", "train_rank"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. Defaults are visible here and in `pipeblocks train --help`."""
+
+    schedule: Schedule
+    """What each rank runs; p processes are launched."""
+    model: GPTConfig
+    """The reference GPT (vocab must cover the data's tokens: 256 for bytes)."""
+    microbatch_size: int = 4
+    """Sequences per microbatch b; a step trains on m*b sequences."""
+    steps: int = 40
+    """Train until this many optimizer steps are done (counting steps before a resume)."""
+    lr: float = 3e-3
+    seed: int = 0
+    """Seeds the weights and the data order."""
+    data: str | None = None
+    """A text file; None: the embedded corpus (pydoc_data.topics)."""
+    checkpoint: str | None = None
+    """Directory for per-rank checkpoints; None: no checkpoints."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in `checkpoint`."""
+    save_every: int = 0
+    """Also save every this many steps (0: only after the last step)."""
+    emulate: Costs | None = None
+    """Sleep for these pass times (seconds, per full stage) instead of computing."""
+    verify: bool = False
+    """Run one step and return every gradient, for comparison with one process."""
+    timeout_s: float = 300.0
+    """Any wait for a peer, and the whole run, give up after this long."""
+    threads_per_rank: int | None = None
+    """torch threads in each rank (None: the cores divided among the ranks)."""
+    quiet: bool = False
+    """No per-step progress lines."""
+
+    def __post_init__(self) -> None:
+        for name in ("microbatch_size", "steps", "timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.save_every < 0:
+            raise ValueError(f"save_every must be >= 0, got {self.save_every}")
+        if self.resume and not self.checkpoint:
+            raise ValueError("--resume needs --checkpoint DIR: the directory to resume from")
+
+    @property
+    def batch_size(self) -> int:
+        return self.schedule.m * self.microbatch_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.model.seq
+
+    def meta(self, data_source: str) -> dict:
+        """What a checkpoint must agree on to be resumed by this run."""
+        s = self.schedule
+        return {
+            "model": self.model.to_json(), "schedule": s.name, "p": s.p, "m": s.m,
+            "placement": list(s.placement.stage_to_rank), "microbatch_size": self.microbatch_size,
+            "lr": self.lr, "seed": self.seed, "data": data_source,
+        }
+
+
+def launch(cfg: TrainConfig) -> list[RankResult]:
+    """Run `cfg` in p local processes (gloo on CPU); a failure on any rank raises here."""
+    from ..runtime.launch import spawn
+
+    threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.schedule.p)
+    return spawn(
+        train_rank, cfg.schedule.p, args=(cfg,), timeout_s=cfg.timeout_s, threads_per_rank=threads,
+        schedule=cfg.schedule,
+    )
+
+
+def train_rank(ctx, cfg: TrainConfig) -> RankResult:
+    """The body of one rank (`ctx` is the runtime's DistContext)."""
+    from ..runtime import PipelineRunner
+
+    schedule, rank = cfg.schedule, ctx.rank
+    mine = schedule.placement.stages_of(rank)
+    built = build_stages(cfg.model, seed=cfg.seed, num_stages=schedule.num_stages, stages=mine, device=ctx.device)
+    stages = {stage.index: stage for stage in built}
+    params = [p for stage in built for p in stage.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr)
+    data = TokenWindows.load(cfg.data, seq=cfg.model.seq)
+    torch.manual_seed(cfg.seed)
+
+    start = 0
+    if cfg.resume:
+        step = ckpt.latest_step(cfg.checkpoint, schedule.p)
+        if step is None:
+            raise ValueError(f"no complete checkpoint in {cfg.checkpoint!r}")
+        state = ckpt.load_rank(cfg.checkpoint, rank=rank, step=step)
+        ckpt.check_meta(state["meta"], cfg.meta(data.source), cfg.checkpoint)
+        start = ckpt.restore_rank(state, stages, optimizer)
+
+    compute = _emulated_compute(cfg, stages) if cfg.emulate is not None else None
+    runner = PipelineRunner(
+        schedule, stages, cross_entropy, rank=rank, device=ctx.device, timeout_s=cfg.timeout_s,
+        record_timeline=not cfg.verify, compute=compute,
+    )
+    last = start + 1 if cfg.verify else cfg.steps
+    losses, spans, timelines, peak = [], [], [], 0
+    for step in range(start, last):
+        inputs, targets = data.batch(step, cfg.batch_size, seed=cfg.seed)
+        optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        result = runner.step(inputs if runner.holds_first_stage else None, targets if runner.holds_last_stage else None)
+        if cfg.verify:
+            grads = {n: p.grad.detach().cpu().clone() for s in built for n, p in s.named_parameters()}
+            return RankResult(rank, tuple(mine), ((step, result.loss),) if result.loss is not None else (),
+                              grads=grads)
+        optimizer.step()
+        t1 = time.perf_counter()
+        spans.append((step, t0, t1))
+        peak = max(peak, result.peak_saved_bytes)
+        if result.timeline is not None:
+            timelines.append(result.timeline)
+        if result.loss is not None:
+            losses.append((step, result.loss))
+            if not cfg.quiet:
+                print(f"step {step + 1:>5}/{cfg.steps}  loss {result.loss:.4f}  "
+                      f"{cfg.tokens_per_step / (t1 - t0):>9,.0f} tokens/s  {(t1 - t0) * 1e3:7.1f} ms", flush=True)
+        done = step + 1
+        if cfg.checkpoint and (done == last or (cfg.save_every and done % cfg.save_every == 0)):
+            ckpt.save_rank(cfg.checkpoint, rank=rank, step=done, stages=stages, optimizer=optimizer,
+                           meta=cfg.meta(data.source))
+    sys.stdout.flush()
+    return RankResult(rank, tuple(mine), tuple(losses), tuple(spans), peak, tuple(timelines))
+
+
+def _emulated_compute(cfg: TrainConfig, stages):
+    from ..runtime.emulate import EmulatedCompute
+
+    return EmulatedCompute(cfg.emulate, schedule=cfg.schedule, stages=stages)
+

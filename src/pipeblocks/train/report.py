@@ -1,0 +1,172 @@
+"""After a run: measured against predicted, per rank, and the timelines side by side.
+
+    >>> report = build_report(schedule, results, memory, warmup=2)  # report.data: the --report JSON
+    >>> print(format_report(report.data))
+    >>> write_timeline_plot(report.measured, report.simulated, "run.png")
+
+The prediction uses costs profiled from the run itself:
+
+* times: per global stage, the median duration of its F, B and W actions over the timed
+  steps of the measured timelines (a fused BW counts as B, with W = 0);
+* memory: per global stage, the saved-activation bytes one microbatch's F leaves (M_B)
+  and what B keeps for W (M_W), from `pipeblocks.runtime.profile_stage_memory`.
+
+The simulator replays the same schedule with those costs: its makespan is
+`iteration_time_simulated_s`, its per-rank peak `peak_activation_bytes_predicted`.
+`iteration_time_measured_s` is the median, over the steps after the warm-up, of the time
+from the first rank starting the step to the last rank finishing it (optimizer included).
+`bubble_ratio_measured` is the Timeline definition (makespan minus the busiest rank's
+compute, over makespan) on the measured events, the median over the timed steps.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from ..core.actions import Kind
+from ..core.schedule import Schedule
+from ..sim.costs import Costs
+from ..sim.simulator import simulate
+from ..sim.timeline import Timeline
+
+__all__ = ["RankResult", "RunReport", "profiled_costs", "iteration_times", "build_report", "format_report",
+           "write_timeline_plot"]
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """What one rank sends back to the launcher."""
+
+    rank: int
+    stages: tuple[int, ...]
+    losses: tuple[tuple[int, float], ...] = ()
+    """(step, loss) for each step run; only the rank holding the last stage has them."""
+    step_spans: tuple[tuple[int, float, float], ...] = ()
+    """(step, start, end) on the machine-wide perf_counter clock."""
+    peak_activation_bytes: int = 0
+    """The largest saved-activation footprint over all steps."""
+    timelines: tuple[Timeline, ...] = ()
+    """Rank 0 only: the measured Timeline of every step, all ranks."""
+    grads: dict | None = None
+    """Gradients by parameter name after one step (--verify)."""
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """`data` is the `--report` JSON; the timelines are for plotting."""
+
+    data: dict
+    measured: Timeline
+    simulated: Timeline
+
+
+def profiled_costs(schedule: Schedule, timelines: Sequence[Timeline], m_b: Sequence[float],
+                   m_w: Sequence[float]) -> Costs:
+    """Per-stage costs (seconds, bytes) from measured timelines and per-stage memory."""
+    durations: dict[tuple[int, Kind], list[float]] = defaultdict(list)
+    for timeline in timelines:
+        for events in timeline.events:
+            for e in events:
+                durations[(e.action.stage, e.action.kind)].append(e.end - e.start)
+
+    def median(stage: int, kind: Kind) -> float:
+        values = durations.get((stage, kind))
+        return statistics.median(values) if values else 0.0
+
+    S = schedule.num_stages
+    t_f = tuple(median(s, Kind.F) for s in range(S))
+    t_b = tuple(median(s, Kind.B) if (s, Kind.B) in durations else median(s, Kind.BW) for s in range(S))
+    t_w = tuple(median(s, Kind.W) if (s, Kind.B) in durations else 0.0 for s in range(S))
+    total = sum(m_b)
+    ratio = min(1.0, sum(m_w) / total) if schedule.has_split_backward and total > 0 else 1.0
+    return Costs(t_f=t_f, t_b=t_b, t_w=t_w, mem_b=tuple(float(x) for x in m_b), mem_w_ratio=ratio)
+
+
+def iteration_times(results: Sequence[RankResult]) -> list[tuple[int, float]]:
+    """(step, first start to last end over the ranks), in step order."""
+    spans: dict[int, tuple[float, float]] = {}
+    for result in results:
+        for step, start, end in result.step_spans:
+            lo, hi = spans.get(step, (start, end))
+            spans[step] = (min(lo, start), max(hi, end))
+    return [(step, hi - lo) for step, (lo, hi) in sorted(spans.items())]
+
+
+def build_report(schedule: Schedule, results: Sequence[RankResult], memory: Sequence, *, warmup: int) -> RunReport:
+    """Compare the run with the simulator's replay of it; `memory[s]` has .m_b and .m_w of stage s."""
+    by_rank = sorted(results, key=lambda r: r.rank)
+    timelines = next((r.timelines for r in by_rank if r.timelines), ())
+    if not timelines:
+        raise ValueError("no measured timeline came back: rank 0 records one per step")
+    timed = list(timelines[warmup:]) or [timelines[-1]]
+    costs = profiled_costs(schedule, timed, [x.m_b for x in memory], [x.m_w for x in memory])
+    simulated = simulate(schedule, costs)
+    times = [t for _, t in iteration_times(results)]
+    times = times[warmup:] or times[-1:]
+    losses = next((r.losses for r in by_rank if r.losses), ())
+    data = {
+        "schedule": schedule.name,
+        "p": schedule.p,
+        "m": schedule.m,
+        "v": schedule.v,
+        "steps_timed": len(times),
+        "iteration_time_measured_s": statistics.median(times),
+        "iteration_time_simulated_s": simulated.makespan,
+        "bubble_ratio_measured": statistics.median(t.bubble_ratio for t in timed),
+        "bubble_ratio_simulated": simulated.bubble_ratio,
+        "losses": [{"step": s + 1, "loss": loss} for s, loss in losses],
+        "stages": [
+            {"stage": s, "f_s": costs.t_f[s], "b_s": costs.t_b[s], "w_s": costs.t_w[s],
+             "activation_bytes": memory[s].m_b, "kept_for_w_bytes": memory[s].m_w}
+            for s in range(schedule.num_stages)
+        ],
+        "ranks": [
+            {
+                "rank": r.rank,
+                "stages": list(r.stages),
+                "peak_activation_bytes_measured": r.peak_activation_bytes,
+                "peak_activation_bytes_predicted": simulated.peak_activation[r.rank],
+            }
+            for r in by_rank
+        ],
+    }
+    return RunReport(data, timed[-1], simulated)
+
+
+def format_report(data: dict) -> str:
+    lines = [
+        f"schedule {data['schedule']}  p={data['p']} m={data['m']} v={data['v']}",
+        f"iteration time  measured {data['iteration_time_measured_s'] * 1e3:8.1f} ms   "
+        f"simulated {data['iteration_time_simulated_s'] * 1e3:8.1f} ms   (median of {data['steps_timed']} steps)",
+        f"bubble ratio    measured {data['bubble_ratio_measured']:8.3f}      "
+        f"simulated {data['bubble_ratio_simulated']:8.3f}",
+        "rank  stages   peak activation: measured   predicted   measured/predicted",
+    ]
+    for row in data["ranks"]:
+        measured, predicted = row["peak_activation_bytes_measured"], row["peak_activation_bytes_predicted"]
+        ratio = f"{measured / predicted:.3f}" if predicted else "-"
+        stages = ",".join(map(str, row["stages"]))
+        lines.append(f"{row['rank']:>4}  {stages:<7}  {_bytes(measured):>25}   {_bytes(predicted):>9}   {ratio:>18}")
+    return "\n".join(lines)
+
+
+def write_timeline_plot(measured: Timeline, simulated: Timeline, path: str | os.PathLike) -> Path:
+    """The one place that draws: the measured timeline (with memory) under the simulated one."""
+    from ..sim.plots import plot_timeline
+
+    return plot_timeline(
+        measured, path, title=f"measured (last timed step)  bubble {measured.bubble_ratio:.3f}", compare=simulated,
+        compare_label=f"simulated with profiled costs  bubble {simulated.bubble_ratio:.3f}",
+    )
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
