@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 
 from ..core.errors import ScheduleError
 from ..core.schedule import Schedule
 from ..schedules import get
+from ..schedules.sequence import split_sequence
 from ..sim.analytic import HARDWARE, MODELS, parse_model, transformer_costs
 from ..sim.costs import Costs, parse_costs
+from ..sim.sequence_split import SPLITS, chunk_shares, split_lengths
 
 __all__ = ["add_schedule_options", "build_schedule", "costs_from_args", "print_json", "progress"]
 
@@ -42,6 +45,18 @@ def add_schedule_options(parser: argparse.ArgumentParser, *, name: bool = True) 
         help=f"analytic transformer costs instead of unit costs (presets: {', '.join(MODELS)}); memory then in bytes",
     )
     parser.add_argument("--hardware", default="a100", choices=sorted(HARDWARE), help="hardware profile for --model")
+    parser.add_argument(
+        "--flash-attention", action="store_true", help="--model: attention that does not store the s x s scores"
+    )
+    parser.add_argument(
+        "--seq-chunks", type=int, default=None, metavar="K",
+        help="split every microbatch into K sequence chunks (Seq1F1B; composes with any schedule)",
+    )
+    parser.add_argument(
+        "--seq-split", default="balanced", choices=SPLITS,
+        help="sequence chunk boundaries: equal FLOPs under causal attention, or equal tokens (needs --model "
+        "to differ; default balanced)",
+    )
     parser.add_argument("--file", default=None, help="load a schedule from a .json or text file instead of a name")
 
 
@@ -53,9 +68,14 @@ def costs_from_args(args: argparse.Namespace, schedule: Schedule | None = None) 
             raise ScheduleError("give either --model (analytic costs) or --costs, not both")
         if schedule is None:
             raise ScheduleError("--model needs the schedule's stage count")
-        costs = transformer_costs(parse_model(args.model), HARDWARE[args.hardware], num_stages=schedule.num_stages)
+        config = dataclasses.replace(parse_model(args.model), flash_attention=args.flash_attention)
+        costs = transformer_costs(config, HARDWARE[args.hardware], num_stages=schedule.num_stages)
         if args.mem_w_ratio is not None:
             costs = dataclasses.replace(costs, mem_w_ratio=args.mem_w_ratio)
+        if schedule.seq_chunks > 1:
+            lengths = split_lengths(config.seq, schedule.seq_chunks, args.seq_split, config)
+            seq_time, seq_mem = chunk_shares(lengths, config)
+            costs = dataclasses.replace(costs, seq_time=seq_time, seq_mem=seq_mem)
         return costs
     base = parse_costs(args.costs) if args.costs else Costs()
     ratio = 1.0 if args.mem_w_ratio is None else args.mem_w_ratio
@@ -67,11 +87,23 @@ _OPTIONS = {"v": "v", "group_size": "group_size", "memory_limit": "memory_limit"
 
 
 def build_schedule(args: argparse.Namespace, name: str | None = None) -> Schedule:
-    """The schedule the options describe: from --file, or by name through the registry."""
+    """The schedule the options describe: from --file, or by name through the registry;
+    --seq-chunks composes sequence splitting with it."""
     if getattr(args, "file", None):
         return Schedule.load(args.file)
     spec = get(name or args.name)
-    kwargs: dict[str, object] = {"p": args.p, "m": args.m}
+    kwargs = _options(args, spec, {"p": args.p, "m": args.m})
+    k = getattr(args, "seq_chunks", None)
+    build = spec if k is None else functools.partial(split_sequence, spec.name, seq_chunks=k)
+    schedule = build(**kwargs)
+    if spec.accepts("costs"):
+        # Cost-aware generators: analytic costs depend on the stage count, which the first
+        # build tells; the second build uses the real costs.
+        schedule = build(**kwargs, costs=costs_from_args(args, schedule))
+    return schedule
+
+
+def _options(args: argparse.Namespace, spec, kwargs: dict[str, object]) -> dict[str, object]:
     for option, keyword in _OPTIONS.items():
         value = getattr(args, option, None)
         if value is None:
@@ -80,12 +112,7 @@ def build_schedule(args: argparse.Namespace, name: str | None = None) -> Schedul
             flag = "-" + option if len(option) == 1 else "--" + option.replace("_", "-")
             raise ScheduleError(f"schedule {spec.name!r} does not take {flag}; drop it or choose another schedule")
         kwargs[keyword] = value
-    schedule = spec(**kwargs)
-    if spec.accepts("costs"):
-        # Cost-aware generators: analytic costs depend on the stage count, which the first
-        # build tells; the second build uses the real costs.
-        schedule = spec(**kwargs, costs=costs_from_args(args, schedule))
-    return schedule
+    return kwargs
 
 
 def print_json(data: object) -> None:

@@ -6,6 +6,7 @@ Per transformer layer, with s = sequence, b = microbatch size, h = hidden, a = h
 
     F = s*b*h*(24h + 4s)    B = s*b*h*(24h + 8s)    W = 24*s*b*h^2        (so B + W = 2F)
     M_B = s*b*(34h + 5*a*s) bytes     M_W = 32*s*b*h bytes
+    (with flash attention the s x s scores are not stored: M_B = 34*s*b*h)
 
 The LM head (on the last stage, which gets fewer layers to balance it) adds 2*s*b*h*V FLOPs to each of F, B and W and keeps the
 fp32 logits (4*s*b*V bytes). Time = FLOPs / (peak FLOP/s * achievable fraction); one hop
@@ -34,6 +35,8 @@ class TransformerConfig:
     layers, hidden, heads: the transformer stack.
     seq: tokens per sequence.  vocab: vocabulary (padded).  microbatch_size: sequences per microbatch.
     dtype: activation dtype name (bf16, fp16, fp32, float64).
+    flash_attention: attention that does not store the s x s scores (drops the 5*a*s term
+        of M_B), as long-sequence training does.
     """
 
     layers: int
@@ -43,6 +46,7 @@ class TransformerConfig:
     vocab: int = 51200
     microbatch_size: int = 1
     dtype: str = "bf16"
+    flash_attention: bool = False
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq", "vocab", "microbatch_size"):
@@ -118,7 +122,7 @@ def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stag
     layer_f = s * b * h * (24 * h + 4 * s)
     layer_b = s * b * h * (24 * h + 8 * s)
     layer_w = 24 * s * b * h * h
-    layer_mem_b = s * b * (34 * h + 5 * a * s) * scale
+    layer_mem_b = s * b * (34 * h + (0 if config.flash_attention else 5 * a * s)) * scale
     layer_mem_w = 32 * s * b * h * scale
     head = 2 * s * b * h * V
     counts = layer_split(config.layers, num_stages, head_layers=3 * head / (layer_f + layer_b + layer_w))
