@@ -1,0 +1,243 @@
+"""Backward passes of one stage: fused (BW) and split into input gradient (B) and weight gradient (W).
+
+The split works on the autograd graph of the stage, so any stage module works unchanged:
+
+* B runs the engine from the stage output (or loss) to the stage *input* only, with the
+  graph retained. On the way, pre-hooks capture the output gradients of the "join" nodes:
+  the nodes on the input path where a path to a parameter branches off (for a linear
+  layer, its addmm node: the input path gets dX = dY·A now, the weight path needs dY).
+* W runs the engine again from those join nodes, with their captured gradients, to the
+  parameters only, and accumulates into `param.grad`. The join node is executed a second
+  time, computing only its weight-side outputs, so no FLOPs are repeated for plain layers.
+  Parameters reached through the same join nodes form one group and one engine call; when
+  a group has several join nodes (a parameter used twice), a pre-hook pins each join node
+  to its captured gradient so that nothing is counted twice.
+
+Memory consequence (ALGORITHMS.md §1.3, caveat of the graph split): after B this module
+keeps only the join nodes, so every saved tensor reachable from them stays alive until W:
+in practice all of the stage's activations except the region above the topmost join
+node (on the last stage: the loss, e.g. cross-entropy's log-softmax). B therefore frees
+little (M_W is close to M_B; `memory.profile_stage_memory` measures both per stage) and W
+frees the rest. On a stage whose input needs no gradient (stage 0: token ids), B has no
+work at all and W runs the whole backward from the output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = ["WeightGradWork", "fused_backward", "input_backward"]
+
+
+@dataclass
+class _Group:
+    """Parameters whose gradients flow through the same join nodes."""
+
+    params: list[torch.nn.Parameter]
+    nodes: list[Node]
+    grads: list[tuple[torch.Tensor | None, ...] | None] = field(default_factory=list)
+
+
+@dataclass
+class WeightGradWork:
+    """What B leaves for W: join nodes, their captured gradients, and the parameters.
+
+    `keep_alive` holds the stage output when a join node is a Python autograd Function
+    (whose Python object does not own its graph).
+    """
+
+    groups: list[_Group]
+    keep_alive: torch.Tensor | None = None
+
+    def run(self) -> None:
+        """Compute the weight gradients and accumulate them into `param.grad`; frees the graph."""
+        groups, self.groups = self.groups, []
+        for group in groups:
+            edges: list[GradientEdge] = []
+            grads: list[torch.Tensor] = []
+            for node, captured in zip(group.nodes, group.grads):
+                if captured is None:
+                    continue
+                for index, grad in enumerate(captured):
+                    if grad is not None:
+                        edges.append(GradientEdge(node, index))
+                        grads.append(grad)
+            if not edges:
+                continue
+            pins = []
+            if len(group.nodes) > 1:
+                for node, captured in zip(group.nodes, group.grads):
+                    if captured is not None:
+                        pins.append(node.register_prehook(_pin(captured)))
+            try:
+                params = [p for p in group.params]
+                targets = [get_gradient_edge(p) for p in params]
+                results = torch.autograd.grad(edges, targets, grad_outputs=grads, allow_unused=True)
+            finally:
+                for pin in pins:
+                    pin.remove()
+            for param, grad in zip(params, results):
+                if grad is None:
+                    continue
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
+        self.keep_alive = None
+
+
+def _pin(captured: tuple[torch.Tensor | None, ...]):
+    def hook(grad_outputs):
+        return captured
+
+    return hook
+
+
+def fused_backward(output: torch.Tensor, grad_output: torch.Tensor | None, inp: torch.Tensor | None) -> torch.Tensor | None:
+    """BW: accumulate all parameter gradients and return the gradient of `inp` (None if it needs none)."""
+    if output.grad_fn is None:
+        return None
+    grad = torch.ones_like(output) if grad_output is None else grad_output
+    needs_input = inp is not None and inp.requires_grad
+    torch.autograd.backward([output], [grad])
+    if not needs_input:
+        return None
+    dx = inp.grad
+    inp.grad = None
+    return dx if dx is not None else torch.zeros_like(inp)
+
+
+def input_backward(
+    output: torch.Tensor,
+    grad_output: torch.Tensor | None,
+    inp: torch.Tensor | None,
+    params: Sequence[torch.nn.Parameter],
+) -> tuple[torch.Tensor | None, WeightGradWork]:
+    """B: return the gradient of `inp` and the work W will do later."""
+    root = output.grad_fn
+    grad = torch.ones_like(output) if grad_output is None else grad_output
+    trainable = [p for p in params if p.requires_grad]
+    if root is None or not trainable and (inp is None or not inp.requires_grad):
+        return None, WeightGradWork([])
+    needs_input = inp is not None and inp.requires_grad
+    input_node = get_gradient_edge(inp).node if needs_input else None
+    children = _graph(root)
+    on_input_path = _reaches(children, input_node) if input_node is not None else set()
+    on_input_path.add(root)
+    groups = _param_groups(children, on_input_path, trainable)
+    # The root's gradient is known without running the engine.
+    root_grads: list[torch.Tensor | None] = [None] * max(1, _num_outputs(root, output))
+    root_grads[output.output_nr] = grad
+    captured: dict[Node, tuple[torch.Tensor | None, ...]] = {root: tuple(root_grads)}
+    dx: torch.Tensor | None = None
+    if needs_input:
+        handles = []
+        try:
+            for group in groups:
+                for node in group.nodes:
+                    if node is not root:
+                        handles.append(node.register_prehook(_capture(captured, node)))
+            (dx,) = torch.autograd.grad([output], [inp], grad_outputs=[grad], retain_graph=True, allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        if dx is None:
+            dx = torch.zeros_like(inp)
+    for group in groups:
+        group.grads = [captured.get(node) for node in group.nodes]
+    python_nodes = any(isinstance(n, torch._C._FunctionBase) for g in groups for n in g.nodes)
+    return dx, WeightGradWork(groups, keep_alive=output if python_nodes else None)
+
+
+def _capture(store: dict, node: Node):
+    def hook(grad_outputs):
+        store[node] = tuple(grad_outputs)
+
+    return hook
+
+
+def _num_outputs(node: Node, output: torch.Tensor) -> int:
+    metadata = getattr(node, "_input_metadata", None)
+    return len(metadata) if metadata is not None else output.output_nr + 1
+
+
+def _graph(root: Node) -> dict[Node, list[Node]]:
+    """Children (next functions) of every node reachable from root."""
+    children: dict[Node, list[Node]] = {}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node in children:
+            continue
+        kids = [fn for fn, _ in node.next_functions if fn is not None]
+        children[node] = kids
+        stack.extend(k for k in kids if k not in children)
+    return children
+
+
+def _reaches(children: dict[Node, list[Node]], target: Node) -> set[Node]:
+    """Nodes with a path to target (target included)."""
+    parents: dict[Node, list[Node]] = {}
+    for node, kids in children.items():
+        for kid in kids:
+            parents.setdefault(kid, []).append(node)
+    found = {target} if target in children else set()
+    stack = list(found)
+    while stack:
+        node = stack.pop()
+        for parent in parents.get(node, ()):
+            if parent not in found:
+                found.add(parent)
+                stack.append(parent)
+    return found
+
+
+def _param_groups(children: dict[Node, list[Node]], on_input_path: set[Node], params: list) -> list[_Group]:
+    """Group parameters by the input-path nodes their gradient paths leave from."""
+    parents: dict[Node, list[Node]] = {}
+    for node, kids in children.items():
+        for kid in kids:
+            parents.setdefault(kid, []).append(node)
+    group_of: dict[Node, _Group] = {}
+    groups: list[_Group] = []
+    for param in params:
+        acc = get_gradient_edge(param).node
+        if acc not in children:
+            continue  # this parameter did not take part in the forward
+        joins: list[Node] = []
+        seen = {acc}
+        stack = [acc]
+        while stack:
+            node = stack.pop()
+            for parent in parents.get(node, ()):
+                if parent in seen:
+                    continue
+                seen.add(parent)
+                if parent in on_input_path:
+                    joins.append(parent)
+                else:
+                    stack.append(parent)
+        merged: list[_Group] = []
+        for join in joins:
+            found = group_of.get(join)
+            if found is not None and all(found is not g for g in merged):
+                merged.append(found)
+        group = merged[0] if merged else _Group([], [])
+        if not merged:
+            groups.append(group)
+        for other in merged[1:]:
+            group.params.extend(other.params)
+            for node in other.nodes:
+                if node not in group.nodes:
+                    group.nodes.append(node)
+                group_of[node] = group
+            groups.remove(other)
+        group.params.append(param)
+        for node in joins:
+            if node not in group.nodes:
+                group.nodes.append(node)
+            group_of[node] = group
+    return groups

@@ -1,0 +1,139 @@
+"""Point-to-point transfers for the executor: tags, the receive-posting plan, the mailbox.
+
+* Tags. Every tensor of a step has its own tag, from its `Comm.key` (payload, producing
+  stage, microbatch, sequence chunk), so a message can only land in its own buffer.
+* Posting plan. A receive is posted one compute action before the action that consumes
+  it (so the transfer overlaps that compute) and waited for just before use. Backends
+  without tags (NCCL) match messages per peer in issue order, so receives from one peer
+  are posted in the order that peer sends them: the plan moves a receive earlier when a
+  later-consumed tensor is sent first.
+* Mailbox. Sends and receives are queued and issued together in one `batch_isend_irecv`
+  right before the next compute or wait (sends never block). Every wait has a timeout.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..core.actions import Action
+from ..core.program import Comm, Program
+
+__all__ = ["PeerTimeoutError", "Tags", "receive_posts", "Mailbox"]
+
+
+class PeerTimeoutError(TimeoutError):
+    """A transfer did not complete within the runner's timeout (a peer failed or hangs)."""
+
+
+@dataclass(frozen=True)
+class Tags:
+    """Tags for one Program's tensors and for the shape pass."""
+
+    num_stages: int
+    m: int
+    seq_chunks: int
+
+    def data(self, key: tuple[str, int, int, int]) -> int:
+        payload, producer, mb, chunk = key
+        kind = 0 if payload == "F" else 1
+        return 1 + ((kind * self.num_stages + producer) * self.m + mb) * self.seq_chunks + chunk
+
+    def shapes(self, stage: int) -> int:
+        return 1 + 2 * self.num_stages * self.m * self.seq_chunks + stage
+
+
+def receive_posts(program: Program, rank: int) -> dict[int, list[Comm]]:
+    """Op index -> the receives to post when the executor reaches that op (in posting order)."""
+    ops = program.ranks[rank]
+    wanted_at: dict[tuple, int] = {}
+    recv_of: dict[tuple, Comm] = {}
+    last_compute = 0
+    for index, op in enumerate(ops):
+        if isinstance(op, Action):
+            last_compute = index
+        elif isinstance(op, Comm) and not op.send:
+            wanted_at[op.key] = last_compute if last_compute < index else index
+            recv_of[op.key] = op
+    posts: dict[int, list[Comm]] = {}
+    peers = {op.peer for op in recv_of.values()}
+    for peer in sorted(peers):
+        order = [op.key for op in program.ranks[peer] if isinstance(op, Comm) and op.send and op.peer == rank]
+        order = [key for key in order if key in recv_of]
+        at = len(ops)
+        placed = []
+        for key in reversed(order):  # suffix minimum keeps per-peer posting in send order
+            at = min(at, wanted_at[key])
+            placed.append((at, key))
+        for at, key in reversed(placed):
+            posts.setdefault(at, []).append(recv_of[key])
+    return posts
+
+
+class Mailbox:
+    """Queued, batched isend/irecv with per-key receive buffers and timed waits."""
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float, rank: int) -> None:
+        self._group = group
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._timeout_s = timeout_s
+        self._rank = rank
+        self._queue: list[dist.P2POp] = []
+        self._queued_meta: list[tuple[tuple | None, torch.Tensor, str]] = []  # (recv key or None, tensor, label)
+        self._pending_recv: dict[tuple, tuple[dist.Work, torch.Tensor]] = {}
+        self._sends: list[tuple[dist.Work, torch.Tensor, str]] = []
+
+    def _global(self, peer: int) -> int:
+        if self._group is None:
+            return peer
+        return dist.get_global_rank(self._group, peer)
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int, label: str) -> None:
+        self._queue.append(dist.P2POp(dist.isend, tensor, self._global(peer), self._group, tag))
+        self._queued_meta.append((None, tensor, label))
+
+    def recv(self, key: tuple, buffer: torch.Tensor, peer: int, tag: int) -> None:
+        self._queue.append(dist.P2POp(dist.irecv, buffer, self._global(peer), self._group, tag))
+        self._queued_meta.append((key, buffer, ""))
+
+    def flush(self) -> None:
+        """Issue everything queued in one batch; drop sends that have completed."""
+        if self._queue:
+            works = dist.batch_isend_irecv(self._queue)
+            for work, (key, tensor, label) in zip(works, self._queued_meta):
+                if key is None:
+                    self._sends.append((work, tensor, label))
+                else:
+                    self._pending_recv[key] = (work, tensor)
+            self._queue, self._queued_meta = [], []
+        if self._sends and self._sends[0][0].is_completed():
+            self._sends = [s for s in self._sends if not s[0].is_completed()]
+
+    def is_posted(self, key: tuple) -> bool:
+        return key in self._pending_recv
+
+    def wait(self, key: tuple, label: str) -> torch.Tensor:
+        self.flush()
+        work, buffer = self._pending_recv.pop(key)
+        self._wait(work, f"receiving {label}")
+        return buffer
+
+    def finish(self) -> None:
+        """Wait for every send of the step."""
+        self.flush()
+        sends, self._sends = self._sends, []
+        for work, _tensor, label in sends:
+            self._wait(work, f"sending {label}")
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            work.wait(self._timeout)
+        except RuntimeError as err:
+            if "imed out" in str(err) or "imeout" in str(err):
+                raise PeerTimeoutError(
+                    f"rank {self._rank} timed out after {self._timeout_s:g} s {what}: the peer rank failed, "
+                    "hangs, or runs a different schedule (raise timeout_s if its compute is that slow)"
+                ) from None
+            raise RuntimeError(f"rank {self._rank}: transfer failed while {what}: {err}") from err

@@ -1,0 +1,155 @@
+"""Runs one rank's lowered Program for one step.
+
+The executor walks `program.ranks[rank]` in order and knows nothing about schedules:
+
+    Action F    take the input (step input on stage 0, a received or locally handed-over
+                activation otherwise), run the forward, hand the output on
+    Action B    take the output gradient (received, handed over, or the loss), compute the
+                input gradient, hand it on; what W needs stays in the unit
+    Action W    weight gradients of that unit
+    Action BW   fused backward
+    Comm RECV   wait for the receive (posted earlier by the plan in comm.py)
+    Comm SEND   queue an isend of the tensor the previous action produced
+
+Two stages of one rank that are neighbours (the turn of a V) hand over through a dict:
+the Program has no comm op for them. Unknown op types raise, naming the op.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..core.actions import Action, Kind
+from ..core.program import Comm, Program
+from .comm import Mailbox, Tags, receive_posts
+from .compute import Unit
+from .shapes import SpecMismatchError, TensorSpec
+
+__all__ = ["RankExecutor", "RankRecord", "ActionError"]
+
+
+class ActionError(RuntimeError):
+    """A compute action raised; the message names the rank, the action and the input spec."""
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """What one rank measured in one step (times from `clock`, in seconds)."""
+
+    events: tuple[tuple[Action, float, float], ...]
+    losses: tuple[float, ...]
+    wait_s: float
+
+
+class RankExecutor:
+    """Executes `program.ranks[rank]`; `specs` maps every received key to its TensorSpec and
+    `out_specs[(stage, mb)]` is what this rank's stages must send on."""
+
+    def __init__(
+        self,
+        program: Program,
+        rank: int,
+        compute,
+        mailbox: Mailbox,
+        device: torch.device,
+        specs: dict[tuple, TensorSpec],
+        out_specs: dict[tuple[int, int], TensorSpec],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        schedule = program.schedule
+        self.ops = program.ranks[rank]
+        self.rank = rank
+        self.last = schedule.num_stages - 1
+        self.m = schedule.m
+        self.compute = compute
+        self.mailbox = mailbox
+        self.device = device
+        self.specs = specs
+        self.out_specs = out_specs
+        self.clock = clock
+        self.tags = Tags(schedule.num_stages, schedule.m, schedule.seq_chunks)
+        self.posts = receive_posts(program, rank)
+        for op in self.ops:
+            if not isinstance(op, (Action, Comm)):
+                raise TypeError(f"rank {rank}: op {op!r} ({type(op).__name__}) is not supported by this runtime")
+
+    def run(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None) -> RankRecord:
+        ready: dict[tuple, torch.Tensor] = {}  # activations/gradients handed to a local consumer or a SEND
+        units: dict[tuple, Unit] = {}
+        losses: dict[int, float] = {}
+        events: list[tuple[Action, float, float]] = []
+        wait_s = 0.0
+        mailbox, clock = self.mailbox, self.clock
+        for index, op in enumerate(self.ops):
+            for recv in self.posts.get(index, ()):
+                key = recv.key
+                mailbox.recv(key, self.specs[key].empty(self.device), recv.peer, self.tags.data(key))
+            if isinstance(op, Comm):
+                if op.send:
+                    tensor = ready.pop(op.key)
+                    if op.payload == "F":
+                        self._check_sent(op, tensor)
+                    mailbox.send(tensor, op.peer, self.tags.data(op.key), str(op))
+                else:
+                    start = clock()
+                    ready[op.key] = mailbox.wait(op.key, f"{op} from rank {op.peer}")
+                    wait_s += clock() - start
+                continue
+            mailbox.flush()
+            start = clock()
+            try:
+                self._compute(op, ready, units, losses, inputs, targets)
+            except (SpecMismatchError, ActionError):
+                raise
+            except Exception as err:
+                raise ActionError(f"rank {self.rank}, action {op}: {type(err).__name__}: {err}") from err
+            events.append((op, start, clock()))
+        start = clock()
+        mailbox.finish()
+        wait_s += clock() - start
+        leftover = [k for k, u in units.items() if u.root is not None or u.work is not None]
+        if leftover or ready:
+            raise RuntimeError(f"rank {self.rank}: step ended with unconsumed state {leftover or list(ready)}")
+        return RankRecord(tuple(events), tuple(losses[i] for i in sorted(losses)), wait_s)
+
+    def _compute(self, op: Action, ready, units, losses, inputs, targets) -> None:
+        s, mb, chunk = op.stage, op.microbatch, op.seq_chunk or 0
+        compute = self.compute
+        if op.kind is Kind.F:
+            x = inputs[mb] if s == 0 else ready.pop(("F", s - 1, mb, chunk))
+            out, unit = compute.forward(s, x, targets[mb] if s == self.last else None)
+            units[(s, mb, chunk)] = unit
+            if out is not None:
+                ready[("F", s, mb, chunk)] = out
+            elif unit.loss is not None:
+                losses[mb] = float(unit.loss)
+            return
+        if op.kind is Kind.W:
+            compute.weight_grad(s, units.pop((s, mb, chunk)))
+            return
+        grad = None if s == self.last else ready.pop(("B", s + 1, mb, chunk))
+        unit = units[(s, mb, chunk)]
+        if op.kind is Kind.B:
+            dx = compute.input_grad(s, unit, grad)
+        else:
+            dx = compute.full_backward(s, units.pop((s, mb, chunk)), grad)
+        if s > 0:
+            if dx is None:
+                raise ActionError(
+                    f"rank {self.rank}, action {op}: stage {s} produced no gradient for its input; "
+                    "its output must depend on its input"
+                )
+            ready[("B", s, mb, chunk)] = dx
+
+    def _check_sent(self, op: Comm, tensor: torch.Tensor) -> None:
+        expected = self.out_specs[(op.stage, op.microbatch)]
+        got = TensorSpec.of(tensor)
+        if got != expected:
+            raise SpecMismatchError(
+                f"rank {self.rank}: stage {op.stage} produced {got} for microbatch {op.microbatch}, but the shape "
+                f"pass of the first step announced {expected} to stage {op.stage + 1}; stage outputs must keep "
+                "the shape and dtype of the first step"
+            )

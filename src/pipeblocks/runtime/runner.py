@@ -1,0 +1,265 @@
+"""`PipelineRunner`: the public entry that trains one rank's stages with a schedule.
+
+    runner = PipelineRunner(schedule, {0: stage0}, loss_fn, rank=rank)
+    for batch in data:
+        result = runner.step(inputs, targets)   # m microbatches; then optimizer.step()
+
+One `step` runs the whole lowered Program of this rank once: the m forwards and backwards,
+with parameter gradients accumulated into `.grad` (they are not zeroed: call
+`optimizer.zero_grad()` yourself, or pass `optimizer=` to have the runner step and zero
+after each flush). The loss is the mean over the m microbatch losses, so with equal
+microbatches the gradients equal one process training the whole batch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..core.schedule import Schedule
+from ..core.validate import validate
+from ..sim.timeline import Timeline
+from .comm import Mailbox, Tags
+from .compute import ModuleCompute
+from .executor import RankExecutor
+from .memory import SavedTensorTracker
+from .shapes import MAX_DIMS, SpecMismatchError, TensorSpec, decode_specs, encode_specs, infer_output_spec
+from .timeline import gather_timeline
+
+__all__ = ["PipelineRunner", "StepResult"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The outcome of one step on this rank.
+
+    loss: mean loss over the m microbatches (on the rank holding the last stage; else None).
+    losses: per-microbatch losses (last-stage rank only; else empty).
+    peak_saved_bytes: the largest saved-activation footprint of this rank during the step.
+    wait_s: time this rank spent blocked on receives and on the final send flush.
+    duration_s: wall time of the step on this rank.
+    timeline: the measured Timeline of all ranks (on group rank 0 when the runner records; else None).
+    memory_trace: this rank's (seconds since step start, saved bytes) changes.
+    """
+
+    loss: float | None
+    losses: tuple[float, ...]
+    peak_saved_bytes: int
+    wait_s: float
+    duration_s: float
+    timeline: Timeline | None = None
+    memory_trace: tuple[tuple[float, int], ...] = field(default=(), repr=False)
+
+
+class PipelineRunner:
+    """Runs `schedule` on this rank with real stage modules.
+
+    schedule: a Schedule (any registered generator's output, or loaded from text/JSON);
+        its p must equal the process group's size.
+    stages: global stage index -> module, for exactly this rank's stages
+        (`schedule.placement.stages_of(rank)`). See the package docstring for the contract.
+    loss_fn: `loss_fn(output, target) -> scalar tensor` on the last stage.
+    rank: this process's rank in `group` (default: `dist.get_rank(group)`).
+    group: the pipeline process group (default: the world).
+    device: where inputs, targets and received tensors live (default: the first
+        parameter's device, else CPU).
+    timeout_s: every wait for a peer gives up after this long with PeerTimeoutError.
+    optimizer: if given, `optimizer.step()` and `optimizer.zero_grad()` run after each step.
+    record_timeline: gather a measured Timeline to group rank 0 after each step (one
+        collective per step).
+    compute: replace real modules by another compute object with the same methods
+        (`emulate.EmulatedCompute`); the modules are then used only for shape inference.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: Mapping[int, torch.nn.Module],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        rank: int | None = None,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        timeout_s: float = 300.0,
+        optimizer: torch.optim.Optimizer | None = None,
+        record_timeline: bool = False,
+        compute: object | None = None,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized: launch with pipeblocks.runtime.launch.spawn(...) or torchrun "
+                "and call init_from_env() first"
+            )
+        world = dist.get_world_size(group)
+        if world != schedule.p:
+            raise ValueError(
+                f"schedule {schedule.name!r} has p={schedule.p} ranks but the process group has {world}: "
+                f"launch {schedule.p} processes or build the schedule with p={world}"
+            )
+        if schedule.seq_chunks != 1:
+            raise ValueError(
+                f"schedule {schedule.name!r} splits sequences into {schedule.seq_chunks} chunks; this runtime's stage "
+                "contract has no sequence chunks yet: use a schedule with seq_chunks=1"
+            )
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.schedule = schedule
+        self.program = validate(schedule)
+        self.rank = dist.get_rank(group) if rank is None else rank
+        if self.rank != dist.get_rank(group):
+            raise ValueError(f"rank={rank} but this process is rank {dist.get_rank(group)} of the group")
+        mine = schedule.placement.stages_of(self.rank)
+        if sorted(stages) != list(mine):
+            raise ValueError(
+                f"rank {self.rank} holds stages {list(mine)} of schedule {schedule.name!r} "
+                f"(placement {schedule.placement.shape}), but stages {sorted(stages)} were given"
+            )
+        self.stages = dict(stages)
+        self.loss_fn = loss_fn
+        self.group = group
+        self.device = torch.device(device) if device is not None else _module_device(self.stages)
+        self.timeout_s = float(timeout_s)
+        self.optimizer = optimizer
+        self.record_timeline = record_timeline
+        self.tracker = SavedTensorTracker()
+        self.compute = compute if compute is not None else ModuleCompute(
+            self.stages, loss_fn, schedule.num_stages - 1, schedule.m, self.tracker
+        )
+        self.mailbox = Mailbox(group, self.timeout_s, self.rank)
+        self._executor: RankExecutor | None = None
+        self._input_specs: list[TensorSpec] | None = None
+
+    @property
+    def holds_first_stage(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.schedule.num_stages - 1 in self.stages
+
+    def step(
+        self,
+        inputs: Sequence[torch.Tensor] | torch.Tensor | None = None,
+        targets: Sequence[torch.Tensor] | torch.Tensor | None = None,
+    ) -> StepResult:
+        """Run one step: every action of this rank's Program, then the flush.
+
+        inputs: the m microbatches of stage-0 input (a sequence of m tensors, or one tensor
+            split into m equal parts along dim 0); needed only on the rank holding stage 0.
+        targets: likewise for the loss targets, on the rank holding the last stage.
+        """
+        m = self.schedule.m
+        xs = _microbatches(inputs, m, "inputs") if self.holds_first_stage else None
+        ys = _microbatches(targets, m, "targets") if self.holds_last_stage else None
+        if xs is not None:
+            xs = [x.to(self.device) for x in xs]
+            specs = [TensorSpec.of(x) for x in xs]
+            if self._input_specs is not None and specs != self._input_specs:
+                raise SpecMismatchError(
+                    f"step inputs have specs {[str(s) for s in specs]} but the first step had "
+                    f"{[str(s) for s in self._input_specs]}: shapes are fixed after the first step; pad the "
+                    "batch or build a new PipelineRunner"
+                )
+            self._input_specs = specs
+        if ys is not None:
+            ys = [y.to(self.device) for y in ys]
+        if self._executor is None:
+            self._executor = self._build_executor(xs)
+        self.tracker.exclude([*(p for mod in self.stages.values() for p in mod.parameters()),
+                              *(b for mod in self.stages.values() for b in mod.buffers())])
+        origin = time.perf_counter()
+        self.tracker.reset_peak()
+        record = self._executor.run(xs, ys)
+        duration = time.perf_counter() - origin
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        trace = tuple((t - origin, b) for t, b in self.tracker.trace)
+        timeline = None
+        if self.record_timeline:
+            timeline = gather_timeline(self.schedule, record, trace, self.tracker.peak, self.group, origin)
+        losses = record.losses
+        return StepResult(
+            loss=sum(losses) / m if self.holds_last_stage else None,
+            losses=losses,
+            peak_saved_bytes=self.tracker.peak,
+            wait_s=record.wait_s,
+            duration_s=duration,
+            timeline=timeline,
+            memory_trace=trace,
+        )
+
+    # ---- first step: shapes ---------------------------------------------------
+    def _build_executor(self, xs: list[torch.Tensor] | None) -> RankExecutor:
+        schedule = self.schedule
+        placement = schedule.placement
+        S, m = schedule.num_stages, schedule.m
+        tags = Tags(S, m, schedule.seq_chunks)
+        in_specs: dict[int, list[TensorSpec]] = {}
+        out_specs: dict[int, list[TensorSpec]] = {}
+        for stage in placement.stages_of(self.rank):
+            if stage == 0:
+                specs = [TensorSpec.of(x) for x in xs]
+            elif placement.rank_of(stage - 1) == self.rank:
+                specs = out_specs[stage - 1]
+            else:
+                peer = placement.rank_of(stage - 1)
+                buffer = torch.empty((m, 2 + MAX_DIMS), dtype=torch.int64)
+                self.mailbox.recv(("shapes", stage), buffer, peer, tags.shapes(stage))
+                specs = decode_specs(self.mailbox.wait(("shapes", stage), f"the shapes for stage {stage} from rank {peer}"))
+            in_specs[stage] = specs
+            out_specs[stage] = self._infer(stage, specs)
+            if stage < S - 1 and placement.rank_of(stage + 1) != self.rank:
+                self.mailbox.send(encode_specs(out_specs[stage]), placement.rank_of(stage + 1), tags.shapes(stage + 1),
+                                  f"the shapes for stage {stage + 1}")
+                self.mailbox.flush()
+        self.mailbox.finish()
+        recv_specs: dict[tuple, TensorSpec] = {}
+        for stage in placement.stages_of(self.rank):
+            for mb in range(m):
+                recv_specs[("F", stage - 1, mb, 0)] = in_specs[stage][mb]
+                recv_specs[("B", stage + 1, mb, 0)] = out_specs[stage][mb]
+        sent = {(s, mb): out_specs[s][mb] for s in out_specs for mb in range(m)}
+        return RankExecutor(self.program, self.rank, self.compute, self.mailbox, self.device, recv_specs, sent)
+
+    def _infer(self, stage: int, specs: list[TensorSpec]) -> list[TensorSpec]:
+        cache: dict[TensorSpec, TensorSpec] = {}
+        out = []
+        for mb, spec in enumerate(specs):
+            if spec not in cache:
+                try:
+                    cache[spec] = infer_output_spec(self.stages[stage], spec, self.device)
+                except SpecMismatchError as err:
+                    source = "the step inputs" if stage == 0 else f"the output of stage {stage - 1}"
+                    raise SpecMismatchError(
+                        f"stage {stage} (rank {self.rank}) cannot take {source}, {spec} (microbatch {mb}): {err}; "
+                        "make neighbouring stage modules agree on shape and dtype"
+                    ) from err.__cause__
+            out.append(cache[spec])
+        return out
+
+
+def _module_device(stages: Mapping[int, torch.nn.Module]) -> torch.device:
+    for module in stages.values():
+        for tensor in module.parameters():
+            return tensor.device
+    return torch.device("cpu")
+
+
+def _microbatches(value, m: int, name: str) -> list[torch.Tensor]:
+    if value is None:
+        raise ValueError(f"{name} are required on this rank: it holds the stage that consumes them")
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.shape[0] % m:
+            raise ValueError(
+                f"{name} has leading dimension {value.shape[0] if value.dim() else 0}, not divisible by m={m}: "
+                f"give a batch size that is a multiple of {m}, or a list of {m} microbatches"
+            )
+        return list(value.chunk(m))
+    value = list(value)
+    if len(value) != m:
+        raise ValueError(f"{name} has {len(value)} microbatches but the schedule has m={m}: give exactly {m}")
+    return value

@@ -1,0 +1,104 @@
+"""Shared by the runtime tests: schedules to run, the rank worker, the single-process reference.
+
+Workers run in spawned processes, so they live here at module level (importable by name).
+"""
+from __future__ import annotations
+
+import torch
+
+from pipeblocks import schedules
+from pipeblocks.core import Action, Kind, Placement, Schedule, ScheduleError
+from pipeblocks.runtime import PipelineRunner
+from pipeblocks.runtime.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
+
+CONFIG = ToyConfig(vocab=11, hidden=8, blocks_per_stage=1, seq=5)
+MICROBATCH = 2  # samples per microbatch
+
+
+def split_later(schedule: Schedule) -> Schedule:
+    """Every fused BW becomes B at its place and W at the end of the rank (B/W split, W deferred)."""
+    ranks = []
+    for actions in schedule.ranks:
+        front = [a.with_kind(Kind.B) if a.kind is Kind.BW else a for a in actions]
+        back = [a.with_kind(Kind.W) for a in actions if a.kind is Kind.BW]
+        ranks.append(tuple(front + back))
+    return Schedule(f"{schedule.name}+split", schedule.p, schedule.m, schedule.placement, tuple(ranks))
+
+
+def v_gpipe(p: int, m: int, split: bool) -> Schedule:
+    """GPipe order on the V placement: the turn of the V hands over on one rank, without comm."""
+    placement = Placement.v_shape(p)
+    ranks = []
+    for r in range(p):
+        down, up = r, 2 * p - 1 - r
+        acts = [Action(down, Kind.F, i) for i in range(m)] + [Action(up, Kind.F, i) for i in range(m)]
+        for stage in (up, down):
+            if split:
+                acts += [Action(stage, Kind.B, i) for i in range(m)]
+            else:
+                acts += [Action(stage, Kind.BW, i) for i in range(m)]
+        if split:
+            acts += [Action(s, Kind.W, i) for s in (up, down) for i in range(m)]
+        ranks.append(tuple(acts))
+    return Schedule("v-gpipe" + ("+split" if split else ""), p, m, placement, tuple(ranks))
+
+
+def build(case: str, p: int, m: int) -> Schedule:
+    """A case is a registered name, or one of the extra forms below."""
+    if case == "extra:1f1b+split":
+        return split_later(schedules.get("1f1b")(p=p, m=m))
+    if case == "extra:v-gpipe":
+        return v_gpipe(p, m, split=False)
+    if case == "extra:v-gpipe+split":
+        return v_gpipe(p, m, split=True)
+    return schedules.get(case)(p=p, m=m)
+
+
+EXTRA = ["extra:1f1b+split", "extra:v-gpipe", "extra:v-gpipe+split"]
+
+
+def exact_worker(ctx, cases: list[tuple[str, int]]) -> dict:
+    """Run each (case, m) for two steps; return the second step's loss and gradients per stage."""
+    out = {}
+    for case, m in cases:
+        schedule = build(case, ctx.world_size, m)
+        stages = toy_stages(schedule.num_stages, CONFIG)
+        mine = {s: stages[s] for s in schedule.placement.stages_of(ctx.rank)}
+        runner = PipelineRunner(schedule, mine, cross_entropy, timeout_s=30.0)
+        x0, y0 = toy_batch(MICROBATCH * m, CONFIG, seed=1)
+        runner.step(x0, y0)
+        for module in mine.values():
+            module.zero_grad(set_to_none=True)
+        x1, y1 = toy_batch(MICROBATCH * m, CONFIG, seed=2)
+        result = runner.step(x1, y1)
+        out[case] = {
+            "loss": result.loss,
+            "grads": {s: [p.grad.clone() for p in mod.parameters()] for s, mod in mine.items()},
+            "peak": result.peak_saved_bytes,
+        }
+    return out
+
+
+def reference(case: str, p: int, m: int) -> tuple[float, dict[int, list[torch.Tensor]]]:
+    """One process, the whole model, the whole batch (the second step's batch)."""
+    schedule = build(case, p, m)
+    stages = toy_stages(schedule.num_stages, CONFIG)
+    x, y = toy_batch(MICROBATCH * m, CONFIG, seed=2)
+    h = x
+    for stage in stages:
+        h = stage(h)
+    loss = cross_entropy(h, y)
+    loss.backward()
+    return loss.item(), {s: [q.grad for q in mod.parameters()] for s, mod in enumerate(stages)}
+
+
+def try_build(case: str, p: int, m: int) -> str | None:
+    """None if the case builds for (p, m) and the runtime can run it, else the reason."""
+    try:
+        schedule = build(case, p, m)
+    except ScheduleError as err:
+        return f"the generator rejects p={p}, m={m}: {err}"
+    if schedule.seq_chunks != 1:
+        return (f"it splits sequences ({schedule.seq_chunks} chunks); the runtime's stage contract has no "
+                "sequence chunks yet")
+    return None
