@@ -93,12 +93,15 @@ def _needs(a: Action, table: CostTable) -> tuple[tuple[tuple, float], ...]:
     )
 
 
-def replay(orders: Orders, table: CostTable) -> float:
-    """Makespan of the orders under the table; infinity if they cannot complete."""
+def replay(orders: Orders, table: CostTable) -> tuple[float, float]:
+    """(makespan, longest rank span) of the orders under the table; a rank's span runs
+    from the start of its first pass to the end of its last. Infinite if they cannot
+    complete."""
     p = len(orders)
     done: dict[tuple, float] = {}
     parked: dict[tuple, list[int]] = {}
     cursor, clock = [0] * p, [0.0] * p
+    first: list[float | None] = [None] * p
     ready = list(range(p))
     while ready:
         r = ready.pop()
@@ -116,6 +119,8 @@ def replay(orders: Orders, table: CostTable) -> float:
             if blocked is not None:
                 parked.setdefault(blocked, []).append(r)
                 break
+            if first[r] is None:
+                first[r] = start
             now = start + table.duration(a)
             for ph in phase_of(a):
                 done[ph] = now
@@ -123,8 +128,8 @@ def replay(orders: Orders, table: CostTable) -> float:
             pos += 1
         cursor[r], clock[r] = pos, now
     if any(cursor[r] < len(orders[r]) for r in range(p)):
-        return float("inf")
-    return max(clock)
+        return (float("inf"), float("inf"))
+    return (max(clock), max(clock[r] - (first[r] or 0.0) for r in range(p)))
 
 
 def list_schedule(
@@ -272,20 +277,26 @@ class _Grid:
                 prof[t] += prof[t - 1]
 
     def _shift_memory(self, r: int, a: Action, old: int | None, new: int | None) -> None:
-        """Move a's allocation/release from slot `old` to slot `new` (None: absent)."""
+        """Move a's allocation and release from slot `old` to slot `new` (None: absent)."""
         n = self.where.get(a, (0, 1))[1]
         prof = self.mem[r]
         end = len(prof)
-        for start, sign in ((old, -1.0), (new, 1.0)):
-            if start is None:
-                continue
-            alloc, release = self.table.alloc(a) * sign, self.table.release(a) * sign
-            if alloc:
-                for t in range(start, end):
-                    prof[t] += alloc
-            if release:
-                for t in range(start + n, end):
-                    prof[t] += release
+        alloc, release = self.table.alloc(a), self.table.release(a)
+        if old is not None and new is not None:  # only the slots between the two places change
+            sign = 1.0 if new < old else -1.0
+            lo, hi = min(old, new), max(old, new)
+            for t in range(lo, hi):
+                prof[t] += sign * alloc
+            for t in range(lo + n, hi + n):
+                prof[t] += sign * release
+            return
+        start, sign = (old, -1.0) if old is not None else (new, 1.0)
+        if start is None:
+            return
+        for t in range(start, end):
+            prof[t] += sign * alloc
+        for t in range(start + n, end):
+            prof[t] += sign * release
 
     def _earliest(self, a: Action) -> int:
         t = 0
@@ -300,10 +311,14 @@ class _Grid:
             r = self.rank_of[a.stage]
             row, prof = self.busy[r], self.mem[r]
             alloc = self.table.alloc(a)
-            for s in range(self._earliest(a), cur):
+            lowest = self._earliest(a)
+            if alloc:  # an earlier F holds its activation longer: stop where the cap would break
+                floor = cur
+                while floor > lowest and prof[floor - 1] + alloc <= caps[r] + _EPS:
+                    floor -= 1
+                lowest = floor
+            for s in range(lowest, cur):
                 if any(row[t] for t in range(s, min(s + n, cur))):
-                    continue
-                if alloc and max(prof[s:cur]) + alloc > caps[r] + _EPS:
                     continue
                 row[cur : cur + n] = b"\x00" * n
                 row[s : s + n] = b"\x01" * n

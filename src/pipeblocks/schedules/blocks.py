@@ -247,8 +247,9 @@ def tile(block: Block, m: int) -> tuple[tuple[tuple[int, Action], ...], ...]:
 
 def build_orders(
     block: Block, m: int, *, costs: object | None = None, memory_cap: float | Sequence[float] | None = None
-) -> tuple[tuple[tuple[Action, ...], ...], float, tuple[float, ...]]:
-    """The best per-rank orders for m microbatches: (orders, makespan under costs, peaks).
+) -> tuple[tuple[tuple[Action, ...], ...], tuple[float, float], tuple[float, ...]]:
+    """The best per-rank orders for m microbatches: (orders, times, peaks), where times is
+    (makespan, longest rank span) replayed under costs, compared in that order.
 
     Candidates: the tiled order (squeezed by replay) and list-scheduled reorders of it
     under a memory cap per rank. The cap defaults to the smaller of the tiled schedule's
@@ -276,7 +277,7 @@ def build_orders(
         if orders is None:
             continue
         candidate = (replay(orders, table), orders, peaks_of(orders, table))
-        if best is None or candidate[0] < best[0] - 1e-9:
+        if best is None or candidate[0] < best[0]:
             best = candidate
     if best is None:
         raise ScheduleError(

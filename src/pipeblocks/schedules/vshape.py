@@ -17,76 +17,75 @@ Usage::
 """
 from __future__ import annotations
 
-from itertools import product
-
 from ..core.actions import Kind
 from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
-from ._reorder import CostTable
-from .blocks import Block, BlockPass, build, build_orders, fit_block
+from .blocks import Block, BlockPass, build, fit_block
 from .registry import register
 
-__all__ = ["v_block", "v_fused_block", "v_min", "v_half", "v_zb", "one_f_one_b_v"]
+__all__ = ["v_block", "v_block_from_offsets", "v_fused_block", "v_min", "v_half", "v_zb", "one_f_one_b_v"]
 
 T = 6  # two chunks x (F, B, W), one slot each
 
 
-def _uniform_fb(p: int, shifts: tuple[int, int, int, int], gaps: tuple[int, int, int]) -> list[BlockPass]:
-    """F0, F1, B1, B0 starts with constant shifts between ranks and the given turn gaps."""
-    s_f0, s_f1, s_b1, s_b0 = shifts
-    g_bottom_f, g_top, g_bottom_b = gaps
-    out: list[BlockPass] = []
-    f0 = [s_f0 * i for i in range(p)]
-    f1_last = f0[-1] + 1 + (g_bottom_f - 1)
-    f1 = [f1_last + s_f1 * (p - 1 - i) for i in range(p)]
-    b1 = [f1[0] + g_top + s_b1 * i for i in range(p)]
-    b0_last = b1[-1] + g_bottom_b
-    b0 = [b0_last + s_b0 * (p - 1 - i) for i in range(p)]
-    for i in range(p):
-        out += [
-            BlockPass(i, Kind.F, f0[i]), BlockPass(2 * p - 1 - i, Kind.F, f1[i]),
-            BlockPass(2 * p - 1 - i, Kind.B, b1[i]), BlockPass(i, Kind.B, b0[i]),
-        ]
-    return out
-
-
-def _collision_free(p: int, passes: list[BlockPass]) -> bool:
-    seen: list[set[int]] = [set() for _ in range(p)]
-    for bp in passes:
-        rank = bp.stage if bp.stage < p else 2 * p - 1 - bp.stage
-        if bp.start % T in seen[rank]:
-            return False
-        seen[rank].add(bp.start % T)
-    return True
-
-
 def v_block(p: int, shifts: tuple[int, int, int, int]) -> Block:
-    """The V block with constant shifts (F0, F1, B1, B0 between neighbouring ranks).
+    """The V block with constant shifts between neighbouring ranks, given as
+    (F0, F1, B1, B0); chunk-0 F and chunk-1 B travel down, the others up. The F0 and B1
+    shifts must be equal, and so must the F1 and B0 shifts (the V's two directions).
+    """
+    s_f0, s_f1, s_b1, s_b0 = shifts
+    if s_f0 != s_b1 or s_f1 != s_b0 or min(shifts) < 1:
+        raise ScheduleError(f"V shifts {shifts}: give (d, u, d, u) with d, u >= 1")
+    return v_block_from_offsets(p, [s_f0 * i for i in range(p)], [s_f1 * (p - 1 - i) for i in range(p)])
 
-    The three turn gaps (bottom F turn, top F1->B1, bottom B turn) are the smallest that
-    keep F and B collision-free mod 6; the Ws then go into each rank's two free residues,
-    earliest after their B. Among gap choices the smallest lifespan bound wins.
+
+def v_block_from_offsets(p: int, down: list[int], up: list[int]) -> Block:
+    """A V block from per-rank offsets: rank i starts F0 at down[i] and B1 at
+    down[i] + c, F1 at a + up[i] and B0 at b + up[i] (down[0] = up[p-1] = 0).
+
+    The three turn gaps (bottom F turn, top F1->B1, bottom B turn) fixing a, b and c
+    are the smallest in 1..6 that keep F and B collision-free mod 6; the Ws then go into
+    each rank's free residues, earliest after their B. Among tiling gap choices the
+    smallest lifespan bound wins.
     """
     if p < 1:
         raise ScheduleError(f"p must be an integer >= 1, got {p!r}")
     placement = Placement.v_shape(p)
-    best: tuple[float, int, Block] | None = None
-    for gaps in product(range(1, T + 1), repeat=3):
-        fb = _uniform_fb(p, shifts, gaps)
-        if not _collision_free(p, fb):
+    best: tuple[tuple[float, int], Block] | None = None
+    r_f0 = [d % T for d in down]
+    for g1 in range(1, T + 1):
+        a = down[-1] + g1
+        r_f1 = [(a + u) % T for u in up]
+        if any(x == y for x, y in zip(r_f0, r_f1)):
             continue
-        w_chain = [(bp.stage, Kind.W, 1) for bp in sorted(fb, key=lambda x: x.start) if bp.kind is Kind.B]
-        try:
-            block = fit_block(placement, fb, w_chain, interval=T)
-        except ScheduleError:
-            continue
-        key = (max(block.lifespan_bound()), sum(gaps))
-        if best is None or key < best[:2]:
-            best = (*key, block)
+        for g2 in range(1, T + 1):
+            c = a + up[0] + g2
+            r_b1 = [(c + d) % T for d in down]
+            if any(z in (x, y) for x, y, z in zip(r_f0, r_f1, r_b1)):
+                continue
+            for g3 in range(1, T + 1):
+                b = c + down[-1] + g3
+                r_b0 = [(b + u) % T for u in up]
+                if any(w in (x, y, z) for x, y, z, w in zip(r_f0, r_f1, r_b1, r_b0)):
+                    continue
+                fb = []
+                for i in range(p):
+                    fb += [
+                        BlockPass(i, Kind.F, down[i]), BlockPass(2 * p - 1 - i, Kind.F, a + up[i]),
+                        BlockPass(2 * p - 1 - i, Kind.B, c + down[i]), BlockPass(i, Kind.B, b + up[i]),
+                    ]
+                w_chain = [(bp.stage, Kind.W, 1) for bp in sorted(fb, key=lambda x: x.start) if bp.kind is Kind.B]
+                try:
+                    block = fit_block(placement, fb, w_chain, interval=T)
+                except ScheduleError:
+                    continue
+                key = (max(block.lifespan_bound()), g1 + g2 + g3)
+                if best is None or key < best[0]:
+                    best = (key, block)
     if best is None:
-        raise ScheduleError(f"no V block with shifts {shifts} tiles for p={p}; choose other shifts")
-    return best[2]
+        raise ScheduleError(f"no V block with these offsets tiles for p={p}: F and B collide mod {T}; choose other shifts")
+    return best[1]
 
 
 def v_fused_block(p: int) -> Block:
@@ -129,33 +128,19 @@ def v_half(*, p: int, m: int, costs: object | None = None) -> Schedule:
     return build(v_block(p, (2, 1, 2, 1)), m, name="v-half", costs=costs)
 
 
-_ZB_SHIFTS = ((3, 3, 3, 3), (4, 2, 4, 2), (2, 4, 2, 4), (5, 1, 5, 1), (1, 5, 1, 5))
-
-
 @register("v-zb", "V shape at 1F1B's memory (p): zero bubble at equal F/B/W costs")
 def v_zb(*, p: int, m: int, costs: object | None = None) -> Schedule:
-    """V-ZB: V blocks whose shifts sum to 6, so lifespans total about 12p slots per rank
-    and the peak is 1F1B's (2p chunk activations, p in full-stage units). The block (and
-    its reorder) with the shortest replayed makespan under `costs` is kept.
+    """V-ZB: the V block with downward shifts 4 and upward shifts 2 (their sum 6 is the
+    interval), so each rank's lifespans total about 12p slots and the peak is 1F1B's:
+    2p chunk activations, p in full-stage units. At equal F/B/W costs no rank idles
+    between its first and last pass; the last rank starts p-1 slots late.
 
     p=4, m=8::
 
         (filled in below)
     """
     _checked(p, m)
-    table = CostTable.of(Placement.v_shape(p), costs)
-    limit = p * max(table.mem_b) / Placement.v_shape(p).stage_fraction if costs is not None else float(p)
-    best = None
-    for shifts in _ZB_SHIFTS:
-        block = v_block(p, shifts)
-        if max(block.lifespan_bound(table.mem_b)) > limit + 1e-9:
-            continue
-        orders, span, peaks = build_orders(block, m, costs=costs, memory_cap=limit)
-        if best is None or span < best[0] - 1e-9:
-            best = (span, orders)
-    if best is None:
-        raise ScheduleError(f"no V-ZB block fits 1F1B's memory for p={p}")
-    return Schedule("v-zb", p, m, Placement.v_shape(p), best[1])
+    return build(v_block(p, (4, 2, 4, 2)), m, name="v-zb", costs=costs)
 
 
 @register("1f1b-v", "V placement without B/W split (fused BW): about 2/3 of 1F1B's memory")
