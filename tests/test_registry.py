@@ -22,7 +22,7 @@ def test_docstring_shows_the_generated_schedule(name):
     case = re.search(r"p=(\d+), m=(\d+)(?:, v=(\d+))?[^\n]*::", doc)
     assert case, f"{name}: docstring must show the schedule for a small case ('p=4, m=8::' then rank lines)"
     p, m = int(case.group(1)), int(case.group(2))
-    shown = re.findall(r"^\s+(\d+): (.+)$", doc[case.end():], flags=re.M)[:p]
+    shown = re.findall(r"^\s*(\d+): (.+)$", doc[case.end():], flags=re.M)[:p]
     assert len(shown) == p, f"{name}: docstring shows {len(shown)} rank lines for p={p}"
     kwargs = {"v": int(case.group(3))} if case.group(3) and spec.accepts("v") else {}
     schedule = spec(p=p, m=m, **kwargs)
