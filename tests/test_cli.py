@@ -95,3 +95,42 @@ def test_malformed_schedule_file_subprocess(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "cannot parse action '0QQ1'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_export_torch_csv_round_trip(capsys, tmp_path):
+    path = tmp_path / "zbv.csv"
+    code, _, err = run_cli(capsys, "export", "zb-v", "-p", "4", "-m", "8", "-o", str(path))
+    assert code == 0 and "wrote" in err
+    first = path.read_text().splitlines()[0].split(",")
+    assert first[:3] == ["0F0", "0F1", "0F2"] and "7I0" in first  # our B is torch's I
+    code, out, _ = run_cli(capsys, "simulate", "x", "--file", str(path), "--json")
+    data = json.loads(out)
+    code2, out2, _ = run_cli(capsys, "simulate", "zb-v", "-p", "4", "-m", "8", "--json")
+    assert code == 0 and data["makespan"] == json.loads(out2)["makespan"]
+    assert data["peak_activation"] == json.loads(out2)["peak_activation"]
+
+
+def test_export_text_to_stdout(capsys):
+    code, out, _ = run_cli(capsys, "export", "1f1b", "-p", "2", "-m", "2")
+    assert code == 0 and out.splitlines()[1] == "0: 0F0 0F1 0BW0 0BW1"
+
+
+def test_set_passes_generator_options(capsys):
+    code, out, _ = run_cli(capsys, "simulate", "zb-v", "-p", "4", "-m", "8", "--set", "cost_aware=true",
+                           "--costs", "3,4,2", "--json")
+    assert code == 0 and json.loads(out)["schedule"] == "zb-v"
+    code, _, err = run_cli(capsys, "simulate", "zb-v", "--set", "bogus=1")
+    assert code == 2 and "has no option 'bogus'" in err
+    code, _, err = run_cli(capsys, "simulate", "zb-v", "--set", "cost_aware")
+    assert code == 2 and "expected KEY=VALUE" in err
+
+
+def test_sequence_chunks_on_the_command_line(capsys):
+    code, out, _ = run_cli(capsys, "simulate", "zb-h1", "-p", "4", "-m", "8", "--seq-chunks", "2", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["seq_chunks"] == 2 and data["peak_activation"][0] == 2.5
+    code, out, _ = run_cli(capsys, "simulate", "seq1f1b", "-p", "4", "-m", "8", "--seq-chunks", "4",
+                           "--model", "8,512,8,4096", "--seq-split", "even", "--json")
+    assert code == 0 and json.loads(out)["seq_chunks"] == 4
+    code, _, err = run_cli(capsys, "simulate", "seq1f1b", "--seq-chunks", "8", "--model", "4,64,4,4")
+    assert code == 2 and "cannot split a sequence of 4 tokens into 8 chunks" in err

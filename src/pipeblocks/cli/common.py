@@ -11,7 +11,10 @@ import functools
 import json
 import sys
 
+from pathlib import Path
+
 from ..core.errors import ScheduleError
+from ..interop import from_torch_csv
 from ..core.schedule import Schedule
 from ..schedules import get
 from ..schedules.sequence import split_sequence
@@ -57,7 +60,14 @@ def add_schedule_options(parser: argparse.ArgumentParser, *, name: bool = True) 
         help="sequence chunk boundaries: equal FLOPs under causal attention, or equal tokens (needs --model "
         "to differ; default balanced)",
     )
-    parser.add_argument("--file", default=None, help="load a schedule from a .json or text file instead of a name")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="any other generator option, e.g. --set cost_aware=true (repeatable; see the schedule's docstring)",
+    )
+    parser.add_argument(
+        "--file", default=None,
+        help="load a schedule from a file instead of a name: .json, .csv (torch compute-only), or the text form",
+    )
 
 
 def costs_from_args(args: argparse.Namespace, schedule: Schedule | None = None) -> Costs:
@@ -90,9 +100,14 @@ def build_schedule(args: argparse.Namespace, name: str | None = None) -> Schedul
     """The schedule the options describe: from --file, or by name through the registry;
     --seq-chunks composes sequence splitting with it."""
     if getattr(args, "file", None):
-        return Schedule.load(args.file)
+        return _load(args)
     spec = get(name or args.name)
     kwargs = _options(args, spec, {"p": args.p, "m": args.m})
+    for item in getattr(args, "set", []):
+        key, value = _parse_setting(item)
+        if not spec.accepts(key):
+            raise ScheduleError(f"schedule {spec.name!r} has no option {key!r}; it takes {sorted(spec.parameters)}")
+        kwargs[key] = value
     k = getattr(args, "seq_chunks", None)
     build = spec if k is None else functools.partial(split_sequence, spec.name, seq_chunks=k)
     schedule = build(**kwargs)
@@ -101,6 +116,33 @@ def build_schedule(args: argparse.Namespace, name: str | None = None) -> Schedul
         # build tells; the second build uses the real costs.
         schedule = build(**kwargs, costs=costs_from_args(args, schedule))
     return schedule
+
+
+def _load(args: argparse.Namespace) -> Schedule:
+    if Path(args.file).suffix.lower() == ".csv":
+        try:
+            text = Path(args.file).read_text()
+        except OSError as err:
+            raise ScheduleError(f"cannot read schedule file {args.file!r}: {err.strerror}") from None
+        return from_torch_csv(text, m=None)
+    return Schedule.load(args.file)
+
+
+def _parse_setting(item: str) -> tuple[str, object]:
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ScheduleError(f"--set {item!r}: expected KEY=VALUE, e.g. --set cost_aware=true")
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return key.strip(), lowered == "true"
+    if lowered in ("none", ""):
+        return key.strip(), None
+    for kind in (int, float):
+        try:
+            return key.strip(), kind(text)
+        except ValueError:
+            pass
+    return key.strip(), text.strip()
 
 
 def _options(args: argparse.Namespace, spec, kwargs: dict[str, object]) -> dict[str, object]:

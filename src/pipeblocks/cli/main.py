@@ -12,7 +12,7 @@ import sys
 
 __all__ = ["main", "COMMANDS"]
 
-COMMANDS = ("list_cmd", "show", "simulate_cmd", "compare", "plot", "train")
+COMMANDS = ("list_cmd", "show", "simulate_cmd", "compare", "plot", "export", "train")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,52 @@
+"""`pipeblocks export NAME -p P -m M -o FILE`: write a schedule for another runtime or for
+later (`--file`): torch.distributed.pipelining's compute-only CSV, JSON, or the text form.
+
+    pipeblocks export zb-v -p 4 -m 8 -o zbv.csv       # torch: _load_csv("zbv.csv", format="compute_only")
+    pipeblocks simulate x --file zbv.csv              # and back: CSV, JSON and text files load alike
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..core.schedule import write_atomically
+from ..interop import to_torch_csv
+from .common import add_schedule_options, build_schedule
+
+_FORMATS = ("torch-csv", "json", "text")
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("export", help="write a schedule as torch.distributed.pipelining CSV, JSON or text")
+    add_schedule_options(parser)
+    parser.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
+    parser.add_argument(
+        "--format", choices=_FORMATS, default=None,
+        help="default from the suffix: .csv torch-csv, .json json, otherwise the text form",
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    schedule = build_schedule(args)
+    fmt = args.format or _format_of(args.output)
+    if fmt == "torch-csv":
+        body = to_torch_csv(schedule)
+    elif fmt == "json":
+        import json
+
+        body = json.dumps(schedule.to_json(), indent=1) + "\n"
+    else:
+        body = schedule.to_text()
+    if args.output:
+        write_atomically(Path(args.output), body)
+        print(f"wrote {args.output} ({fmt}, {schedule.name}, p={schedule.p}, m={schedule.m})", file=sys.stderr)
+    else:
+        sys.stdout.write(body)
+    return 0
+
+
+def _format_of(path: str | None) -> str:
+    suffix = Path(path).suffix.lower() if path else ""
+    return {".csv": "torch-csv", ".json": "json"}.get(suffix, "text")
