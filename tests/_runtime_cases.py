@@ -102,3 +102,85 @@ def try_build(case: str, p: int, m: int) -> str | None:
         return (f"it splits sequences ({schedule.seq_chunks} chunks); the runtime's stage contract has no "
                 "sequence chunks yet")
     return None
+
+
+# ---- failure workers ------------------------------------------------------------
+class Explodes(torch.nn.Module):
+    """Wraps a stage; raises on its `at`-th forward call."""
+
+    def __init__(self, inner: torch.nn.Module, at: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.at = at
+        self.calls = 0
+
+    def forward(self, x):
+        if x.device.type != "meta":  # the shape pass may run the module on meta first
+            self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("stage exploded on purpose")
+        return self.inner(x)
+
+
+def raising_worker(ctx, raising_rank: int, timeout_s: float) -> None:
+    schedule = schedules.get("1f1b")(p=ctx.world_size, m=4)
+    stages = toy_stages(schedule.num_stages, CONFIG)
+    mine = {s: stages[s] for s in schedule.placement.stages_of(ctx.rank)}
+    if ctx.rank == raising_rank:
+        mine = {s: Explodes(mod, at=3) for s, mod in mine.items()}
+    runner = PipelineRunner(schedule, mine, cross_entropy, timeout_s=timeout_s)
+    x, y = toy_batch(MICROBATCH * 4, CONFIG)
+    for _ in range(3):
+        runner.step(x, y)
+
+
+def mismatch_worker(ctx) -> None:
+    """Stage 1 is built for a wider hidden size than stage 0 produces."""
+    schedule = schedules.get("1f1b")(p=2, m=2)
+    narrow = toy_stages(2, CONFIG)
+    wide = toy_stages(2, ToyConfig(vocab=CONFIG.vocab, hidden=2 * CONFIG.hidden, seq=CONFIG.seq))
+    mine = {0: narrow[0]} if ctx.rank == 0 else {1: wide[1]}
+    runner = PipelineRunner(schedule, mine, cross_entropy, timeout_s=60.0)
+    x, y = toy_batch(MICROBATCH * 2, CONFIG)
+    runner.step(x, y)
+
+
+def silent_peer_worker(ctx, timeout_s: float) -> None:
+    """Rank 1 never runs its side; rank 0 must give up after timeout_s, not hang."""
+    import time
+
+    if ctx.rank == 1:
+        time.sleep(600)
+        return
+    schedule = schedules.get("1f1b")(p=2, m=2)
+    stages = toy_stages(2, CONFIG)
+    runner = PipelineRunner(schedule, {0: stages[0]}, cross_entropy, timeout_s=timeout_s)
+    x, y = toy_batch(MICROBATCH * 2, CONFIG)
+    runner.step(x, y)
+
+
+def dying_worker(ctx) -> None:
+    import os
+    import time
+
+    if ctx.rank == 1:
+        os._exit(3)
+    time.sleep(600)
+
+
+def bad_input_worker(ctx) -> str:
+    """Errors on bad arguments are ValueErrors raised before any communication."""
+    schedule = schedules.get("1f1b")(p=2, m=4)
+    stages = toy_stages(2, CONFIG)
+    messages = []
+    try:
+        PipelineRunner(schedule, {1 - ctx.rank: stages[1 - ctx.rank]}, cross_entropy)
+    except ValueError as err:
+        messages.append(str(err))
+    runner = PipelineRunner(schedule, {ctx.rank: stages[ctx.rank]}, cross_entropy, timeout_s=30.0)
+    x, y = toy_batch(MICROBATCH * 4, CONFIG)
+    try:
+        runner.step(list(x.chunk(4))[:3], list(y.chunk(4))[:3])
+    except ValueError as err:
+        messages.append(str(err))
+    return "\n".join(messages)
