@@ -1,4 +1,4 @@
-"""Timing and reordering of per-rank pass orders, for generators that weigh costs.
+"""Timing and reordering of per-rank pass orders, for block-built schedules.
 
 The schedules layer does not import the simulator; this module replays an order under a
 cost table with the same rules (a pass starts when its rank is free and its inputs have
@@ -16,7 +16,7 @@ from ..core.deps import phase_of, requirements
 from ..core.placement import Placement
 from ..core.schedule import Schedule
 
-__all__ = ["CostTable", "peaks_of", "replay", "list_schedule"]
+__all__ = ["CostTable", "peaks_of", "replay", "compact"]
 
 Orders = tuple[tuple[Action, ...], ...]
 _EPS = 1e-9
@@ -130,103 +130,6 @@ def replay(orders: Orders, table: CostTable) -> tuple[float, float]:
     if any(cursor[r] < len(orders[r]) for r in range(p)):
         return (float("inf"), float("inf"))
     return (max(clock), max(clock[r] - (first[r] or 0.0) for r in range(p)))
-
-
-def list_schedule(
-    orders: Orders, table: CostTable, caps: Sequence[float], *, lookahead: bool, window: int | None = None
-) -> Orders | None:
-    """Reorder by list scheduling: each rank runs, as early as possible, the first pass in
-    its priority order (`orders`) whose inputs are ready and whose F fits the rank's cap.
-
-    Passes start in time order across ranks, so a pass never waits on one scheduled later.
-    With `lookahead`, a pass may jump ahead of the rank's next pass in priority order only
-    if it ends before that pass's inputs arrive (when known). None if memory blocks every
-    rank before all passes ran.
-    """
-    p = len(orders)
-    rank_of = table.placement.stage_to_rank
-    S = table.placement.num_stages
-    K = window or (8 * p + 24)
-    rows = [list(r) for r in orders]
-    taken = [[False] * len(r) for r in rows]
-    head = [0] * p
-    free = [0.0] * p
-    held = [0.0] * p
-    done: dict[tuple, float] = {}
-    out: list[list[Action]] = [[] for _ in range(p)]
-    needs = {a: _needs(a, table) for row in rows for a in row}
-    best: list[tuple[float, int] | None] = [None] * p
-
-    def ready_at(a: Action) -> float | None:
-        t = 0.0
-        for need, delay in needs[a]:
-            end = done.get(need)
-            if end is None:
-                return None
-            t = max(t, end + delay)
-        return t
-
-    def choose(r: int) -> tuple[float, int] | None:
-        row, flags = rows[r], taken[r]
-        while head[r] < len(row) and flags[head[r]]:
-            head[r] += 1
-        limit = free[r]
-        first_ready: float | None = None
-        found: tuple[float, int] | None = None
-        seen = 0
-        for i in range(head[r], len(row)):
-            if flags[i]:
-                continue
-            seen += 1
-            if seen > K:
-                break
-            a = row[i]
-            t = ready_at(a)
-            if t is None:
-                continue
-            if a.kind is Kind.F and held[r] + table.alloc(a) > caps[r] + _EPS:
-                continue
-            if i == head[r]:
-                first_ready = max(t, limit)
-            start = max(t, limit)
-            if lookahead and first_ready is not None and i != head[r]:
-                if start + table.duration(a) > first_ready + _EPS:
-                    continue
-            if found is None or start < found[0] - _EPS:
-                found = (start, i)
-                if start <= limit + _EPS:
-                    break
-        return found
-
-    for r in range(p):
-        best[r] = choose(r)
-    remaining = sum(len(r) for r in rows)
-    while remaining:
-        pick = None
-        for r in range(p):
-            c = best[r]
-            if c is not None and (pick is None or c[0] < pick[1] - _EPS):
-                pick = (r, c[0], c[1])
-        if pick is None:
-            return None
-        r, start, i = pick
-        a = rows[r][i]
-        taken[r][i] = True
-        remaining -= 1
-        end = start + table.duration(a)
-        free[r] = end
-        held[r] += table.alloc(a) + table.release(a)
-        out[r].append(a)
-        for ph in phase_of(a):
-            done[ph] = end
-        touched = {r}
-        if a.kind is Kind.F and a.stage + 1 < S:
-            touched.add(rank_of[a.stage + 1])
-        if a.kind in (Kind.B, Kind.BW) and a.stage > 0:
-            touched.add(rank_of[a.stage - 1])
-        for t in touched:
-            best[t] = choose(t)
-    return tuple(tuple(r) for r in out)
 
 
 def compact(

@@ -11,16 +11,16 @@ pipeblocks derives
     activation: W, or BW when fused) and the lifespan bound on peak activation memory
     per rank, sum over its stages of ceil(l_s / T) * (activation of one microbatch on s);
   * a full schedule (`build`): repeat for m microbatches, squeeze, and reorder warm-up
-    and cool-down by a list scheduler that never holds more activation than the tiled
-    schedule did (nor more than the lifespan bound), keeping whichever order simulates
-    fastest under the given costs.
+    and cool-down by moving passes into earlier free slots, never holding more
+    activation than the tiled schedule did (nor more than the lifespan bound); the
+    order that replays fastest under the given costs is kept.
 
 Text form of a block pass: `<stage><kind>@<start>[:<length>]`, for example::
 
     >>> from pipeblocks.core import Placement
-    >>> blk = Block.parse(Placement.loop(2), "0F@0 1F@1 1B@2 1W@3 0B@3 0W@4", interval=3)
+    >>> blk = Block.parse(Placement.loop(2), "0F@0 1F@1 1B@2 1W@3 0B@4 0W@5", interval=3)
     >>> blk.lifespans
-    (5, 3)
+    (6, 3)
     >>> blk.lifespan_bound()
     (2.0, 1.0)
     >>> s = build(blk, m=4, name="my-1f1b")
@@ -40,7 +40,7 @@ from ..core.deps import requirements
 from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
-from ._reorder import CostTable, compact, list_schedule, peaks_of, replay
+from ._reorder import CostTable, compact, peaks_of, replay
 
 __all__ = ["BlockPass", "Block", "tile", "build", "build_orders", "fit_block"]
 
@@ -111,7 +111,7 @@ class Block:
     # ---- construction -----------------------------------------------------------
     @staticmethod
     def parse(placement: Placement, text: str, *, interval: int) -> Block:
-        """A block from its text form, e.g. "0F@0 1F@1 1B@2 1W@3 0B@3 0W@4"."""
+        """A block from its text form, e.g. "0F@0 1F@1 1B@2 1W@3 0B@4 0W@5"."""
         return Block(placement, tuple(BlockPass.parse(t) for t in text.split()), interval)
 
     def to_text(self) -> str:
@@ -251,8 +251,8 @@ def build_orders(
     """The best per-rank orders for m microbatches: (orders, times, peaks), where times is
     (makespan, longest rank span) replayed under costs, compared in that order.
 
-    Candidates: the tiled order (squeezed by replay) and list-scheduled reorders of it
-    under a memory cap per rank. The cap defaults to the smaller of the tiled schedule's
+    Candidates: the tiled order (squeezed by replay) and two compactions of it on the
+    slot grid under a memory cap per rank (with and without floating the cool-down Ws). The cap defaults to the smaller of the tiled schedule's
     largest rank peak and the rank's lifespan bound, so reordering never raises the
     peak; an explicit `memory_cap` (one value, or one per rank) replaces it.
     """
@@ -268,15 +268,17 @@ def build_orders(
         caps = tuple(float(c) for c in memory_cap)
     else:
         caps = (float(memory_cap),) * block.p
-    best = (replay(tiled, table), tiled, tiled_peaks) if all(x <= c + 1e-9 for x, c in zip(tiled_peaks, caps)) else None
-    timed = [[] for _ in range(block.p)]
+    timed: list[list[tuple[int, int, Action]]] = [[] for _ in range(block.p)]
     for j in range(m):
         for bp in block.passes:
             timed[block.rank_of(bp)].append((bp.start + j * block.interval, bp.length, bp.action(j)))
-    for orders in (compact(timed, table, caps, float_weights=False), compact(timed, table, caps)):
-        if orders is None:
+    best = None
+    # compaction never raises a rank above its cap, but it cannot bring a tiled peak under it
+    for orders in (tiled, compact(timed, table, caps, float_weights=False), compact(timed, table, caps)):
+        peaks = peaks_of(orders, table)
+        if any(x > c + 1e-9 for x, c in zip(peaks, caps)):
             continue
-        candidate = (replay(orders, table), orders, peaks_of(orders, table))
+        candidate = (replay(orders, table), orders, peaks)
         if best is None or candidate[0] < best[0]:
             best = candidate
     if best is None:
