@@ -184,3 +184,27 @@ def bad_input_worker(ctx) -> str:
     except ValueError as err:
         messages.append(str(err))
     return "\n".join(messages)
+
+
+# ---- memory ---------------------------------------------------------------------
+def memory_config(schedule: Schedule, total_blocks: int) -> ToyConfig:
+    """The same model for every schedule: `total_blocks` blocks cut into the schedule's stages."""
+    if total_blocks % schedule.num_stages:
+        raise ValueError(f"{total_blocks} blocks do not split into {schedule.num_stages} stages")
+    return ToyConfig(vocab=CONFIG.vocab, hidden=CONFIG.hidden, seq=CONFIG.seq,
+                     blocks_per_stage=total_blocks // schedule.num_stages)
+
+
+def memory_worker(ctx, cases: list[tuple[str, int]], total_blocks: int) -> dict:
+    """Per case: this rank's measured peak saved bytes in the second step, and what was left after it."""
+    out = {}
+    for case, m in cases:
+        schedule = build(case, ctx.world_size, m)
+        stages = toy_stages(schedule.num_stages, memory_config(schedule, total_blocks))
+        mine = {s: stages[s] for s in schedule.placement.stages_of(ctx.rank)}
+        runner = PipelineRunner(schedule, mine, cross_entropy, timeout_s=30.0)
+        x, y = toy_batch(MICROBATCH * m, CONFIG, seed=1)
+        runner.step(x, y)
+        result = runner.step(x, y)
+        out[case] = {"peak": result.peak_saved_bytes, "left": runner.tracker.current}
+    return out

@@ -77,7 +77,8 @@ class SavedTensorTracker:
             self._change(nbytes)
         else:
             entry[0] += 1
-        return _Saved(tensor, key, self)
+        # detached: a saved output holding its own grad_fn would make a cycle that keeps the graph alive
+        return _Saved(tensor.detach(), key, self)
 
     def _release(self, key: tuple) -> None:
         entry = self._live.get(key)

@@ -258,7 +258,8 @@ def _microbatches(value, m: int, name: str) -> list[torch.Tensor]:
                 f"{name} has leading dimension {value.shape[0] if value.dim() else 0}, not divisible by m={m}: "
                 f"give a batch size that is a multiple of {m}, or a list of {m} microbatches"
             )
-        return list(value.chunk(m))
+        # clones: each microbatch owns its storage, so what autograd saves of it is freed with it
+        return [part.clone() for part in value.chunk(m)]
     value = list(value)
     if len(value) != m:
         raise ValueError(f"{name} has {len(value)} microbatches but the schedule has m={m}: give exactly {m}")
