@@ -208,3 +208,17 @@ def memory_worker(ctx, cases: list[tuple[str, int]], total_blocks: int) -> dict:
         result = runner.step(x, y)
         out[case] = {"peak": result.peak_saved_bytes, "left": runner.tracker.current}
     return out
+
+
+# ---- emulation ------------------------------------------------------------------
+def emulate_worker(ctx, name: str, m: int, ms: float):
+    from pipeblocks.runtime.emulate import EmulatedCompute, EmulatedCosts
+
+    schedule = build(name, ctx.world_size, m)
+    stages = toy_stages(schedule.num_stages, CONFIG)
+    mine = {s: stages[s] for s in schedule.placement.stages_of(ctx.rank)}
+    compute = EmulatedCompute(EmulatedCosts(ms, ms, ms), mine, schedule.num_stages)
+    runner = PipelineRunner(schedule, mine, cross_entropy, timeout_s=30.0, compute=compute, record_timeline=True)
+    x, y = toy_batch(MICROBATCH * m, CONFIG)
+    runner.step(x, y)
+    return runner.step(x, y).timeline

@@ -1,0 +1,102 @@
+"""Emulated compute: every action sleeps for its modelled cost while real tensors cross the wire.
+
+With `PipelineRunner(..., compute=EmulatedCompute(costs, stages))` the runner executes the
+schedule exactly as in training (same Program, same receives, sends, hand-overs and
+waits, tensors of the real shapes and dtypes), but a forward sleeps `f_ms` per layer and
+returns zeros of the stage's output spec, B sleeps `b_ms` per layer and returns zeros
+of the input's spec, W sleeps `w_ms` per layer, and a fused BW sleeps B + W. Comparing the
+measured Timeline with `simulate(schedule, costs.sim_costs(schedule))` shows the runtime's
+own overhead and bubbles on a machine far smaller than the model.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from ..core.schedule import Schedule
+from ..sim.costs import Costs
+from .backward import WeightGradWork
+from .compute import Unit
+from .shapes import TensorSpec, infer_output_spec
+
+__all__ = ["EmulatedCosts", "EmulatedCompute"]
+
+
+@dataclass(frozen=True)
+class EmulatedCosts:
+    """Per layer, per microbatch: forward, input-gradient and weight-gradient time in ms.
+
+    layers: layers in each global stage (one int for every stage, or one per stage).
+    """
+
+    f_ms: float
+    b_ms: float
+    w_ms: float
+    layers: int | tuple[int, ...] = 1
+
+    def __post_init__(self) -> None:
+        for name in ("f_ms", "b_ms", "w_ms"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 ms, got {getattr(self, name)!r}")
+
+    def layers_of(self, stage: int, num_stages: int) -> int:
+        if isinstance(self.layers, int):
+            return self.layers
+        if len(self.layers) != num_stages:
+            raise ValueError(f"layers has {len(self.layers)} entries for {num_stages} stages: give one per stage")
+        return self.layers[stage]
+
+    def sim_costs(self, schedule: Schedule, t_comm_ms: float = 0.0) -> Costs:
+        """The simulator's costs for the same model, in ms per global stage."""
+        S = schedule.num_stages
+        per = [self.layers_of(s, S) for s in range(S)]
+        return Costs(
+            t_f=tuple(self.f_ms * n for n in per), t_b=tuple(self.b_ms * n for n in per),
+            t_w=tuple(self.w_ms * n for n in per), t_comm=t_comm_ms,
+        )
+
+
+class EmulatedCompute:
+    """Sleeps instead of computing; the modules serve only to infer output shapes."""
+
+    def __init__(self, costs: EmulatedCosts, stages: Mapping[int, torch.nn.Module], num_stages: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.costs = costs
+        self.stages = stages
+        self.num_stages = num_stages
+        self.device = torch.device(device)
+        self._out: dict[tuple[int, TensorSpec], TensorSpec] = {}
+
+    def _sleep(self, ms_per_layer: float, stage: int) -> None:
+        seconds = ms_per_layer * self.costs.layers_of(stage, self.num_stages) / 1000.0
+        if seconds > 0:
+            time.sleep(seconds)
+
+    def forward(self, stage: int, x: torch.Tensor, target: torch.Tensor | None) -> tuple[torch.Tensor | None, Unit]:
+        self._sleep(self.costs.f_ms, stage)
+        if stage == self.num_stages - 1:
+            return None, Unit(x, x, loss=torch.zeros(()))
+        key = (stage, TensorSpec.of(x))
+        if key not in self._out:
+            self._out[key] = infer_output_spec(self.stages[stage], key[1], self.device)
+        return torch.zeros(self._out[key].shape, dtype=self._out[key].dtype, device=self.device), Unit(x, x)
+
+    def input_grad(self, stage: int, unit: Unit, grad: torch.Tensor | None) -> torch.Tensor | None:
+        self._sleep(self.costs.b_ms, stage)
+        dx = torch.zeros_like(unit.inp) if stage > 0 else None
+        unit.root = unit.inp = None
+        unit.work = WeightGradWork([])
+        return dx
+
+    def weight_grad(self, stage: int, unit: Unit) -> None:
+        self._sleep(self.costs.w_ms, stage)
+        unit.work = None
+
+    def full_backward(self, stage: int, unit: Unit, grad: torch.Tensor | None) -> torch.Tensor | None:
+        self._sleep(self.costs.b_ms + self.costs.w_ms, stage)
+        dx = torch.zeros_like(unit.inp) if stage > 0 else None
+        unit.root = unit.inp = None
+        return dx

@@ -1,0 +1,26 @@
+"""Emulated compute: the Program runs with sleeps for compute and real tensors on the wire,
+and the measured Timeline is a sim Timeline that follows the schedule's order."""
+from __future__ import annotations
+
+from pipeblocks.runtime import spawn
+from pipeblocks.runtime.emulate import EmulatedCosts
+from pipeblocks.sim import simulate
+
+from _runtime_cases import build, emulate_worker
+
+MS = 20.0
+
+
+def test_emulated_timeline_follows_schedule_and_model():
+    name, p, m = "zb-h1", 2, 4
+    timelines = spawn(emulate_worker, p, args=(name, m, MS), timeout_s=120, threads_per_rank=1)
+    measured = timelines[0]
+    assert timelines[1] is None, "the Timeline is gathered on rank 0 only"
+    schedule = build(name, p, m)
+    for rank, events in enumerate(measured.events):
+        assert [e.action for e in events] == list(schedule.ranks[rank]), "actions ran in the schedule's order"
+        for event in events:
+            want = MS * (2 if event.action.kind.value == "BW" else 1) / 1000
+            assert event.end - event.start >= want * 0.95, f"{event.action} slept its modelled cost"
+    predicted = simulate(schedule, EmulatedCosts(MS, MS, MS).sim_costs(schedule)).makespan / 1000
+    assert predicted * 0.95 <= measured.makespan <= predicted * 2.0
