@@ -195,6 +195,9 @@ class PipelineRunner:
     # ---- first step: shapes ---------------------------------------------------
     def _build_executor(self, xs: list[torch.Tensor] | None) -> RankExecutor:
         schedule = self.schedule
+        if dist.get_backend(self.group) != "gloo":
+            # NCCL wants every rank in the first call of a communicator; p2p calls come later
+            dist.barrier(group=self.group)
         placement = schedule.placement
         S, m = schedule.num_stages, schedule.m
         tags = Tags(S, m, schedule.seq_chunks)
@@ -207,13 +210,14 @@ class PipelineRunner:
                 specs = out_specs[stage - 1]
             else:
                 peer = placement.rank_of(stage - 1)
-                buffer = torch.empty((m, 2 + MAX_DIMS), dtype=torch.int64)
+                buffer = torch.empty((m, 2 + MAX_DIMS), dtype=torch.int64, device=self.device)
                 self.mailbox.recv(("shapes", stage), buffer, peer, tags.shapes(stage))
                 specs = decode_specs(self.mailbox.wait(("shapes", stage), f"the shapes for stage {stage} from rank {peer}"))
             in_specs[stage] = specs
             out_specs[stage] = self._infer(stage, specs)
             if stage < S - 1 and placement.rank_of(stage + 1) != self.rank:
-                self.mailbox.send(encode_specs(out_specs[stage]), placement.rank_of(stage + 1), tags.shapes(stage + 1),
+                self.mailbox.send(encode_specs(out_specs[stage]).to(self.device), placement.rank_of(stage + 1),
+                                  tags.shapes(stage + 1),
                                   f"the shapes for stage {stage + 1}")
                 self.mailbox.flush()
         self.mailbox.finish()
