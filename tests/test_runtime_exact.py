@@ -7,7 +7,6 @@ new registrations are covered without new processes.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pipeblocks import schedules
 from pipeblocks.runtime import spawn
