@@ -84,3 +84,96 @@ def test_reference_step_matches_a_whole_batch_step_and_compare_finds_the_worst()
     bumped = dict(grads, **{"head.out.weight": grads["head.out.weight"] * (1 + 1e-6)})
     worst = compare_grads(bumped, expected)
     assert worst.name == "head.out.weight" and 0.5e-6 < worst.relative < 2e-6
+
+
+# ---- `pipeblocks train` end to end (2 local processes each; every run bounded by timeouts) ----
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeblocks.cli.main import main
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+SMALL = ["-p", "2", "-m", "2", "--layers", "2", "--hidden", "16", "--heads", "2", "--seq", "16",
+         "--microbatch-size", "2", "--timeout", "90"]
+
+
+def _train(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "pipeblocks.cli.main", "train", *args], env=env,
+                          capture_output=True, text=True, timeout=150)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    proc = _train("--schedule", "1f1b", *SMALL, "--steps", "4", "--report", str(out / "run.json"))
+    assert proc.returncode == 0, proc.stderr
+    return proc, json.loads((out / "run.json").read_text()), out
+
+
+def test_train_prints_progress_and_reports_measured_against_simulated(full_run):
+    proc, report, out = full_run
+    progress = re.findall(r"^step +(\d+)/4 +loss +([\d.]+) +[\d,]+ tokens/s", proc.stdout, re.M)
+    assert [int(s) for s, _ in progress] == [1, 2, 3, 4]
+    assert float(progress[-1][1]) < float(progress[0][1])  # it learns
+    for key in ("schedule", "p", "m", "iteration_time_measured_s", "iteration_time_simulated_s",
+                "bubble_ratio_measured", "bubble_ratio_simulated", "ranks"):
+        assert key in report, key
+    assert (report["schedule"], report["p"], report["m"]) == ("1f1b", 2, 2)
+    assert report["iteration_time_measured_s"] > 0 and report["iteration_time_simulated_s"] > 0
+    assert 0 <= report["bubble_ratio_measured"] < 1 and 0 <= report["bubble_ratio_simulated"] < 1
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    for row in report["ranks"]:
+        measured, predicted = row["peak_activation_bytes_measured"], row["peak_activation_bytes_predicted"]
+        assert measured > 0 and abs(measured - predicted) <= 0.05 * predicted, row
+    assert (out / "run.png").stat().st_size > 0
+    assert "peak activation" in proc.stdout
+
+
+def test_resume_from_a_checkpoint_gives_the_same_losses(full_run, tmp_path):
+    _, straight, _ = full_run
+    first = _train("--schedule", "1f1b", *SMALL, "--steps", "2", "--checkpoint", str(tmp_path / "ck"),
+                   "--report", str(tmp_path / "a.json"))
+    assert first.returncode == 0, first.stderr
+    second = _train("--schedule", "1f1b", *SMALL, "--steps", "4", "--checkpoint", str(tmp_path / "ck"), "--resume",
+                    "--report", str(tmp_path / "b.json"))
+    assert second.returncode == 0, second.stderr
+    assert re.search(r"^step +3/4", second.stdout, re.M) and not re.search(r"^step +1/4", second.stdout, re.M)
+    resumed = [json.loads((tmp_path / f).read_text())["losses"] for f in ("a.json", "b.json")]
+    assert resumed[0] + resumed[1] == straight["losses"]  # exactly, not approximately
+
+
+@pytest.mark.parametrize("schedule, dtype", [("zb-h1", "float64"), ("v-half", "float32")])
+def test_verify_matches_one_process(schedule, dtype):
+    proc = _train("--schedule", schedule, *SMALL, "--layers", "4", "--dtype", dtype, "--verify")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    match = re.search(r"largest relative difference ([\d.e+-]+), tolerance ([\d.e+-]+): OK", proc.stdout)
+    assert match and float(match.group(1)) <= float(match.group(2))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--schedule", "nope"], "unknown schedule 'nope'"),
+        (["--schedule", "1f1b", "-p", "2", "--layers", "1"], "1 transformer layers but the pipeline has 2 stages"),
+        (["--schedule", "v-half", "-p", "2", "--layers", "3"], "3 transformer layers but the pipeline has 4 stages"),
+        (["--schedule", "seq1f1b", "-p", "2"], "splits sequences"),
+        (["--seq", "16", "--data", "TINY"], "has 9 tokens but a sequence of 16 needs at least 17"),
+        (["--data", "MISSING"], "does not exist"),
+        (["--resume"], "--resume needs --checkpoint"),
+        (["--checkpoint", "EMPTY", "--resume"], "no complete checkpoint"),
+        (["--emulate", "1,2"], "three milliseconds"),
+        (["--verify", "--emulate", "1,1,1"], "drop --emulate"),
+    ],
+)
+def test_bad_input_is_a_clear_error_before_launch(args, message, tmp_path, capsys):
+    (tmp_path / "tiny.txt").write_text("too short")
+    paths = {"TINY": str(tmp_path / "tiny.txt"), "MISSING": str(tmp_path / "no.txt"), "EMPTY": str(tmp_path / "e")}
+    assert main(["train", *[paths.get(a, a) for a in args]]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "Traceback" not in captured.err
+    assert "training" not in captured.out  # nothing was launched
