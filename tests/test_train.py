@@ -147,6 +147,18 @@ def test_resume_from_a_checkpoint_gives_the_same_losses(full_run, tmp_path):
     assert resumed[0] + resumed[1] == straight["losses"]  # exactly, not approximately
 
 
+def test_emulated_run_times_the_schedule_without_computing(tmp_path):
+    proc = _train("--schedule", "1f1b", *SMALL, "--steps", "3", "--emulate", "5,5,3", "--report", str(tmp_path / "e.json"))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "e.json").read_text())
+    assert report["emulated"] is True and report["losses"] == []
+    assert all(r["peak_activation_bytes_measured"] is None for r in report["ranks"])
+    # one layer per stage: each rank sleeps m * (F + B + W) = 2 * 13 ms per step at least
+    assert report["iteration_time_measured_s"] >= 0.026
+    assert report["iteration_time_simulated_s"] >= 0.026
+    assert "n/a (emulated)" in proc.stdout
+
+
 @pytest.mark.parametrize("schedule, dtype", [("zb-h1", "float64"), ("v-half", "float32")])
 def test_verify_matches_one_process(schedule, dtype):
     proc = _train("--schedule", schedule, *SMALL, "--layers", "4", "--dtype", dtype, "--verify")

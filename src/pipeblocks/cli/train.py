@@ -3,7 +3,7 @@
     pipeblocks train                                         # defaults: small GPT, p=2, m=4, 40 steps
     pipeblocks train --schedule 1f1b -p 4 -m 8 --steps 20 --report run.json   # + run.png
     pipeblocks train --schedule zb-h1 -p 2 -m 4 --dtype float64 --verify      # one step vs one process
-    pipeblocks train --schedule 1f1b -p 2 -m 4 --emulate 20,20,10 --steps 5  # sleep 20/20/10 ms per pass
+    pipeblocks train --schedule 1f1b -p 2 -m 4 --emulate 5,5,3 --steps 5   # sleep 5/5/3 ms per layer
     pipeblocks train --data notes.txt --seq 128 --layers 8 --hidden 128 --heads 8
     pipeblocks train --checkpoint ckpt --steps 20            # then, to continue to step 40:
     pipeblocks train --checkpoint ckpt --steps 40 --resume
@@ -33,7 +33,6 @@ from ..core.validate import validate
 from ..data import ByteTokenizer, TokenWindows
 from ..models import GPTConfig, layer_counts
 from ..schedules import names
-from ..sim.costs import Costs
 from .common import build_schedule
 
 __all__ = ["register", "run", "DEFAULT_SCHEDULE"]
@@ -81,7 +80,7 @@ def register(sub) -> None:
     out.add_argument("--verify", action="store_true",
                      help="run one step; compare loss and every gradient with one process; exit 1 beyond tolerance")
     out.add_argument("--emulate", default=None, metavar="F_MS,B_MS,W_MS",
-                     help="sleep these milliseconds per pass (per full stage) instead of computing")
+                     help="sleep F/B/W milliseconds per layer and microbatch instead of computing (times only)")
     out.add_argument("--report", default=None, metavar="FILE", help="write the measured-vs-simulated report as JSON")
     out.add_argument("--plot", default=None, metavar="FILE",
                      help="timeline plot, .png or .svg (default: beside --report, same name, .png)")
@@ -117,9 +116,10 @@ def _prepare(args: argparse.Namespace, config_type):
     return cfg, data
 
 
-def _schedule(args: argparse.Namespace, emulate: Costs | None) -> Schedule:
+def _schedule(args: argparse.Namespace, emulate: tuple[float, float, float] | None) -> Schedule:
     name = args.schedule or (DEFAULT_SCHEDULE if DEFAULT_SCHEDULE in names() else FALLBACK_SCHEDULE)
-    costs = None if emulate is None else f"{emulate.t_f},{emulate.t_b},{emulate.t_w}"
+    # cost-aware generators see the emulated ratios (unit costs otherwise)
+    costs = None if emulate is None else ",".join(map(str, emulate))
     ns = argparse.Namespace(
         p=args.p, m=args.m, v=args.v, group_size=args.group_size, memory_limit=args.memory_limit, file=None,
         seq_chunks=None, costs=costs, mem_w_ratio=None, model=None, hardware=None,
@@ -134,7 +134,7 @@ def _schedule(args: argparse.Namespace, emulate: Costs | None) -> Schedule:
     return schedule
 
 
-def _parse_emulate(text: str | None) -> Costs | None:
+def _parse_emulate(text: str | None) -> tuple[float, float, float] | None:
     if text is None:
         return None
     try:
@@ -143,7 +143,7 @@ def _parse_emulate(text: str | None) -> Costs | None:
         values = []
     if len(values) != 3 or any(v < 0 for v in values):
         raise ValueError(f"--emulate {text!r}: expected three milliseconds F_MS,B_MS,W_MS >= 0, e.g. 20,20,10")
-    return Costs(t_f=values[0] / 1e3, t_b=values[1] / 1e3, t_w=values[2] / 1e3)
+    return (values[0], values[1], values[2])
 
 
 def _check_resume(cfg, data: TokenWindows) -> None:
@@ -187,7 +187,8 @@ def _train(cfg, data: TokenWindows, args: argparse.Namespace) -> int:
     # Per-stage activation bytes of one microbatch, measured the way the runtime counts them.
     x, y = data.batch(0, cfg.microbatch_size, seed=cfg.seed)
     memory = profile_stage_memory(split_gpt(GPT(cfg.model, seed=cfg.seed), s.num_stages), x, cross_entropy, y)
-    report = build_report(s, results, memory, warmup=min(WARMUP_STEPS, max(0, len(results[0].step_spans) - 1)))
+    warmup = min(WARMUP_STEPS, max(0, len(results[0].step_spans) - 1))
+    report = build_report(s, results, memory, warmup=warmup, emulated=cfg.emulate is not None)
     print(format_report(report.data))
     if args.report:
         write_atomically(Path(args.report), json.dumps(report.data, indent=1) + "\n")

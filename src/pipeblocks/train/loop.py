@@ -26,8 +26,7 @@ import torch
 
 from ..core.schedule import Schedule
 from ..data import TokenWindows
-from ..models import GPTConfig, build_stages, cross_entropy
-from ..sim.costs import Costs
+from ..models import GPTConfig, build_stages, cross_entropy, layer_counts
 from . import checkpoint as ckpt
 from .report import RankResult
 
@@ -57,8 +56,8 @@ class TrainConfig:
     """Continue from the newest complete checkpoint in `checkpoint`."""
     save_every: int = 0
     """Also save every this many steps (0: only after the last step)."""
-    emulate: Costs | None = None
-    """Sleep for these pass times (seconds, per full stage) instead of computing."""
+    emulate: tuple[float, float, float] | None = None
+    """(F, B, W) milliseconds per layer per microbatch: sleep instead of computing (no learning)."""
     verify: bool = False
     """Run one step and return every gradient, for comparison with one process."""
     timeout_s: float = 300.0
@@ -128,7 +127,7 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
         ckpt.check_meta(state["meta"], cfg.meta(data.source), cfg.checkpoint)
         start = ckpt.restore_rank(state, stages, optimizer)
 
-    compute = _emulated_compute(cfg, stages) if cfg.emulate is not None else None
+    compute = _emulated_compute(cfg, stages, ctx.device) if cfg.emulate is not None else None
     runner = PipelineRunner(
         schedule, stages, cross_entropy, rank=rank, device=ctx.device, timeout_s=cfg.timeout_s,
         record_timeline=not cfg.verify, compute=compute,
@@ -153,7 +152,8 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
         if result.loss is not None:
             losses.append((step, result.loss))
             if not cfg.quiet:
-                print(f"step {step + 1:>5}/{cfg.steps}  loss {result.loss:.4f}  "
+                loss = "emulated" if cfg.emulate else f"{result.loss:.4f}"
+                print(f"step {step + 1:>5}/{cfg.steps}  loss {loss}  "
                       f"{cfg.tokens_per_step / (t1 - t0):>9,.0f} tokens/s  {(t1 - t0) * 1e3:7.1f} ms", flush=True)
         done = step + 1
         if cfg.checkpoint and (done == last or (cfg.save_every and done % cfg.save_every == 0)):
@@ -163,8 +163,11 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
     return RankResult(rank, tuple(mine), tuple(losses), tuple(spans), peak, tuple(timelines))
 
 
-def _emulated_compute(cfg: TrainConfig, stages):
-    from ..runtime.emulate import EmulatedCompute
+def _emulated_compute(cfg: TrainConfig, stages, device):
+    from ..runtime.emulate import EmulatedCompute, EmulatedCosts
 
-    return EmulatedCompute(cfg.emulate, schedule=cfg.schedule, stages=stages)
+    f, b, w = cfg.emulate
+    S = cfg.schedule.num_stages
+    costs = EmulatedCosts(f_ms=f, b_ms=b, w_ms=w, layers=layer_counts(cfg.model.layers, S))
+    return EmulatedCompute(costs, stages, S, device)
 

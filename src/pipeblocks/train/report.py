@@ -96,8 +96,14 @@ def iteration_times(results: Sequence[RankResult]) -> list[tuple[int, float]]:
     return [(step, hi - lo) for step, (lo, hi) in sorted(spans.items())]
 
 
-def build_report(schedule: Schedule, results: Sequence[RankResult], memory: Sequence, *, warmup: int) -> RunReport:
-    """Compare the run with the simulator's replay of it; `memory[s]` has .m_b and .m_w of stage s."""
+def build_report(
+    schedule: Schedule, results: Sequence[RankResult], memory: Sequence, *, warmup: int, emulated: bool = False
+) -> RunReport:
+    """Compare the run with the simulator's replay of it; `memory[s]` has .m_b and .m_w of stage s.
+
+    emulated: the run slept instead of computing, so it saved no activations and learned
+    nothing: measured peaks and losses are reported as null / empty.
+    """
     by_rank = sorted(results, key=lambda r: r.rank)
     timelines = next((r.timelines for r in by_rank if r.timelines), ())
     if not timelines:
@@ -107,12 +113,13 @@ def build_report(schedule: Schedule, results: Sequence[RankResult], memory: Sequ
     simulated = simulate(schedule, costs)
     times = [t for _, t in iteration_times(results)]
     times = times[warmup:] or times[-1:]
-    losses = next((r.losses for r in by_rank if r.losses), ())
+    losses = () if emulated else next((r.losses for r in by_rank if r.losses), ())
     data = {
         "schedule": schedule.name,
         "p": schedule.p,
         "m": schedule.m,
         "v": schedule.v,
+        "emulated": emulated,
         "steps_timed": len(times),
         "iteration_time_measured_s": statistics.median(times),
         "iteration_time_simulated_s": simulated.makespan,
@@ -128,7 +135,7 @@ def build_report(schedule: Schedule, results: Sequence[RankResult], memory: Sequ
             {
                 "rank": r.rank,
                 "stages": list(r.stages),
-                "peak_activation_bytes_measured": r.peak_activation_bytes,
+                "peak_activation_bytes_measured": None if emulated else r.peak_activation_bytes,
                 "peak_activation_bytes_predicted": simulated.peak_activation[r.rank],
             }
             for r in by_rank
@@ -139,7 +146,8 @@ def build_report(schedule: Schedule, results: Sequence[RankResult], memory: Sequ
 
 def format_report(data: dict) -> str:
     lines = [
-        f"schedule {data['schedule']}  p={data['p']} m={data['m']} v={data['v']}",
+        f"schedule {data['schedule']}  p={data['p']} m={data['m']} v={data['v']}"
+        + ("   (emulated compute)" if data.get("emulated") else ""),
         f"iteration time  measured {data['iteration_time_measured_s'] * 1e3:8.1f} ms   "
         f"simulated {data['iteration_time_simulated_s'] * 1e3:8.1f} ms   (median of {data['steps_timed']} steps)",
         f"bubble ratio    measured {data['bubble_ratio_measured']:8.3f}      "
@@ -148,9 +156,10 @@ def format_report(data: dict) -> str:
     ]
     for row in data["ranks"]:
         measured, predicted = row["peak_activation_bytes_measured"], row["peak_activation_bytes_predicted"]
-        ratio = f"{measured / predicted:.3f}" if predicted else "-"
+        ratio = f"{measured / predicted:.3f}" if predicted and measured is not None else "-"
+        shown = "n/a (emulated)" if measured is None else _bytes(measured)
         stages = ",".join(map(str, row["stages"]))
-        lines.append(f"{row['rank']:>4}  {stages:<7}  {_bytes(measured):>25}   {_bytes(predicted):>9}   {ratio:>18}")
+        lines.append(f"{row['rank']:>4}  {stages:<7}  {shown:>25}   {_bytes(predicted):>9}   {ratio:>18}")
     return "\n".join(lines)
 
 
