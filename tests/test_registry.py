@@ -19,12 +19,14 @@ def test_registry_has_the_classics():
 def test_docstring_shows_the_generated_schedule(name):
     spec = schedules.get(name)
     doc = spec.doc
-    case = re.search(r"p=(\d+), m=(\d+)(?:, v=(\d+))?[^\n]*::", doc)
+    case = re.search(r"p=(\d+), m=(\d+)[^\n]*::", doc)
     assert case, f"{name}: docstring must show the schedule for a small case ('p=4, m=8::' then rank lines)"
     p, m = int(case.group(1)), int(case.group(2))
     shown = re.findall(r"^\s*(\d+): (.+)$", doc[case.end():], flags=re.M)[:p]
     assert len(shown) == p, f"{name}: docstring shows {len(shown)} rank lines for p={p}"
-    kwargs = {"v": int(case.group(3))} if case.group(3) and spec.accepts("v") else {}
+    # other options on the case line (v=2, memory_limit=3, ...) that the generator takes
+    settings = dict(re.findall(r"(\w+)=([\d.]+)", case.group(0)))
+    kwargs = {k: (float(x) if "." in x else int(x)) for k, x in settings.items() if k not in ("p", "m") and spec.accepts(k)}
     schedule = spec(p=p, m=m, **kwargs)
     actual = [" ".join(map(str, acts)) for acts in schedule.ranks]
     assert [line.strip() for _, line in shown] == actual
