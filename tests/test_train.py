@@ -132,6 +132,7 @@ def test_train_prints_progress_and_reports_measured_against_simulated(full_run):
         assert measured > 0 and abs(measured - predicted) <= 0.05 * predicted, row
     assert (out / "run.png").stat().st_size > 0
     assert "peak activation" in proc.stdout
+    assert report["t_comm_s"] >= 0 and len(report["stages"]) == 2
 
 
 def test_resume_from_a_checkpoint_gives_the_same_losses(full_run, tmp_path):
@@ -176,6 +177,9 @@ def test_verify_matches_one_process(schedule, dtype):
         (["--schedule", "seq1f1b", "-p", "2"], "splits sequences"),
         (["--seq", "16", "--data", "TINY"], "has 9 tokens but a sequence of 16 needs at least 17"),
         (["--data", "MISSING"], "does not exist"),
+        (["-m", "0"], "m must be an integer >= 1"),
+        (["--schedule", "v-adaptive", "--memory-limit", "0.1"], "below what any V schedule needs"),
+        (["--schedule", "1f1b", "-v", "2"], "does not take -v"),
         (["--resume"], "--resume needs --checkpoint"),
         (["--checkpoint", "EMPTY", "--resume"], "no complete checkpoint"),
         (["--emulate", "1,2"], "three milliseconds"),

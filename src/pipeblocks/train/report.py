@@ -8,6 +8,8 @@ The prediction uses costs profiled from the run itself:
 
 * times: per global stage, the median duration of its F, B and W actions over the timed
   steps of the measured timelines (a fused BW counts as B, with W = 0);
+* communication: the median delay between a pass ending on one rank and the pass that
+  waits for its output starting on another (t_comm);
 * memory: per global stage, the saved-activation bytes one microbatch's F leaves (M_B)
   and what B keeps for W (M_W), from `pipeblocks.runtime.profile_stage_memory`.
 
@@ -78,12 +80,40 @@ def profiled_costs(schedule: Schedule, timelines: Sequence[Timeline], m_b: Seque
         return statistics.median(values) if values else 0.0
 
     S = schedule.num_stages
+    split = {s for s in range(S) if (s, Kind.B) in durations}
     t_f = tuple(median(s, Kind.F) for s in range(S))
-    t_b = tuple(median(s, Kind.B) if (s, Kind.B) in durations else median(s, Kind.BW) for s in range(S))
-    t_w = tuple(median(s, Kind.W) if (s, Kind.B) in durations else 0.0 for s in range(S))
+    t_b = tuple(median(s, Kind.B) if s in split else median(s, Kind.BW) for s in range(S))
+    t_w = tuple(median(s, Kind.W) if s in split else 0.0 for s in range(S))
     total = sum(m_b)
     ratio = min(1.0, sum(m_w) / total) if schedule.has_split_backward and total > 0 else 1.0
-    return Costs(t_f=t_f, t_b=t_b, t_w=t_w, mem_b=tuple(float(x) for x in m_b), mem_w_ratio=ratio)
+    gaps = [gap for timeline in timelines for gap in _handover_gaps(timeline)]
+    return Costs(t_f=t_f, t_b=t_b, t_w=t_w, mem_b=tuple(float(x) for x in m_b), mem_w_ratio=ratio,
+                 t_comm=statistics.median(gaps) if gaps else 0.0)
+
+
+def _handover_gaps(timeline: Timeline) -> list[float]:
+    """Delays from a producer's end to its consumer's start on another rank, where the consumer
+    was idle waiting for it: what a hop between ranks costs (the simulator's t_comm)."""
+    schedule = timeline.schedule
+    rank_of = schedule.placement.rank_of
+    done: dict[tuple[int, int, bool], float] = {}  # (stage, microbatch, backward) -> end
+    for events in timeline.events:
+        for e in events:
+            a = e.action
+            if a.kind is not Kind.W:
+                done[(a.stage, a.microbatch, a.kind.is_backward)] = e.end
+    gaps = []
+    for rank, events in enumerate(timeline.events):
+        previous_end = None
+        for e in events:
+            a = e.action
+            source = a.stage - 1 if a.kind is Kind.F else a.stage + 1
+            if a.kind is not Kind.W and 0 <= source < schedule.num_stages and rank_of(source) != rank:
+                ready = done.get((source, a.microbatch, a.kind.is_backward))
+                if ready is not None and (previous_end is None or previous_end <= ready):
+                    gaps.append(max(0.0, e.start - ready))
+            previous_end = e.end
+    return gaps
 
 
 def iteration_times(results: Sequence[RankResult]) -> list[tuple[int, float]]:
@@ -125,6 +155,7 @@ def build_report(
         "iteration_time_simulated_s": simulated.makespan,
         "bubble_ratio_measured": statistics.median(t.bubble_ratio for t in timed),
         "bubble_ratio_simulated": simulated.bubble_ratio,
+        "t_comm_s": costs.t_comm,
         "losses": [{"step": s + 1, "loss": loss} for s, loss in losses],
         "stages": [
             {"stage": s, "f_s": costs.t_f[s], "b_s": costs.t_b[s], "w_s": costs.t_w[s],
