@@ -16,6 +16,10 @@ def register(sub) -> None:
     add_schedule_options(parser, name=False)
     parser.add_argument("--schedules", default=None, help="comma-separated names (default: every registered schedule)")
     parser.add_argument("--plot", default=None, metavar="FILE", help="write the memory-against-bubble picture (.png/.svg)")
+    parser.add_argument(
+        "--no-curve", action="store_true",
+        help="with --plot: leave out the v-adaptive memory-to-bubble curve (one simulation per budget)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(run=run)
 
@@ -43,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
         row["peak_vs_1f1b"] = row["peak_max"] / reference if reference else float("nan")
     if args.plot:
         points = [ParetoPoint(r["schedule"], r["peak_max"], r["bubble_ratio"]) for r in rows]
+        if not args.no_curve and "v-adaptive" in chosen:
+            points += _adaptive_curve(args)
         plot_pareto(points, args.plot, title=f"p={args.p}, m={args.m}: peak activation against bubble ratio")
     if args.json:
         print_json({"p": args.p, "m": args.m, "schedules": rows, "skipped": [{"name": n, "reason": w} for n, w in skipped]})
@@ -53,6 +59,25 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"wrote {args.plot}")
     return 0
+
+
+def _adaptive_curve(args: argparse.Namespace) -> list[ParetoPoint]:
+    """v-adaptive at every budget of k chunk activations (k/2 units) up to 1F1B's peak."""
+    points = []
+    for k in range(1, 2 * args.p + 1):
+        limit = k / 2
+        try:
+            schedule = build_schedule(_with(args, memory_limit=limit), "v-adaptive")
+        except ScheduleError:
+            continue  # below the smallest feasible budget
+        timeline = simulate(schedule, costs_from_args(args, schedule))
+        points.append(ParetoPoint(f"{limit:g}", max(timeline.peak_activation), timeline.bubble_ratio, "v-adaptive"))
+    progress(f"compare: v-adaptive curve over {len(points)} budgets")
+    return points
+
+
+def _with(args: argparse.Namespace, **changes) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **changes})
 
 
 def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
