@@ -196,6 +196,8 @@ def _train(cfg, data: TokenWindows, args: argparse.Namespace) -> int:
     plot = args.plot or (str(Path(args.report).with_suffix(".png")) if args.report else None)
     if plot:
         print(f"timeline {write_timeline_plot(report.measured, report.simulated, plot)}")
+    else:
+        print("(add --plot FILE.png, or --report FILE.json, to draw the measured timeline under the simulated one)")
     return 0
 
 

@@ -12,14 +12,16 @@ stage prints one progress line per step. Checkpoints go to `cfg.checkpoint` ever
 `save_every` steps and after the last one (see checkpoint.py); `resume` continues from
 the newest step that every rank saved.
 
-Rank 0 also collects the measured Timeline of every step (one gather per step), from
-which the launcher profiles pass times and the bubble (report.py).
+Rank 0 also collects the measured Timeline of every step (one gather per step) and
+returns the latest ones, from which the launcher profiles pass times and the bubble
+(report.py).
 """
 from __future__ import annotations
 
 import os
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,9 @@ from . import checkpoint as ckpt
 from .report import RankResult
 
 __all__ = ["TrainConfig", "launch", "train_rank"]
+
+KEEP_TIMELINES = 32
+"""Rank 0 returns the measured timelines of at most this many of the latest steps."""
 
 
 @dataclass(frozen=True)
@@ -133,14 +138,16 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
         record_timeline=not cfg.verify, compute=compute,
     )
     last = start + 1 if cfg.verify else cfg.steps
-    losses, spans, timelines, peak = [], [], [], 0
+    losses, spans, peak = [], [], 0
+    timelines: deque = deque(maxlen=KEEP_TIMELINES)
     for step in range(start, last):
         inputs, targets = data.batch(step, cfg.batch_size, seed=cfg.seed)
         optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         result = runner.step(inputs if runner.holds_first_stage else None, targets if runner.holds_last_stage else None)
         if cfg.verify:
-            grads = {n: p.grad.detach().cpu().clone() for s in built for n, p in s.named_parameters()}
+            grads = {n: None if p.grad is None else p.grad.detach().cpu().clone()
+                     for s in built for n, p in s.named_parameters()}
             return RankResult(rank, tuple(mine), ((step, result.loss),) if result.loss is not None else (),
                               grads=grads)
         optimizer.step()
@@ -148,7 +155,7 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
         spans.append((step, t0, t1))
         peak = max(peak, result.peak_saved_bytes)
         if result.timeline is not None:
-            timelines.append(result.timeline)
+            timelines.append((step, result.timeline))
         if result.loss is not None:
             losses.append((step, result.loss))
             if not cfg.quiet:

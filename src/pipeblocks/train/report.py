@@ -15,8 +15,10 @@ The prediction uses costs profiled from the run itself:
 
 The simulator replays the same schedule with those costs: its makespan is
 `iteration_time_simulated_s`, its per-rank peak `peak_activation_bytes_predicted`.
-`iteration_time_measured_s` is the median, over the steps after the warm-up, of the time
-from the first rank starting the step to the last rank finishing it (optimizer included).
+`iteration_time_measured_s` is the median, over the steps after the warm-up, of the
+measured makespan (first action's start to last action's end, over all ranks): the
+quantity the simulator predicts. `step_time_s` is the median wall time of a whole step
+(first rank starting to last rank finishing, optimizer and timeline gather included).
 `bubble_ratio_measured` is the Timeline definition (makespan minus the busiest rank's
 compute, over makespan) on the measured events, the median over the timed steps.
 """
@@ -51,8 +53,8 @@ class RankResult:
     """(step, start, end) on the machine-wide perf_counter clock."""
     peak_activation_bytes: int = 0
     """The largest saved-activation footprint over all steps."""
-    timelines: tuple[Timeline, ...] = ()
-    """Rank 0 only: the measured Timeline of every step, all ranks."""
+    timelines: tuple[tuple[int, Timeline], ...] = ()
+    """Rank 0 only: (step, measured Timeline of all ranks) for the latest steps."""
     grads: dict | None = None
     """Gradients by parameter name after one step (--verify)."""
 
@@ -138,11 +140,12 @@ def build_report(
     timelines = next((r.timelines for r in by_rank if r.timelines), ())
     if not timelines:
         raise ValueError("no measured timeline came back: rank 0 records one per step")
-    timed = list(timelines[warmup:]) or [timelines[-1]]
+    first = min(step for step, _ in timelines) + warmup
+    timed = [t for step, t in timelines if step >= first] or [timelines[-1][1]]
     costs = profiled_costs(schedule, timed, [x.m_b for x in memory], [x.m_w for x in memory])
     simulated = simulate(schedule, costs)
-    times = [t for _, t in iteration_times(results)]
-    times = times[warmup:] or times[-1:]
+    walls = [t for _, t in iteration_times(results)]
+    walls = walls[warmup:] or walls[-1:]
     losses = () if emulated else next((r.losses for r in by_rank if r.losses), ())
     data = {
         "schedule": schedule.name,
@@ -150,11 +153,12 @@ def build_report(
         "m": schedule.m,
         "v": schedule.v,
         "emulated": emulated,
-        "steps_timed": len(times),
-        "iteration_time_measured_s": statistics.median(times),
+        "steps_timed": len(timed),
+        "iteration_time_measured_s": statistics.median(t.makespan for t in timed),
         "iteration_time_simulated_s": simulated.makespan,
         "bubble_ratio_measured": statistics.median(t.bubble_ratio for t in timed),
         "bubble_ratio_simulated": simulated.bubble_ratio,
+        "step_time_s": statistics.median(walls),
         "t_comm_s": costs.t_comm,
         "losses": [{"step": s + 1, "loss": loss} for s, loss in losses],
         "stages": [
@@ -180,7 +184,8 @@ def format_report(data: dict) -> str:
         f"schedule {data['schedule']}  p={data['p']} m={data['m']} v={data['v']}"
         + ("   (emulated compute)" if data.get("emulated") else ""),
         f"iteration time  measured {data['iteration_time_measured_s'] * 1e3:8.1f} ms   "
-        f"simulated {data['iteration_time_simulated_s'] * 1e3:8.1f} ms   (median of {data['steps_timed']} steps)",
+        f"simulated {data['iteration_time_simulated_s'] * 1e3:8.1f} ms   (median of {data['steps_timed']} steps; "
+        f"whole step {data['step_time_s'] * 1e3:.1f} ms)",
         f"bubble ratio    measured {data['bubble_ratio_measured']:8.3f}      "
         f"simulated {data['bubble_ratio_simulated']:8.3f}",
         "rank  stages   peak activation: measured   predicted   measured/predicted",
