@@ -58,7 +58,7 @@ def register(sub) -> None:
     run_opts.add_argument("--memory-limit", type=float, default=None,
                           help="activation budget per rank, in units of one stage's activation (1F1B's peak is p)")
     model = parser.add_argument_group("model and data")
-    model.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+    model.add_argument("--layers", type=int, default=8, help="transformer blocks (default 8: enough for V schedules up to p=4)")
     model.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
     model.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     model.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")

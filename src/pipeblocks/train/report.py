@@ -140,7 +140,7 @@ def build_report(
     timelines = next((r.timelines for r in by_rank if r.timelines), ())
     if not timelines:
         raise ValueError("no measured timeline came back: rank 0 records one per step")
-    first = min(step for step, _ in timelines) + warmup
+    first = min(step for r in by_rank for step, _, _ in r.step_spans) + warmup
     timed = [t for step, t in timelines if step >= first] or [timelines[-1][1]]
     costs = profiled_costs(schedule, timed, [x.m_b for x in memory], [x.m_w for x in memory])
     simulated = simulate(schedule, costs)
