@@ -1,6 +1,6 @@
 """`pipeblocks train`: train the reference GPT with a schedule, one local process per rank.
 
-    pipeblocks train                                         # defaults: small GPT, p=2, m=4, 40 steps
+    pipeblocks train                                         # 8-layer GPT, v-half, p=2, m=4, 40 steps
     pipeblocks train --schedule 1f1b -p 4 -m 8 --steps 20 --report run.json   # + run.png
     pipeblocks train --schedule zb-h1 -p 2 -m 4 --dtype float64 --verify      # one step vs one process
     pipeblocks train --schedule 1f1b -p 2 -m 4 --emulate 5,5,3 --steps 5   # sleep 5/5/3 ms per layer
@@ -27,13 +27,17 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..core.schedule import Schedule, write_atomically
 from ..core.validate import validate
-from ..data import ByteTokenizer, TokenWindows
-from ..models import GPTConfig, layer_counts
+from ..models.config import GPTConfig
 from ..schedules import names
+from ..train.config import TrainConfig
 from .common import build_schedule
+
+if TYPE_CHECKING:  # torch enters only when the command runs, so `pipeblocks list` stays fast
+    from ..data import TokenWindows
 
 __all__ = ["register", "run", "DEFAULT_SCHEDULE"]
 
@@ -58,18 +62,23 @@ def register(sub) -> None:
     run_opts.add_argument("--memory-limit", type=float, default=None,
                           help="activation budget per rank, in units of one stage's activation (1F1B's peak is p)")
     model = parser.add_argument_group("model and data")
-    model.add_argument("--layers", type=int, default=8, help="transformer blocks (default 8: enough for V schedules up to p=4)")
-    model.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
-    model.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    model.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
-    model.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="default float32")
+    # defaults come from GPTConfig and TrainConfig, the one place they are set
+    model.add_argument("--layers", type=int, default=GPTConfig.layers,
+                       help=f"transformer blocks (default {GPTConfig.layers}: enough for V schedules up to p=4)")
+    model.add_argument("--hidden", type=int, default=GPTConfig.hidden, help=f"model width (default {GPTConfig.hidden})")
+    model.add_argument("--heads", type=int, default=GPTConfig.heads, help=f"attention heads (default {GPTConfig.heads})")
+    model.add_argument("--seq", type=int, default=GPTConfig.seq, help=f"tokens per sequence (default {GPTConfig.seq})")
+    model.add_argument("--dtype", default=GPTConfig.dtype, choices=("float32", "float64"),
+                       help=f"default {GPTConfig.dtype}")
     model.add_argument("--data", default=None, metavar="FILE",
                        help="a text file to train on (default: Python's own pydoc topics, no download)")
     train = parser.add_argument_group("training")
-    train.add_argument("--microbatch-size", type=int, default=4, help="sequences per microbatch (default 4)")
-    train.add_argument("--steps", type=int, default=40, help="optimizer steps in all (default 40)")
-    train.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    train.add_argument("--seed", type=int, default=0, help="weights and data order (default 0)")
+    train.add_argument("--microbatch-size", type=int, default=TrainConfig.microbatch_size,
+                       help=f"sequences per microbatch (default {TrainConfig.microbatch_size})")
+    train.add_argument("--steps", type=int, default=TrainConfig.steps,
+                       help=f"optimizer steps in all (default {TrainConfig.steps})")
+    train.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"AdamW learning rate (default {TrainConfig.lr:g})")
+    train.add_argument("--seed", type=int, default=TrainConfig.seed, help="weights and data order (default 0)")
     train.add_argument("--checkpoint", default=None, metavar="DIR", help="save per-rank checkpoints here")
     train.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint")
@@ -88,16 +97,17 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..train.loop import TrainConfig
-
-    cfg, data = _prepare(args, TrainConfig)
+    cfg, data = _prepare(args)
     if args.verify:
         return _verify(cfg, data)
     return _train(cfg, data, args)
 
 
 # ---- before launch: every user error is found here -------------------------------------
-def _prepare(args: argparse.Namespace, config_type):
+def _prepare(args: argparse.Namespace) -> tuple[TrainConfig, TokenWindows]:
+    from ..data import ByteTokenizer, TokenWindows
+    from ..models.split import layer_counts
+
     model = GPTConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
                       vocab=ByteTokenizer.vocab_size, dtype=args.dtype)
     emulate = _parse_emulate(args.emulate)
@@ -106,7 +116,7 @@ def _prepare(args: argparse.Namespace, config_type):
     schedule = _schedule(args, emulate)
     layer_counts(model.layers, schedule.num_stages)
     data = TokenWindows.load(args.data, seq=model.seq)
-    cfg = config_type(
+    cfg = TrainConfig(
         schedule=schedule, model=model, microbatch_size=args.microbatch_size, steps=args.steps, lr=args.lr,
         seed=args.seed, data=args.data, checkpoint=args.checkpoint, resume=args.resume, save_every=args.save_every,
         emulate=emulate, verify=args.verify, timeout_s=args.timeout, quiet=args.quiet,
@@ -146,7 +156,7 @@ def _parse_emulate(text: str | None) -> tuple[float, float, float] | None:
     return (values[0], values[1], values[2])
 
 
-def _check_resume(cfg, data: TokenWindows) -> None:
+def _check_resume(cfg: TrainConfig, data: TokenWindows) -> None:
     from ..train import checkpoint as ckpt
 
     step = ckpt.latest_step(cfg.checkpoint, cfg.schedule.p)
@@ -161,7 +171,7 @@ def _check_resume(cfg, data: TokenWindows) -> None:
 
 
 # ---- after launch -----------------------------------------------------------------------
-def _launch(cfg):
+def _launch(cfg: TrainConfig):
     from ..runtime import RankFailedError
     from ..train.loop import launch
 
@@ -172,7 +182,7 @@ def _launch(cfg):
         return None
 
 
-def _train(cfg, data: TokenWindows, args: argparse.Namespace) -> int:
+def _train(cfg: TrainConfig, data: TokenWindows, args: argparse.Namespace) -> int:
     from ..models import GPT, cross_entropy, split_gpt
     from ..runtime import profile_stage_memory
     from ..train.report import build_report, format_report, write_timeline_plot
@@ -201,7 +211,7 @@ def _train(cfg, data: TokenWindows, args: argparse.Namespace) -> int:
     return 0
 
 
-def _verify(cfg, data: TokenWindows) -> int:
+def _verify(cfg: TrainConfig, data: TokenWindows) -> int:
     from ..train.reference import TOLERANCE, compare_grads, reference_step, relative_difference
 
     results = _launch(cfg)

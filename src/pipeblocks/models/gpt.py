@@ -31,69 +31,18 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import asdict, dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .config import GPTConfig
+
 __all__ = [
     "GPTConfig", "GPT", "Embedding", "Block", "Head", "CausalSelfAttention", "MLP", "KVExtender",
     "causal_attention", "init_parameters", "cross_entropy",
 ]
-
-DTypeName = Literal["float32", "float64"]
-_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """Shape of the reference GPT. Defaults train in seconds on a laptop CPU."""
-
-    layers: int = 4
-    """Transformer blocks (the embedding and the head are not counted)."""
-    hidden: int = 64
-    """Model width h."""
-    heads: int = 4
-    """Attention heads a; must divide hidden."""
-    seq: int = 64
-    """Context length s: the longest sequence the position table covers."""
-    vocab: int = 256
-    """Vocabulary size (256 for the byte tokenizer)."""
-    dtype: DTypeName = "float32"
-    """Parameter and activation dtype: "float32" or "float64"."""
-    mlp_ratio: int = 4
-    """MLP inner width, as a multiple of hidden."""
-
-    def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "seq", "vocab", "mlp_ratio"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be an integer >= 1, got {value!r}")
-        if self.hidden % self.heads:
-            raise ValueError(
-                f"hidden ({self.hidden}) must be a multiple of heads ({self.heads}): "
-                f"change --hidden to e.g. {self.heads * max(1, round(self.hidden / self.heads))} or --heads"
-            )
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @staticmethod
-    def from_json(data: dict) -> GPTConfig:
-        return GPTConfig(**data)
-
 
 class KVExtender(Protocol):
     """What a sequence-chunk schedule will pass to attention (not implemented yet).

@@ -28,7 +28,8 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from .gpt import GPT, Block, Embedding, GPTConfig, Head, init_parameters
+from .config import GPTConfig
+from .gpt import GPT, Block, Embedding, Head, init_parameters
 
 __all__ = ["GPTStage", "layer_counts", "layer_ranges", "split_gpt", "build_stages"]
 

@@ -22,81 +22,20 @@ import os
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
-from ..core.schedule import Schedule
 from ..data import TokenWindows
-from ..models import GPTConfig, build_stages, cross_entropy, layer_counts
+from ..models.gpt import cross_entropy
+from ..models.split import build_stages, layer_counts
 from . import checkpoint as ckpt
+from .config import TrainConfig
 from .report import RankResult
 
 __all__ = ["TrainConfig", "launch", "train_rank"]
 
 KEEP_TIMELINES = 32
 """Rank 0 returns the measured timelines of at most this many of the latest steps."""
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """One training run. Defaults are visible here and in `pipeblocks train --help`."""
-
-    schedule: Schedule
-    """What each rank runs; p processes are launched."""
-    model: GPTConfig
-    """The reference GPT (vocab must cover the data's tokens: 256 for bytes)."""
-    microbatch_size: int = 4
-    """Sequences per microbatch b; a step trains on m*b sequences."""
-    steps: int = 40
-    """Train until this many optimizer steps are done (counting steps before a resume)."""
-    lr: float = 3e-3
-    seed: int = 0
-    """Seeds the weights and the data order."""
-    data: str | None = None
-    """A text file; None: the embedded corpus (pydoc_data.topics)."""
-    checkpoint: str | None = None
-    """Directory for per-rank checkpoints; None: no checkpoints."""
-    resume: bool = False
-    """Continue from the newest complete checkpoint in `checkpoint`."""
-    save_every: int = 0
-    """Also save every this many steps (0: only after the last step)."""
-    emulate: tuple[float, float, float] | None = None
-    """(F, B, W) milliseconds per layer per microbatch: sleep instead of computing (no learning)."""
-    verify: bool = False
-    """Run one step and return every gradient, for comparison with one process."""
-    timeout_s: float = 300.0
-    """Any wait for a peer, and the whole run, give up after this long."""
-    threads_per_rank: int | None = None
-    """torch threads in each rank (None: the cores divided among the ranks)."""
-    quiet: bool = False
-    """No per-step progress lines."""
-
-    def __post_init__(self) -> None:
-        for name in ("microbatch_size", "steps", "timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.save_every < 0:
-            raise ValueError(f"save_every must be >= 0, got {self.save_every}")
-        if self.resume and not self.checkpoint:
-            raise ValueError("--resume needs --checkpoint DIR: the directory to resume from")
-
-    @property
-    def batch_size(self) -> int:
-        return self.schedule.m * self.microbatch_size
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.batch_size * self.model.seq
-
-    def meta(self, data_source: str) -> dict:
-        """What a checkpoint must agree on to be resumed by this run."""
-        s = self.schedule
-        return {
-            "model": self.model.to_json(), "schedule": s.name, "p": s.p, "m": s.m,
-            "placement": list(s.placement.stage_to_rank), "microbatch_size": self.microbatch_size,
-            "lr": self.lr, "seed": self.seed, "data": data_source,
-        }
 
 
 def launch(cfg: TrainConfig) -> list[RankResult]:
