@@ -149,7 +149,8 @@ def test_resume_from_a_checkpoint_gives_the_same_losses(full_run, tmp_path):
 
 
 def test_emulated_run_times_the_schedule_without_computing(tmp_path):
-    proc = _train("--schedule", "1f1b", *SMALL, "--steps", "3", "--emulate", "5,5,3", "--report", str(tmp_path / "e.json"))
+    proc = _train("--schedule", "1f1b", *SMALL, "--steps", "3", "--emulate", "5,5,3",
+                  "--report", str(tmp_path / "e.json"))
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "e.json").read_text())
     assert report["emulated"] is True and report["losses"] == []

@@ -66,7 +66,8 @@ def register(sub) -> None:
     model.add_argument("--layers", type=int, default=GPTConfig.layers,
                        help=f"transformer blocks (default {GPTConfig.layers}: enough for V schedules up to p=4)")
     model.add_argument("--hidden", type=int, default=GPTConfig.hidden, help=f"model width (default {GPTConfig.hidden})")
-    model.add_argument("--heads", type=int, default=GPTConfig.heads, help=f"attention heads (default {GPTConfig.heads})")
+    model.add_argument("--heads", type=int, default=GPTConfig.heads,
+                       help=f"attention heads (default {GPTConfig.heads})")
     model.add_argument("--seq", type=int, default=GPTConfig.seq, help=f"tokens per sequence (default {GPTConfig.seq})")
     model.add_argument("--dtype", default=GPTConfig.dtype, choices=("float32", "float64"),
                        help=f"default {GPTConfig.dtype}")
@@ -77,7 +78,8 @@ def register(sub) -> None:
                        help=f"sequences per microbatch (default {TrainConfig.microbatch_size})")
     train.add_argument("--steps", type=int, default=TrainConfig.steps,
                        help=f"optimizer steps in all (default {TrainConfig.steps})")
-    train.add_argument("--lr", type=float, default=TrainConfig.lr, help=f"AdamW learning rate (default {TrainConfig.lr:g})")
+    train.add_argument("--lr", type=float, default=TrainConfig.lr,
+                       help=f"AdamW learning rate (default {TrainConfig.lr:g})")
     train.add_argument("--seed", type=int, default=TrainConfig.seed, help="weights and data order (default 0)")
     train.add_argument("--checkpoint", default=None, metavar="DIR", help="save per-rank checkpoints here")
     train.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps")

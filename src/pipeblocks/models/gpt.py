@@ -1,6 +1,7 @@
 """A small GPT-style decoder: the reference model that pipeblocks trains and checks against.
 
     >>> from pipeblocks.models import GPT, GPTConfig
+    >>> import torch
     >>> cfg = GPTConfig(layers=4, hidden=64, heads=4, seq=64, vocab=256, dtype="float64")
     >>> model = GPT(cfg, seed=0)              # the same seed gives the same weights, everywhere
     >>> logits = model(torch.zeros(2, 64, dtype=torch.long))    # [2, 64, 256]
@@ -43,6 +44,7 @@ __all__ = [
     "GPTConfig", "GPT", "Embedding", "Block", "Head", "CausalSelfAttention", "MLP", "KVExtender",
     "causal_attention", "init_parameters", "cross_entropy",
 ]
+
 
 class KVExtender(Protocol):
     """What a sequence-chunk schedule will pass to attention (not implemented yet).

@@ -108,7 +108,9 @@ def restore_rank(state: Mapping, stages: Mapping[int, nn.Module], optimizer: tor
 def check_meta(saved: Mapping[str, object], current: Mapping[str, object], directory: str | os.PathLike) -> None:
     """Refuse to resume a run whose description (model, schedule, data, ...) differs."""
     keys = sorted(set(saved) | set(current))
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+    diffs = [
+        f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)
+    ]
     if diffs:
         raise ValueError(
             f"checkpoint in {str(directory)!r} was written by a different run ({'; '.join(diffs)}): "
