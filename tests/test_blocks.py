@@ -6,7 +6,7 @@ import pytest
 from pipeblocks.core import Kind, Placement, ScheduleError, validate
 from pipeblocks.schedules.blocks import Block, BlockPass, build, build_orders, fit_block, tile
 from pipeblocks.schedules.vshape import v_block, v_fused_block
-from pipeblocks.schedules._reorder import CostTable, replay
+from pipeblocks.schedules._reorder import cost_table, replay
 from pipeblocks.sim import Costs, simulate
 
 # ZB-H1's shape on two ranks: rank 0 runs F, B, W of stage 0; rank 1 those of stage 1.
@@ -140,7 +140,7 @@ def test_memory_cap_is_respected_and_explained():
 def test_replay_agrees_with_the_simulator(costs):
     blk = v_block(5, (2, 1, 2, 1))
     s = build(blk, 9, costs=costs)
-    table = CostTable.of(s.placement, costs)
+    table = cost_table(s.placement, costs)
     makespan, span = replay(s.ranks, table)
     tl = simulate(s, costs)
     assert makespan == pytest.approx(tl.makespan)

@@ -3,7 +3,7 @@ import pytest
 
 from pipeblocks import Costs, Schedule, ScheduleError, schedules, simulate
 from pipeblocks.sim.analytic import HARDWARE, MODELS, TransformerConfig, layer_split, parse_model, transformer_costs
-from pipeblocks.sim.costs import parse_costs
+from pipeblocks.core.costs import parse_costs
 from pipeblocks.sim.plots import ParetoPoint, plot_pareto, plot_timeline
 from pipeblocks.sim.text_timeline import render_text_timeline
 
@@ -27,6 +27,15 @@ def test_memory_model_split_backward_default_keeps_all_until_w():
 def test_memory_model_mem_w_ratio():
     t = simulate(one_rank("0F0 0F1 0B0 0B1 0W0 0W1"), Costs(mem_w_ratio=0.25))
     assert trace_values(t) == approx([0, 1, 2, 1.25, 0.5, 0.25, 0])
+
+
+def test_per_stage_mem_w_ratio():
+    schedule = Schedule.from_text("0: 0F0 0B0 0W0\n1: 1F0 1B0 1W0\n")
+    t = simulate(schedule, Costs(mem_w_ratio=(1.0, 0.5)))
+    assert [v for _, v in t.memory[1]] == [0, 1, 0.5, 0]  # the last stage frees half at B
+    assert [v for _, v in t.memory[0]] == [0, 1, 0]
+    with pytest.raises(ScheduleError, match="mem_w_ratio must be in"):
+        Costs(mem_w_ratio=(1.0, 1.5))
 
 
 def test_fused_backward_frees_and_takes_b_plus_w():

@@ -19,7 +19,7 @@ from ..core.schedule import Schedule
 from ..schedules import get
 from ..schedules.sequence import split_sequence
 from ..sim.analytic import HARDWARE, MODELS, parse_model, transformer_costs
-from ..sim.costs import Costs, parse_costs
+from ..core.costs import Costs, parse_costs
 from ..sim.sequence_split import SPLITS, chunk_shares, split_lengths
 
 __all__ = ["add_schedule_options", "build_schedule", "costs_from_args", "print_json", "progress"]

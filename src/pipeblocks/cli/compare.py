@@ -7,7 +7,7 @@ import time
 from ..core.errors import ScheduleError
 from ..schedules import names
 from ..sim.plots import ParetoPoint, plot_pareto
-from ..sim.simulator import simulate
+from ..core.simulate import simulate
 from .common import add_schedule_options, build_schedule, costs_from_args, print_json, progress
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ..sim.plots import plot_timeline
-from ..sim.simulator import simulate
+from ..core.simulate import simulate
 from .common import add_schedule_options, build_schedule, costs_from_args
 
 

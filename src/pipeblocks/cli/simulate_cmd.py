@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..sim.simulator import simulate
+from ..core.simulate import simulate
 from .common import add_schedule_options, build_schedule, costs_from_args, print_json
 
 

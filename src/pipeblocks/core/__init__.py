@@ -1,13 +1,18 @@
-"""The schedule core: IR, text form, placement, validation, lowering. No torch here."""
+"""The schedule core: IR, text form, placement, validation, lowering, the cost model and
+the event simulator. No torch here; generators (the schedules layer) build on it."""
 from .actions import Action, Kind, parse_actions
+from .costs import Costs, StageCosts, parse_costs
 from .errors import DeadlockError, ScheduleError
 from .lower import check_deadlock, lower
 from .placement import Placement
 from .program import Comm, Op, Program
 from .schedule import Schedule
+from .simulate import simulate, simulate_program
+from .timeline import Event, Timeline
 from .validate import check_structure, validate
 
 __all__ = [
     "Action", "Kind", "parse_actions", "DeadlockError", "ScheduleError", "check_deadlock", "lower",
-    "Placement", "Comm", "Op", "Program", "Schedule", "check_structure", "validate",
+    "Placement", "Comm", "Op", "Program", "Schedule", "check_structure", "validate", "Costs", "StageCosts",
+    "parse_costs", "simulate", "simulate_program", "Event", "Timeline",
 ]

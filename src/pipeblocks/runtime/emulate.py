@@ -7,6 +7,10 @@ returns zeros of the stage's output spec, B sleeps `b_ms` per layer and returns 
 of the input's spec, W sleeps `w_ms` per layer, and a fused BW sleeps B + W. Comparing the
 measured Timeline with `simulate(schedule, costs.sim_costs(schedule))` shows the runtime's
 own overhead and bubbles on a machine far smaller than the model.
+
+Sleeps are precise (`precise_sleep`): `time.sleep` alone overshoots by a few hundred
+microseconds on a loaded or virtual machine, and every overshoot on the critical path
+would be charged to the runtime as bubble.
 """
 from __future__ import annotations
 
@@ -17,12 +21,25 @@ from typing import Mapping
 import torch
 
 from ..core.schedule import Schedule
-from ..sim.costs import Costs
+from ..core.costs import Costs
 from .backward import WeightGradWork
 from .compute import Unit
 from .shapes import TensorSpec, infer_output_spec
 
-__all__ = ["EmulatedCosts", "EmulatedCompute"]
+__all__ = ["EmulatedCosts", "EmulatedCompute", "precise_sleep"]
+
+_SPIN_S = 0.001  # the last millisecond is spun, not slept: timer wake-ups come late
+
+
+def precise_sleep(seconds: float) -> None:
+    """Block for `seconds` (wall clock) to within a few microseconds: sleep, then spin the tail."""
+    if seconds <= 0:
+        return
+    deadline = time.perf_counter() + seconds
+    if seconds > _SPIN_S:
+        time.sleep(seconds - _SPIN_S)
+    while time.perf_counter() < deadline:
+        pass
 
 
 @dataclass(frozen=True)
@@ -72,8 +89,7 @@ class EmulatedCompute:
 
     def _sleep(self, ms_per_layer: float, stage: int) -> None:
         seconds = ms_per_layer * self.costs.layers_of(stage, self.num_stages) / 1000.0
-        if seconds > 0:
-            time.sleep(seconds)
+        precise_sleep(seconds)
 
     def forward(self, stage: int, x: torch.Tensor, target: torch.Tensor | None) -> tuple[torch.Tensor | None, Unit]:
         self._sleep(self.costs.f_ms, stage)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..core.schedule import Schedule
 from ..core.validate import validate
-from ..sim.timeline import Timeline
+from ..core.timeline import Timeline
 from .comm import Mailbox, Tags
 from .compute import ModuleCompute
 from .executor import RankExecutor

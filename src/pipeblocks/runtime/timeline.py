@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..core.schedule import Schedule
-from ..sim.timeline import Event, Timeline
+from ..core.timeline import Event, Timeline
 
 __all__ = ["gather_timeline", "to_timeline"]
 

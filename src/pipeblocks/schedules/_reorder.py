@@ -1,89 +1,58 @@
 """Timing and reordering of per-rank pass orders, for block-built schedules.
 
-The schedules layer does not import the simulator; this module replays an order under a
-cost table with the same rules (a pass starts when its rank is free and its inputs have
+The reorder loop times many candidate orders, so this module replays an order under the
+resolved costs directly, without the validation and lowering `simulate` does, with the
+same rules (a pass starts when its rank is free and its inputs have
 arrived, t_comm after they were produced on another rank) and the same memory model
-(allocate at the start of F, release at the end of B/W/BW). `pipeblocks.sim.simulate`
+(allocate at the start of F, release at the end of B/W/BW). `pipeblocks.core.simulate`
 stays the reference; the tests hold the two in agreement.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 from ..core.actions import Action, Kind
+from ..core.costs import Costs, StageCosts
 from ..core.deps import phase_of, requirements
 from ..core.placement import Placement
-from ..core.schedule import Schedule
 
-__all__ = ["CostTable", "peaks_of", "replay", "compact"]
+__all__ = ["cost_table", "peaks_of", "replay", "compact"]
 
 Orders = tuple[tuple[Action, ...], ...]
 _EPS = 1e-9
 
 
-@dataclass(frozen=True)
-class CostTable:
-    """Per global stage: durations, F's allocation and the releases of B and W."""
-
-    placement: Placement
-    f: tuple[float, ...]
-    b: tuple[float, ...]
-    w: tuple[float, ...]
-    mem_b: tuple[float, ...]
-    mem_w_ratio: float
-    t_comm: float
-
-    @staticmethod
-    def of(placement: Placement, costs: object | None) -> CostTable:
-        """From a `pipeblocks.sim.Costs` (anything with `for_schedule`), or unit costs for None."""
-        S = placement.num_stages
-        if costs is None:
-            unit = (placement.stage_fraction,) * S
-            return CostTable(placement, unit, unit, unit, unit, 1.0, 0.0)
-        probe = Schedule("probe", placement.num_ranks, 1, placement, ((),) * placement.num_ranks)
-        table = costs.for_schedule(probe)  # type: ignore[attr-defined]
-        return CostTable(
-            placement, tuple(table.f), tuple(table.b), tuple(table.w), tuple(table.mem_b),
-            float(table.mem_w_ratio), float(table.t_comm),
-        )
-
-    def duration(self, a: Action) -> float:
-        s = a.stage
-        if a.kind is Kind.F:
-            return self.f[s]
-        if a.kind is Kind.B:
-            return self.b[s]
-        if a.kind is Kind.W:
-            return self.w[s]
-        return self.b[s] + self.w[s]
-
-    def alloc(self, a: Action) -> float:
-        return self.mem_b[a.stage] if a.kind is Kind.F else 0.0
-
-    def release(self, a: Action) -> float:
-        m_b = self.mem_b[a.stage]
-        if a.kind is Kind.B:
-            return m_b * self.mem_w_ratio - m_b
-        if a.kind is Kind.W:
-            return -m_b * self.mem_w_ratio
-        return -m_b if a.kind is Kind.BW else 0.0
+def cost_table(placement: Placement, costs: Costs | None) -> StageCosts:
+    """Per-stage costs for `placement`; unit costs for None."""
+    return (costs or Costs()).resolve(placement)
 
 
-def peaks_of(orders: Orders, table: CostTable) -> tuple[float, ...]:
+def _duration(table: StageCosts, a: Action) -> float:
+    return table.duration(a.kind, a.stage)
+
+
+def _alloc(table: StageCosts, a: Action) -> float:
+    return table.memory(a.kind, a.stage)[0]
+
+
+def _release(table: StageCosts, a: Action) -> float:
+    return table.memory(a.kind, a.stage)[1]
+
+
+def peaks_of(orders: Orders, table: StageCosts) -> tuple[float, ...]:
     """Peak activation per rank; it depends on the order alone."""
     out = []
     for row in orders:
         held = top = 0.0
         for a in row:
-            held += table.alloc(a)
+            held += _alloc(table, a)
             top = max(top, held)
-            held += table.release(a)
+            held += _release(table, a)
         out.append(top)
     return tuple(out)
 
 
-def _needs(a: Action, table: CostTable) -> tuple[tuple[tuple, float], ...]:
+def _needs(a: Action, table: StageCosts) -> tuple[tuple[tuple, float], ...]:
     """(phase, delay after it ends) for each input of `a`; delay is t_comm across ranks."""
     rank_of = table.placement.stage_to_rank
     mine = rank_of[a.stage]
@@ -93,7 +62,7 @@ def _needs(a: Action, table: CostTable) -> tuple[tuple[tuple, float], ...]:
     )
 
 
-def replay(orders: Orders, table: CostTable) -> tuple[float, float]:
+def replay(orders: Orders, table: StageCosts) -> tuple[float, float]:
     """(makespan, longest rank span) of the orders under the table; a rank's span runs
     from the start of its first pass to the end of its last. Infinite if they cannot
     complete."""
@@ -121,7 +90,7 @@ def replay(orders: Orders, table: CostTable) -> tuple[float, float]:
                 break
             if first[r] is None:
                 first[r] = start
-            now = start + table.duration(a)
+            now = start + _duration(table, a)
             for ph in phase_of(a):
                 done[ph] = now
                 ready.extend(parked.pop(ph, ()))
@@ -134,7 +103,7 @@ def replay(orders: Orders, table: CostTable) -> tuple[float, float]:
 
 def compact(
     timed: Sequence[Sequence[tuple[int, int, Action]]],
-    table: CostTable,
+    table: StageCosts,
     caps: Sequence[float],
     *,
     float_weights: bool = True,
@@ -161,7 +130,7 @@ def compact(
 class _Grid:
     """Per rank: which slots are busy, the activation held in each slot, and where each pass sits."""
 
-    def __init__(self, timed: Sequence[Sequence[tuple[int, int, Action]]], table: CostTable) -> None:
+    def __init__(self, timed: Sequence[Sequence[tuple[int, int, Action]]], table: StageCosts) -> None:
         self.table = table
         self.rank_of = table.placement.stage_to_rank
         self.horizon = max((s + n for row in timed for s, n, _ in row), default=0) + 1
@@ -173,8 +142,8 @@ class _Grid:
             for s, n, a in row:
                 self.where[a] = (s, n)
                 self.busy[r][s : s + n] = b"\x01" * n
-                self.mem[r][s] += table.alloc(a)
-                self.mem[r][s + n] += table.release(a)
+                self.mem[r][s] += _alloc(table, a)
+                self.mem[r][s + n] += _release(table, a)
         for prof in self.mem:
             for t in range(1, len(prof)):
                 prof[t] += prof[t - 1]
@@ -184,7 +153,7 @@ class _Grid:
         n = self.where.get(a, (0, 1))[1]
         prof = self.mem[r]
         end = len(prof)
-        alloc, release = self.table.alloc(a), self.table.release(a)
+        alloc, release = _alloc(self.table, a), _release(self.table, a)
         if old is not None and new is not None:  # only the slots between the two places change
             sign = 1.0 if new < old else -1.0
             lo, hi = min(old, new), max(old, new)
@@ -213,7 +182,7 @@ class _Grid:
         for (cur, n), a in sorted((v, k) for k, v in self.where.items()):
             r = self.rank_of[a.stage]
             row, prof = self.busy[r], self.mem[r]
-            alloc = self.table.alloc(a)
+            alloc = _alloc(self.table, a)
             lowest = self._earliest(a)
             if alloc:  # an earlier F holds its activation longer: stop where the cap would break
                 floor = cur

@@ -17,7 +17,7 @@ from itertools import product
 
 from ..core.actions import Action, Kind
 from ..core.placement import Placement
-from ..sim.costs import StageCosts
+from ..core.costs import StageCosts
 from ._zb_timing import Timer, Unplaceable
 
 __all__ = ["reference_order", "reference_candidates", "KNOBS"]

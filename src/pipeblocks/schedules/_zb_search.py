@@ -18,8 +18,8 @@ from ..core.actions import Action, Kind
 from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
-from ..sim.costs import Costs, StageCosts
-from ..sim.simulator import simulate
+from ..core.costs import Costs, StageCosts
+from ..core.simulate import simulate
 from ._zb_timing import Timer, Unplaceable
 
 __all__ = ["list_schedule", "hill_climb"]

@@ -19,8 +19,8 @@ from ..core.actions import Action, Kind
 from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
-from ..sim.costs import Costs, StageCosts
-from ..sim.simulator import simulate
+from ..core.costs import Costs, StageCosts
+from ..core.simulate import simulate
 
 __all__ = ["Timer", "Unplaceable", "Candidate", "stage_costs", "evaluate", "pick_best", "memory_floor", "check_limit"]
 
@@ -31,8 +31,7 @@ class Unplaceable(Exception):
 
 def stage_costs(placement: Placement, m: int, costs: Costs | None) -> StageCosts:
     """Per-global-stage durations and memory for this placement (V chunks take t/2)."""
-    probe = Schedule("probe", placement.num_ranks, m, placement, ((),) * placement.num_ranks)
-    return (costs or Costs()).for_schedule(probe)
+    return (costs or Costs()).resolve(placement)
 
 
 def memory_floor(placement: Placement, table: StageCosts) -> float:
@@ -74,7 +73,7 @@ class Timer:
 
     def delta(self, kind: Kind, stage: int) -> float:
         m_b = self.table.mem_b[stage]
-        ratio = self.table.mem_w_ratio
+        ratio = self.table.mem_w_ratio[stage]
         return m_b if kind is Kind.F else (m_b * ratio - m_b if kind is Kind.B else -m_b * ratio)
 
     def fits(self, kind: Kind, stage: int) -> bool:

@@ -40,7 +40,7 @@ from ..core.deps import requirements
 from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
-from ._reorder import CostTable, compact, peaks_of, replay
+from ._reorder import compact, cost_table, peaks_of, replay
 
 __all__ = ["BlockPass", "Block", "tile", "build", "build_orders", "fit_block"]
 
@@ -257,7 +257,7 @@ def build_orders(
     peak; an explicit `memory_cap` (one value, or one per rank) replaces it.
     """
     placement = block.placement
-    table = CostTable.of(placement, costs)
+    table = cost_table(placement, costs)
     tiled = tuple(tuple(a for _, a in row) for row in tile(block, m))
     tiled_peaks = peaks_of(tiled, table)
     if memory_cap is None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
-from ._reorder import CostTable
+from ._reorder import cost_table
 from .blocks import Block, build_orders
 from .registry import register
 from .vshape import _checked, v_block, v_block_from_offsets
@@ -85,7 +85,7 @@ def v_adaptive(*, p: int, m: int, memory_limit: float | None = None, costs: obje
         raise ScheduleError(f"memory_limit must be > 0 (peak_activation units, 1F1B's peak is {p}), got {memory_limit!r}")
     candidates = adaptive_candidates(p)
     frac = placement.stage_fraction
-    mem_b = max(CostTable.of(placement, costs).mem_b) / frac
+    mem_b = max(cost_table(placement, costs).mem_b) / frac
     # the richest few blocks whose lifespan bound fits, and a few just above it (the bound
     # can over-count by a stage activation); the poorest few when nothing fits, for the error
     bounds = [max(block.lifespan_bound(mem_b)) for _, block in candidates]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
-from ..sim.costs import Costs
+from ..core.costs import Costs
 from ._build import require
 from ._zb_reference import reference_candidates
 from ._zb_search import hill_climb, list_schedule
@@ -78,7 +78,6 @@ def build_zb(
 
 def _lagged_family(p: int, m: int, table, limit: float):
     """ZB-H1, ZB-H2 and versions of them capped to the limit: warm-up w_s, W lag l_s."""
-    ratio = table.mem_w_ratio
     for label, warm, lag in (
         ("zb-h1", lambda s: p - s, lambda s: s),
         ("zb-h2", lambda s: 2 * (p - s) - 1, lambda s: 2 * s),
@@ -90,6 +89,7 @@ def _lagged_family(p: int, m: int, table, limit: float):
             cap = int((limit + 1e-9) // m_b) if m_b > 0 else m
             w = max(1, min(warm(s), cap, warmups[-1] if warmups else m))
             # held at most: w in flight plus l waiting for W at ratio*M_B each
+            ratio = table.mem_w_ratio[s]
             room = (limit + 1e-9 - w * m_b) / (ratio * m_b) if ratio * m_b > 0 else m
             lags.append(max(0, min(lag(s), int(room))))
             warmups.append(w)

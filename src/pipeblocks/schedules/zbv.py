@@ -17,7 +17,7 @@ from ..core.actions import Action
 from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
-from ..sim.costs import Costs
+from ..core.costs import Costs
 from ._build import B, F, W, require
 from ._zb_search import hill_climb, list_schedule
 from ._zb_timing import Unplaceable, check_limit, evaluate, memory_floor, pick_best, stage_costs

@@ -1,6 +1,8 @@
-"""Cost model, event simulator, metrics and plots. No torch here."""
-from .costs import Costs, StageCosts, parse_costs
-from .simulator import simulate, simulate_program
-from .timeline import Event, Timeline
+"""Simulation front: the analytic transformer model, sequence splits, the text timeline and
+plots (matplotlib only in `plots`). The cost model and event simulator live in the core
+(the generators use them) and are re-exported here. No torch here."""
+from ..core.costs import Costs, StageCosts, parse_costs
+from ..core.simulate import simulate, simulate_program
+from ..core.timeline import Event, Timeline
 
 __all__ = ["Costs", "StageCosts", "parse_costs", "simulate", "simulate_program", "Event", "Timeline"]

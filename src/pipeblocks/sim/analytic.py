@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from ..core.errors import ScheduleError
-from .costs import Costs
+from ..core.costs import Costs
 
 __all__ = ["TransformerConfig", "Hardware", "MODELS", "HARDWARE", "layer_split", "transformer_costs", "parse_model"]
 

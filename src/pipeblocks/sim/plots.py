@@ -13,7 +13,7 @@ from typing import Sequence
 
 from ..core.actions import Kind
 from ..core.errors import ScheduleError
-from .timeline import Timeline
+from ..core.timeline import Timeline
 
 __all__ = ["plot_timeline", "plot_pareto", "ParetoPoint", "KIND_COLOURS"]
 

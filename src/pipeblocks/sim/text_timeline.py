@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-from .timeline import Event, Timeline
+from ..core.timeline import Event, Timeline
 
 __all__ = ["render_text_timeline"]
 

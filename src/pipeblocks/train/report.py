@@ -33,9 +33,9 @@ from typing import Sequence
 
 from ..core.actions import Kind
 from ..core.schedule import Schedule
-from ..sim.costs import Costs
-from ..sim.simulator import simulate
-from ..sim.timeline import Timeline
+from ..core.costs import Costs
+from ..core.simulate import simulate
+from ..core.timeline import Timeline
 
 __all__ = ["RankResult", "RunReport", "profiled_costs", "iteration_times", "build_report", "format_report",
            "write_timeline_plot"]

@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..core.actions import Kind
-from ..core.errors import ScheduleError
-from ..core.schedule import Schedule
+from .actions import Kind
+from .errors import ScheduleError
+from .placement import Placement
+from .schedule import Schedule
 
 __all__ = ["Costs", "StageCosts", "parse_costs"]
 
@@ -28,7 +29,8 @@ class Costs:
     t_f, t_b, t_w: forward, input-gradient and weight-gradient time; fused BW takes t_b + t_w.
     t_comm: time for one activation or gradient to cross between ranks.
     mem_b: activation that F stores for B (unit model: 1 per full stage).
-    mem_w_ratio: M_W / M_B, the share that B keeps until W.
+    mem_w_ratio: M_W / M_B, the share that B keeps until W (a scalar, or one per stage: a
+        runtime that splits the autograd graph frees the loss region on the last stage at B).
     seq_time, seq_mem: per sequence chunk, its share of a microbatch's time and memory
         (None: even shares); Seq1F1B's balanced split sets them from token positions.
     """
@@ -38,7 +40,7 @@ class Costs:
     t_w: Value = 1.0
     t_comm: float = 0.0
     mem_b: Value = 1.0
-    mem_w_ratio: float = 1.0
+    mem_w_ratio: Value = 1.0
     seq_time: tuple[float, ...] | None = None
     seq_mem: tuple[float, ...] | None = None
 
@@ -48,31 +50,36 @@ class Costs:
             values = value if isinstance(value, tuple) else (value,)
             if any(not isinstance(x, (int, float)) or x < 0 for x in values):
                 raise ScheduleError(f"cost {name} must be >= 0, got {value!r}: costs are durations and sizes")
-        if self.mem_w_ratio > 1:
+        ratios = self.mem_w_ratio if isinstance(self.mem_w_ratio, tuple) else (self.mem_w_ratio,)
+        if any(r > 1 for r in ratios):
             raise ScheduleError(f"mem_w_ratio must be in [0, 1] (M_W <= M_B), got {self.mem_w_ratio}")
 
     def for_schedule(self, schedule: Schedule) -> StageCosts:
         """Resolve to per-global-stage tables for this schedule."""
-        S = schedule.num_stages
-        frac = schedule.placement.stage_fraction
+        return self.resolve(schedule.placement, schedule.seq_chunks)
 
-        def per_stage(name: str) -> tuple[float, ...]:
+    def resolve(self, placement: Placement, seq_chunks: int = 1) -> StageCosts:
+        """Per-global-stage tables for `placement` (generators call this before a schedule exists)."""
+        S = placement.num_stages
+        frac = placement.stage_fraction
+
+        def per_stage(name: str, scale: float) -> tuple[float, ...]:
             value = getattr(self, name)
             if isinstance(value, tuple):
                 if len(value) != S:
                     raise ScheduleError(
-                        f"cost {name} has {len(value)} per-stage values but schedule {schedule.name!r} "
-                        f"has {S} stages: give one value per stage or a scalar"
+                        f"cost {name} has {len(value)} per-stage values but the placement has {S} stages: "
+                        "give one value per stage or a scalar"
                     )
-                return value
-            return (float(value) * frac,) * S
+                return tuple(float(x) for x in value)
+            return (float(value) * scale,) * S
 
-        k = schedule.seq_chunks
-        seq_time = _shares(self.seq_time, k, "seq_time")
-        seq_mem = _shares(self.seq_mem, k, "seq_mem")
         return StageCosts(
-            f=per_stage("t_f"), b=per_stage("t_b"), w=per_stage("t_w"), mem_b=per_stage("mem_b"),
-            mem_w_ratio=self.mem_w_ratio, t_comm=self.t_comm, seq_time=seq_time, seq_mem=seq_mem,
+            placement=placement,
+            f=per_stage("t_f", frac), b=per_stage("t_b", frac), w=per_stage("t_w", frac),
+            mem_b=per_stage("mem_b", frac), mem_w_ratio=per_stage("mem_w_ratio", 1.0), t_comm=self.t_comm,
+            seq_time=_shares(self.seq_time, seq_chunks, "seq_time"),
+            seq_mem=_shares(self.seq_mem, seq_chunks, "seq_mem"),
         )
 
 
@@ -80,11 +87,12 @@ class Costs:
 class StageCosts:
     """Costs resolved per global stage (and per sequence chunk share)."""
 
+    placement: Placement
     f: tuple[float, ...]
     b: tuple[float, ...]
     w: tuple[float, ...]
     mem_b: tuple[float, ...]
-    mem_w_ratio: float
+    mem_w_ratio: tuple[float, ...]
     t_comm: float
     seq_time: tuple[float, ...]
     seq_mem: tuple[float, ...]
@@ -105,9 +113,9 @@ class StageCosts:
         if kind is Kind.F:
             return (m_b, 0.0)
         if kind is Kind.B:
-            return (0.0, m_b * self.mem_w_ratio - m_b)
+            return (0.0, m_b * self.mem_w_ratio[stage] - m_b)
         if kind is Kind.W:
-            return (0.0, -m_b * self.mem_w_ratio)
+            return (0.0, -m_b * self.mem_w_ratio[stage])
         return (0.0, -m_b)
 
 

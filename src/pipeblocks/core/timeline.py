@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..core.actions import Action
-from ..core.schedule import Schedule
+from .actions import Action
+from .schedule import Schedule
 
 __all__ = ["Event", "Timeline"]
 

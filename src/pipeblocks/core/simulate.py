@@ -10,12 +10,12 @@ happened yet, parks there, and is woken by that send.
 """
 from __future__ import annotations
 
-from ..core.actions import Action
-from ..core.errors import DeadlockError
-from ..core.lower import check_deadlock, lower
-from ..core.program import Comm, Program
-from ..core.schedule import Schedule
-from ..core.validate import check_structure
+from .actions import Action
+from .errors import DeadlockError
+from .lower import check_deadlock, lower
+from .program import Comm, Program
+from .schedule import Schedule
+from .validate import check_structure
 from .costs import Costs
 from .timeline import Event, Timeline
 
