@@ -7,8 +7,12 @@
   without tags (NCCL) match messages per peer in issue order, so receives from one peer
   are posted in the order that peer sends them: the plan moves a receive earlier when a
   later-consumed tensor is sent first.
-* Mailbox. Sends and receives are queued and issued together in one `batch_isend_irecv`
-  right before the next compute or wait (sends never block). Every wait has a timeout.
+* Mailbox. Sends and receives are queued and issued together right before the next
+  compute or wait (sends never block). Every wait has a timeout. NCCL gets one
+  `batch_isend_irecv` (it coalesces the batch). Gloo does not coalesce, and there the
+  batch wrapper's Python checks cost about as much as the transfers themselves, which sit
+  on the pipeline's critical path: the Mailbox calls the process group's `send`/`recv`
+  directly, sends first, since a peer's next compute may be waiting on them.
 """
 from __future__ import annotations
 
@@ -80,10 +84,12 @@ class Mailbox:
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._timeout_s = timeout_s
         self._rank = rank
-        self._queue: list[dist.P2POp] = []
-        self._queued_meta: list[tuple[tuple | None, torch.Tensor, str]] = []  # (recv key or None, tensor, label)
+        # (recv key or None for a send, tensor, peer's group rank, tag, label)
+        self._queue: list[tuple[tuple | None, torch.Tensor, int, int, str]] = []
         self._pending_recv: dict[tuple, tuple[dist.Work, torch.Tensor]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor, str]] = []
+        self._direct = dist.get_backend(group) == "gloo"
+        self._pg = (group if group is not None else dist.group.WORLD) if self._direct else None
 
     def _global(self, peer: int) -> int:
         if self._group is None:
@@ -91,23 +97,31 @@ class Mailbox:
         return dist.get_global_rank(self._group, peer)
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int, label: str) -> None:
-        self._queue.append(dist.P2POp(dist.isend, tensor, self._global(peer), self._group, tag))
-        self._queued_meta.append((None, tensor, label))
+        self._queue.append((None, tensor, peer, tag, label))
 
     def recv(self, key: tuple, buffer: torch.Tensor, peer: int, tag: int) -> None:
-        self._queue.append(dist.P2POp(dist.irecv, buffer, self._global(peer), self._group, tag))
-        self._queued_meta.append((key, buffer, ""))
+        self._queue.append((key, buffer, peer, tag, ""))
 
     def flush(self) -> None:
-        """Issue everything queued in one batch; drop sends that have completed."""
+        """Issue everything queued; drop sends that have completed."""
         if self._queue:
-            works = dist.batch_isend_irecv(self._queue)
-            for work, (key, tensor, label) in zip(works, self._queued_meta):
+            queue, self._queue = self._queue, []
+            if self._pg is not None:
+                queue.sort(key=lambda item: item[0] is not None)  # stable: sends first, each in order
+                works = [
+                    self._pg.send([tensor], peer, tag) if key is None else self._pg.recv([tensor], peer, tag)
+                    for key, tensor, peer, tag, _label in queue
+                ]
+            else:
+                works = dist.batch_isend_irecv([
+                    dist.P2POp(dist.isend if key is None else dist.irecv, tensor, self._global(peer), self._group, tag)
+                    for key, tensor, peer, tag, _label in queue
+                ])
+            for work, (key, tensor, _peer, _tag, label) in zip(works, queue):
                 if key is None:
                     self._sends.append((work, tensor, label))
                 else:
                     self._pending_recv[key] = (work, tensor)
-            self._queue, self._queued_meta = [], []
         if self._sends and self._sends[0][0].is_completed():
             self._sends = [s for s in self._sends if not s[0].is_completed()]
 
