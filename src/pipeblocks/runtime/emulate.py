@@ -21,7 +21,7 @@ from typing import Mapping
 import torch
 
 from ..core.schedule import Schedule
-from ..sim.costs import Costs
+from ..core.costs import Costs
 from .backward import WeightGradWork
 from .compute import Unit
 from .shapes import TensorSpec, infer_output_spec
