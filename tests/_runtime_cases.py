@@ -13,6 +13,20 @@ from pipeblocks.runtime.toy import ToyConfig, cross_entropy, toy_batch, toy_stag
 
 CONFIG = ToyConfig(vocab=11, hidden=8, blocks_per_stage=1, seq=5)
 MICROBATCH = 2  # samples per microbatch
+SEQ_CONFIG = ToyConfig(vocab=11, hidden=8, seq=8)  # data for sequence-chunk schedules (GPT stages)
+
+
+def model_for(schedule: Schedule) -> tuple[list[torch.nn.Module], ToyConfig, object]:
+    """(all stages, data config, loss): the attention-free toy model, or, for a schedule with
+    sequence chunks (which needs causal attention over earlier chunks), the reference GPT."""
+    if schedule.seq_chunks == 1:
+        return toy_stages(schedule.num_stages, CONFIG), CONFIG, cross_entropy
+    from pipeblocks.models import GPT, GPTConfig, split_gpt
+    from pipeblocks.models import cross_entropy as gpt_loss
+
+    cfg = GPTConfig(layers=schedule.num_stages, hidden=8, heads=2, seq=SEQ_CONFIG.seq, vocab=SEQ_CONFIG.vocab,
+                    dtype="float64")
+    return split_gpt(GPT(cfg, seed=0), schedule.num_stages), SEQ_CONFIG, gpt_loss
 
 
 def split_later(schedule: Schedule) -> Schedule:
@@ -62,14 +76,14 @@ def exact_worker(ctx, cases: list[tuple[str, int]]) -> dict:
     out = {}
     for case, m in cases:
         schedule = build(case, ctx.world_size, m)
-        stages = toy_stages(schedule.num_stages, CONFIG)
+        stages, config, loss_fn = model_for(schedule)
         mine = {s: stages[s] for s in schedule.placement.stages_of(ctx.rank)}
-        runner = PipelineRunner(schedule, mine, cross_entropy, timeout_s=30.0)
-        x0, y0 = toy_batch(MICROBATCH * m, CONFIG, seed=1)
+        runner = PipelineRunner(schedule, mine, loss_fn, timeout_s=30.0)
+        x0, y0 = toy_batch(MICROBATCH * m, config, seed=1)
         runner.step(x0, y0)
         for module in mine.values():
             module.zero_grad(set_to_none=True)
-        x1, y1 = toy_batch(MICROBATCH * m, CONFIG, seed=2)
+        x1, y1 = toy_batch(MICROBATCH * m, config, seed=2)
         result = runner.step(x1, y1)
         out[case] = {
             "loss": result.loss,
@@ -82,12 +96,12 @@ def exact_worker(ctx, cases: list[tuple[str, int]]) -> dict:
 def reference(case: str, p: int, m: int) -> tuple[float, dict[int, list[torch.Tensor]]]:
     """One process, the whole model, the whole batch (the second step's batch)."""
     schedule = build(case, p, m)
-    stages = toy_stages(schedule.num_stages, CONFIG)
-    x, y = toy_batch(MICROBATCH * m, CONFIG, seed=2)
+    stages, config, loss_fn = model_for(schedule)
+    x, y = toy_batch(MICROBATCH * m, config, seed=2)
     h = x
     for stage in stages:
         h = stage(h)
-    loss = cross_entropy(h, y)
+    loss = loss_fn(h, y)
     loss.backward()
     return loss.item(), {s: [q.grad for q in mod.parameters()] for s, mod in enumerate(stages)}
 
@@ -98,9 +112,6 @@ def try_build(case: str, p: int, m: int) -> str | None:
         schedule = build(case, p, m)
     except ScheduleError as err:
         return f"the generator rejects p={p}, m={m}: {err}"
-    if schedule.seq_chunks != 1:
-        return (f"it splits sequences ({schedule.seq_chunks} chunks); the runtime's stage contract has no "
-                "sequence chunks yet")
     return None
 
 

@@ -26,7 +26,9 @@ Attention seam for sequence-chunked schedules (Seq1F1B, ALGORITHMS.md §5.3): th
 takes a position `offset`, and `CausalSelfAttention.forward` takes an optional `kv` object
 whose `extend(k, v)` returns the keys and values to attend over (this chunk's, prefixed by
 earlier chunks'). `causal_attention` already handles k_len > q_len with a bottom-right
-aligned mask. Nothing here caches K/V yet; stage modules pass `kv=None`.
+aligned mask. The runtime's K/V cache (`pipeblocks.runtime.sequence`) implements `extend`
+and hands the gradients of earlier chunks' K/V back; `GPTStage.forward(x, chunk=...)`
+(split.py) wires the offset and one extender per block.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ __all__ = [
 
 
 class KVExtender(Protocol):
-    """What a sequence-chunk schedule will pass to attention (not implemented yet).
+    """What a sequence-chunk schedule passes to attention.
 
     `extend(k, v)` receives this chunk's keys and values, [b, a, s_chunk, d], and returns
     the ones to attend over, [b, a, offset + s_chunk, d]: earlier chunks' K/V in front.

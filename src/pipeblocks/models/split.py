@@ -23,15 +23,23 @@ Every stage needs at least one block, so layers < S is an error that names both 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from .config import GPTConfig
-from .gpt import GPT, Block, Embedding, Head, init_parameters
+from .gpt import GPT, Block, Embedding, Head, KVExtender, init_parameters
 
 __all__ = ["GPTStage", "layer_counts", "layer_ranges", "split_gpt", "build_stages"]
+
+
+class SequenceChunkLike(Protocol):
+    """What a stage reads of the runtime's `SequenceChunk` (kept a protocol: models do not import the runtime)."""
+
+    offset: int
+
+    def kv(self, layer: str) -> KVExtender: ...
 
 
 def layer_counts(layers: int, num_stages: int) -> tuple[int, ...]:
@@ -67,6 +75,11 @@ class GPTStage(nn.Module):
     forward takes one tensor and returns one: token ids [b, s] -> hidden [b, s, h] on
     stage 0, hidden -> hidden in the middle, hidden -> logits [b, s, vocab] on the last.
     Parameter names match the full model's (`blocks.3.attn.qkv.weight`, ...).
+
+    Sequence chunks (Seq1F1B): `forward(x, chunk=c)` runs the tokens
+    [c.offset, c.offset + c.length) of a microbatch: positions start at c.offset and every
+    block's attention takes its K/V over the earlier chunks from `c.kv("blocks.<i>")`
+    (`pipeblocks.runtime.sequence.SequenceChunk`, the runtime's stage contract).
     """
 
     def __init__(
@@ -99,11 +112,11 @@ class GPTStage(nn.Module):
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, chunk: SequenceChunkLike | None = None) -> Tensor:
         if self.embed is not None:
-            x = self.embed(x)
-        for block in self.blocks.values():
-            x = block(x)
+            x = self.embed(x, chunk.offset if chunk is not None else 0)
+        for name, block in self.blocks.items():
+            x = block(x, chunk.kv(f"blocks.{name}") if chunk is not None else None)
         if self.head is not None:
             x = self.head(x)
         return x

@@ -13,10 +13,33 @@ Stage module contract (what `PipelineRunner` expects of the modules it is given)
 * Modules must not keep tensors from one call to the next, and the runtime may call
   their forward on the "meta" device once to infer output shapes.
 
+Sequence chunks (a schedule with `seq_chunks` = k > 1: seq1f1b, seq1f1b-i,
+`split_sequence(name, ...)`; ALGORITHMS.md §5.3):
+
+* The runner cuts every microbatch's inputs and targets along dim 1 into k chunks of
+  `seq_lengths` tokens (a runner argument: k lengths >= 1 summing to the sequence; default
+  an even split). Tensors that cross between stages are [b, tokens, ...], cut the same way.
+* It calls each stage once per (microbatch, chunk) as `module(x, chunk=c)`, where `c` is a
+  `sequence.SequenceChunk`: `c.microbatch`, `c.index` (0..k-1), `c.count` (k), `c.offset`
+  and `c.length` (x holds tokens [offset, offset+length)), `c.total` (tokens of the whole
+  sequence), `c.stage`. Chunks of a microbatch go forward in order 0..k-1 and backward in
+  reverse order, on every stage.
+* Positions start at `c.offset`. Every attention layer gets its keys and values over
+  positions 0..offset+length-1 from `k_all, v_all = c.kv(layer_name).extend(k, v)` and
+  attends with a bottom-right-aligned causal mask. The runner's K/V cache hands each
+  earlier chunk's K/V gradient back to it when it runs its backward (fused BW, or B with
+  W any time later), and frees a (stage, microbatch)'s cache when its chunk 0 has run its
+  backward. A stage whose forward has no `chunk` keyword (no attention over earlier
+  chunks) is refused when the runner is built, with a ValueError.
+* `loss_fn` still returns the mean over the tokens it is given (one chunk); the runner
+  weights it by length/total, then by 1/m, so the step's loss and gradients are those of
+  training on whole sequences. The reported microbatch loss is the sum over its chunks.
+
 Entry points:
 
     PipelineRunner(schedule, stages, loss_fn, *, rank=None, group=None, device=None,
-                   timeout_s=300.0, optimizer=None, record_timeline=False, compute=None)
+                   timeout_s=300.0, optimizer=None, record_timeline=False, compute=None,
+                   seq_lengths=None)
         .step(inputs, targets) -> StepResult
     launch.spawn(fn, nprocs, *, args=(), timeout_s=600.0, ...) -> list   # fn(ctx, *args)
     launch.init_from_env(*, timeout_s=300.0) -> DistContext              # under torchrun
@@ -28,10 +51,11 @@ from .executor import ActionError
 from .launch import DistContext, RankFailedError, check_world, init_from_env, spawn
 from .memory import SavedTensorTracker, StageMemory, profile_stage_memory
 from .runner import PipelineRunner, StepResult
+from .sequence import KVCache, SequenceChunk
 from .shapes import SpecMismatchError, TensorSpec
 
 __all__ = [
-    "ActionError", "DistContext", "PeerTimeoutError", "PipelineRunner", "RankFailedError", "SavedTensorTracker",
-    "SpecMismatchError", "StageMemory", "StepResult", "TensorSpec", "check_world", "init_from_env",
+    "ActionError", "DistContext", "KVCache", "PeerTimeoutError", "PipelineRunner", "RankFailedError", "SavedTensorTracker",
+    "SequenceChunk", "SpecMismatchError", "StageMemory", "StepResult", "TensorSpec", "check_world", "init_from_env",
     "profile_stage_memory", "spawn",
 ]

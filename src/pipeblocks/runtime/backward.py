@@ -55,7 +55,7 @@ class WeightGradWork:
     def run(self) -> None:
         """Compute the weight gradients and accumulate them into `param.grad`; frees the graph."""
         groups, self.groups = self.groups, []
-        for group in groups:
+        for number, group in enumerate(groups):
             edges: list[GradientEdge] = []
             grads: list[torch.Tensor] = []
             for node, captured in zip(group.nodes, group.grads):
@@ -75,7 +75,11 @@ class WeightGradWork:
             try:
                 params = [p for p in group.params]
                 targets = [get_gradient_edge(p) for p in params]
-                results = torch.autograd.grad(edges, targets, grad_outputs=grads, allow_unused=True)
+                # Groups can share nodes below their joins when the input path is sparse (stage 0
+                # with sequence chunks: only the K/V leaves need a gradient), so every engine call
+                # but the last keeps the graph; it is freed when this work drops its nodes.
+                results = torch.autograd.grad(edges, targets, grad_outputs=grads, allow_unused=True,
+                                              retain_graph=number < len(groups) - 1)
             finally:
                 for pin in pins:
                     pin.remove()
@@ -115,17 +119,23 @@ def input_backward(
     grad_output: torch.Tensor | None,
     inp: torch.Tensor | None,
     params: Sequence[torch.nn.Parameter],
+    extra_inputs: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor | None, WeightGradWork]:
-    """B: return the gradient of `inp` and the work W will do later."""
+    """B: return the gradient of `inp` and the work W will do later.
+
+    extra_inputs: leaf tensors whose gradient B must produce as well (with sequence chunks,
+    the earlier chunks' K/V leaves, see sequence.py); it is accumulated into their `.grad`.
+    """
     root = output.grad_fn
     grad = torch.ones_like(output) if grad_output is None else grad_output
     trainable = [p for p in params if p.requires_grad]
-    if root is None or not trainable and (inp is None or not inp.requires_grad):
+    extras = [t for t in extra_inputs if t.requires_grad]
+    if root is None or not trainable and not extras and (inp is None or not inp.requires_grad):
         return None, WeightGradWork([])
     needs_input = inp is not None and inp.requires_grad
-    input_node = get_gradient_edge(inp).node if needs_input else None
+    targets = ([inp] if needs_input else []) + extras
     children = _graph(root)
-    on_input_path = _reaches(children, input_node) if input_node is not None else set()
+    on_input_path = _reaches(children, [get_gradient_edge(t).node for t in targets])
     on_input_path.add(root)
     groups = _param_groups(children, on_input_path, trainable)
     # The root's gradient is known without running the engine.
@@ -133,19 +143,22 @@ def input_backward(
     root_grads[output.output_nr] = grad
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {root: tuple(root_grads)}
     dx: torch.Tensor | None = None
-    if needs_input:
+    if targets:
         handles = []
         try:
             for group in groups:
                 for node in group.nodes:
                     if node is not root:
                         handles.append(node.register_prehook(_capture(captured, node)))
-            (dx,) = torch.autograd.grad([output], [inp], grad_outputs=[grad], retain_graph=True, allow_unused=True)
+            results = torch.autograd.grad([output], targets, grad_outputs=[grad], retain_graph=True, allow_unused=True)
         finally:
             for handle in handles:
                 handle.remove()
-        if dx is None:
-            dx = torch.zeros_like(inp)
+        if needs_input:
+            dx = results[0] if results[0] is not None else torch.zeros_like(inp)
+        for leaf, g in zip(extras, results[len(results) - len(extras):]):
+            if g is not None:
+                leaf.grad = g if leaf.grad is None else leaf.grad + g
     for group in groups:
         group.grads = [captured.get(node) for node in group.nodes]
     python_nodes = any(isinstance(n, torch._C._FunctionBase) for g in groups for n in g.nodes)
@@ -178,13 +191,13 @@ def _graph(root: Node) -> dict[Node, list[Node]]:
     return children
 
 
-def _reaches(children: dict[Node, list[Node]], target: Node) -> set[Node]:
-    """Nodes with a path to target (target included)."""
+def _reaches(children: dict[Node, list[Node]], targets: Sequence[Node]) -> set[Node]:
+    """Nodes with a path to any of targets (the targets included)."""
     parents: dict[Node, list[Node]] = {}
     for node, kids in children.items():
         for kid in kids:
             parents.setdefault(kid, []).append(node)
-    found = {target} if target in children else set()
+    found = {t for t in targets if t in children}
     stack = list(found)
     while stack:
         node = stack.pop()

@@ -3,21 +3,24 @@
 The executor owns order, communication and timing; a compute object owns the passes.
 `emulate.EmulatedCompute` has the same methods and sleeps instead.
 
-Per (stage, microbatch) the forward returns a `Unit` that the backward passes consume:
-    forward        F: run the stage (and, on the last stage, the loss divided by m)
+Per (stage, microbatch[, sequence chunk]) the forward returns a `Unit` that the backward
+passes consume:
+    forward        F: run the stage (and, on the last stage, the loss divided by m; for a
+                   sequence chunk also weighted by length/total, see sequence.py)
     input_grad     B: gradient of the stage input; keeps what W needs (backward.py)
     weight_grad    W: parameter gradients, accumulated into `.grad`
     full_backward  BW: both at once
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 import torch
 
 from .backward import WeightGradWork, fused_backward, input_backward
 from .memory import SavedTensorTracker
+from .sequence import KVCache, SequenceChunk
 
 __all__ = ["Unit", "ModuleCompute"]
 
@@ -30,11 +33,15 @@ class Unit:
     root: torch.Tensor | None  # stage output, or the scaled loss on the last stage
     loss: torch.Tensor | None = None  # unscaled loss (last stage)
     work: WeightGradWork | None = None
+    chunk: SequenceChunk | None = None  # with sequence chunks: which one
+    leaves: tuple[torch.Tensor, ...] = ()  # earlier chunks' K/V leaves this unit attended over
 
 
 class ModuleCompute:
     """Runs stage modules. The last stage's loss is divided by m, so that the gradients
-    summed over the m microbatches are those of the mean loss."""
+    summed over the m microbatches are those of the mean loss. With sequence chunks the
+    loss of a chunk (a mean over its tokens) is also weighted by length/total: the sum
+    over a microbatch's chunks is then the mean over its whole sequence."""
 
     def __init__(
         self,
@@ -50,30 +57,40 @@ class ModuleCompute:
         self.m = m
         self.tracker = tracker
         self._params = {s: [p for p in mod.parameters() if p.requires_grad] for s, mod in modules.items()}
+        self.kv_cache = KVCache()
 
-    def forward(self, stage: int, x: torch.Tensor, target: torch.Tensor | None) -> tuple[torch.Tensor | None, Unit]:
+    def forward(
+        self, stage: int, x: torch.Tensor, target: torch.Tensor | None, chunk: SequenceChunk | None = None
+    ) -> tuple[torch.Tensor | None, Unit]:
         """Returns (tensor for the next stage or None on the last stage, unit state)."""
         if stage > 0 and x.is_floating_point():
             x.requires_grad_(True)
+        if chunk is not None:
+            chunk = replace(chunk, cache=self.kv_cache)
+            self.kv_cache.take_used()
         with self.tracker.saving():
-            out = self.modules[stage](x)
+            out = self.modules[stage](x) if chunk is None else self.modules[stage](x, chunk=chunk)
+            leaves = self.kv_cache.take_used() if chunk is not None else ()
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"stage {stage} returned {type(out).__name__}; a stage module must return one tensor")
             if stage != self.last_stage:
-                return out.detach(), Unit(x, out)
+                return out.detach(), Unit(x, out, chunk=chunk, leaves=leaves)
             loss = self.loss_fn(out, target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(
                 f"loss_fn returned {getattr(loss, 'shape', type(loss).__name__)}; it must return a scalar tensor "
                 "(reduce with mean)"
             )
-        return None, Unit(x, loss / self.m, loss.detach())
+        if chunk is not None:
+            loss = loss * (chunk.length / chunk.total)
+        return None, Unit(x, loss / self.m, loss.detach(), chunk=chunk, leaves=leaves)
 
     def input_grad(self, stage: int, unit: Unit, grad: torch.Tensor | None) -> torch.Tensor | None:
         inp = unit.inp if stage > 0 else None
-        dx, unit.work = input_backward(unit.root, grad, inp, self._params[stage])
+        dx, unit.work = input_backward(unit.root, grad, inp, self._params[stage], unit.leaves)
         unit.root = None  # frees the graph above the join nodes
         unit.inp = None
+        self._backward_done(unit)
         return dx
 
     def weight_grad(self, stage: int, unit: Unit) -> None:
@@ -85,4 +102,11 @@ class ModuleCompute:
         inp = unit.inp if stage > 0 else None
         dx = fused_backward(unit.root, grad, inp)
         unit.root = unit.inp = None
+        self._backward_done(unit)
         return dx
+
+    def _backward_done(self, unit: Unit) -> None:
+        """The unit's K/V leaves have their gradient; chunk 0 is the microbatch's last backward."""
+        unit.leaves = ()
+        if unit.chunk is not None and unit.chunk.index == 0:
+            self.kv_cache.release(unit.chunk.stage, unit.chunk.microbatch)

@@ -11,6 +11,10 @@ The executor walks `program.ranks[rank]` in order and knows nothing about schedu
     Comm RECV   wait for the receive (posted earlier by the plan in comm.py)
     Comm SEND   queue an isend of the tensor the previous action produced
 
+With sequence chunks (schedule.seq_chunks = k > 1) the step's inputs and targets come cut
+into m*k units (index microbatch*k + chunk) and each forward gets the unit's
+`SequenceChunk` from `chunks` (sequence.py).
+
 Two stages of one rank that are neighbours (the turn of a V) hand over through a dict:
 the Program has no comm op for them. Unknown op types raise, naming the op.
 """
@@ -26,6 +30,7 @@ from ..core.actions import Action, Kind
 from ..core.program import Comm, Program
 from .comm import Mailbox, Tags, receive_posts
 from .compute import Unit
+from .sequence import SequenceChunk
 from .shapes import SpecMismatchError, TensorSpec
 
 __all__ = ["RankExecutor", "RankRecord", "ActionError"]
@@ -46,7 +51,8 @@ class RankRecord:
 
 class RankExecutor:
     """Executes `program.ranks[rank]`; `specs` maps every received key to its TensorSpec and
-    `out_specs[(stage, mb)]` is what this rank's stages must send on."""
+    `out_specs[(stage, mb, chunk)]` is what this rank's stages must send on; `chunks` maps
+    (stage, mb, chunk) to its SequenceChunk when the schedule has sequence chunks."""
 
     def __init__(
         self,
@@ -56,8 +62,9 @@ class RankExecutor:
         mailbox: Mailbox,
         device: torch.device,
         specs: dict[tuple, TensorSpec],
-        out_specs: dict[tuple[int, int], TensorSpec],
+        out_specs: dict[tuple[int, int, int], TensorSpec],
         clock: Callable[[], float] = time.perf_counter,
+        chunks: dict[tuple[int, int, int], SequenceChunk] | None = None,
     ) -> None:
         schedule = program.schedule
         self.ops = program.ranks[rank]
@@ -70,6 +77,8 @@ class RankExecutor:
         self.specs = specs
         self.out_specs = out_specs
         self.clock = clock
+        self.chunks = chunks
+        self.k = schedule.seq_chunks
         self.tags = Tags(schedule.num_stages, schedule.m, schedule.seq_chunks)
         self.posts = receive_posts(program, rank)
         for op in self.ops:
@@ -119,13 +128,18 @@ class RankExecutor:
         s, mb, chunk = op.stage, op.microbatch, op.seq_chunk or 0
         compute = self.compute
         if op.kind is Kind.F:
-            x = inputs[mb] if s == 0 else ready.pop(("F", s - 1, mb, chunk))
-            out, unit = compute.forward(s, x, targets[mb] if s == self.last else None)
+            unit_index = mb * self.k + chunk
+            x = inputs[unit_index] if s == 0 else ready.pop(("F", s - 1, mb, chunk))
+            target = targets[unit_index] if s == self.last else None
+            if self.chunks is None:
+                out, unit = compute.forward(s, x, target)
+            else:
+                out, unit = compute.forward(s, x, target, chunk=self.chunks[(s, mb, chunk)])
             units[(s, mb, chunk)] = unit
             if out is not None:
                 ready[("F", s, mb, chunk)] = out
             elif unit.loss is not None:
-                losses[mb] = float(unit.loss)
+                losses[mb] = losses.get(mb, 0.0) + float(unit.loss)  # chunk losses are weighted to sum
             return
         if op.kind is Kind.W:
             compute.weight_grad(s, units.pop((s, mb, chunk)))
@@ -145,7 +159,7 @@ class RankExecutor:
             ready[("B", s, mb, chunk)] = dx
 
     def _check_sent(self, op: Comm, tensor: torch.Tensor) -> None:
-        expected = self.out_specs[(op.stage, op.microbatch)]
+        expected = self.out_specs[(op.stage, op.microbatch, op.seq_chunk or 0)]
         got = TensorSpec.of(tensor)
         if got != expected:
             raise SpecMismatchError(

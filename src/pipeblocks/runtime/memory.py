@@ -12,7 +12,9 @@ simulator's memory model (ALGORITHMS.md §1.3) predicts.
 
 `profile_stage_memory` measures, for one microbatch through a list of stage modules in one
 process, what each stage's F saves (M_B) and what its B keeps for W (M_W), to feed
-`pipeblocks.sim.Costs(mem_b=..., mem_w_ratio=...)`.
+`pipeblocks.sim.Costs(mem_b=..., mem_w_ratio=...)`. `profile_chunk_memory` measures, for
+a sequence-chunk schedule, what each chunk saves relative to the whole microbatch (with
+its K/V prefix), to feed `Costs(seq_mem=...)`.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 
 from .backward import input_backward
 
-__all__ = ["SavedTensorTracker", "StageMemory", "profile_stage_memory"]
+__all__ = ["SavedTensorTracker", "StageMemory", "profile_stage_memory", "profile_chunk_memory"]
 
 
 class _Saved:
@@ -168,3 +170,49 @@ def profile_stage_memory(
     for p, g in zip(params, before):
         p.grad = g
     return tuple(results)
+
+
+def profile_chunk_memory(
+    stages: Sequence[torch.nn.Module],
+    inputs: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    target: torch.Tensor,
+    lengths: Sequence[int],
+) -> tuple[float, ...]:
+    """Saved bytes of each sequence chunk's forward, summed over the stages, as a fraction of
+    one whole microbatch's (`Costs(seq_mem=...)`, with `mem_b` from `profile_stage_memory`).
+
+    Runs the chunks forward in order through all stages in this process, as the runtime
+    does (same compute, same K/V cache); the shares need not sum to 1: attention over the
+    earlier chunks' keys saves a longer K/V than the whole sequence's attention does per token.
+    """
+    from .compute import ModuleCompute
+    from .sequence import SequenceChunk, chunk_bounds
+
+    params = [p for stage in stages for p in stage.parameters()]
+    before = [None if p.grad is None else p.grad.clone() for p in params]
+    full = sum(s.m_b for s in profile_stage_memory(stages, inputs, loss_fn, target))
+    tracker = SavedTensorTracker()
+    tracker.exclude([*params, *(b for stage in stages for b in stage.buffers())])
+    last = len(stages) - 1
+    compute = ModuleCompute(dict(enumerate(stages)), loss_fn, last, 1, tracker)
+    k, total = len(lengths), sum(lengths)
+    shares, units = [], []
+    for c, (offset, n) in enumerate(chunk_bounds(list(lengths))):
+        x = inputs[:, offset:offset + n].clone()
+        start = tracker.current
+        chain = []
+        for s in range(len(stages)):
+            chunk = SequenceChunk(s, 0, c, k, offset, n, total)
+            out, unit = compute.forward(s, x, target[:, offset:offset + n] if s == last else None, chunk=chunk)
+            chain.append(unit)
+            x = out
+        shares.append((tracker.current - start) / full if full else 1.0 / k)
+        units.append(chain)
+    for chain in reversed(units):  # free the graphs the way the runtime does: backward, LIFO over chunks
+        grad = None
+        for s in reversed(range(len(stages))):
+            grad = compute.full_backward(s, chain[s], grad)
+    for p, g in zip(params, before):
+        p.grad = g
+    return tuple(shares)

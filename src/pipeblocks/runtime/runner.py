@@ -4,6 +4,10 @@
     for batch in data:
         result = runner.step(inputs, targets)   # m microbatches; then optimizer.step()
 
+With a sequence-chunk schedule (Seq1F1B, `schedule.seq_chunks` = k > 1) the runner cuts each
+microbatch's inputs and targets along dim 1 into k chunks (`seq_lengths`, default even) and
+calls each stage with `chunk=` (see the package docstring and sequence.py).
+
 One `step` runs the whole lowered Program of this rank once: the m forwards and backwards,
 with parameter gradients accumulated into `.grad` (they are not zeroed: call
 `optimizer.zero_grad()` yourself, or pass `optimizer=` to have the runner step and zero
@@ -12,6 +16,7 @@ microbatches the gradients equal one process training the whole batch.
 """
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -26,6 +31,7 @@ from .comm import Mailbox, Tags
 from .compute import ModuleCompute
 from .executor import RankExecutor
 from .memory import SavedTensorTracker
+from .sequence import SequenceChunk, chunk_bounds
 from .shapes import MAX_DIMS, SpecMismatchError, TensorSpec, decode_specs, encode_specs, infer_output_spec
 from .timeline import gather_timeline
 
@@ -72,6 +78,9 @@ class PipelineRunner:
         collective per step).
     compute: replace real modules by another compute object with the same methods
         (`emulate.EmulatedCompute`); the modules are then used only for shape inference.
+    seq_lengths: with sequence chunks, the k chunk lengths (tokens; they must sum to the
+        sequence length of the step's inputs); None: an even split (earlier chunks get the
+        extra token). `pipeblocks.sim.sequence_split.split_lengths` gives balanced ones.
     """
 
     def __init__(
@@ -87,6 +96,7 @@ class PipelineRunner:
         optimizer: torch.optim.Optimizer | None = None,
         record_timeline: bool = False,
         compute: object | None = None,
+        seq_lengths: Sequence[int] | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -99,11 +109,7 @@ class PipelineRunner:
                 f"schedule {schedule.name!r} has p={schedule.p} ranks but the process group has {world}: "
                 f"launch {schedule.p} processes or build the schedule with p={world}"
             )
-        if schedule.seq_chunks != 1:
-            raise ValueError(
-                f"schedule {schedule.name!r} splits sequences into {schedule.seq_chunks} chunks; this runtime's stage "
-                "contract has no sequence chunks yet: use a schedule with seq_chunks=1"
-            )
+        self.seq_lengths = _check_seq_lengths(schedule, seq_lengths)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.schedule = schedule
@@ -118,6 +124,8 @@ class PipelineRunner:
                 f"(placement {schedule.placement.shape}), but stages {sorted(stages)} were given"
             )
         self.stages = dict(stages)
+        if schedule.seq_chunks > 1:
+            _check_chunk_support(schedule, self.stages, compute)
         self.loss_fn = loss_fn
         self.group = group
         self.device = torch.device(device) if device is not None else _module_device(self.stages)
@@ -155,7 +163,7 @@ class PipelineRunner:
         xs = _microbatches(inputs, m, "inputs") if self.holds_first_stage else None
         ys = _microbatches(targets, m, "targets") if self.holds_last_stage else None
         if xs is not None:
-            xs = [x.to(self.device) for x in xs]
+            xs = self._cut([x.to(self.device) for x in xs], "inputs")
             specs = [TensorSpec.of(x) for x in xs]
             if self._input_specs is not None and specs != self._input_specs:
                 raise SpecMismatchError(
@@ -165,15 +173,23 @@ class PipelineRunner:
                 )
             self._input_specs = specs
         if ys is not None:
-            ys = [y.to(self.device) for y in ys]
+            ys = self._cut([y.to(self.device) for y in ys], "targets")
         if self._executor is None:
             self._executor = self._build_executor(xs)
+            if ys is not None and self._executor.chunks is not None:
+                self._check_target_chunks(ys)
         self.tracker.exclude([*(p for mod in self.stages.values() for p in mod.parameters()),
                               *(b for mod in self.stages.values() for b in mod.buffers())])
         origin = time.perf_counter()
         self.tracker.reset_peak()
         record = self._executor.run(xs, ys)
         duration = time.perf_counter() - origin
+        kv_cache = getattr(self.compute, "kv_cache", None)
+        if kv_cache is not None and len(kv_cache):
+            raise RuntimeError(
+                f"rank {self.rank}: the step ended with K/V caches of (stage, microbatch) {kv_cache.in_flight()} "
+                "still held: every chunk 0 must run its backward"
+            )
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -192,6 +208,40 @@ class PipelineRunner:
             memory_trace=trace,
         )
 
+    # ---- sequence chunks -------------------------------------------------------
+    def _cut(self, parts: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+        """m microbatches -> m*k units (microbatch-major), cut along dim 1."""
+        k = self.schedule.seq_chunks
+        if k == 1:
+            return parts
+        seq = parts[0].shape[1] if parts[0].dim() >= 2 else 0
+        if seq < k:
+            raise ValueError(
+                f"{name} have {seq} tokens per sequence (dim 1 of {tuple(parts[0].shape)}) but schedule "
+                f"{self.schedule.name!r} cuts every sequence into {k} chunks: use at most {seq} chunks "
+                "(--seq-chunks) or longer sequences"
+            )
+        lengths = self.seq_lengths or _even(seq, k)
+        if sum(lengths) != seq:
+            raise ValueError(
+                f"seq_lengths {list(lengths)} sum to {sum(lengths)} tokens but the {name} have {seq} per sequence: "
+                f"give chunk lengths that sum to {seq}"
+            )
+        # clones: each unit owns its storage, so what autograd saves of it is freed with the unit
+        return [part[:, a:a + n].clone() for part in parts for a, n in chunk_bounds(lengths)]
+
+    def _check_target_chunks(self, ys: list[torch.Tensor]) -> None:
+        last = self.schedule.num_stages - 1
+        k = self.schedule.seq_chunks
+        for mb in range(self.schedule.m):
+            for c in range(k):
+                chunk = self._executor.chunks[(last, mb, c)]
+                if ys[mb * k + c].shape[1] != chunk.length:
+                    raise ValueError(
+                        f"rank {self.rank}: targets of microbatch {mb}, chunk {c} have {ys[mb * k + c].shape[1]} "
+                        f"tokens but the last stage receives {chunk.length}: give every rank the same seq_lengths"
+                    )
+
     # ---- first step: shapes ---------------------------------------------------
     def _build_executor(self, xs: list[torch.Tensor] | None) -> RankExecutor:
         schedule = self.schedule
@@ -199,8 +249,8 @@ class PipelineRunner:
             # NCCL wants every rank in the first call of a communicator; p2p calls come later
             dist.barrier(group=self.group)
         placement = schedule.placement
-        S, m = schedule.num_stages, schedule.m
-        tags = Tags(S, m, schedule.seq_chunks)
+        S, m, k = schedule.num_stages, schedule.m, schedule.seq_chunks
+        tags = Tags(S, m, k)
         in_specs: dict[int, list[TensorSpec]] = {}
         out_specs: dict[int, list[TensorSpec]] = {}
         for stage in placement.stages_of(self.rank):
@@ -210,7 +260,7 @@ class PipelineRunner:
                 specs = out_specs[stage - 1]
             else:
                 peer = placement.rank_of(stage - 1)
-                buffer = torch.empty((m, 2 + MAX_DIMS), dtype=torch.int64, device=self.device)
+                buffer = torch.empty((m * k, 2 + MAX_DIMS), dtype=torch.int64, device=self.device)
                 self.mailbox.recv(("shapes", stage), buffer, peer, tags.shapes(stage))
                 specs = decode_specs(self.mailbox.wait(("shapes", stage), f"the shapes for stage {stage} from rank {peer}"))
             in_specs[stage] = specs
@@ -224,10 +274,30 @@ class PipelineRunner:
         recv_specs: dict[tuple, TensorSpec] = {}
         for stage in placement.stages_of(self.rank):
             for mb in range(m):
-                recv_specs[("F", stage - 1, mb, 0)] = in_specs[stage][mb]
-                recv_specs[("B", stage + 1, mb, 0)] = out_specs[stage][mb]
-        sent = {(s, mb): out_specs[s][mb] for s in out_specs for mb in range(m)}
-        return RankExecutor(self.program, self.rank, self.compute, self.mailbox, self.device, recv_specs, sent)
+                for c in range(k):
+                    recv_specs[("F", stage - 1, mb, c)] = in_specs[stage][mb * k + c]
+                    recv_specs[("B", stage + 1, mb, c)] = out_specs[stage][mb * k + c]
+        sent = {(s, mb, c): out_specs[s][mb * k + c] for s in out_specs for mb in range(m) for c in range(k)}
+        chunks = self._chunks(in_specs) if k > 1 else None
+        return RankExecutor(self.program, self.rank, self.compute, self.mailbox, self.device, recv_specs, sent,
+                            chunks=chunks)
+
+    def _chunks(self, in_specs: dict[int, list[TensorSpec]]) -> dict[tuple[int, int, int], SequenceChunk]:
+        """Every unit's SequenceChunk, from the lengths of its stage input (dim 1)."""
+        k = self.schedule.seq_chunks
+        out = {}
+        for stage, specs in in_specs.items():
+            for mb in range(self.schedule.m):
+                units = specs[mb * k:(mb + 1) * k]
+                if any(len(spec.shape) < 2 for spec in units):
+                    raise SpecMismatchError(
+                        f"stage {stage} takes {units[0]} for microbatch {mb}; with sequence chunks stage inputs must "
+                        "be [batch, tokens, ...], cut along dim 1"
+                    )
+                lengths = [spec.shape[1] for spec in units]
+                for c, (offset, n) in enumerate(chunk_bounds(lengths)):
+                    out[(stage, mb, c)] = SequenceChunk(stage, mb, c, k, offset, n, sum(lengths))
+        return out
 
     def _infer(self, stage: int, specs: list[TensorSpec]) -> list[TensorSpec]:
         cache: dict[TensorSpec, TensorSpec] = {}
@@ -244,6 +314,58 @@ class PipelineRunner:
                     ) from err.__cause__
             out.append(cache[spec])
         return out
+
+
+def _even(seq: int, k: int) -> tuple[int, ...]:
+    base, extra = divmod(seq, k)
+    return tuple(base + (1 if i < extra else 0) for i in range(k))
+
+
+def _check_seq_lengths(schedule: Schedule, lengths: Sequence[int] | None) -> tuple[int, ...] | None:
+    k = schedule.seq_chunks
+    if lengths is None:
+        return None
+    lengths = tuple(lengths)
+    if k == 1:
+        raise ValueError(
+            f"seq_lengths {list(lengths)} given, but schedule {schedule.name!r} has no sequence chunks: drop "
+            "seq_lengths or use a sequence-chunk schedule (seq1f1b, split_sequence(...))"
+        )
+    if len(lengths) != k or any(not isinstance(n, int) or isinstance(n, bool) for n in lengths):
+        raise ValueError(
+            f"seq_lengths {list(lengths)} must be {k} integers, one per sequence chunk of schedule {schedule.name!r}"
+        )
+    if min(lengths) < 1:
+        raise ValueError(
+            f"seq_lengths {list(lengths)} leave an empty chunk: every one of the {k} chunks needs at least one "
+            "token; use fewer chunks or move tokens into the empty one"
+        )
+    return lengths
+
+
+def _check_chunk_support(schedule: Schedule, stages: Mapping[int, torch.nn.Module], compute: object | None) -> None:
+    """Every stage must take `chunk=` (attend over earlier chunks' K/V); checked before any step."""
+    for stage, module in sorted(stages.items()):
+        if not _takes_chunk(module.forward):
+            raise ValueError(
+                f"schedule {schedule.name!r} cuts sequences into {schedule.seq_chunks} chunks, but stage {stage} "
+                f"({type(module).__name__}) cannot take sequence chunks: its forward has no `chunk` keyword. A "
+                "stage run by chunks must attend over the K/V of earlier chunks (causal attention with "
+                "`chunk.kv(layer).extend(k, v)`, as pipeblocks.models.GPTStage does); use such a model or a "
+                "schedule without sequence chunks"
+            )
+    if compute is not None and not _takes_chunk(compute.forward):
+        raise ValueError(
+            f"schedule {schedule.name!r} cuts sequences into {schedule.seq_chunks} chunks, but the compute object "
+            f"{type(compute).__name__} takes no `chunk`: run it with real modules or a schedule without sequence chunks"
+        )
+
+
+def _takes_chunk(fn) -> bool:
+    try:
+        return "chunk" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _module_device(stages: Mapping[int, torch.nn.Module]) -> torch.device:
