@@ -169,13 +169,39 @@ def test_verify_matches_one_process(schedule, dtype):
     assert match and float(match.group(1)) <= float(match.group(2))
 
 
+@pytest.mark.parametrize("args", [
+    ["--schedule", "seq1f1b", "--seq-chunks", "4", "--seq-split", "even"],
+    ["--schedule", "zb-h1", "--seq-chunks", "2", "--seq-split", "balanced"],
+    ["--schedule", "seq1f1b-i", "-m", "4"],
+], ids=["seq1f1b-k4-even", "zb-h1-k2-balanced", "seq1f1b-i-default"])
+def test_verify_sequence_chunks_match_whole_sequences(args):
+    proc = _train(*SMALL, "--layers", "4", "--dtype", "float64", "--verify", *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "seq_chunks=" in proc.stdout
+    match = re.search(r"largest relative difference ([\d.e+-]+), tolerance ([\d.e+-]+): OK", proc.stdout)
+    assert match and float(match.group(1)) <= 1e-10
+
+
+def test_sequence_chunk_report_predicts_memory_from_chunk_shares(tmp_path):
+    proc = _train("--schedule", "seq1f1b", *SMALL, "--seq", "64", "--seq-chunks", "4", "--steps", "3", "--quiet",
+                  "--report", str(tmp_path / "s.json"))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert report["seq_chunks"] == 4 and len(report["seq_mem"]) == 4
+    assert report["seq_mem"][3] > report["seq_mem"][0]  # the last chunk attends over the longest prefix
+    for row in report["ranks"]:
+        measured, predicted = row["peak_activation_bytes_measured"], row["peak_activation_bytes_predicted"]
+        assert measured > 0 and abs(measured - predicted) <= 0.10 * predicted, row
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--schedule", "nope"], "unknown schedule 'nope'"),
         (["--schedule", "1f1b", "-p", "2", "--layers", "1"], "1 transformer layers but the pipeline has 2 stages"),
         (["--schedule", "v-half", "-p", "2", "--layers", "3"], "3 transformer layers but the pipeline has 4 stages"),
-        (["--schedule", "seq1f1b", "-p", "2"], "splits sequences"),
+        (["--schedule", "seq1f1b", "-p", "2", "--seq", "8", "--seq-chunks", "9"], "use --seq-chunks 8 or fewer"),
+        (["--schedule", "1f1b", "--seq-chunks", "2", "--emulate", "1,1,1"], "does not run sequence chunks"),
         (["--seq", "16", "--data", "TINY"], "has 9 tokens but a sequence of 16 needs at least 17"),
         (["--data", "MISSING"], "does not exist"),
         (["-m", "0"], "m must be an integer >= 1"),

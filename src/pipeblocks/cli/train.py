@@ -4,6 +4,8 @@
     pipeblocks train --schedule 1f1b -p 4 -m 8 --steps 20 --report run.json   # + run.png
     pipeblocks train --schedule zb-h1 -p 2 -m 4 --dtype float64 --verify      # one step vs one process
     pipeblocks train --schedule 1f1b -p 2 -m 4 --emulate 5,5,3 --steps 5   # sleep 5/5/3 ms per layer
+    pipeblocks train --schedule seq1f1b -p 2 -m 4 --seq 256 --seq-chunks 4 --seq-split balanced
+    pipeblocks train --schedule zb-h1 --seq-chunks 2 --dtype float64 --verify   # any schedule, split by sequence
     pipeblocks train --data notes.txt --seq 128 --layers 8 --hidden 128 --heads 8
     pipeblocks train --checkpoint ckpt --steps 20            # then, to continue to step 40:
     pipeblocks train --checkpoint ckpt --steps 40 --resume
@@ -18,8 +20,14 @@ report's name with .png) draws the measured timeline under the simulated one.
 training the whole model: it prints the largest relative difference and exits 1 beyond
 the tolerance (float64 1e-10, float32 1e-5).
 
+`--seq-chunks K` cuts every microbatch into K sequence chunks (Seq1F1B, ALGORITHMS.md §5):
+seq1f1b and seq1f1b-i take it directly (default 2), any other schedule is composed with
+`split_sequence`. `--seq-split` chooses equal-FLOP ("balanced", the default) or equal-token
+chunks; the report's predicted memory uses each chunk's measured share.
+
 Bad input (unknown schedule, m the schedule cannot take, layers < stages, a sequence
-longer than the data) is reported before any process starts, with exit status 2.
+longer than the data, more sequence chunks than tokens) is reported before any process
+starts, with exit status 2.
 """
 from __future__ import annotations
 
@@ -61,6 +69,12 @@ def register(sub) -> None:
     run_opts.add_argument("--group-size", type=int, default=None, help="interleaved-1f1b: microbatches per group")
     run_opts.add_argument("--memory-limit", type=float, default=None,
                           help="activation budget per rank, in units of one stage's activation (1F1B's peak is p)")
+    run_opts.add_argument("--seq-chunks", type=int, default=None, metavar="K",
+                          help="cut every microbatch into K sequence chunks (Seq1F1B; composes with any schedule; "
+                          "seq1f1b and seq1f1b-i default to 2)")
+    run_opts.add_argument("--seq-split", default="balanced", choices=("balanced", "even"),
+                          help="sequence chunk boundaries: equal FLOPs under causal attention, or equal tokens "
+                          "(default balanced)")
     model = parser.add_argument_group("model and data")
     # defaults come from GPTConfig and TrainConfig, the one place they are set
     model.add_argument("--layers", type=int, default=GPTConfig.layers,
@@ -121,7 +135,7 @@ def _prepare(args: argparse.Namespace) -> tuple[TrainConfig, TokenWindows]:
     cfg = TrainConfig(
         schedule=schedule, model=model, microbatch_size=args.microbatch_size, steps=args.steps, lr=args.lr,
         seed=args.seed, data=args.data, checkpoint=args.checkpoint, resume=args.resume, save_every=args.save_every,
-        emulate=emulate, verify=args.verify, timeout_s=args.timeout, quiet=args.quiet,
+        emulate=emulate, verify=args.verify, timeout_s=args.timeout, quiet=args.quiet, seq_split=args.seq_split,
     )
     if cfg.resume:
         _check_resume(cfg, data)
@@ -134,14 +148,14 @@ def _schedule(args: argparse.Namespace, emulate: tuple[float, float, float] | No
     costs = None if emulate is None else ",".join(map(str, emulate))
     ns = argparse.Namespace(
         p=args.p, m=args.m, v=args.v, group_size=args.group_size, memory_limit=args.memory_limit, file=None,
-        seq_chunks=None, costs=costs, mem_w_ratio=None, model=None, hardware=None,
+        seq_chunks=args.seq_chunks, costs=costs, mem_w_ratio=None, model=None, hardware=None,
     )
     schedule = build_schedule(ns, name)
     validate(schedule)
-    if schedule.seq_chunks != 1:
+    if schedule.seq_chunks > 1 and emulate is not None:
         raise ValueError(
-            f"schedule {schedule.name!r} splits sequences into {schedule.seq_chunks} chunks, which train does not "
-            "run yet: choose a schedule without sequence chunks"
+            f"--emulate does not run sequence chunks (schedule {schedule.name!r} has {schedule.seq_chunks}): "
+            "drop --emulate or --seq-chunks"
         )
     return schedule
 
@@ -187,20 +201,24 @@ def _launch(cfg: TrainConfig):
 def _train(cfg: TrainConfig, data: TokenWindows, args: argparse.Namespace) -> int:
     from ..models import GPT, cross_entropy, split_gpt
     from ..runtime import profile_stage_memory
+    from ..runtime.memory import profile_chunk_memory
     from ..train.report import build_report, format_report, write_timeline_plot
 
     s = cfg.schedule
     print(f"training {cfg.model.layers}-layer GPT (hidden {cfg.model.hidden}, {cfg.model.dtype}) on {data.source}: "
-          f"schedule {s.name}, p={s.p} m={s.m} v={s.v}, microbatch {cfg.microbatch_size}x{cfg.model.seq} tokens",
+          f"schedule {s.name}, p={s.p} m={s.m} v={s.v}, microbatch {cfg.microbatch_size}x{cfg.model.seq} tokens"
+          + (f" in {s.seq_chunks} chunks {list(cfg.seq_lengths())}" if s.seq_chunks > 1 else ""),
           flush=True)
     results = _launch(cfg)
     if results is None:
         return 1
     # Per-stage activation bytes of one microbatch, measured the way the runtime counts them.
     x, y = data.batch(0, cfg.microbatch_size, seed=cfg.seed)
-    memory = profile_stage_memory(split_gpt(GPT(cfg.model, seed=cfg.seed), s.num_stages), x, cross_entropy, y)
+    stages = split_gpt(GPT(cfg.model, seed=cfg.seed), s.num_stages)
+    memory = profile_stage_memory(stages, x, cross_entropy, y)
+    seq_mem = profile_chunk_memory(stages, x, cross_entropy, y, cfg.seq_lengths()) if s.seq_chunks > 1 else None
     warmup = min(WARMUP_STEPS, max(0, len(results[0].step_spans) - 1))
-    report = build_report(s, results, memory, warmup=warmup, emulated=cfg.emulate is not None)
+    report = build_report(s, results, memory, warmup=warmup, emulated=cfg.emulate is not None, seq_mem=seq_mem)
     print(format_report(report.data))
     if args.report:
         write_atomically(Path(args.report), json.dumps(report.data, indent=1) + "\n")
@@ -229,7 +247,8 @@ def _verify(cfg: TrainConfig, data: TokenWindows) -> int:
     tolerance = TOLERANCE[cfg.model.dtype]
     largest = max(worst.relative, loss_diff)
     ok = largest <= tolerance
-    print(f"verify {cfg.schedule.name} p={cfg.schedule.p} m={cfg.schedule.m} {cfg.model.dtype}: "
+    chunks = f" seq_chunks={cfg.schedule.seq_chunks} {list(cfg.seq_lengths())}" if cfg.schedule.seq_chunks > 1 else ""
+    print(f"verify {cfg.schedule.name} p={cfg.schedule.p} m={cfg.schedule.m}{chunks} {cfg.model.dtype}: "
           f"loss {loss:.10g} vs one process {ref_loss:.10g} (relative difference {loss_diff:.3g}); "
           f"{len(ref_grads)} gradients, largest relative difference {worst.relative:.3g} ({worst.name})")
     print(f"largest relative difference {largest:.3g}, tolerance {tolerance:g}: {'OK' if ok else 'FAILED'}")

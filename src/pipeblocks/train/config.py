@@ -48,6 +48,8 @@ class TrainConfig:
     """torch threads in each rank (None: the cores divided among the ranks)."""
     quiet: bool = False
     """No per-step progress lines."""
+    seq_split: str = "balanced"
+    """With a sequence-chunk schedule: "balanced" (equal FLOPs under causal attention) or "even" chunks."""
 
     def __post_init__(self) -> None:
         for name in ("microbatch_size", "steps", "timeout_s"):
@@ -57,6 +59,30 @@ class TrainConfig:
             raise ValueError(f"save_every must be >= 0, got {self.save_every}")
         if self.resume and not self.checkpoint:
             raise ValueError("--resume needs --checkpoint DIR: the directory to resume from")
+        if self.schedule.seq_chunks > 1:
+            self.seq_lengths()  # k larger than the sequence, or an empty chunk, fails here
+
+    def seq_lengths(self) -> tuple[int, ...] | None:
+        """Tokens per sequence chunk (None without sequence chunks), from `seq_split`."""
+        k = self.schedule.seq_chunks
+        if k == 1:
+            return None
+        from ..sim.analytic import TransformerConfig
+        from ..sim.sequence_split import SPLITS, split_lengths
+
+        if self.seq_split not in SPLITS:
+            raise ValueError(f"seq_split must be one of {', '.join(SPLITS)}, got {self.seq_split!r}")
+        if k > self.model.seq:
+            raise ValueError(
+                f"schedule {self.schedule.name!r} cuts every sequence into {k} chunks but sequences have "
+                f"{self.model.seq} tokens: use --seq-chunks {self.model.seq} or fewer, or a longer --seq"
+            )
+        m = self.model
+        analytic = TransformerConfig(layers=m.layers, hidden=m.hidden, heads=m.heads, seq=m.seq, vocab=m.vocab)
+        lengths = split_lengths(m.seq, k, self.seq_split, analytic)
+        if min(lengths) < 1:
+            raise ValueError(f"the {self.seq_split} split {list(lengths)} leaves an empty chunk: use fewer chunks")
+        return lengths
 
     @property
     def batch_size(self) -> int:
@@ -73,4 +99,5 @@ class TrainConfig:
             "model": self.model.to_json(), "schedule": s.name, "p": s.p, "m": s.m,
             "placement": list(s.placement.stage_to_rank), "microbatch_size": self.microbatch_size,
             "lr": self.lr, "seed": self.seed, "data": data_source,
+            "seq_chunks": s.seq_chunks, "seq_lengths": list(self.seq_lengths() or ()),
         }

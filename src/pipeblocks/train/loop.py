@@ -74,7 +74,7 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
     compute = _emulated_compute(cfg, stages, ctx.device) if cfg.emulate is not None else None
     runner = PipelineRunner(
         schedule, stages, cross_entropy, rank=rank, device=ctx.device, timeout_s=cfg.timeout_s,
-        record_timeline=not cfg.verify, compute=compute,
+        record_timeline=not cfg.verify, compute=compute, seq_lengths=cfg.seq_lengths(),
     )
     last = start + 1 if cfg.verify else cfg.steps
     losses, spans, peak = [], [], 0

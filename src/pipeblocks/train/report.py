@@ -11,7 +11,11 @@ The prediction uses costs profiled from the run itself:
 * communication: the median delay between a pass ending on one rank and the pass that
   waits for its output starting on another (t_comm);
 * memory: per global stage, the saved-activation bytes one microbatch's F leaves (M_B)
-  and what B keeps for W (M_W), from `pipeblocks.runtime.profile_stage_memory`.
+  and what B keeps for W (M_W), from `pipeblocks.runtime.profile_stage_memory`;
+* sequence chunks: a pass of one chunk is timed per (stage, kind, chunk); a stage's time
+  for a whole microbatch is the sum over its chunks, and `seq_time` is each chunk's share.
+  Each chunk's memory share (`seq_mem`, from `runtime.memory.profile_chunk_memory`) is
+  measured with its K/V prefix.
 
 The simulator replays the same schedule with those costs: its makespan is
 `iteration_time_simulated_s`, its per-rank peak `peak_activation_bytes_predicted`.
@@ -69,20 +73,28 @@ class RunReport:
 
 
 def profiled_costs(schedule: Schedule, timelines: Sequence[Timeline], m_b: Sequence[float],
-                   m_w: Sequence[float]) -> Costs:
+                   m_w: Sequence[float], seq_mem: Sequence[float] | None = None) -> Costs:
     """Per-stage costs (seconds, bytes) from measured timelines and per-stage memory."""
-    durations: dict[tuple[int, Kind], list[float]] = defaultdict(list)
+    k = schedule.seq_chunks
+    durations: dict[tuple[int, Kind, int], list[float]] = defaultdict(list)
     for timeline in timelines:
         for events in timeline.events:
             for e in events:
-                durations[(e.action.stage, e.action.kind)].append(e.end - e.start)
+                durations[(e.action.stage, e.action.kind, e.action.seq_chunk or 0)].append(e.end - e.start)
 
-    def median(stage: int, kind: Kind) -> float:
-        values = durations.get((stage, kind))
+    def chunk_median(stage: int, kind: Kind, chunk: int) -> float:
+        values = durations.get((stage, kind, chunk))
         return statistics.median(values) if values else 0.0
 
+    def median(stage: int, kind: Kind) -> float:
+        return sum(chunk_median(stage, kind, c) for c in range(k))
+
     S = schedule.num_stages
-    split = {s for s in range(S) if (s, Kind.B) in durations}
+    seq_time = None
+    if k > 1:
+        per_chunk = [sum(chunk_median(s, kind, c) for s in range(S) for kind in Kind) for c in range(k)]
+        seq_time = tuple(x / sum(per_chunk) for x in per_chunk) if sum(per_chunk) > 0 else None
+    split = {s for s in range(S) if (s, Kind.B, 0) in durations}
     t_f = tuple(median(s, Kind.F) for s in range(S))
     t_b = tuple(median(s, Kind.B) if s in split else median(s, Kind.BW) for s in range(S))
     t_w = tuple(median(s, Kind.W) if s in split else 0.0 for s in range(S))
@@ -90,7 +102,8 @@ def profiled_costs(schedule: Schedule, timelines: Sequence[Timeline], m_b: Seque
     ratio = min(1.0, sum(m_w) / total) if schedule.has_split_backward and total > 0 else 1.0
     gaps = [gap for timeline in timelines for gap in _handover_gaps(timeline)]
     return Costs(t_f=t_f, t_b=t_b, t_w=t_w, mem_b=tuple(float(x) for x in m_b), mem_w_ratio=ratio,
-                 t_comm=statistics.median(gaps) if gaps else 0.0)
+                 t_comm=statistics.median(gaps) if gaps else 0.0, seq_time=seq_time,
+                 seq_mem=tuple(seq_mem) if seq_mem is not None and k > 1 else None)
 
 
 def _handover_gaps(timeline: Timeline) -> list[float]:
@@ -98,12 +111,12 @@ def _handover_gaps(timeline: Timeline) -> list[float]:
     was idle waiting for it: what a hop between ranks costs (the simulator's t_comm)."""
     schedule = timeline.schedule
     rank_of = schedule.placement.rank_of
-    done: dict[tuple[int, int, bool], float] = {}  # (stage, microbatch, backward) -> end
+    done: dict[tuple[int, int, int, bool], float] = {}  # (stage, microbatch, chunk, backward) -> end
     for events in timeline.events:
         for e in events:
             a = e.action
             if a.kind is not Kind.W:
-                done[(a.stage, a.microbatch, a.kind.is_backward)] = e.end
+                done[(a.stage, a.microbatch, a.seq_chunk or 0, a.kind.is_backward)] = e.end
     gaps = []
     for rank, events in enumerate(timeline.events):
         previous_end = None
@@ -111,7 +124,7 @@ def _handover_gaps(timeline: Timeline) -> list[float]:
             a = e.action
             source = a.stage - 1 if a.kind is Kind.F else a.stage + 1
             if a.kind is not Kind.W and 0 <= source < schedule.num_stages and rank_of(source) != rank:
-                ready = done.get((source, a.microbatch, a.kind.is_backward))
+                ready = done.get((source, a.microbatch, a.seq_chunk or 0, a.kind.is_backward))
                 if ready is not None and (previous_end is None or previous_end <= ready):
                     gaps.append(max(0.0, e.start - ready))
             previous_end = e.end
@@ -129,9 +142,13 @@ def iteration_times(results: Sequence[RankResult]) -> list[tuple[int, float]]:
 
 
 def build_report(
-    schedule: Schedule, results: Sequence[RankResult], memory: Sequence, *, warmup: int, emulated: bool = False
+    schedule: Schedule, results: Sequence[RankResult], memory: Sequence, *, warmup: int, emulated: bool = False,
+    seq_mem: Sequence[float] | None = None,
 ) -> RunReport:
     """Compare the run with the simulator's replay of it; `memory[s]` has .m_b and .m_w of stage s.
+
+    seq_mem: with sequence chunks, each chunk's saved bytes as a fraction of a whole
+    microbatch's (`runtime.memory.profile_chunk_memory`); None: even shares.
 
     emulated: the run slept instead of computing, so it saved no activations and learned
     nothing: measured peaks and losses are reported as null / empty.
@@ -142,7 +159,7 @@ def build_report(
         raise ValueError("no measured timeline came back: rank 0 records one per step")
     first = min(step for r in by_rank for step, _, _ in r.step_spans) + warmup
     timed = [t for step, t in timelines if step >= first] or [timelines[-1][1]]
-    costs = profiled_costs(schedule, timed, [x.m_b for x in memory], [x.m_w for x in memory])
+    costs = profiled_costs(schedule, timed, [x.m_b for x in memory], [x.m_w for x in memory], seq_mem)
     simulated = simulate(schedule, costs)
     walls = [t for _, t in iteration_times(results)]
     walls = walls[warmup:] or walls[-1:]
@@ -152,6 +169,8 @@ def build_report(
         "p": schedule.p,
         "m": schedule.m,
         "v": schedule.v,
+        "seq_chunks": schedule.seq_chunks,
+        "seq_mem": list(costs.seq_mem) if costs.seq_mem is not None else None,
         "emulated": emulated,
         "steps_timed": len(timed),
         "iteration_time_measured_s": statistics.median(t.makespan for t in timed),
@@ -182,6 +201,7 @@ def build_report(
 def format_report(data: dict) -> str:
     lines = [
         f"schedule {data['schedule']}  p={data['p']} m={data['m']} v={data['v']}"
+        + (f" seq_chunks={data['seq_chunks']}" if data.get("seq_chunks", 1) > 1 else "")
         + ("   (emulated compute)" if data.get("emulated") else ""),
         f"iteration time  measured {data['iteration_time_measured_s'] * 1e3:8.1f} ms   "
         f"simulated {data['iteration_time_simulated_s'] * 1e3:8.1f} ms   (median of {data['steps_timed']} steps; "
