@@ -22,7 +22,7 @@ from .actions import Action, parse_actions
 from .errors import ScheduleError
 from .placement import Placement
 
-__all__ = ["Schedule"]
+__all__ = ["Schedule", "stage_owners", "write_atomically"]
 
 _FORMAT = "pipeblocks-schedule/1"
 
@@ -173,17 +173,28 @@ class Schedule:
 def _placement_from_header(header: dict[str, str], ranks: tuple[tuple[Action, ...], ...], p: int) -> Placement:
     if "stages" in header:
         return Placement(tuple(int(r) for r in header["stages"].split(",")), header.get("placement", "explicit"))
+    return Placement(stage_owners(ranks, hint="add a 'stages=' header to state the placement"))
+
+
+def stage_owners(ranks, *, num_stages: int | None = None, hint: str = "") -> tuple[int, ...]:
+    """`owners[s]` is the rank whose list runs stage s, inferred from per-rank action lists;
+    an error when a stage appears on two ranks or a stage in 0..S-1 has no action."""
     owner: dict[int, int] = {}
-    for rank, acts in enumerate(ranks):
-        for action in acts:
+    for rank, actions in enumerate(ranks):
+        for action in actions:
             if owner.setdefault(action.stage, rank) != rank:
                 raise ScheduleError(
                     f"stage {action.stage} appears on ranks {owner[action.stage]} and {rank}: "
-                    "a stage must live on one rank (add a 'stages=' header to state the placement)"
+                    f"a stage must live on one rank{' (' + hint + ')' if hint else ''}"
                 )
-    if sorted(owner) != list(range(len(owner))):
-        raise ScheduleError(f"stages {sorted(owner)} are not numbered 0..{len(owner) - 1}")
-    return Placement(tuple(owner[s] for s in range(len(owner))))
+    count = num_stages if num_stages is not None else len(owner)
+    missing = [s for s in range(count) if s not in owner]
+    if missing or len(owner) != count:
+        raise ScheduleError(
+            f"stages {missing or sorted(owner)} do not match stages 0..{count - 1}: every stage must appear, "
+            "numbered from 0"
+        )
+    return tuple(owner[s] for s in range(count))
 
 
 def write_atomically(path: Path, body: str) -> None:

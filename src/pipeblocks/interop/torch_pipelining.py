@@ -30,7 +30,7 @@ from typing import Sequence
 from ..core.actions import Action, Kind
 from ..core.errors import ScheduleError
 from ..core.placement import Placement
-from ..core.schedule import Schedule
+from ..core.schedule import Schedule, stage_owners
 
 __all__ = ["to_torch_rows", "to_torch_csv", "from_torch_rows", "from_torch_csv"]
 
@@ -123,17 +123,7 @@ def _placement(
         return Placement.v_shape(p)
     if given is not None:
         raise ScheduleError(f"placement must be 'loop', 'v', a Placement or None, got {given!r}")
-    owner: dict[int, int] = {}
-    for rank, actions in enumerate(ranks):
-        for a in actions:
-            if owner.setdefault(a.stage, rank) != rank:
-                raise ScheduleError(
-                    f"stage {a.stage} appears on ranks {owner[a.stage]} and {rank}; a stage lives on one rank"
-                )
-    missing = [s for s in range(num_stages) if s not in owner]
-    if missing:
-        raise ScheduleError(f"stages {missing} have no actions: every stage 0..{num_stages - 1} must appear")
-    mapping = tuple(owner[s] for s in range(num_stages))
+    mapping = stage_owners(ranks, num_stages=num_stages)
     for shape in (Placement.loop(p, max(1, num_stages // p)), Placement.v_shape(p)):
         if shape.stage_to_rank == mapping:
             return shape

@@ -18,27 +18,22 @@ on that objective, and it still finds a schedule where the reference greedy cann
 """
 from __future__ import annotations
 
-from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
 from ..core.costs import Costs
-from ._build import require
 from ._zb_reference import reference_candidates
-from ._zb_search import hill_climb, list_schedule
-from ._zb_timing import Candidate, Unplaceable, check_limit, evaluate, pick_best, stage_costs
+from ._zb_select import select
+from ._zb_timing import check_limit, stage_costs
 from .registry import register
 from .zero_bubble import lagged_w_program
 
 __all__ = ["zb", "zb_1p", "zb_2p", "build_zb"]
 
-MODES = ("best", "reference")
 
 
 def build_zb(
     name: str, p: int, m: int, memory_limit: float, costs: Costs | None, mode: str, search: int
 ) -> Schedule:
-    require(mode in MODES, f"{name}: mode must be one of {MODES}, got {mode!r}")
-    require(isinstance(search, int) and search >= 0, f"{name}: search must be an integer >= 0, got {search!r}")
     placement = Placement.loop(p)
     table = stage_costs(placement, m, costs)
     check_limit(name, memory_limit, placement, table)
@@ -47,33 +42,11 @@ def build_zb(
     def schedule_of(ranks) -> Schedule:
         return Schedule(name, p, m, placement, ranks, options=options)
 
-    reference = [
-        evaluate(f"reference {knobs}", schedule_of(ranks), costs)
-        for knobs, ranks in reference_candidates(p, m, table, memory_limit)
-    ]
-    if mode == "reference":
-        fitting = [c for c in reference if c.peak <= memory_limit + 1e-9]
-        if not fitting:
-            raise ScheduleError(
-                f"{name}: the reference greedy cannot fit memory_limit={memory_limit:g} at p={p}, m={m}; "
-                "use mode='best', or raise the limit"
-            )
-        return schedule_of(min(fitting, key=lambda c: c.max_span).ranks)  # its own objective, first on ties
-    candidates: list[Candidate] = list(reference)
-    for label, ranks in _lagged_family(p, m, table, memory_limit):
-        candidates.append(evaluate(label, schedule_of(ranks), costs))
-    for prefer in ("B", "F"):
-        try:
-            ranks = list_schedule(placement, m, table, memory_limit, prefer=prefer)
-        except Unplaceable:
-            continue
-        candidates.append(evaluate(f"list prefer={prefer}", schedule_of(ranks), costs))
-    best = pick_best(candidates, memory_limit)
-    if best is None:  # the list scheduler is memory-safe above the floor; this is a bug, not bad input
-        raise RuntimeError(f"{name}: no candidate fits memory_limit={memory_limit} at p={p}, m={m}")
-    polished = hill_climb(schedule_of(best.ranks), costs, memory_limit, search)
-    final = pick_best([best, evaluate("local search", polished, costs)], memory_limit)
-    return schedule_of(final.ranks)
+    return select(
+        name, schedule_of, placement=placement, m=m, table=table, limit=memory_limit, costs=costs, mode=mode,
+        search=search, reference=reference_candidates(p, m, table, memory_limit),
+        extra=_lagged_family(p, m, table, memory_limit),
+    )
 
 
 def _lagged_family(p: int, m: int, table, limit: float):

@@ -18,9 +18,9 @@ from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
 from ..core.costs import Costs
-from ._build import B, F, W, require
-from ._zb_search import hill_climb, list_schedule
-from ._zb_timing import Unplaceable, check_limit, evaluate, memory_floor, pick_best, stage_costs
+from ._build import B, F, W
+from ._zb_select import select
+from ._zb_timing import check_limit, memory_floor, stage_costs
 from ._zbv_reference import reference_v_candidates
 from .registry import register
 
@@ -99,8 +99,6 @@ def zb_v(
                 "pass cost_aware=True to schedule under a limit"
             )
         return Schedule("zb-v", p, m, Placement.v_shape(p), zbv_handcrafted(p, m))
-    require(mode in ("best", "reference"), f"zb-v: mode must be 'best' or 'reference', got {mode!r}")
-    require(isinstance(search, int) and search >= 0, f"zb-v: search must be an integer >= 0, got {search!r}")
     placement = Placement.v_shape(p)
     table = stage_costs(placement, m, costs)
     limit = p * memory_floor(placement, table) if memory_limit is None else memory_limit
@@ -110,28 +108,8 @@ def zb_v(
     def schedule_of(ranks) -> Schedule:
         return Schedule("zb-v", p, m, placement, ranks, options=options)
 
-    reference = [
-        evaluate(f"reference {knobs}", schedule_of(ranks), costs)
-        for knobs, ranks in reference_v_candidates(p, m, table, limit)
-    ]
-    if mode == "reference":
-        fitting = [c for c in reference if c.peak <= limit + 1e-9]
-        if not fitting:
-            raise ScheduleError(
-                f"zb-v: the reference V greedy cannot fit memory_limit={limit:g} at p={p}, m={m}; "
-                "use mode='best', or raise the limit"
-            )
-        return schedule_of(min(fitting, key=lambda c: c.max_span).ranks)
-    candidates = list(reference)
-    candidates.append(evaluate("handcrafted", schedule_of(zbv_handcrafted(p, m)), costs))
-    for prefer in ("B", "F"):
-        try:
-            ranks = list_schedule(placement, m, table, limit, prefer=prefer)
-        except Unplaceable:
-            continue
-        candidates.append(evaluate(f"list prefer={prefer}", schedule_of(ranks), costs))
-    best = pick_best(candidates, limit)
-    if best is None:
-        raise RuntimeError(f"zb-v: no candidate fits memory_limit={limit} at p={p}, m={m}")
-    polished = hill_climb(schedule_of(best.ranks), costs, limit, search)
-    return schedule_of(pick_best([best, evaluate("local search", polished, costs)], limit).ranks)
+    return select(
+        "zb-v", schedule_of, placement=placement, m=m, table=table, limit=limit, costs=costs, mode=mode,
+        search=search, reference=reference_v_candidates(p, m, table, limit),
+        extra=[("handcrafted", zbv_handcrafted(p, m))], baseline="reference V greedy",
+    )
