@@ -109,7 +109,7 @@ def reference(case: str, p: int, m: int) -> tuple[float, dict[int, list[torch.Te
 def try_build(case: str, p: int, m: int) -> str | None:
     """None if the case builds for (p, m) and the runtime can run it, else the reason."""
     try:
-        schedule = build(case, p, m)
+        build(case, p, m)
     except ScheduleError as err:
         return f"the generator rejects p={p}, m={m}: {err}"
     return None

@@ -95,7 +95,9 @@ def test_analytic_formulas():
     assert costs.t_b[0] + costs.t_w[0] == approx(2 * costs.t_f[0])
     assert costs.mem_b[0] == approx(s * b * (34 * h + 5 * a * s))
     assert costs.mem_w_ratio == approx(32 * h / (34 * h + 5 * a * s))
-    assert costs.t_f[3] > costs.t_f[0]  # the head is on the last stage
+    # the last stage also runs the LM head: 2*s*b*h*V FLOPs more in each of F, B and W
+    assert costs.t_f[3] == approx((s * b * h * (24 * h + 4 * s) + 2 * s * b * h * V) / rate)
+    assert costs.t_w[3] == approx((24 * s * b * h * h + 2 * s * b * h * V) / rate)
     assert costs.t_comm == approx(hw.latency + s * b * h * 2 / hw.bandwidth)
 
 
