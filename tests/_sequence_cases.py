@@ -108,3 +108,36 @@ def errors_worker(ctx) -> list[str]:
     except ValueError as err:
         messages.append(str(err))
     return messages
+
+
+def memory_worker(ctx, runs: list[tuple[str, int, int, str]], model: dict) -> dict:
+    """Per run (case, m, k, split): this rank's peak saved bytes in the second step and what was left after it."""
+    out = {}
+    for case, m, k, how in runs:
+        schedule = build(case, ctx.world_size, m, k)
+        cfg = GPTConfig(**model)
+        mine = build_stages(cfg, seed=0, num_stages=schedule.num_stages,
+                            stages=schedule.placement.stages_of(ctx.rank))
+        runner = PipelineRunner(schedule, {s.index: s for s in mine}, cross_entropy, timeout_s=120.0,
+                                seq_lengths=lengths(cfg, k, how) if k > 1 else None)
+        x, y = batch(cfg, m, seed=1)
+        runner.step(x, y)
+        result = runner.step(x, y)
+        out[(case, k, how)] = {"peak": result.peak_saved_bytes, "left": runner.tracker.current}
+    return out
+
+
+def predicted_peaks(case: str, p: int, m: int, k: int, how: str, model: dict) -> tuple[float, ...]:
+    """The simulator's per-rank peak, fed per-stage bytes and per-chunk shares profiled from the same model."""
+    from pipeblocks.models import split_gpt
+    from pipeblocks.runtime.memory import profile_chunk_memory, profile_stage_memory
+    from pipeblocks.sim import Costs, simulate
+
+    schedule = build(case, p, m, k) if k > 1 else schedules.get(case)(p=p, m=m)
+    cfg = GPTConfig(**model)
+    stages = split_gpt(GPT(cfg, seed=0), schedule.num_stages)
+    x, y = batch(cfg, 1, seed=1)
+    profile = profile_stage_memory(stages, x, cross_entropy, y)
+    seq_mem = profile_chunk_memory(stages, x, cross_entropy, y, lengths(cfg, k, how)) if k > 1 else None
+    costs = Costs(mem_b=tuple(float(s.m_b) for s in profile), mem_w_ratio=1.0, seq_mem=seq_mem)
+    return simulate(schedule, costs).peak_activation

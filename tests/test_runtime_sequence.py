@@ -7,6 +7,14 @@ with the reference GPT (float64) gives the loss and every gradient of one proces
 whole sequences, to 1e-10 relative, for p in {2, 4}, k in {2, 4}, balanced and even
 splits. One spawn per p runs the whole matrix (two steps per run: the K/V cache must be
 empty between steps; the second is compared).
+
+Memory (invariant 3): at a long sequence, rank 0's measured peak saved bytes under seq1f1b
+and under 1f1b match the simulator fed per-stage bytes (`profile_stage_memory`) and
+per-chunk shares (`profile_chunk_memory`), within 10%. Seq1F1B's rank 0 holds p+k-1 chunks
+instead of p microbatches: (k+p-1)/(kp) of 1F1B if chunks were equal. What remains above
+that is the attention over earlier chunks: each chunk's attention saves its K/V over the
+whole prefix (offset+length tokens) and its [length, offset+length] mask, so chunk shares
+sum to more than 1, and the balanced split's first chunk is the largest.
 """
 from __future__ import annotations
 
@@ -14,7 +22,7 @@ import pytest
 
 from pipeblocks.runtime import spawn
 
-from _sequence_cases import build, errors_worker, reference, sequence_worker
+from _sequence_cases import build, errors_worker, memory_worker, predicted_peaks, reference, sequence_worker
 
 CASES = ["seq1f1b", "seq1f1b-i", "seq1f1b+split", "split:zb-h1", "split:v-half", "split:1f1b"]
 SIZES = [2, 4]
@@ -62,3 +70,31 @@ def test_bad_setups_fail_before_the_step():
     assert "stage 0" in no_attention and "cannot take sequence chunks" in no_attention and "`chunk`" in no_attention
     assert "3 tokens" in too_many_chunks and "4 chunks" in too_many_chunks
     assert "[2, 0, 1, 0]" in empty_chunk and "empty chunk" in empty_chunk
+
+
+MEM_P, MEM_M = 2, 2
+MEM_MODEL = dict(layers=4, hidden=64, heads=4, seq=512, vocab=11, dtype="float32")
+MEM_RUNS = [("split:1f1b", MEM_M, 1, "even")] + [("seq1f1b", MEM_M, k, how) for k in CHUNKS for how in SPLITS]
+MEM_TOLERANCE = 0.10
+
+
+@pytest.fixture(scope="module")
+def memory():
+    per_rank = spawn(memory_worker, MEM_P, args=(MEM_RUNS, MEM_MODEL), timeout_s=150, threads_per_rank=1)
+    return {(case, k, how): [r[(case, k, how)] for r in per_rank] for case, _, k, how in MEM_RUNS}
+
+
+@pytest.mark.parametrize("k,how", [(k, how) for k in CHUNKS for how in SPLITS])
+def test_seq1f1b_memory_against_1f1b_and_the_simulator(memory, k, how):
+    runs = memory[("seq1f1b", k, how)]
+    base = memory[("split:1f1b", 1, "even")]
+    assert [r["left"] for r in runs + base] == [0] * (2 * MEM_P), "K/V caches and activations are freed by step end"
+    predicted = predicted_peaks("seq1f1b", MEM_P, MEM_M, k, how, MEM_MODEL)
+    predicted_base = predicted_peaks("1f1b", MEM_P, MEM_M, 1, how, MEM_MODEL)
+    for rank in range(MEM_P):
+        assert runs[rank]["peak"] == pytest.approx(predicted[rank], rel=MEM_TOLERANCE), f"rank {rank}"
+        assert base[rank]["peak"] == pytest.approx(predicted_base[rank], rel=MEM_TOLERANCE), f"rank {rank}"
+    ratio = runs[0]["peak"] / base[0]["peak"]
+    formula = (k + MEM_P - 1) / (k * MEM_P)
+    assert ratio == pytest.approx(predicted[0] / predicted_base[0], rel=MEM_TOLERANCE)
+    assert formula * 0.98 <= ratio < 1.0, f"rank 0 holds {ratio:.3f} of 1F1B; equal chunks would give {formula:.3f}"

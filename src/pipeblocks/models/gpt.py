@@ -44,7 +44,7 @@ from .config import GPTConfig
 
 __all__ = [
     "GPTConfig", "GPT", "Embedding", "Block", "Head", "CausalSelfAttention", "MLP", "KVExtender",
-    "causal_attention", "init_parameters", "cross_entropy",
+    "causal_attention", "bottom_right_mask", "init_parameters", "cross_entropy",
 ]
 
 
@@ -53,25 +53,38 @@ class KVExtender(Protocol):
 
     `extend(k, v)` receives this chunk's keys and values, [b, a, s_chunk, d], and returns
     the ones to attend over, [b, a, offset + s_chunk, d]: earlier chunks' K/V in front.
+    `causal_mask(s_q, s_k, dtype, device)` returns the additive bottom-right causal mask,
+    one tensor shared by every layer (attention saves its mask for the backward, so a mask
+    per layer would cost s_q*s_k per layer).
     """
 
     def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
 
+    def causal_mask(self, s_q: int, s_k: int, dtype: torch.dtype, device: torch.device) -> Tensor: ...
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
     """softmax(q kᵀ/√d) v under a causal mask aligned bottom-right.
 
     q is [b, a, s_q, d]; k and v are [b, a, s_k, d] with s_k >= s_q. Query i sits at absolute
     position s_k - s_q + i and sees keys 0..s_k - s_q + i; with s_k == s_q this is the usual
-    causal mask. (A top-left `is_causal` would be wrong when s_k > s_q.)
+    causal mask. (A top-left `is_causal` would be wrong when s_k > s_q.) `mask`: that mask,
+    already built (`bottom_right_mask`), to share one tensor among layers.
     """
     s_q, s_k = q.size(-2), k.size(-2)
     if s_k == s_q:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if s_k < s_q:
         raise ValueError(f"attention over {s_k} keys for {s_q} queries: keys must include the queries' own positions")
-    mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)
+    if mask is None:
+        mask = bottom_right_mask(s_q, s_k, q.dtype, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def bottom_right_mask(s_q: int, s_k: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Additive mask [s_q, s_k]: 0 where query i (at position s_k - s_q + i) may see key j, else -inf."""
+    allowed = torch.ones(s_q, s_k, dtype=torch.bool, device=device).tril(diagonal=s_k - s_q)
+    return torch.zeros(s_q, s_k, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))
 
 
 class CausalSelfAttention(nn.Module):
@@ -85,9 +98,12 @@ class CausalSelfAttention(nn.Module):
         b, s, h = x.shape
         q, k, v = self.qkv(x).split(h, dim=2)
         q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        mask = None
         if kv is not None:
             k, v = kv.extend(k, v)
-        y = causal_attention(q, k, v)
+            if k.size(-2) > s:
+                mask = kv.causal_mask(s, k.size(-2), q.dtype, q.device)
+        y = causal_attention(q, k, v, mask)
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
 

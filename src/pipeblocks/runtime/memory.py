@@ -195,7 +195,8 @@ def profile_chunk_memory(
     tracker = SavedTensorTracker()
     tracker.exclude([*params, *(b for stage in stages for b in stage.buffers())])
     last = len(stages) - 1
-    compute = ModuleCompute(dict(enumerate(stages)), loss_fn, last, 1, tracker)
+    # one compute (and K/V cache) per stage, as on separate ranks: masks are not shared across stages
+    computes = [ModuleCompute({s: stage}, loss_fn, last, 1, tracker) for s, stage in enumerate(stages)]
     k, total = len(lengths), sum(lengths)
     shares, units = [], []
     for c, (offset, n) in enumerate(chunk_bounds(list(lengths))):
@@ -204,7 +205,7 @@ def profile_chunk_memory(
         chain = []
         for s in range(len(stages)):
             chunk = SequenceChunk(s, 0, c, k, offset, n, total)
-            out, unit = compute.forward(s, x, target[:, offset:offset + n] if s == last else None, chunk=chunk)
+            out, unit = computes[s].forward(s, x, target[:, offset:offset + n] if s == last else None, chunk=chunk)
             chain.append(unit)
             x = out
         shares.append((tracker.current - start) / full if full else 1.0 / k)
@@ -212,7 +213,7 @@ def profile_chunk_memory(
     for chain in reversed(units):  # free the graphs the way the runtime does: backward, LIFO over chunks
         grad = None
         for s in reversed(range(len(stages))):
-            grad = compute.full_backward(s, chain[s], grad)
+            grad = computes[s].full_backward(s, chain[s], grad)
     for p, g in zip(params, before):
         p.grad = g
     return tuple(shares)

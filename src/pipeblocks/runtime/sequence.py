@@ -18,6 +18,10 @@ function (`_AttachGrad`) adds `leaf.grad` to the gradient flowing into its K and
 that chunk's backward runs, then drops it. Leaves are keyed by (stage, microbatch, layer),
 so two stages on one rank (V placement) keep apart; the cache of a (stage, microbatch)
 is released when its chunk 0 runs its backward.
+
+Masks. Attention saves its mask for the backward; `causal_mask` gives every layer the
+same additive bottom-right mask tensor for a (queries, keys) shape, so it is held once,
+not once per layer. Masks are dropped when no microbatch is in flight.
 """
 from __future__ import annotations
 
@@ -78,6 +82,7 @@ class KVCache:
     def __init__(self) -> None:
         self._entries: dict[tuple[int, int], dict[str, list[_Leaves]]] = {}
         self._used: list[Tensor] = []
+        self._masks: dict[tuple, Tensor] = {}
 
     def extend(self, chunk: SequenceChunk, layer: str, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         layers = self._entries.setdefault((chunk.stage, chunk.microbatch), {})
@@ -102,6 +107,16 @@ class KVCache:
         return (torch.cat([lv.k for lv in earlier] + [k], dim=-2),
                 torch.cat([lv.v for lv in earlier] + [v], dim=-2))
 
+    def causal_mask(self, s_q: int, s_k: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Additive mask [s_q, s_k]: query i, at position s_k - s_q + i, sees keys 0..s_k - s_q + i."""
+        key = (s_q, s_k, dtype, torch.device(device))
+        mask = self._masks.get(key)
+        if mask is None:
+            allowed = torch.ones(s_q, s_k, dtype=torch.bool, device=device).tril(diagonal=s_k - s_q)
+            mask = torch.zeros(s_q, s_k, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))
+            self._masks[key] = mask
+        return mask
+
     def take_used(self) -> tuple[Tensor, ...]:
         used, self._used = tuple(self._used), []
         return used
@@ -109,6 +124,8 @@ class KVCache:
     def release(self, stage: int, microbatch: int) -> None:
         """Drop the cache of (stage, microbatch): its chunk 0 has run its backward."""
         self._entries.pop((stage, microbatch), None)
+        if not self._entries:
+            self._masks.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -150,3 +167,6 @@ class _LayerKV:
     def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """This chunk's K/V [b, a, length, d] -> K/V over positions 0..offset+length-1."""
         return self.chunk.cache.extend(self.chunk, self.layer, k, v)
+
+    def causal_mask(self, s_q: int, s_k: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return self.chunk.cache.causal_mask(s_q, s_k, dtype, device)
