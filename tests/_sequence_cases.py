@@ -127,7 +127,8 @@ def memory_worker(ctx, runs: list[tuple[str, int, int, str]], model: dict) -> di
     return out
 
 
-def predicted_peaks(case: str, p: int, m: int, k: int, how: str, model: dict) -> tuple[float, ...]:
+def predicted_peaks(case: str, p: int, m: int, k: int, how: str, model: dict,
+                    microbatch: int = MICROBATCH) -> tuple[float, ...]:
     """The simulator's per-rank peak, fed per-stage bytes and per-chunk shares profiled from the same model."""
     from pipeblocks.models import split_gpt
     from pipeblocks.runtime.memory import profile_chunk_memory, profile_stage_memory
@@ -136,7 +137,7 @@ def predicted_peaks(case: str, p: int, m: int, k: int, how: str, model: dict) ->
     schedule = build(case, p, m, k) if k > 1 else schedules.get(case)(p=p, m=m)
     cfg = GPTConfig(**model)
     stages = split_gpt(GPT(cfg, seed=0), schedule.num_stages)
-    x, y = batch(cfg, 1, seed=1)
+    x, y = (t[:microbatch] for t in batch(cfg, max(1, -(-microbatch // MICROBATCH)), seed=1))
     profile = profile_stage_memory(stages, x, cross_entropy, y)
     seq_mem = profile_chunk_memory(stages, x, cross_entropy, y, lengths(cfg, k, how)) if k > 1 else None
     costs = Costs(mem_b=tuple(float(s.m_b) for s in profile), mem_w_ratio=1.0, seq_mem=seq_mem)
