@@ -56,6 +56,22 @@ def _check_placement_and_ranges(schedule: Schedule) -> None:
 
 
 def _check_completeness(schedule: Schedule) -> None:
+    units: dict[Kind, set[tuple[int, int, int]]] = {kind: set() for kind in Kind}
+    count = 0
+    for actions in schedule.ranks:
+        for a in actions:
+            units[a.kind].add((a.stage, a.microbatch, a.seq_chunk or 0))
+        count += len(actions)
+    total = schedule.num_stages * schedule.m * schedule.seq_chunks
+    f, b, w, bw = (units[kind] for kind in (Kind.F, Kind.B, Kind.W, Kind.BW))
+    # fast path (set algebra): no pass twice, every F, and per unit either B and W or BW
+    if count == sum(map(len, units.values())) and len(f) == total and b == w and not (b & bw) and len(b | bw) == total:
+        return
+    _diagnose_completeness(schedule)
+
+
+def _diagnose_completeness(schedule: Schedule) -> None:
+    """Walk every unit to name the first missing or repeated pass."""
     seen: set[tuple[int, int, int, Kind]] = set()
     for rank, actions in enumerate(schedule.ranks):
         for a in actions:
@@ -85,22 +101,34 @@ def _check_completeness(schedule: Schedule) -> None:
                     )
                 lacking = name.with_kind(B_ if has_w else W_ if has_b else BW_)
                 raise ScheduleError(f"rank {rank}: missing {lacking}; add it to rank {rank}'s list")
+    raise AssertionError("completeness fast path and diagnosis disagree")  # unreachable: a bug if hit
 
 
 def _check_local_order(schedule: Schedule) -> None:
     S, k = schedule.num_stages, schedule.seq_chunks
     owner_of = schedule.placement.stage_to_rank
+    # requirements() and phase_of() pass the microbatch through unchanged: resolve them once
+    # per (kind, stage, chunk), keeping only the needs that live on the action's own rank
+    templates: dict[tuple, tuple[tuple, tuple]] = {}
     for rank, actions in enumerate(schedule.ranks):
         done: set[tuple] = set()
         for pos, action in enumerate(actions):
-            for need in requirements(action, S, k):
-                if owner_of[need[1]] == rank and need not in done:
-                    later = _finisher(actions, need, pos)
+            mb = action.microbatch
+            key = (action.kind, action.stage, action.seq_chunk)
+            template = templates.get(key)
+            if template is None:
+                probe = Action(action.stage, action.kind, 0, action.seq_chunk)
+                local = tuple((ph, st, ch) for ph, st, _, ch in requirements(probe, S, k) if owner_of[st] == rank)
+                template = templates[key] = (local, tuple((ph, st, ch) for ph, st, _, ch in phase_of(probe)))
+            for ph, st, ch in template[0]:
+                if (ph, st, mb, ch) not in done:
+                    later = _finisher(actions, (ph, st, mb, ch), pos)
                     raise ScheduleError(
                         f"rank {rank}, action {pos} ({action}) runs before {later}, which it depends on; "
                         f"move {action} after {later}"
                     )
-            done.update(phase_of(action))
+            for ph, st, ch in template[1]:
+                done.add((ph, st, mb, ch))
 
 
 def _finisher(actions: tuple[Action, ...], need: tuple, after: int) -> str:
