@@ -24,24 +24,12 @@ from ..core.schedule import Schedule
 from ._reorder import cost_table
 from .blocks import Block, build_orders
 from .registry import register
-from .vshape import _checked, v_block, v_block_from_offsets
+from .vshape import _checked, two_part_block, v_block
 
 __all__ = ["v_adaptive", "adaptive_candidates", "two_part_block"]
 
 _EPS = 1e-9
 _TRIES = 6  # candidate blocks built per call, the richest in memory first
-
-
-def two_part_block(p: int, split: int, first: int, rest: int) -> Block | None:
-    """A V block with downward shift `first` between ranks 0..split and `rest` below,
-    upward shifts 1; None if it does not tile."""
-    down = [0]
-    for i in range(1, p):
-        down.append(down[-1] + (first if i <= split else rest))
-    try:
-        return v_block_from_offsets(p, down, [p - 1 - i for i in range(p)])
-    except ScheduleError:
-        return None
 
 
 def adaptive_candidates(p: int) -> list[tuple[str, Block]]:
