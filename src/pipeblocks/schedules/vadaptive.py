@@ -24,29 +24,40 @@ from ..core.schedule import Schedule
 from ._reorder import cost_table
 from .blocks import Block, build_orders
 from .registry import register
-from .vshape import _checked, two_part_block, v_block
+from .vshape import _checked, two_part_block, v_block_variants
 
 __all__ = ["v_adaptive", "adaptive_candidates", "two_part_block"]
 
 _EPS = 1e-9
 _TRIES = 6  # candidate blocks built per call, the richest in memory first
+_VARIANTS = 3  # extra looser-turn blocks built per call
+_VARIANT_P = 12  # above this p the extra builds would take the call past ~2 s
 
 
-def adaptive_candidates(p: int) -> list[tuple[str, Block]]:
-    """The blocks v-adaptive chooses from, each with a short label, by lifespan bound."""
-    out: list[tuple[str, Block]] = []
-    for label, shifts in [(f"shifts {d}/1", (d, 1, d, 1)) for d in range(1, 6)] + [("shifts 4/2", (4, 2, 4, 2))]:
-        try:
-            out.append((label, v_block(p, shifts)))
-        except ScheduleError:  # these shifts collide mod 6 for this p
-            continue
+def adaptive_candidates(p: int, *, variants: bool = True) -> list[tuple[str, Block]]:
+    """The blocks v-adaptive chooses from, each with a short label, by lifespan bound:
+    for each shift family every turn-gap variant with its own lifespans (variant 0 has
+    the tightest memory; the others spend a little more and reach an odd number of
+    chunk activations with one slot less idle)."""
+    families: list[tuple[str, list[int], list[int]]] = [
+        (f"shifts {d}/{u}", [d * i for i in range(p)], [u * (p - 1 - i) for i in range(p)])
+        for d, u in [(d, 1) for d in range(1, 6)] + [(4, 2)]
+    ]
     splits = sorted({round(j * (p - 2) / 7) for j in range(8)} - {0}) if p > 2 else []
     for first in range(1, 6):
         for rest in range(1, 6):
             for split in splits if first != rest else ():
-                block = two_part_block(p, split, first, rest)
-                if block is not None:
-                    out.append((f"shifts {first}/1 on ranks 0..{split}, {rest}/1 below", block))
+                down = [0]
+                for i in range(1, p):
+                    down.append(down[-1] + (first if i <= split else rest))
+                families.append((f"shifts {first}/1 on ranks 0..{split}, {rest}/1 below", down, [p - 1 - i for i in range(p)]))
+    out: list[tuple[str, Block]] = []
+    for label, down, up in families:
+        try:
+            found = v_block_variants(p, down, up)
+        except ScheduleError:  # these shifts collide mod 6 for this p
+            continue
+        out += [(label if n == 0 else f"{label}, turn variant {n}", block) for n, block in enumerate(found[: None if variants else 1])]
     return sorted(out, key=lambda x: max(x[1].lifespan_bound()))
 
 
@@ -71,14 +82,17 @@ def v_adaptive(*, p: int, m: int, memory_limit: float | None = None, costs: obje
     limit = float(p if memory_limit is None else memory_limit)
     if not limit > 0:
         raise ScheduleError(f"memory_limit must be > 0 (peak_activation units, 1F1B's peak is {p}), got {memory_limit!r}")
-    candidates = adaptive_candidates(p)
+    candidates = adaptive_candidates(p, variants=p <= _VARIANT_P)
     frac = placement.stage_fraction
     mem_b = max(cost_table(placement, costs).mem_b) / frac
     # the richest few blocks whose lifespan bound fits, and a few just above it (the bound
     # can over-count by a stage activation); the poorest few when nothing fits, for the error
     bounds = [max(block.lifespan_bound(mem_b)) for _, block in candidates]
-    sure = [c for c, b in zip(candidates, bounds) if b <= limit + _EPS][::-1][: _TRIES // 2]
-    maybe = [c for c, b in zip(candidates, bounds) if limit + _EPS < b <= limit + mem_b + _EPS][: _TRIES // 2]
+    tight = [(c, b) for c, b in zip(candidates, bounds) if "turn variant" not in c[0]]
+    sure = [c for c, b in tight if b <= limit + _EPS][::-1][: _TRIES // 2]
+    maybe = [c for c, b in tight if limit + _EPS < b <= limit + mem_b + _EPS][: _TRIES // 2]
+    if p <= _VARIANT_P:  # plus the richest looser-turn blocks that fit (the odd-k gains, see module doc)
+        sure += [c for c, b in zip(candidates, bounds) if b <= limit + _EPS and c not in sure][::-1][:_VARIANTS]
     best = None
     smallest = float("inf")
     for label, block in sure + maybe or candidates[:3]:

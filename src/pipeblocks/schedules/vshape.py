@@ -25,7 +25,7 @@ from .blocks import Block, BlockPass, build, build_orders, fit_block
 from .registry import register
 
 __all__ = [
-    "v_block", "v_block_from_offsets", "two_part_block", "v_fused_block", "v_min", "v_half", "v_zb", "one_f_one_b_v",
+    "v_block", "v_block_from_offsets", "v_block_variants", "two_part_block", "v_fused_block", "v_min", "v_half", "v_zb", "one_f_one_b_v",
 ]
 
 T = 6  # two chunks x (F, B, W), one slot each
@@ -43,18 +43,26 @@ def v_block(p: int, shifts: tuple[int, int, int, int]) -> Block:
 
 
 def v_block_from_offsets(p: int, down: list[int], up: list[int]) -> Block:
+    """A V block from per-rank offsets; see `v_block_variants` (this is its first)."""
+    return v_block_variants(p, down, up)[0]
+
+
+def v_block_variants(p: int, down: list[int], up: list[int]) -> list[Block]:
     """A V block from per-rank offsets: rank i starts F0 at down[i] and B1 at
     down[i] + c, F1 at a + up[i] and B0 at b + up[i] (down[0] = up[p-1] = 0).
 
     The three turn gaps (bottom F turn, top F1->B1, bottom B turn) fixing a, b and c
-    are the smallest in 1..6 that keep F and B collision-free mod 6; the Ws then go into
-    each rank's free residues, earliest after their B. Among tiling gap choices the
-    smallest lifespan bound wins.
+    range over 1..6 and must keep F and B collision-free mod 6; the Ws then go into
+    each rank's free residues, earliest after their B. Returns one block per distinct
+    set of lifespans, the smallest lifespan bound (then gap sum) first. Longer turn gaps
+    matter: they shift where each rank's memory peaks, and at an odd number of chunk
+    activations the best schedule often comes from one (p=4, k=5: gaps 1/1/3 idle 9
+    slots, the tightest gaps 10).
     """
     if p < 1:
         raise ScheduleError(f"p must be an integer >= 1, got {p!r}")
     placement = Placement.v_shape(p)
-    best: tuple[tuple[float, int], Block] | None = None
+    found: dict[tuple[int, ...], tuple[tuple[float, int], Block]] = {}
     r_f0 = [d % T for d in down]
     for g1 in range(1, T + 1):
         a = down[-1] + g1
@@ -83,11 +91,11 @@ def v_block_from_offsets(p: int, down: list[int], up: list[int]) -> Block:
                 except ScheduleError:
                     continue
                 key = (max(block.lifespan_bound()), g1 + g2 + g3)
-                if best is None or key < best[0]:
-                    best = (key, block)
-    if best is None:
+                if block.lifespans not in found or key < found[block.lifespans][0]:
+                    found[block.lifespans] = (key, block)
+    if not found:
         raise ScheduleError(f"no V block with these offsets tiles for p={p}: F and B collide mod {T}; choose other shifts")
-    return best[1]
+    return [block for _, block in sorted(found.values(), key=lambda x: x[0])]
 
 
 def two_part_block(p: int, split: int, first: int, rest: int) -> Block | None:
