@@ -9,6 +9,7 @@ chunk pass; the simulator's unit cost is a full stage, so a slot is 1/2 time uni
 
     span    longest rank span (first start to last end) minus busy time, as in the papers
     global  makespan minus busy time, what `Timeline.bubble_ratio` uses
+    6p-1-3k the lower bound for k; at odd k the best reachable is one slot more (6p-3k)
     ref     the reference generators' span bubble (zbv_greedy.py in
             sail-sg/zero-bubble-pipeline-parallelism) at m >= 2p, measured by running them
 """

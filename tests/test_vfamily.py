@@ -69,7 +69,9 @@ def test_peaks_and_bubbles(p):
     assert peak["1f1b-v"] <= (0.85 * p if p >= 4 else p)
 
 
-@pytest.mark.parametrize("name, p", [("v-half", 4), ("v-half", 8), ("v-half", 16), ("v-min", 4), ("v-min", 16)])
+@pytest.mark.parametrize(
+    "name, p", [("v-half", 4), ("v-half", 8), ("v-half", 16), ("v-min", 4), ("v-min", 5), ("v-min", 8), ("v-min", 16)]
+)
 def test_v_half_and_v_min_meet_the_lower_bound(name, p):
     tl = simulate(get(name)(p=p, m=3 * p))
     assert bubbles(tl)[0] == lower_bound(p, max(tl.peak_activation))
@@ -103,9 +105,8 @@ def test_v_adaptive_curve_follows_the_bound():
         span, glob = bubbles(tl)
         assert max(tl.peak_activation) <= limit
         target = lower_bound(p, limit)
-        assert target <= span <= target + 2, (k, span, target)
-        if k % 2 == 0:
-            assert span == target, (k, span)  # at the bound for every even k
+        # at the bound for every even k; one slot above it at odd k, which is optimal there
+        assert span == target + k % 2, (k, span, target)
         if previous is not None:
             assert glob <= previous  # more memory never costs time
         previous = glob
@@ -138,3 +139,18 @@ def test_v_adaptive_valid_for_small_and_uneven_m(p):
             s = get("v-adaptive")(p=p, m=m, memory_limit=limit)
             validate(s)
             assert max(simulate(s).peak_activation) <= (p if limit is None else limit)
+
+
+# At an odd number k of chunk activations the bound 6p-1-3k is not reachable: an exact
+# integer program over all unit-cost orders of rank 0 (time-indexed, every dependency and
+# the memory cap k, m = 2p to 3p) is infeasible at bubble 6p-1-3k for (p, k) = (2, 3),
+# (3, 5) and (4, 7), while 6p-3k is reached (by v-adaptive, below). So 6p-3k is the target
+# at odd k; v-adaptive meets it for p <= 12 (above, the looser-turn candidates would take
+# a call past ~2 s and it stays at 6p-3k+1).
+@pytest.mark.parametrize("p, k", [(3, 5), (4, 5), (4, 7), (8, 9), (8, 13), (8, 15)])
+def test_v_adaptive_at_odd_k_is_one_slot_above_the_bound(p, k):
+    s = get("v-adaptive")(p=p, m=3 * p, memory_limit=k / 2)
+    validate(s)
+    tl = simulate(s)
+    assert max(tl.peak_activation) <= k / 2
+    assert bubbles(tl)[0] == 6 * p - 3 * k

@@ -9,7 +9,11 @@ warm-up, and replayed under the given costs; the fastest that fits wins.
 At unit costs the bubble follows the lower bound of "Pipeline Parallelism with
 Controllable Memory": with k chunk activations per rank (a chunk activation is half of
 a full stage's, so the budget in peak_activation units is k/2), a rank idles at least
-6p - 1 - 3k slots (one slot per chunk pass).
+6p - 1 - 3k slots (one slot per chunk pass). v-adaptive meets it at every even k; at odd
+k it is not reachable (an exact search over rank 0's orders rules it out at p=2, 3, 4)
+and v-adaptive idles 6p - 3k, one slot more, for p <= 12, using blocks whose turn gaps
+are looser than the tightest tiling ones; above p = 12 those extra builds are skipped to
+keep a call near 2 s and odd k idles 6p - 3k + 1.
 
 Usage::
 
