@@ -193,7 +193,11 @@ def v_zb(*, p: int, m: int, costs: object | None = None) -> Schedule:
 @register("1f1b-v", "V placement without B/W split (fused BW): about 2/3 of 1F1B's memory")
 def one_f_one_b_v(*, p: int, m: int, costs: object | None = None) -> Schedule:
     """1F1B-V: V placement with the fused backward; F shifts 1, each BW (two slots) at the
-    earliest collision-free slot. Peak about 2/3 of 1F1B's.
+    earliest collision-free slot. Peak about 2/3 of 1F1B's: rank 0's chunk-0 lifespan is
+    about 8p slots (F chain 2p, BW chain 4p, and mod-6 collisions force a 3-slot gap every
+    third BW hop), so it holds ceil(l/6) + 1 chunk activations, 2p/3 + about 1/2 stage
+    activations: 0.75 of 1F1B at p=4 and 8, 0.69 at p=16. The fully packed period (F0,
+    F1, two BW slots each, T = 6) leaves no free residue to shorten it.
 
     p=4, m=8::
 
