@@ -53,33 +53,38 @@ class WeightGradWork:
     keep_alive: torch.Tensor | None = None
 
     def run(self) -> None:
-        """Compute the weight gradients and accumulate them into `param.grad`; frees the graph."""
+        """Compute the weight gradients and accumulate them into `param.grad`; frees the graph.
+
+        One engine call for all groups (per-call overhead dominates on small stages). When
+        there is more than one join node, each is pinned to its captured gradient, so a join
+        reached from another join's weight path (a parameter used twice, or nodes shared
+        below the joins, as on stage 0 with sequence chunks) still contributes exactly its
+        own gradient: the call equals the sum of one call per group.
+        """
         groups, self.groups = self.groups, []
-        for number, group in enumerate(groups):
-            edges: list[GradientEdge] = []
-            grads: list[torch.Tensor] = []
+        edges: list[GradientEdge] = []
+        grads: list[torch.Tensor] = []
+        params: list[torch.nn.Parameter] = []
+        joins: list[tuple[Node, tuple[torch.Tensor | None, ...]]] = []
+        for group in groups:
+            found = False
             for node, captured in zip(group.nodes, group.grads):
                 if captured is None:
                     continue
+                joins.append((node, captured))
                 for index, grad in enumerate(captured):
                     if grad is not None:
                         edges.append(GradientEdge(node, index))
                         grads.append(grad)
-            if not edges:
-                continue
-            pins = []
-            if len(group.nodes) > 1:
-                for node, captured in zip(group.nodes, group.grads):
-                    if captured is not None:
-                        pins.append(node.register_prehook(_pin(captured)))
+                        found = True
+            if found:
+                params.extend(group.params)
+        if edges:
+            pins = [node.register_prehook(_pin(captured)) for node, captured in joins] if len(joins) > 1 else []
             try:
-                params = [p for p in group.params]
-                targets = [get_gradient_edge(p) for p in params]
-                # Groups can share nodes below their joins when the input path is sparse (stage 0
-                # with sequence chunks: only the K/V leaves need a gradient), so every engine call
-                # but the last keeps the graph; it is freed when this work drops its nodes.
-                results = torch.autograd.grad(edges, targets, grad_outputs=grads, allow_unused=True,
-                                              retain_graph=number < len(groups) - 1)
+                results = torch.autograd.grad(
+                    edges, [get_gradient_edge(p) for p in params], grad_outputs=grads, allow_unused=True
+                )
             finally:
                 for pin in pins:
                     pin.remove()

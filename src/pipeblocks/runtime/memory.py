@@ -18,6 +18,8 @@ its K/V prefix), to feed `Costs(seq_mem=...)`.
 """
 from __future__ import annotations
 
+import contextlib
+
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -50,7 +52,8 @@ class SavedTensorTracker:
     Use `with tracker.saving():` around forwards.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, *, enabled: bool = True) -> None:
+        self.enabled = enabled
         self._clock = clock
         self._live: dict[tuple, list[int]] = {}  # storage key -> [handles, bytes]
         self._excluded: set[tuple] = set()
@@ -65,7 +68,9 @@ class SavedTensorTracker:
         self.peak = self.current
         self.trace = [(self._clock(), self.current)]
 
-    def saving(self) -> torch.autograd.graph.saved_tensors_hooks:
+    def saving(self) -> contextlib.AbstractContextManager:
+        if not self.enabled:
+            return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: torch.Tensor):

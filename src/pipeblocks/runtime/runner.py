@@ -44,7 +44,8 @@ class StepResult:
 
     loss: mean loss over the m microbatches (on the rank holding the last stage; else None).
     losses: per-microbatch losses (last-stage rank only; else empty).
-    peak_saved_bytes: the largest saved-activation footprint of this rank during the step.
+    peak_saved_bytes: the largest saved-activation footprint of this rank during the step
+        (None when the runner does not measure memory).
     wait_s: time this rank spent blocked on receives and on the final send flush.
     duration_s: wall time of the step on this rank.
     timeline: the measured Timeline of all ranks (on group rank 0 when the runner records; else None).
@@ -53,7 +54,7 @@ class StepResult:
 
     loss: float | None
     losses: tuple[float, ...]
-    peak_saved_bytes: int
+    peak_saved_bytes: int | None
     wait_s: float
     duration_s: float
     timeline: Timeline | None = None
@@ -81,6 +82,8 @@ class PipelineRunner:
     seq_lengths: with sequence chunks, the k chunk lengths (tokens; they must sum to the
         sequence length of the step's inputs); None: an even split (earlier chunks get the
         extra token). `pipeblocks.sim.sequence_split.split_lengths` gives balanced ones.
+    measure_memory: count saved-activation bytes (a hook on every saved tensor, a few
+        percent of a small stage's step time); off, `peak_saved_bytes` is None.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class PipelineRunner:
         record_timeline: bool = False,
         compute: object | None = None,
         seq_lengths: Sequence[int] | None = None,
+        measure_memory: bool = True,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -132,7 +136,7 @@ class PipelineRunner:
         self.timeout_s = float(timeout_s)
         self.optimizer = optimizer
         self.record_timeline = record_timeline
-        self.tracker = SavedTensorTracker()
+        self.tracker = SavedTensorTracker(enabled=measure_memory)
         self.compute = compute if compute is not None else ModuleCompute(
             self.stages, loss_fn, schedule.num_stages - 1, schedule.m, self.tracker
         )
@@ -201,7 +205,7 @@ class PipelineRunner:
         return StepResult(
             loss=sum(losses) / m if self.holds_last_stage else None,
             losses=losses,
-            peak_saved_bytes=self.tracker.peak,
+            peak_saved_bytes=self.tracker.peak if self.tracker.enabled else None,
             wait_s=record.wait_s,
             duration_s=duration,
             timeline=timeline,
