@@ -9,9 +9,9 @@ The split works on the autograd graph of the stage, so any stage module works un
 * W runs the engine again from those join nodes, with their captured gradients, to the
   parameters only, and accumulates into `param.grad`. The join node is executed a second
   time, computing only its weight-side outputs, so no FLOPs are repeated for plain layers.
-  Parameters reached through the same join nodes form one group and one engine call; when
-  a group has several join nodes (a parameter used twice), a pre-hook pins each join node
-  to its captured gradient so that nothing is counted twice.
+  W is one engine call for all parameters; with several join nodes, a pre-hook pins each
+  to its captured gradient so that nothing is counted twice (a parameter used twice, or
+  nodes shared below the joins).
 
 Memory consequence (ALGORITHMS.md §1.3, caveat of the graph split): after B this module
 keeps only the join nodes, so every saved tensor reachable from them stays alive until W:
@@ -140,9 +140,10 @@ def input_backward(
     needs_input = inp is not None and inp.requires_grad
     targets = ([inp] if needs_input else []) + extras
     children = _graph(root)
-    on_input_path = _reaches(children, [get_gradient_edge(t).node for t in targets])
+    parents = _parents(children)
+    on_input_path = _reaches(children, parents, [get_gradient_edge(t).node for t in targets])
     on_input_path.add(root)
-    groups = _param_groups(children, on_input_path, trainable)
+    groups = _weight_group(children, parents, on_input_path, trainable)
     # The root's gradient is known without running the engine.
     root_grads: list[torch.Tensor | None] = [None] * max(1, _num_outputs(root, output))
     root_grads[output.output_nr] = grad
@@ -196,12 +197,16 @@ def _graph(root: Node) -> dict[Node, list[Node]]:
     return children
 
 
-def _reaches(children: dict[Node, list[Node]], targets: Sequence[Node]) -> set[Node]:
-    """Nodes with a path to any of targets (the targets included)."""
+def _parents(children: dict[Node, list[Node]]) -> dict[Node, list[Node]]:
     parents: dict[Node, list[Node]] = {}
     for node, kids in children.items():
         for kid in kids:
             parents.setdefault(kid, []).append(node)
+    return parents
+
+
+def _reaches(children: dict[Node, list[Node]], parents: dict[Node, list[Node]], targets: Sequence[Node]) -> set[Node]:
+    """Nodes with a path to any of targets (the targets included)."""
     found = {t for t in targets if t in children}
     stack = list(found)
     while stack:
@@ -213,49 +218,27 @@ def _reaches(children: dict[Node, list[Node]], targets: Sequence[Node]) -> set[N
     return found
 
 
-def _param_groups(children: dict[Node, list[Node]], on_input_path: set[Node], params: list) -> list[_Group]:
-    """Group parameters by the input-path nodes their gradient paths leave from."""
-    parents: dict[Node, list[Node]] = {}
-    for node, kids in children.items():
-        for kid in kids:
-            parents.setdefault(kid, []).append(node)
-    group_of: dict[Node, _Group] = {}
-    groups: list[_Group] = []
-    for param in params:
-        acc = get_gradient_edge(param).node
-        if acc not in children:
-            continue  # this parameter did not take part in the forward
-        joins: list[Node] = []
-        seen = {acc}
-        stack = [acc]
-        while stack:
-            node = stack.pop()
-            for parent in parents.get(node, ()):
-                if parent in seen:
-                    continue
-                seen.add(parent)
-                if parent in on_input_path:
+def _weight_group(
+    children: dict[Node, list[Node]], parents: dict[Node, list[Node]], on_input_path: set[Node], params: list
+) -> list[_Group]:
+    """The parameters that took part in the forward and the join nodes their gradient paths
+    leave the input path from: one walk up from all parameter accumulators at once. W runs
+    one engine call for all of them (joins pinned), so no finer grouping is needed."""
+    used = [p for p in params if get_gradient_edge(p).node in children]
+    if not used:
+        return []
+    region = {get_gradient_edge(p).node for p in used}
+    stack = list(region)
+    joins: list[Node] = []
+    is_join: set[Node] = set()
+    while stack:
+        node = stack.pop()
+        for parent in parents.get(node, ()):
+            if parent in on_input_path:
+                if parent not in is_join:
+                    is_join.add(parent)
                     joins.append(parent)
-                else:
-                    stack.append(parent)
-        merged: list[_Group] = []
-        for join in joins:
-            found = group_of.get(join)
-            if found is not None and all(found is not g for g in merged):
-                merged.append(found)
-        group = merged[0] if merged else _Group([], [])
-        if not merged:
-            groups.append(group)
-        for other in merged[1:]:
-            group.params.extend(other.params)
-            for node in other.nodes:
-                if node not in group.nodes:
-                    group.nodes.append(node)
-                group_of[node] = group
-            groups.remove(other)
-        group.params.append(param)
-        for node in joins:
-            if node not in group.nodes:
-                group.nodes.append(node)
-            group_of[node] = group
-    return groups
+            elif parent not in region:
+                region.add(parent)
+                stack.append(parent)
+    return [_Group(used, joins)]
