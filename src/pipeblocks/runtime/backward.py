@@ -34,11 +34,13 @@ __all__ = ["WeightGradWork", "fused_backward", "input_backward"]
 
 @dataclass
 class _Group:
-    """Parameters whose gradients flow through the same join nodes."""
+    """Parameters whose gradients flow through the same join nodes; `edges` are the
+    parameters' gradient edges, found once in B (each lookup makes a view)."""
 
     params: list[torch.nn.Parameter]
     nodes: list[Node]
     grads: list[tuple[torch.Tensor | None, ...] | None] = field(default_factory=list)
+    edges: list[GradientEdge] = field(default_factory=list)
 
 
 @dataclass
@@ -65,6 +67,7 @@ class WeightGradWork:
         edges: list[GradientEdge] = []
         grads: list[torch.Tensor] = []
         params: list[torch.nn.Parameter] = []
+        param_edges: list[GradientEdge] = []
         joins: list[tuple[Node, tuple[torch.Tensor | None, ...]]] = []
         for group in groups:
             found = False
@@ -79,11 +82,12 @@ class WeightGradWork:
                         found = True
             if found:
                 params.extend(group.params)
+                param_edges.extend(group.edges)
         if edges:
             pins = [node.register_prehook(_pin(captured)) for node, captured in joins] if len(joins) > 1 else []
             try:
                 results = torch.autograd.grad(
-                    edges, [get_gradient_edge(p) for p in params], grad_outputs=grads, allow_unused=True
+                    edges, param_edges, grad_outputs=grads, allow_unused=True
                 )
             finally:
                 for pin in pins:
@@ -224,10 +228,15 @@ def _weight_group(
     """The parameters that took part in the forward and the join nodes their gradient paths
     leave the input path from: one walk up from all parameter accumulators at once. W runs
     one engine call for all of them (joins pinned), so no finer grouping is needed."""
-    used = [p for p in params if get_gradient_edge(p).node in children]
+    used, used_edges = [], []
+    for param in params:
+        edge = get_gradient_edge(param)
+        if edge.node in children:
+            used.append(param)
+            used_edges.append(edge)
     if not used:
         return []
-    region = {get_gradient_edge(p).node for p in used}
+    region = {edge.node for edge in used_edges}
     stack = list(region)
     joins: list[Node] = []
     is_join: set[Node] = set()
@@ -241,4 +250,4 @@ def _weight_group(
             elif parent not in region:
                 region.add(parent)
                 stack.append(parent)
-    return [_Group(used, joins)]
+    return [_Group(used, joins, edges=used_edges)]
