@@ -9,9 +9,9 @@ The split works on the autograd graph of the stage, so any stage module works un
 * W runs the engine again from those join nodes, with their captured gradients, to the
   parameters only, and accumulates into `param.grad`. The join node is executed a second
   time, computing only its weight-side outputs, so no FLOPs are repeated for plain layers.
-  W is one engine call for all parameters; with several join nodes, a pre-hook pins each
-  to its captured gradient so that nothing is counted twice (a parameter used twice, or
-  nodes shared below the joins).
+  Parameters reached through the same join nodes form one group and one engine call; when
+  a group has several join nodes (a parameter used twice), a pre-hook pins each join node
+  to its captured gradient so that nothing is counted twice.
 
 Memory consequence (ALGORITHMS.md §1.3, caveat of the graph split): after B this module
 keeps only the join nodes, so every saved tensor reachable from them stays alive until W:
@@ -34,13 +34,11 @@ __all__ = ["WeightGradWork", "fused_backward", "input_backward"]
 
 @dataclass
 class _Group:
-    """Parameters whose gradients flow through the same join nodes; `edges` are the
-    parameters' gradient edges, found once in B (each lookup makes a view)."""
+    """Parameters whose gradients flow through the same join nodes."""
 
     params: list[torch.nn.Parameter]
     nodes: list[Node]
     grads: list[tuple[torch.Tensor | None, ...] | None] = field(default_factory=list)
-    edges: list[GradientEdge] = field(default_factory=list)
 
 
 @dataclass
@@ -55,40 +53,33 @@ class WeightGradWork:
     keep_alive: torch.Tensor | None = None
 
     def run(self) -> None:
-        """Compute the weight gradients and accumulate them into `param.grad`; frees the graph.
-
-        One engine call for all groups (per-call overhead dominates on small stages). When
-        there is more than one join node, each is pinned to its captured gradient, so a join
-        reached from another join's weight path (a parameter used twice, or nodes shared
-        below the joins, as on stage 0 with sequence chunks) still contributes exactly its
-        own gradient: the call equals the sum of one call per group.
-        """
+        """Compute the weight gradients and accumulate them into `param.grad`; frees the graph."""
         groups, self.groups = self.groups, []
-        edges: list[GradientEdge] = []
-        grads: list[torch.Tensor] = []
-        params: list[torch.nn.Parameter] = []
-        param_edges: list[GradientEdge] = []
-        joins: list[tuple[Node, tuple[torch.Tensor | None, ...]]] = []
-        for group in groups:
-            found = False
+        for number, group in enumerate(groups):
+            edges: list[GradientEdge] = []
+            grads: list[torch.Tensor] = []
             for node, captured in zip(group.nodes, group.grads):
                 if captured is None:
                     continue
-                joins.append((node, captured))
                 for index, grad in enumerate(captured):
                     if grad is not None:
                         edges.append(GradientEdge(node, index))
                         grads.append(grad)
-                        found = True
-            if found:
-                params.extend(group.params)
-                param_edges.extend(group.edges)
-        if edges:
-            pins = [node.register_prehook(_pin(captured)) for node, captured in joins] if len(joins) > 1 else []
+            if not edges:
+                continue
+            pins = []
+            if len(group.nodes) > 1:
+                for node, captured in zip(group.nodes, group.grads):
+                    if captured is not None:
+                        pins.append(node.register_prehook(_pin(captured)))
             try:
-                results = torch.autograd.grad(
-                    edges, param_edges, grad_outputs=grads, allow_unused=True
-                )
+                params = [p for p in group.params]
+                targets = [get_gradient_edge(p) for p in params]
+                # Groups can share nodes below their joins when the input path is sparse (stage 0
+                # with sequence chunks: only the K/V leaves need a gradient), so every engine call
+                # but the last keeps the graph; it is freed when this work drops its nodes.
+                results = torch.autograd.grad(edges, targets, grad_outputs=grads, allow_unused=True,
+                                              retain_graph=number < len(groups) - 1)
             finally:
                 for pin in pins:
                     pin.remove()
@@ -144,10 +135,9 @@ def input_backward(
     needs_input = inp is not None and inp.requires_grad
     targets = ([inp] if needs_input else []) + extras
     children = _graph(root)
-    parents = _parents(children)
-    on_input_path = _reaches(children, parents, [get_gradient_edge(t).node for t in targets])
+    on_input_path = _reaches(children, [get_gradient_edge(t).node for t in targets])
     on_input_path.add(root)
-    groups = _weight_group(children, parents, on_input_path, trainable)
+    groups = _param_groups(children, on_input_path, trainable)
     # The root's gradient is known without running the engine.
     root_grads: list[torch.Tensor | None] = [None] * max(1, _num_outputs(root, output))
     root_grads[output.output_nr] = grad
@@ -201,16 +191,12 @@ def _graph(root: Node) -> dict[Node, list[Node]]:
     return children
 
 
-def _parents(children: dict[Node, list[Node]]) -> dict[Node, list[Node]]:
+def _reaches(children: dict[Node, list[Node]], targets: Sequence[Node]) -> set[Node]:
+    """Nodes with a path to any of targets (the targets included)."""
     parents: dict[Node, list[Node]] = {}
     for node, kids in children.items():
         for kid in kids:
             parents.setdefault(kid, []).append(node)
-    return parents
-
-
-def _reaches(children: dict[Node, list[Node]], parents: dict[Node, list[Node]], targets: Sequence[Node]) -> set[Node]:
-    """Nodes with a path to any of targets (the targets included)."""
     found = {t for t in targets if t in children}
     stack = list(found)
     while stack:
@@ -222,32 +208,49 @@ def _reaches(children: dict[Node, list[Node]], parents: dict[Node, list[Node]], 
     return found
 
 
-def _weight_group(
-    children: dict[Node, list[Node]], parents: dict[Node, list[Node]], on_input_path: set[Node], params: list
-) -> list[_Group]:
-    """The parameters that took part in the forward and the join nodes their gradient paths
-    leave the input path from: one walk up from all parameter accumulators at once. W runs
-    one engine call for all of them (joins pinned), so no finer grouping is needed."""
-    used, used_edges = [], []
+def _param_groups(children: dict[Node, list[Node]], on_input_path: set[Node], params: list) -> list[_Group]:
+    """Group parameters by the input-path nodes their gradient paths leave from."""
+    parents: dict[Node, list[Node]] = {}
+    for node, kids in children.items():
+        for kid in kids:
+            parents.setdefault(kid, []).append(node)
+    group_of: dict[Node, _Group] = {}
+    groups: list[_Group] = []
     for param in params:
-        edge = get_gradient_edge(param)
-        if edge.node in children:
-            used.append(param)
-            used_edges.append(edge)
-    if not used:
-        return []
-    region = {edge.node for edge in used_edges}
-    stack = list(region)
-    joins: list[Node] = []
-    is_join: set[Node] = set()
-    while stack:
-        node = stack.pop()
-        for parent in parents.get(node, ()):
-            if parent in on_input_path:
-                if parent not in is_join:
-                    is_join.add(parent)
+        acc = get_gradient_edge(param).node
+        if acc not in children:
+            continue  # this parameter did not take part in the forward
+        joins: list[Node] = []
+        seen = {acc}
+        stack = [acc]
+        while stack:
+            node = stack.pop()
+            for parent in parents.get(node, ()):
+                if parent in seen:
+                    continue
+                seen.add(parent)
+                if parent in on_input_path:
                     joins.append(parent)
-            elif parent not in region:
-                region.add(parent)
-                stack.append(parent)
-    return [_Group(used, joins, edges=used_edges)]
+                else:
+                    stack.append(parent)
+        merged: list[_Group] = []
+        for join in joins:
+            found = group_of.get(join)
+            if found is not None and all(found is not g for g in merged):
+                merged.append(found)
+        group = merged[0] if merged else _Group([], [])
+        if not merged:
+            groups.append(group)
+        for other in merged[1:]:
+            group.params.extend(other.params)
+            for node in other.nodes:
+                if node not in group.nodes:
+                    group.nodes.append(node)
+                group_of[node] = group
+            groups.remove(other)
+        group.params.append(param)
+        for node in joins:
+            if node not in group.nodes:
+                group.nodes.append(node)
+            group_of[node] = group
+    return groups
