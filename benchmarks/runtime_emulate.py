@@ -14,10 +14,9 @@ import argparse
 import torch
 
 from pipeblocks import schedules
-from pipeblocks.core import ScheduleError
 from pipeblocks.runtime import PipelineRunner, spawn
 from pipeblocks.runtime.emulate import EmulatedCompute, EmulatedCosts
-from pipeblocks.runtime.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
+from pipeblocks.runtime.toy import ToyConfig, cross_entropy, toy_batch, toy_schedules, toy_stages
 from pipeblocks.sim import simulate
 
 
@@ -56,14 +55,7 @@ def main() -> None:
     parser.add_argument("--schedules", default="", help="comma-separated names (default: all that build)")
     args = parser.parse_args()
     wanted = args.schedules.split(",") if args.schedules else schedules.names()
-    names = []
-    for name in wanted:
-        try:
-            s = schedules.get(name)(p=args.p, m=args.m)
-        except ScheduleError:
-            continue
-        if s.seq_chunks == 1 and (2 * args.p) % s.num_stages == 0:
-            names.append(name)
+    names = toy_schedules(args.p, args.m, wanted)
     config = ToyConfig(vocab=32, hidden=args.hidden, seq=args.seq)
     costs = EmulatedCosts(args.f, args.b, args.w)
     results = spawn(_worker, args.p, args=(names, args.p, args.m, costs, config, args.steps), timeout_s=600,

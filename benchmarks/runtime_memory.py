@@ -14,10 +14,9 @@ import argparse
 import torch
 
 from pipeblocks import schedules
-from pipeblocks.core import ScheduleError
 from pipeblocks.runtime import PipelineRunner, spawn
 from pipeblocks.runtime.memory import profile_stage_memory
-from pipeblocks.runtime.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
+from pipeblocks.runtime.toy import ToyConfig, cross_entropy, toy_batch, toy_schedules, toy_stages
 from pipeblocks.sim import Costs, simulate
 
 MICROBATCH = 2
@@ -47,14 +46,7 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=32)
     args = parser.parse_args()
-    names = []
-    for name in schedules.names():
-        try:
-            s = schedules.get(name)(p=args.p, m=args.m)
-        except ScheduleError:
-            continue
-        if s.seq_chunks == 1 and (2 * args.p) % s.num_stages == 0:
-            names.append(name)
+    names = toy_schedules(args.p, args.m, schedules.names())
     per_rank = spawn(_worker, args.p, args=(names, args.p, args.m, args.hidden), timeout_s=600, threads_per_rank=1)
     print(f"p={args.p} m={args.m}: peak saved activation per rank, KiB (measured / predicted)")
     print(f"{'schedule':18s} " + " ".join(f"{'rank ' + str(r):>17s}" for r in range(args.p)) + f" {'max err':>8s}")
