@@ -1,32 +1,45 @@
 """Lowering a Schedule into a Program, and the deadlock check.
 
-Lowering puts a receive just before the action that consumes a tensor from another rank
-and a send just after the action that produces one. Neighbouring stages on one rank
-(the turn of a V) hand over locally, with no op.
+Lowering is an ordered list of passes, each `Program -> Program`, applied to the schedule's
+compute actions. The first, `add_p2p`, puts a receive just before the action that
+consumes a tensor from another rank and a send just after the action that produces one.
+Neighbouring stages on one rank (the turn of a V) hand over locally, with no op. Later
+passes (DP gradient reduce, parameter gather and free, recomputation) append to `PASSES`
+or are given to `lower(..., passes=...)`.
 
 The deadlock check runs the Program under the runtime's semantics: sends never block
 (they are posted asynchronously), receives block until the matching send has run.
 """
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 from .actions import Action, Kind
 from .errors import DeadlockError
+from .ops import ACTION, P2P, unsupported
 from .program import Comm, Op, Program
 from .schedule import Schedule
 
-__all__ = ["lower", "check_deadlock"]
+__all__ = ["Pass", "PASSES", "lower", "add_p2p", "check_deadlock"]
+
+Pass = Callable[[Program], Program]
 
 
-def lower(schedule: Schedule) -> Program:
-    """Insert sends and receives. Assumes `check_structure` passed."""
+def add_p2p(program: Program) -> Program:
+    """Insert point-to-point sends and receives around the compute actions that cross ranks."""
+    schedule = program.schedule
     rank_of = schedule.placement.stage_to_rank
     last = schedule.num_stages - 1
     programs: list[tuple[Op, ...]] = []
     new = tuple.__new__  # Comm(...) without the Python-level NamedTuple __new__: one per transfer
+    action_type = Action
 
-    for rank, actions in enumerate(schedule.ranks):
+    for rank, actions in enumerate(program.ranks):
         ops: list[Op] = []
         for a in actions:
+            if type(a) is not action_type:
+                ops.append(a)  # an op of an earlier pass: kept in place
+                continue
             s, mb, chunk = a.stage, a.microbatch, a.seq_chunk
             kind = a.kind
             if kind is Kind.F:
@@ -47,6 +60,19 @@ def lower(schedule: Schedule) -> Program:
     return Program(schedule, tuple(programs))
 
 
+# The lowering pipeline, in order. Each pass takes and returns a Program.
+PASSES: tuple[Pass, ...] = (add_p2p,)
+
+
+def lower(schedule: Schedule, passes: Sequence[Pass] = PASSES) -> Program:
+    """The schedule's compute actions, run through `passes` in order. Assumes
+    `check_structure` passed."""
+    program = Program(schedule, tuple(tuple(actions) for actions in schedule.ranks))
+    for lowering_pass in passes:
+        program = lowering_pass(program)
+    return program
+
+
 def check_deadlock(program: Program) -> None:
     """Raise DeadlockError naming every blocked rank and the receive it waits on."""
     ranks = program.ranks
@@ -60,7 +86,8 @@ def check_deadlock(program: Program) -> None:
         pos = cursor[rank]
         while pos < len(ops):
             op = ops[pos]
-            if isinstance(op, Comm):
+            kind = type(op)
+            if kind is Comm:
                 key = op.key
                 if op.send:
                     sent.add(key)
@@ -70,6 +97,8 @@ def check_deadlock(program: Program) -> None:
                 elif key not in sent:
                     waiting[key] = rank
                     break
+            elif kind is not Action:
+                raise unsupported(op, "the deadlock check", (ACTION, P2P))
             pos += 1
         cursor[rank] = pos
     blocked = [r for r in range(len(ranks)) if cursor[r] < len(ranks[r])]

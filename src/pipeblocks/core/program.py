@@ -9,7 +9,7 @@ stage on this rank, the payload travels to or from its neighbour stage::
     2RECV_B5   stage 2 receives the gradient of its output, microbatch 5, from stage 3
 
 Other op types (DP gradient reduce, parameter gather/free, recomputation) join `Op` as
-new dataclasses; consumers dispatch on the type.
+new types with an entry in the op table (`ops.py`), which every consumer dispatches on.
 """
 from __future__ import annotations
 
@@ -66,4 +66,24 @@ class Program:
         return self.schedule.p
 
     def to_text(self) -> str:
-        return "\n".join(f"{r}: " + " ".join(map(str, ops)) for r, ops in enumerate(self.ranks)) + "\n"
+        """One line per rank, `r: op op ...`, each op in its table's text form."""
+        from .ops import format_op  # the table imports this module
+
+        return "\n".join(f"{r}: " + " ".join(map(format_op, ops)) for r, ops in enumerate(self.ranks)) + "\n"
+
+    @staticmethod
+    def from_text(text: str, schedule: Schedule) -> Program:
+        """Parse `to_text`'s form back, for `schedule` (which gives the placement)."""
+        from .ops import parse_op
+
+        ranks: list[tuple[Op, ...]] = []
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            head, sep, body = line.partition(":")
+            if not sep or head.strip() != str(len(ranks)):
+                raise ValueError(f"program line {line!r}: expected '{len(ranks)}: op op ...' (ranks in order)")
+            ranks.append(tuple(parse_op(token, schedule) for token in body.split()))
+        if len(ranks) != schedule.p:
+            raise ValueError(f"program has {len(ranks)} rank lines but the schedule has p={schedule.p}")
+        return Program(schedule, tuple(ranks))

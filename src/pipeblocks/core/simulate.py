@@ -16,6 +16,7 @@ import gc
 from .actions import Action
 from .errors import DeadlockError
 from .lower import check_deadlock, lower
+from .ops import ACTION, P2P, unsupported
 from .program import Comm, Program
 from .schedule import Schedule
 from .validate import check_structure
@@ -136,5 +137,6 @@ def _compile(ops, table) -> list[tuple]:
             sends = []
             out.append((tuple(receives) if receives else (), op, cost[0], cost[1], cost[2], sends))
             receives.clear()
-        # future op types (reduce, gather) cost nothing until the cost model knows them
+        else:
+            raise unsupported(op, "the simulator", (ACTION, P2P))
     return out

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from ..core.actions import Action, Kind
+from ..core.ops import ACTION, P2P, require_known
 from ..core.program import Comm, Program
 from .comm import Mailbox, Tags, receive_posts
 from .compute import Unit
@@ -81,9 +82,7 @@ class RankExecutor:
         self.k = schedule.seq_chunks
         self.tags = Tags(schedule.num_stages, schedule.m, schedule.seq_chunks)
         self.posts = receive_posts(program, rank)
-        for op in self.ops:
-            if not isinstance(op, (Action, Comm)):
-                raise TypeError(f"rank {rank}: op {op!r} ({type(op).__name__}) is not supported by this runtime")
+        require_known(self.ops, f"the runtime (rank {rank})", (ACTION, P2P))
 
     def run(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None) -> RankRecord:
         ready: dict[tuple, torch.Tensor] = {}  # activations/gradients handed to a local consumer or a SEND
