@@ -131,7 +131,7 @@ def predicted_peaks(case: str, p: int, m: int, k: int, how: str, model: dict,
                     microbatch: int = MICROBATCH) -> tuple[float, ...]:
     """The simulator's per-rank peak, fed per-stage bytes and per-chunk shares profiled from the same model."""
     from pipeblocks.models import split_gpt
-    from pipeblocks.runtime.memory import profile_chunk_memory, profile_stage_memory
+    from pipeblocks.runtime.profile import profile_chunk_memory, profile_stage_memory
     from pipeblocks.sim import Costs, simulate
 
     schedule = build(case, p, m, k) if k > 1 else schedules.get(case)(p=p, m=m)

@@ -13,7 +13,7 @@ import pytest
 
 from pipeblocks import schedules
 from pipeblocks.runtime import spawn
-from pipeblocks.runtime.memory import profile_stage_memory
+from pipeblocks.runtime.profile import profile_stage_memory
 from pipeblocks.runtime.toy import cross_entropy, toy_batch, toy_stages
 from pipeblocks.sim import Costs, simulate
 

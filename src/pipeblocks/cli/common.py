@@ -1,131 +1,115 @@
-"""Options shared by the schedule commands, and building a schedule from them.
+"""Options shared by the schedule commands, and the one request they build.
 
-A generator receives only the options it accepts (its keyword parameters); an option the
-user gave that the schedule does not take is an error, not silently dropped.
+The options are declared in two groups: generator options (which schedule, p, m, its own
+options, sequence chunks), read by every command including `train`, and cost options
+(pass times or the analytic model), read by the commands that simulate without running.
+`request_from_args` turns the parsed options into one `ScheduleRequest`; `build` (in
+pipeblocks.sim.build) turns that into the schedule and its costs, once.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import json
 import sys
 
-from pathlib import Path
-
 from ..core.errors import ScheduleError
-from ..interop import from_torch_csv
-from ..core.schedule import Schedule
-from ..schedules import get
-from ..schedules.sequence import split_sequence
-from ..sim.analytic import HARDWARE, MODELS, parse_model, transformer_costs
-from ..core.costs import Costs, parse_costs
-from ..sim.sequence_split import SPLITS, chunk_shares, split_lengths
+from ..core.request import CostSpec, Mesh, ScheduleRequest
+from ..sim.analytic import HARDWARE, MODELS
+from ..sim.build import Built, build
+from ..sim.sequence_split import SPLITS
 
-__all__ = ["add_schedule_options", "build_schedule", "costs_from_args", "print_json", "progress"]
+__all__ = [
+    "add_generator_options", "add_cost_options", "add_schedule_options", "request_from_args", "build", "Built",
+    "print_json", "progress",
+]
+
+# generator keyword <- CLI option (argparse dest)
+_OPTIONS = ("v", "group_size", "memory_limit")
 
 
-def add_schedule_options(parser: argparse.ArgumentParser, *, name: bool = True) -> None:
-    if name:
-        parser.add_argument("name", help="schedule name (see `pipeblocks list`)")
-    parser.add_argument("-p", type=int, default=4, help="pipeline ranks (default 4)")
-    parser.add_argument("-m", type=int, default=8, help="microbatches per step (default 8)")
-    parser.add_argument("-v", type=int, default=None, help="chunks per rank, for looped schedules (default 2)")
-    parser.add_argument("--group-size", type=int, default=None, help="interleaved-1f1b: microbatches per group (p..m)")
-    parser.add_argument(
+def add_generator_options(
+    parser: argparse.ArgumentParser, *, name: str | None = "positional", p: int = 4, m: int = 8,
+    name_help: str = "schedule name (see `pipeblocks list`)",
+) -> None:
+    """Which schedule and its generator options. `name`: "positional" (NAME), "option"
+    (--schedule NAME, for `train`, whose default is chosen later) or None (`compare`)."""
+    group = parser.add_argument_group("schedule")
+    if name == "positional":
+        group.add_argument("name", help=name_help)
+    elif name == "option":
+        group.add_argument("--schedule", dest="name", default=None, help=name_help)
+    group.add_argument("-p", type=int, default=p, help=f"pipeline ranks (default {p})")
+    group.add_argument("-m", type=int, default=m, help=f"microbatches per step (default {m})")
+    group.add_argument("-v", type=int, default=None, help="chunks per rank, for looped schedules (default 2)")
+    group.add_argument("--group-size", type=int, default=None, help="interleaved-1f1b: microbatches per group (p..m)")
+    group.add_argument(
         "--memory-limit", type=float, default=None,
         help="activation budget per rank, in peak_activation units (1F1B's peak is p)",
     )
-    parser.add_argument(
-        "--costs", default=None, metavar="TF,TB,TW[,TCOMM]",
-        help="pass times per full stage (default 1,1,1,0); fused BW takes TB+TW",
-    )
-    parser.add_argument(
-        "--mem-w-ratio", type=float, default=None, help="M_W/M_B: share of activation B keeps until W (default 1)"
-    )
-    parser.add_argument(
-        "--model", default=None, metavar="PRESET|L,H,A,S[,V[,B]]",
-        help=f"analytic transformer costs instead of unit costs (presets: {', '.join(MODELS)}); memory then in bytes",
-    )
-    parser.add_argument("--hardware", default="a100", choices=sorted(HARDWARE), help="hardware profile for --model")
-    parser.add_argument(
-        "--flash-attention", action="store_true", help="--model: attention that does not store the s x s scores"
-    )
-    parser.add_argument(
+    group.add_argument(
         "--seq-chunks", type=int, default=None, metavar="K",
         help="split every microbatch into K sequence chunks (Seq1F1B; composes with any schedule)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--seq-split", default="balanced", choices=SPLITS,
-        help="sequence chunk boundaries: equal FLOPs under causal attention, or equal tokens (needs --model "
-        "to differ; default balanced)",
+        help="sequence chunk boundaries: equal FLOPs under causal attention, or equal tokens (default balanced)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="any other generator option, e.g. --set cost_aware=true (repeatable; see the schedule's docstring)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--file", default=None,
         help="load a schedule from a file instead of a name: .json, .csv (torch compute-only), or the text form",
     )
 
 
-def costs_from_args(args: argparse.Namespace, schedule: Schedule | None = None) -> Costs:
-    """Costs from --model (analytic, needs the schedule for its stage count), or --costs and
-    --mem-w-ratio (unit costs by default)."""
-    if args.model:
-        if args.costs:
-            raise ScheduleError("give either --model (analytic costs) or --costs, not both")
-        if schedule is None:
-            raise ScheduleError("--model needs the schedule's stage count")
-        config = dataclasses.replace(parse_model(args.model), flash_attention=args.flash_attention)
-        costs = transformer_costs(config, HARDWARE[args.hardware], num_stages=schedule.num_stages)
-        if args.mem_w_ratio is not None:
-            costs = dataclasses.replace(costs, mem_w_ratio=args.mem_w_ratio)
-        if schedule.seq_chunks > 1:
-            lengths = split_lengths(config.seq, schedule.seq_chunks, args.seq_split, config)
-            seq_time, seq_mem = chunk_shares(lengths, config)
-            costs = dataclasses.replace(costs, seq_time=seq_time, seq_mem=seq_mem)
-        return costs
-    base = parse_costs(args.costs) if args.costs else Costs()
-    ratio = 1.0 if args.mem_w_ratio is None else args.mem_w_ratio
-    return dataclasses.replace(base, mem_w_ratio=ratio)
+def add_cost_options(parser: argparse.ArgumentParser) -> None:
+    """Where the simulated costs come from: unit costs, --costs, or the analytic --model."""
+    group = parser.add_argument_group("costs")
+    group.add_argument(
+        "--costs", default=None, metavar="TF,TB,TW[,TCOMM]",
+        help="pass times per full stage (default 1,1,1,0); fused BW takes TB+TW",
+    )
+    group.add_argument(
+        "--mem-w-ratio", type=float, default=None, help="M_W/M_B: share of activation B keeps until W (default 1)"
+    )
+    group.add_argument(
+        "--model", default=None, metavar="PRESET|L,H,A,S[,V[,B]]",
+        help=f"analytic transformer costs instead of unit costs (presets: {', '.join(MODELS)}); memory then in bytes",
+    )
+    group.add_argument("--hardware", default="a100", choices=sorted(HARDWARE), help="hardware profile for --model")
+    group.add_argument(
+        "--flash-attention", action="store_true", help="--model: attention that does not store the s x s scores"
+    )
 
 
-# CLI option -> generator keyword
-_OPTIONS = {"v": "v", "group_size": "group_size", "memory_limit": "memory_limit"}
+def add_schedule_options(parser: argparse.ArgumentParser, *, name: bool = True) -> None:
+    """Generator and cost options: what `show`, `simulate`, `compare`, `plot` and `export` read."""
+    add_generator_options(parser, name="positional" if name else None)
+    add_cost_options(parser)
 
 
-def build_schedule(args: argparse.Namespace, name: str | None = None) -> Schedule:
-    """The schedule the options describe: from --file, or by name through the registry;
-    --seq-chunks composes sequence splitting with it."""
-    if getattr(args, "file", None):
-        return _load(args)
-    spec = get(name or args.name)
-    kwargs = _options(args, spec, {"p": args.p, "m": args.m})
-    for item in getattr(args, "set", []):
+def request_from_args(
+    args: argparse.Namespace, *, name: str | None = None, costs: CostSpec | None = None,
+) -> ScheduleRequest:
+    """The one request the parsed options describe. `costs` overrides the cost options
+    (`train`, which has none: its costs come from --emulate or are unit costs)."""
+    options: list[tuple[str, object]] = [(key, getattr(args, key)) for key in _OPTIONS if getattr(args, key) is not None]
+    for item in args.set:
         key, value = _parse_setting(item)
-        if not spec.accepts(key):
-            raise ScheduleError(f"schedule {spec.name!r} has no option {key!r}; it takes {sorted(spec.parameters)}")
-        kwargs[key] = value
-    k = getattr(args, "seq_chunks", None)
-    build = spec if k is None else functools.partial(split_sequence, spec.name, seq_chunks=k)
-    schedule = build(**kwargs)
-    if spec.accepts("costs"):
-        # Cost-aware generators: analytic costs depend on the stage count, which the first
-        # build tells; the second build uses the real costs.
-        schedule = build(**kwargs, costs=costs_from_args(args, schedule))
-    return schedule
-
-
-def _load(args: argparse.Namespace) -> Schedule:
-    if Path(args.file).suffix.lower() == ".csv":
-        try:
-            text = Path(args.file).read_text()
-        except OSError as err:
-            raise ScheduleError(f"cannot read schedule file {args.file!r}: {err.strerror}") from None
-        return from_torch_csv(text, m=None)
-    return Schedule.load(args.file)
+        if any(key == given for given, _ in options):
+            raise ScheduleError(f"--set {item!r}: option {key!r} is given twice; give it once")
+        options.append((key, value))
+    if costs is None:
+        costs = CostSpec(
+            times=args.costs, mem_w_ratio=args.mem_w_ratio, model=args.model, hardware=args.hardware,
+            flash_attention=args.flash_attention, seq_split=args.seq_split,
+        )
+    return ScheduleRequest(
+        name=name or getattr(args, "name", None), m=args.m, mesh=Mesh(pp=args.p), options=tuple(options),
+        seq_chunks=args.seq_chunks, costs=costs, file=args.file,
+    )
 
 
 def _parse_setting(item: str) -> tuple[str, object]:
@@ -143,18 +127,6 @@ def _parse_setting(item: str) -> tuple[str, object]:
         except ValueError:
             pass
     return key.strip(), text.strip()
-
-
-def _options(args: argparse.Namespace, spec, kwargs: dict[str, object]) -> dict[str, object]:
-    for option, keyword in _OPTIONS.items():
-        value = getattr(args, option, None)
-        if value is None:
-            continue
-        if not spec.accepts(keyword):
-            flag = "-" + option if len(option) == 1 else "--" + option.replace("_", "-")
-            raise ScheduleError(f"schedule {spec.name!r} does not take {flag}; drop it or choose another schedule")
-        kwargs[keyword] = value
-    return kwargs
 
 
 def print_json(data: object) -> None:

@@ -8,7 +8,8 @@ from ..core.errors import ScheduleError
 from ..schedules import names
 from ..sim.plots import ParetoPoint, plot_pareto
 from ..core.simulate import simulate
-from .common import add_schedule_options, build_schedule, costs_from_args, print_json, progress
+from ..core.request import ScheduleRequest
+from .common import add_schedule_options, build, print_json, progress, request_from_args
 
 
 def register(sub) -> None:
@@ -28,12 +29,13 @@ def run(args: argparse.Namespace) -> int:
     chosen = args.schedules.split(",") if args.schedules else names()
     if "1f1b" not in chosen:
         chosen = ["1f1b", *chosen]
+    base = request_from_args(args, name=chosen[0])
     rows, skipped = [], []
     started = time.monotonic()
     for name in chosen:
         try:
-            schedule = build_schedule(args, name)
-            timeline = simulate(schedule, costs_from_args(args, schedule))
+            built = build(base.with_name(name))
+            timeline = simulate(built.schedule, built.costs)
         except ScheduleError as err:
             if args.schedules:  # asked for by name: the user wants to know
                 raise
@@ -48,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         points = [ParetoPoint(r["schedule"], r["peak_max"], r["bubble_ratio"]) for r in rows]
         if not args.no_curve and "v-adaptive" in chosen:
-            points += _adaptive_curve(args)
+            points += _adaptive_curve(base)
         plot_pareto(points, args.plot, title=f"p={args.p}, m={args.m}: peak activation against bubble ratio")
     if args.json:
         print_json({"p": args.p, "m": args.m, "schedules": rows, "skipped": [{"name": n, "reason": w} for n, w in skipped]})
@@ -61,23 +63,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _adaptive_curve(args: argparse.Namespace) -> list[ParetoPoint]:
+def _adaptive_curve(base: ScheduleRequest) -> list[ParetoPoint]:
     """v-adaptive at every budget of k chunk activations (k/2 units) up to 1F1B's peak."""
     points = []
-    for k in range(1, 2 * args.p + 1):
+    adaptive = base.with_name("v-adaptive")
+    for k in range(1, 2 * base.p + 1):
         limit = k / 2
         try:
-            schedule = build_schedule(_with(args, memory_limit=limit), "v-adaptive")
+            built = build(adaptive.with_options(memory_limit=limit))
         except ScheduleError:
             continue  # below the smallest feasible budget
-        timeline = simulate(schedule, costs_from_args(args, schedule))
+        timeline = simulate(built.schedule, built.costs)
         points.append(ParetoPoint(f"{limit:g}", max(timeline.peak_activation), timeline.bubble_ratio, "v-adaptive"))
     progress(f"compare: v-adaptive curve over {len(points)} budgets")
     return points
-
-
-def _with(args: argparse.Namespace, **changes) -> argparse.Namespace:
-    return argparse.Namespace(**{**vars(args), **changes})
 
 
 def _print_table(rows: list[dict], args: argparse.Namespace) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..core.schedule import write_atomically
 from ..interop import to_torch_csv
-from .common import add_schedule_options, build_schedule
+from .common import add_schedule_options, build, request_from_args
 
 _FORMATS = ("torch-csv", "json", "text")
 
@@ -29,7 +29,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    schedule = build_schedule(args)
+    schedule = build(request_from_args(args)).schedule
     fmt = args.format or _format_of(args.output)
     if fmt == "torch-csv":
         body = to_torch_csv(schedule)

@@ -5,7 +5,7 @@ import argparse
 
 from ..sim.plots import plot_timeline
 from ..core.simulate import simulate
-from .common import add_schedule_options, build_schedule, costs_from_args
+from .common import add_schedule_options, build, request_from_args
 
 
 def register(sub) -> None:
@@ -17,8 +17,9 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    schedule = build_schedule(args)
-    timeline = simulate(schedule, costs_from_args(args, schedule))
+    built = build(request_from_args(args))
+    schedule = built.schedule
+    timeline = simulate(schedule, built.costs)
     path = plot_timeline(timeline, args.output, memory=not args.no_memory)
     print(f"wrote {path}")
     return 0

@@ -5,7 +5,7 @@ import argparse
 
 from ..core.simulate import simulate
 from ..sim.text_timeline import render_text_timeline
-from .common import add_schedule_options, build_schedule, costs_from_args
+from .common import add_schedule_options, build, request_from_args
 
 
 def register(sub) -> None:
@@ -17,13 +17,14 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    schedule = build_schedule(args)
+    built = build(request_from_args(args))
+    schedule = built.schedule
     if args.output:
         schedule.save(args.output)
     if args.actions:
         print(schedule.to_text(), end="")
         return 0
-    timeline = simulate(schedule, costs_from_args(args, schedule))
+    timeline = simulate(schedule, built.costs)
     print(render_text_timeline(timeline), end="")
     print(f"makespan {timeline.makespan:.6g}   bubble ratio {timeline.bubble_ratio:.4f}   "
           f"peak activation per rank {[round(x, 4) for x in timeline.peak_activation]}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ..core.simulate import simulate
-from .common import add_schedule_options, build_schedule, costs_from_args, print_json
+from .common import add_schedule_options, build, request_from_args, print_json
 
 
 def register(sub) -> None:
@@ -15,8 +15,9 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    schedule = build_schedule(args)
-    timeline = simulate(schedule, costs_from_args(args, schedule))
+    built = build(request_from_args(args))
+    schedule = built.schedule
+    timeline = simulate(schedule, built.costs)
     summary = timeline.summary()
     if args.json:
         print_json(summary)

@@ -44,12 +44,14 @@ Entry points:
     launch.spawn(fn, nprocs, *, args=(), timeout_s=600.0, ...) -> list   # fn(ctx, *args)
     launch.init_from_env(*, timeout_s=300.0) -> DistContext              # under torchrun
     emulate.EmulatedCompute(costs, ...)                                 # sleep instead of compute
-    memory.profile_stage_memory(stages, inputs, loss_fn, target)        # M_B, M_W per stage
+    profile.profile_stage_memory(stages, inputs, loss_fn, target)       # M_B, M_W per stage
+    profile.profile_stage_times(stages, inputs, loss_fn, target)        # F, B, W seconds per stage
 """
 from .comm import PeerTimeoutError
 from .executor import ActionError
 from .launch import DistContext, RankFailedError, check_world, init_from_env, spawn
-from .memory import SavedTensorTracker, StageMemory, profile_stage_memory
+from .memory import SavedTensorTracker, StageMemory
+from .profile import profile_chunk_memory, profile_stage_memory, profile_stage_times
 from .runner import PipelineRunner, StepResult
 from .sequence import KVCache, SequenceChunk
 from .shapes import SpecMismatchError, TensorSpec
@@ -57,5 +59,5 @@ from .shapes import SpecMismatchError, TensorSpec
 __all__ = [
     "ActionError", "DistContext", "KVCache", "PeerTimeoutError", "PipelineRunner", "RankFailedError", "SavedTensorTracker",
     "SequenceChunk", "SpecMismatchError", "StageMemory", "StepResult", "TensorSpec", "check_world", "init_from_env",
-    "profile_stage_memory", "spawn",
+    "profile_chunk_memory", "profile_stage_memory", "profile_stage_times", "spawn",
 ]

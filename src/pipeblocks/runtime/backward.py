@@ -17,7 +17,7 @@ Memory consequence (ALGORITHMS.md §1.3, caveat of the graph split): after B thi
 keeps only the join nodes, so every saved tensor reachable from them stays alive until W:
 in practice all of the stage's activations except the region above the topmost join
 node (on the last stage: the loss, e.g. cross-entropy's log-softmax). B therefore frees
-little (M_W is close to M_B; `memory.profile_stage_memory` measures both per stage) and W
+little (M_W is close to M_B; `profile.profile_stage_memory` measures both per stage) and W
 frees the rest. On a stage whose input needs no gradient (stage 0: token ids), B has no
 work at all and W runs the whole backward from the output.
 """

@@ -8,6 +8,9 @@ decorator in its family module, and the family module is listed in `FAMILIES` be
 
 The options a generator accepts are its keyword parameters (`v`, `group_size`, `costs`,
 `memory_limit`, ...); `ScheduleSpec.accepts` tells a caller which ones it may pass.
+A generator with a fixed number of chunks per rank other than 1 (the V shapes: 2) says so
+at registration (`v=2`), so a caller knows the stage count before building, for example
+to resolve analytic costs that depend on it.
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ class ScheduleSpec:
     name: str
     summary: str
     build: Callable[..., Schedule]
+    v: int = 1
+    """chunks per rank when the generator has no `v` option"""
 
     def __call__(self, **kwargs) -> Schedule:
         unknown = sorted(set(kwargs) - self.parameters)
@@ -51,6 +56,16 @@ class ScheduleSpec:
     def parameters(self) -> frozenset[str]:
         return frozenset(inspect.signature(self.build).parameters)
 
+    def num_stages(self, **kwargs) -> int:
+        """The stage count the generator builds for these options, without building:
+        p times its `v` option (given, or the parameter's default), or the registered v."""
+        p = kwargs["p"]
+        parameter = inspect.signature(self.build).parameters.get("v")
+        if parameter is None:
+            return p * self.v
+        v = kwargs.get("v")
+        return p * (parameter.default if v is None else v)
+
     def accepts(self, option: str) -> bool:
         return option in self.parameters
 
@@ -59,11 +74,12 @@ class ScheduleSpec:
         return inspect.getdoc(self.build) or self.summary
 
 
-def register(name: str, summary: str) -> Callable[[Callable[..., Schedule]], Callable[..., Schedule]]:
-    """Mark a generator for the registry; the family module must be listed in FAMILIES."""
+def register(name: str, summary: str, *, v: int = 1) -> Callable[[Callable[..., Schedule]], Callable[..., Schedule]]:
+    """Mark a generator for the registry; the family module must be listed in FAMILIES.
+    `v`: its chunks per rank, when it has no `v` option of its own."""
 
     def mark(fn: Callable[..., Schedule]) -> Callable[..., Schedule]:
-        fn.__schedule_spec__ = ScheduleSpec(name, summary, fn)  # type: ignore[attr-defined]
+        fn.__schedule_spec__ = ScheduleSpec(name, summary, fn, v)  # type: ignore[attr-defined]
         return fn
 
     return mark

@@ -65,7 +65,7 @@ def adaptive_candidates(p: int, *, variants: bool = True) -> list[tuple[str, Blo
     return sorted(out, key=lambda x: max(x[1].lifespan_bound()))
 
 
-@register("v-adaptive", "V shape for any activation budget between V-Min's and 1F1B's, chosen by simulated time")
+@register("v-adaptive", "V shape for any activation budget between V-Min's and 1F1B's, chosen by simulated time", v=2)
 def v_adaptive(*, p: int, m: int, memory_limit: float | None = None, costs: object | None = None) -> Schedule:
     """V-adaptive: among V building blocks of different shifts (memory levels), keep the
     one whose schedule replays fastest under `costs` (makespan, then the longest rank

@@ -124,7 +124,7 @@ def _checked(p: int, m: int) -> None:
             raise ScheduleError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-@register("v-min", "V shape, shifts 1/1: about 1/3 of 1F1B's activation memory")
+@register("v-min", "V shape, shifts 1/1: about 1/3 of 1F1B's activation memory", v=2)
 def v_min(*, p: int, m: int, costs: object | None = None) -> Schedule:
     """V-Min: the V block with every shift 1, so each rank holds about 2p/3 chunk
     activations (p/3 in full-stage units, 1F1B holds p); bubble about 4p unit slots.
@@ -156,7 +156,7 @@ def v_min(*, p: int, m: int, costs: object | None = None) -> Schedule:
     return Schedule("v-min", p, m, Placement.v_shape(p), orders)
 
 
-@register("v-half", "V shape, shifts 2/1: about 1/2 of 1F1B's activation memory")
+@register("v-half", "V shape, shifts 2/1: about 1/2 of 1F1B's activation memory", v=2)
 def v_half(*, p: int, m: int, costs: object | None = None) -> Schedule:
     """V-Half: the V block with downward shifts 2 and upward shifts 1; each rank holds
     about p chunk activations (p/2 in full-stage units); bubble about 3p unit slots.
@@ -172,7 +172,7 @@ def v_half(*, p: int, m: int, costs: object | None = None) -> Schedule:
     return build(v_block(p, (2, 1, 2, 1)), m, name="v-half", costs=costs)
 
 
-@register("v-zb", "V shape at 1F1B's memory (p): zero bubble at equal F/B/W costs")
+@register("v-zb", "V shape at 1F1B's memory (p): zero bubble at equal F/B/W costs", v=2)
 def v_zb(*, p: int, m: int, costs: object | None = None) -> Schedule:
     """V-ZB: the V block with downward shifts 4 and upward shifts 2 (their sum 6 is the
     interval), so each rank's lifespans total about 12p slots and the peak is 1F1B's:
@@ -190,7 +190,7 @@ def v_zb(*, p: int, m: int, costs: object | None = None) -> Schedule:
     return build(v_block(p, (4, 2, 4, 2)), m, name="v-zb", costs=costs)
 
 
-@register("1f1b-v", "V placement without B/W split (fused BW): about 2/3 of 1F1B's memory")
+@register("1f1b-v", "V placement without B/W split (fused BW): about 2/3 of 1F1B's memory", v=2)
 def one_f_one_b_v(*, p: int, m: int, costs: object | None = None) -> Schedule:
     """1F1B-V: V placement with the fused backward; F shifts 1, each BW (two slots) at the
     earliest collision-free slot. Peak about 2/3 of 1F1B's: rank 0's chunk-0 lifespan is

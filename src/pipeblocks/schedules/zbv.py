@@ -74,7 +74,7 @@ def zbv_handcrafted(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
     return tuple(ranks)
 
 
-@register("zb-v", "ZB-V: V placement, zero bubble at 1F1B's peak with equal costs; cost_aware=True for costs/limit")
+@register("zb-v", "ZB-V: V placement, zero bubble at 1F1B's peak with equal costs; cost_aware=True for costs/limit", v=2)
 def zb_v(
     *, p: int, m: int, cost_aware: bool = False, memory_limit: float | None = None,
     costs: Costs | None = None, mode: str = "best", search: int = 100,

@@ -14,7 +14,7 @@ The prediction uses costs profiled from the run itself:
   and what B keeps for W (M_W), from `pipeblocks.runtime.profile_stage_memory`;
 * sequence chunks: a pass of one chunk is timed per (stage, kind, chunk); a stage's time
   for a whole microbatch is the sum over its chunks, and `seq_time` is each chunk's share.
-  Each chunk's memory share (`seq_mem`, from `runtime.memory.profile_chunk_memory`) is
+  Each chunk's memory share (`seq_mem`, from `runtime.profile.profile_chunk_memory`) is
   measured with its K/V prefix.
 
 The simulator replays the same schedule with those costs: its makespan is
@@ -148,7 +148,7 @@ def build_report(
     """Compare the run with the simulator's replay of it; `memory[s]` has .m_b and .m_w of stage s.
 
     seq_mem: with sequence chunks, each chunk's saved bytes as a fraction of a whole
-    microbatch's (`runtime.memory.profile_chunk_memory`); None: even shares.
+    microbatch's (`runtime.profile.profile_chunk_memory`); None: even shares.
 
     emulated: the run slept instead of computing, so it saved no activations and learned
     nothing: measured peaks and losses are reported as null / empty.

@@ -1,0 +1,110 @@
+"""What a command asks for: one typed request, built once from the parsed options.
+
+A request names the schedule (a registered name or a file), the generator options, the
+cost specification and the mesh. Every command builds its schedule from a request exactly
+once (`pipeblocks.sim.build`), so `show`, `simulate`, `compare`, `plot`, `export` and
+`train` agree on what an option means.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+__all__ = ["Mesh", "CostSpec", "ScheduleRequest"]
+
+
+def _positive(name: str, value: object, fix: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}: {fix}")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The device mesh: ranks along each named dimension; world size is their product."""
+
+    pp: int
+    """pipeline ranks (stages are placed on them)"""
+    dp: int = 1
+    """data-parallel replicas of the pipeline, each on its own shard of the global batch"""
+    tp: int = 1
+    """tensor-parallel ranks inside a stage (reserved: only 1 is run today)"""
+
+    def __post_init__(self) -> None:
+        _positive("p", self.pp, "give -p 1 or more (pipeline ranks)")
+        _positive("dp", self.dp, "give 1 or more data-parallel replicas")
+        _positive("tp", self.tp, "give 1 or more tensor-parallel ranks")
+        if self.tp != 1:
+            raise ValueError(f"tensor parallelism is not supported yet (tp={self.tp}): use tp=1")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+
+@dataclass(frozen=True)
+class CostSpec:
+    """Where the costs come from: unit costs, explicit pass times, or the analytic model."""
+
+    times: str | None = None
+    """'TF,TB,TW[,TCOMM]' pass times per full stage (None: unit costs)"""
+    mem_w_ratio: float | None = None
+    """M_W/M_B, the share of activation B keeps until W (None: 1, or the model's)"""
+    model: str | None = None
+    """analytic transformer costs: a preset name or 'L,H,A,S[,V[,B]]' (memory then in bytes)"""
+    hardware: str = "a100"
+    """hardware profile for `model`"""
+    flash_attention: bool = False
+    """`model`: attention that does not store the s x s scores"""
+    seq_split: str = "balanced"
+    """sequence chunk boundaries: equal FLOPs ('balanced') or equal tokens ('even')"""
+
+    def __post_init__(self) -> None:
+        if self.model is not None and self.times is not None:
+            raise ValueError("give either --model (analytic costs) or --costs, not both")
+        ratio = self.mem_w_ratio
+        if ratio is not None and not (math.isfinite(ratio) and 0 <= ratio <= 1):
+            raise ValueError(f"--mem-w-ratio must be a number in [0, 1] (M_W <= M_B), got {ratio}")
+
+
+@dataclass(frozen=True)
+class ScheduleRequest:
+    """One schedule to build: by `name` through the registry, or loaded from `file`."""
+
+    name: str | None
+    """registered schedule name (ignored when `file` is given)"""
+    m: int
+    """microbatches per step (per pipeline replica)"""
+    mesh: Mesh
+    """pipeline ranks = mesh.pp"""
+    options: tuple[tuple[str, object], ...] = ()
+    """generator keyword options (v, group_size, memory_limit, and --set KEY=VALUE), in order"""
+    seq_chunks: int | None = None
+    """split every microbatch into this many sequence chunks (None: the generator's own)"""
+    costs: CostSpec = CostSpec()
+    """the cost specification, for the simulator and for cost-aware generators"""
+    file: str | None = None
+    """a schedule file (.json, .csv, text form) instead of a name"""
+
+    def __post_init__(self) -> None:
+        if self.name is None and self.file is None:
+            raise ValueError("a schedule request needs a schedule name or a file")
+        _positive("m", self.m, "give -m 1 or more (microbatches per step)")
+        if self.seq_chunks is not None:
+            _positive("--seq-chunks", self.seq_chunks, "give 1 or more sequence chunks")
+        keys = [key for key, _ in self.options]
+        repeated = sorted({key for key in keys if keys.count(key) > 1})
+        if repeated:
+            raise ValueError(f"generator option(s) {repeated} given more than once: give each once")
+
+    @property
+    def p(self) -> int:
+        return self.mesh.pp
+
+    def with_name(self, name: str) -> ScheduleRequest:
+        return dataclasses.replace(self, name=name, file=None)
+
+    def with_options(self, **changes: object) -> ScheduleRequest:
+        """The same request with generator options set (replacing any given before)."""
+        kept = tuple((k, v) for k, v in self.options if k not in changes)
+        return dataclasses.replace(self, options=kept + tuple(changes.items()))

@@ -1,0 +1,162 @@
+"""Profiling stage modules on one microbatch in one process: what the simulator needs.
+
+`profile_stage_memory` measures, per stage, what F saves (M_B) and what B keeps for W
+(M_W), to feed `Costs(mem_b=..., mem_w_ratio=...)`. `profile_chunk_memory` measures, for a
+sequence-chunk schedule, what each chunk saves relative to the whole microbatch (with its
+K/V prefix), to feed `Costs(seq_mem=...)`. `profile_stage_times` times F, B and W per
+stage, to predict an iteration before launching one. All use the runtime's own forward
+and split backward, so the numbers are what the executor does.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from .backward import input_backward
+from .memory import SavedTensorTracker, StageMemory
+
+__all__ = ["profile_stage_memory", "profile_chunk_memory", "profile_stage_times"]
+
+
+def profile_stage_memory(
+    stages: Sequence[torch.nn.Module],
+    inputs: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    target: torch.Tensor,
+) -> tuple[StageMemory, ...]:
+    """Run one microbatch through all stages in this process and measure M_B and M_W per stage.
+
+    Uses the runtime's own forward and split backward, so the numbers are what the executor
+    holds. Gradients it computes are discarded (parameter `.grad` is left as it was).
+    """
+    params = [p for stage in stages for p in stage.parameters()]
+    before = [None if p.grad is None else p.grad.clone() for p in params]
+    tracker = SavedTensorTracker()
+    tracker.exclude([*params, *(b for stage in stages for b in stage.buffers())])
+    x = inputs
+    results = []
+    outputs = []
+    for index, stage in enumerate(stages):
+        if index > 0:
+            x = x.detach().requires_grad_(x.is_floating_point())
+        start = tracker.current
+        with tracker.saving():
+            out = stage(x)
+            if index == len(stages) - 1:
+                out = loss_fn(out, target)
+        results.append(tracker.current - start)
+        outputs.append((x, out))
+        x = out
+    grad = None
+    kept = []
+    for index in reversed(range(len(stages))):
+        x, out = outputs[index]
+        outputs[index] = None  # drop the graph root, as the executor does after B
+        before_b = tracker.current
+        dx, work = input_backward(out, grad, x if index > 0 else None, list(stages[index].parameters()))
+        del out
+        freed = before_b - tracker.current
+        kept.append(work)
+        results[index] = StageMemory(m_b=results[index], m_w=results[index] - freed)
+        grad = dx
+    for work in kept:
+        work.run()
+    for p, g in zip(params, before):
+        p.grad = g
+    return tuple(results)
+
+
+def profile_chunk_memory(
+    stages: Sequence[torch.nn.Module],
+    inputs: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    target: torch.Tensor,
+    lengths: Sequence[int],
+) -> tuple[float, ...]:
+    """Saved bytes of each sequence chunk's forward, summed over the stages, as a fraction of
+    one whole microbatch's (`Costs(seq_mem=...)`, with `mem_b` from `profile_stage_memory`).
+
+    Runs the chunks forward in order through all stages in this process, as the runtime
+    does (same compute, same K/V cache); the shares need not sum to 1: attention over the
+    earlier chunks' keys saves a longer K/V than the whole sequence's attention does per token.
+    """
+    from .compute import ModuleCompute
+    from .sequence import SequenceChunk, chunk_bounds  # sequence chunks only
+
+    params = [p for stage in stages for p in stage.parameters()]
+    before = [None if p.grad is None else p.grad.clone() for p in params]
+    full = sum(s.m_b for s in profile_stage_memory(stages, inputs, loss_fn, target))
+    tracker = SavedTensorTracker()
+    tracker.exclude([*params, *(b for stage in stages for b in stage.buffers())])
+    last = len(stages) - 1
+    # one compute (and K/V cache) per stage, as on separate ranks: masks are not shared across stages
+    computes = [ModuleCompute({s: stage}, loss_fn, last, 1, tracker) for s, stage in enumerate(stages)]
+    k, total = len(lengths), sum(lengths)
+    shares, units = [], []
+    for c, (offset, n) in enumerate(chunk_bounds(list(lengths))):
+        x = inputs[:, offset:offset + n].clone()
+        start = tracker.current
+        chain = []
+        for s in range(len(stages)):
+            chunk = SequenceChunk(s, 0, c, k, offset, n, total)
+            out, unit = computes[s].forward(s, x, target[:, offset:offset + n] if s == last else None, chunk=chunk)
+            chain.append(unit)
+            x = out
+        shares.append((tracker.current - start) / full if full else 1.0 / k)
+        units.append(chain)
+    for chain in reversed(units):  # free the graphs the way the runtime does: backward, LIFO over chunks
+        grad = None
+        for s in reversed(range(len(stages))):
+            grad = computes[s].full_backward(s, chain[s], grad)
+    for p, g in zip(params, before):
+        p.grad = g
+    return tuple(shares)
+
+
+def profile_stage_times(
+    stages: Sequence[torch.nn.Module],
+    inputs: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    target: torch.Tensor,
+    *,
+    repeats: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[tuple[float, float, float], ...]:
+    """Per stage, the (F, B, W) seconds of one microbatch: the median of `repeats` runs
+    after one warm-up run. Parameter `.grad` is left as it was."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    params = [p for stage in stages for p in stage.parameters()]
+    before = [None if p.grad is None else p.grad.clone() for p in params]
+    runs: list[list[tuple[float, float, float]]] = []
+    for _ in range(repeats + 1):
+        x, outputs, forward = inputs, [], []
+        for index, stage in enumerate(stages):
+            if index > 0:
+                x = x.detach().requires_grad_(x.is_floating_point())
+            start = clock()
+            out = stage(x)
+            if index == len(stages) - 1:
+                out = loss_fn(out, target)
+            forward.append(clock() - start)
+            outputs.append((x, out))
+            x = out
+        grad, times = None, [(0.0, 0.0, 0.0)] * len(stages)
+        for index in reversed(range(len(stages))):
+            x, out = outputs[index]
+            start = clock()
+            dx, work = input_backward(out, grad, x if index > 0 else None, list(stages[index].parameters()))
+            middle = clock()
+            work.run()
+            times[index] = (forward[index], middle - start, clock() - middle)
+            grad = dx
+        runs.append(times)
+    for p, g in zip(params, before):
+        p.grad = g
+    timed = runs[1:]  # the first run warms up allocators and kernels
+    return tuple(
+        tuple(statistics.median(run[s][i] for run in timed) for i in range(3)) for s in range(len(stages))
+    )

@@ -1,0 +1,92 @@
+"""Building a schedule and its costs from a `ScheduleRequest`, once.
+
+A generator receives only the options it accepts (its keyword parameters); an option the
+user gave that the schedule does not take is an error, not silently dropped. A cost-aware
+generator gets the request's costs resolved for the stage count it will build, which the
+registry tells without building, so every generator runs exactly once per request.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.costs import Costs, parse_costs
+from ..core.errors import ScheduleError
+from ..core.request import CostSpec, ScheduleRequest
+from ..core.schedule import Schedule
+from ..interop import from_torch_csv
+from ..schedules import get
+from ..schedules.sequence import split_sequence
+from .analytic import HARDWARE, parse_model, transformer_costs
+from .sequence_split import chunk_shares, split_lengths
+
+__all__ = ["Built", "build", "resolve_costs"]
+
+# generator keyword -> the flag that sets it, for messages
+_FLAGS = {"v": "-v", "group_size": "--group-size", "memory_limit": "--memory-limit"}
+
+
+@dataclass(frozen=True)
+class Built:
+    """A request's schedule and the costs it is simulated with."""
+
+    request: ScheduleRequest
+    schedule: Schedule
+    costs: Costs
+
+
+def build(request: ScheduleRequest) -> Built:
+    """The schedule the request describes (generated once) and its resolved costs."""
+    if request.file:
+        schedule = _load(request.file)
+        return Built(request, schedule, resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks))
+    spec = get(request.name)
+    kwargs: dict[str, object] = {"p": request.p, "m": request.m}
+    for key, value in request.options:
+        if not spec.accepts(key):
+            flag = _FLAGS.get(key)
+            if flag is not None:
+                raise ScheduleError(f"schedule {spec.name!r} does not take {flag}; drop it or choose another schedule")
+            raise ScheduleError(f"schedule {spec.name!r} has no option {key!r}; it takes {sorted(spec.parameters)}")
+        kwargs[key] = value
+    k = request.seq_chunks
+    generate = spec if k is None else functools.partial(split_sequence, spec.name, seq_chunks=k)
+    if spec.accepts("costs") and "costs" not in kwargs:
+        stages = spec.num_stages(**kwargs)
+        costs = resolve_costs(request.costs, stages, k or 1)
+        schedule = generate(**kwargs, costs=costs)
+        if schedule.num_stages != stages:  # the registration's v is wrong: a bug, not user input
+            raise RuntimeError(f"schedule {spec.name!r} built {schedule.num_stages} stages, registry said {stages}")
+        return Built(request, schedule, costs)
+    schedule = generate(**kwargs)
+    return Built(request, schedule, resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks))
+
+
+def resolve_costs(spec: CostSpec, num_stages: int, seq_chunks: int = 1) -> Costs:
+    """Costs from the analytic model (for `num_stages` stages), or from pass times
+    (unit costs by default)."""
+    if spec.model:
+        config = dataclasses.replace(parse_model(spec.model), flash_attention=spec.flash_attention)
+        costs = transformer_costs(config, HARDWARE[spec.hardware], num_stages=num_stages)
+        if spec.mem_w_ratio is not None:
+            costs = dataclasses.replace(costs, mem_w_ratio=spec.mem_w_ratio)
+        if seq_chunks > 1:
+            lengths = split_lengths(config.seq, seq_chunks, spec.seq_split, config)
+            seq_time, seq_mem = chunk_shares(lengths, config)
+            costs = dataclasses.replace(costs, seq_time=seq_time, seq_mem=seq_mem)
+        return costs
+    base = parse_costs(spec.times) if spec.times else Costs()
+    ratio = 1.0 if spec.mem_w_ratio is None else spec.mem_w_ratio
+    return dataclasses.replace(base, mem_w_ratio=ratio)
+
+
+def _load(file: str) -> Schedule:
+    if Path(file).suffix.lower() == ".csv":
+        try:
+            text = Path(file).read_text()
+        except OSError as err:
+            raise ScheduleError(f"cannot read schedule file {file!r}: {err.strerror}") from None
+        return from_torch_csv(text, m=None)
+    return Schedule.load(file)

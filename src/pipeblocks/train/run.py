@@ -1,0 +1,249 @@
+"""One `pipeblocks train` run, from a request to a report: prepare (every user error is
+found here, before any process starts), then dry-run, verify, or train.
+
+    >>> request = ScheduleRequest(name="v-half", m=4, mesh=Mesh(pp=2))
+    >>> cfg, data = prepare(request, model=GPTConfig(), steps=20)
+    >>> dry_run(cfg, data)            # schedule, predicted memory and time; launches nothing
+    >>> train(cfg, data, report="run.json")
+
+The CLI (`pipeblocks.cli.train`) only parses options into these arguments.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+from ..core.request import ScheduleRequest
+from ..core.schedule import write_atomically
+from ..core.validate import validate
+from ..models.config import GPTConfig
+from ..schedules import names
+from ..sim.build import build
+from .config import TrainConfig
+
+if TYPE_CHECKING:  # torch enters only when a run starts, so `pipeblocks list` stays fast
+    from ..data import TokenWindows
+
+__all__ = ["DEFAULT_SCHEDULE", "FALLBACK_SCHEDULE", "default_schedule", "prepare", "dry_run", "train", "verify"]
+
+# Memory-efficient by default: V-Half holds about half of 1F1B's activations.
+DEFAULT_SCHEDULE = "v-half"
+FALLBACK_SCHEDULE = "1f1b"
+WARMUP_STEPS = 2
+# fp32 AdamW keeps, per parameter, the parameter, its gradient and two moments: 4+4+8 bytes;
+# in units of the parameter's own size that is 1 + 1 + 2.
+STATIC_COPIES = 4
+
+
+def default_schedule() -> str:
+    return DEFAULT_SCHEDULE if DEFAULT_SCHEDULE in names() else FALLBACK_SCHEDULE
+
+
+def prepare(
+    request: ScheduleRequest, *, model: GPTConfig, emulate: tuple[float, float, float] | None = None, **train_options,
+) -> tuple[TrainConfig, TokenWindows]:
+    """The run's config and data, with every user error raised here (ValueError)."""
+    from ..data import TokenWindows
+    from ..models.split import layer_counts
+
+    if request.mesh.dp != 1:
+        raise ValueError(f"data parallelism is not supported yet (dp={request.mesh.dp}): use dp=1")
+    if train_options.get("verify") and (emulate is not None or train_options.get("checkpoint")
+                                        or train_options.get("resume")):
+        raise ValueError("--verify runs one real step from the seed: drop --emulate, --checkpoint and --resume")
+    schedule = build(request).schedule
+    validate(schedule)
+    if schedule.seq_chunks > 1 and emulate is not None:
+        raise ValueError(
+            f"--emulate does not run sequence chunks (schedule {schedule.name!r} has {schedule.seq_chunks}): "
+            "drop --emulate or --seq-chunks"
+        )
+    layer_counts(model.layers, schedule.num_stages)
+    data = TokenWindows.load(train_options.get("data"), seq=model.seq)
+    cfg = TrainConfig(schedule=schedule, model=model, emulate=emulate, seq_split=request.costs.seq_split,
+                      **train_options)
+    if cfg.resume:
+        _check_resume(cfg, data)
+    return cfg, data
+
+
+def _check_resume(cfg: TrainConfig, data: TokenWindows) -> None:
+    from . import checkpoint as ckpt
+
+    step = ckpt.latest_step(cfg.checkpoint, cfg.schedule.p)
+    if step is None:
+        raise ValueError(
+            f"--resume: no complete checkpoint for {cfg.schedule.p} ranks in {cfg.checkpoint!r}: "
+            "drop --resume to start from step 0"
+        )
+    ckpt.check_meta(ckpt.load_rank(cfg.checkpoint, rank=0, step=step)["meta"], cfg.meta(data.source), cfg.checkpoint)
+    if step >= cfg.steps:
+        raise ValueError(f"--resume: the checkpoint is at step {step} already: raise --steps above {step}")
+
+
+# ---- before launch: what the run will hold and how long a step takes ----------------------
+def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) -> dict:
+    """Print the schedule as a text timeline, the predicted activation and static memory per
+    rank and the predicted iteration time; launch nothing. Returns the figures printed.
+
+    Activation bytes per stage are measured on this process's copy of the stage modules
+    (one microbatch, the runtime's own forward and split backward); static bytes are the
+    stage modules' parameters times (parameter + gradient + AdamW's two moments). Pass
+    times are those --emulate sleeps, or measured here on one microbatch otherwise, with
+    the torch threads one rank of the run would have. The timeline is drawn at unit costs
+    (as `show` draws it) unless the times are emulated.
+    """
+    from ..core.simulate import simulate
+    from ..sim.text_timeline import render_text_timeline
+
+    from ..core.costs import Costs
+
+    out = out or sys.stdout
+    s = cfg.schedule
+    stages, costs = _stage_costs(cfg, data)
+    timeline = simulate(s, costs)
+    # shown as `show` shows it: measured times are not multiples of one cell, emulated ones are
+    shown = timeline if cfg.emulate is not None else simulate(s, Costs())
+    static = [0] * s.p
+    for stage in stages:
+        static[s.placement.rank_of(stage.index)] += STATIC_COPIES * sum(
+            p.numel() * p.element_size() for p in stage.parameters()
+        )
+    figures = {
+        "schedule": s.name, "p": s.p, "m": s.m, "v": s.v, "seq_chunks": s.seq_chunks,
+        "iteration_time_predicted_s": timeline.makespan,
+        "bubble_ratio_predicted": timeline.bubble_ratio,
+        "times_from": "emulate" if cfg.emulate is not None else "profiled in this process",
+        "ranks": [
+            {"rank": r, "stages": list(s.placement.stages_of(r)),
+             "activation_bytes_predicted": timeline.peak_activation[r], "static_bytes_predicted": static[r]}
+            for r in range(s.p)
+        ],
+    }
+    print(render_text_timeline(shown), end="", file=out)
+    print(f"dry run: {cfg.model.layers}-layer GPT (hidden {cfg.model.hidden}, {cfg.model.dtype}), schedule {s.name} "
+          f"p={s.p} m={s.m} v={s.v}, microbatch {cfg.microbatch_size}x{cfg.model.seq} tokens", file=out)
+    print(f"predicted iteration time {timeline.makespan * 1e3:.1f} ms   bubble ratio {timeline.bubble_ratio:.4f}   "
+          f"(pass times {figures['times_from']})", file=out)
+    print("rank  stages   activation (peak)   static (params+grads+AdamW)   total", file=out)
+    for row in figures["ranks"]:
+        act, stat = row["activation_bytes_predicted"], row["static_bytes_predicted"]
+        stages_text = ",".join(map(str, row["stages"]))
+        print(f"{row['rank']:>4}  {stages_text:<7}  {_bytes(act):>17}   {_bytes(stat):>27}   {_bytes(act + stat):>9}",
+              file=out)
+    print("nothing launched (drop --dry-run to train)", file=out)
+    return figures
+
+
+def _stage_costs(cfg: TrainConfig, data: TokenWindows):
+    """All stage modules (this process) and the costs to simulate the run with: seconds and bytes."""
+    import os
+
+    import torch
+
+    from ..core.costs import Costs
+    from ..models import GPT, cross_entropy, split_gpt
+    from ..models.split import layer_counts
+    from ..runtime.profile import profile_chunk_memory, profile_stage_memory, profile_stage_times
+
+    s = cfg.schedule
+    x, y = data.batch(0, cfg.microbatch_size, seed=cfg.seed)
+    stages = split_gpt(GPT(cfg.model, seed=cfg.seed), s.num_stages)
+    memory = profile_stage_memory(stages, x, cross_entropy, y)
+    seq_mem = profile_chunk_memory(stages, x, cross_entropy, y, cfg.seq_lengths()) if s.seq_chunks > 1 else None
+    if cfg.emulate is not None:
+        layers = layer_counts(cfg.model.layers, s.num_stages)
+        f, b, w = (tuple(ms * 1e-3 * n for n in layers) for ms in cfg.emulate)
+    else:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // s.p))
+        try:
+            times = profile_stage_times(stages, x, cross_entropy, y)
+        finally:
+            torch.set_num_threads(threads)
+        f, b, w = (tuple(t[i] for t in times) for i in range(3))
+    total = sum(x.m_b for x in memory)
+    ratio = min(1.0, sum(x.m_w for x in memory) / total) if s.has_split_backward and total > 0 else 1.0
+    costs = Costs(t_f=f, t_b=b, t_w=w, mem_b=tuple(float(x.m_b) for x in memory), mem_w_ratio=ratio,
+                  seq_mem=tuple(seq_mem) if seq_mem is not None else None)
+    return stages, costs
+
+
+# ---- launch --------------------------------------------------------------------------------
+def _launch(cfg: TrainConfig):
+    from ..runtime import RankFailedError
+    from .loop import launch
+
+    try:
+        return launch(cfg)
+    except (RankFailedError, TimeoutError) as err:
+        print(f"pipeblocks train: {err}", file=sys.stderr)
+        return None
+
+
+def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, plot: str | None = None) -> int:
+    """Train, then print measured against simulated (and write --report / --plot)."""
+    from ..models import GPT, cross_entropy, split_gpt
+    from ..runtime.profile import profile_chunk_memory, profile_stage_memory
+    from .report import build_report, format_report, write_timeline_plot
+
+    s = cfg.schedule
+    print(f"training {cfg.model.layers}-layer GPT (hidden {cfg.model.hidden}, {cfg.model.dtype}) on {data.source}: "
+          f"schedule {s.name}, p={s.p} m={s.m} v={s.v}, microbatch {cfg.microbatch_size}x{cfg.model.seq} tokens"
+          + (f" in {s.seq_chunks} chunks {list(cfg.seq_lengths())}" if s.seq_chunks > 1 else ""),
+          flush=True)
+    results = _launch(cfg)
+    if results is None:
+        return 1
+    # Per-stage activation bytes of one microbatch, measured the way the runtime counts them.
+    x, y = data.batch(0, cfg.microbatch_size, seed=cfg.seed)
+    stages = split_gpt(GPT(cfg.model, seed=cfg.seed), s.num_stages)
+    memory = profile_stage_memory(stages, x, cross_entropy, y)
+    seq_mem = profile_chunk_memory(stages, x, cross_entropy, y, cfg.seq_lengths()) if s.seq_chunks > 1 else None
+    warmup = min(WARMUP_STEPS, max(0, len(results[0].step_spans) - 1))
+    built = build_report(s, results, memory, warmup=warmup, emulated=cfg.emulate is not None, seq_mem=seq_mem)
+    print(format_report(built.data))
+    if report:
+        write_atomically(Path(report), json.dumps(built.data, indent=1) + "\n")
+        print(f"report   {report}")
+    plot = plot or (str(Path(report).with_suffix(".png")) if report else None)
+    if plot:
+        print(f"timeline {write_timeline_plot(built.measured, built.simulated, plot)}")
+    else:
+        print("(add --plot FILE.png, or --report FILE.json, to draw the measured timeline under the simulated one)")
+    return 0
+
+
+def verify(cfg: TrainConfig, data: TokenWindows) -> int:
+    """One step on the ranks against one process on the whole model; 0 within tolerance."""
+    from .reference import TOLERANCE, compare_grads, reference_step, relative_difference
+
+    results = _launch(cfg)
+    if results is None:
+        return 1
+    grads = {name: g for r in results for name, g in (r.grads or {}).items()}
+    loss = next(l for r in results for _, l in r.losses)
+    inputs, targets = data.batch(0, cfg.batch_size, seed=cfg.seed)  # the step the ranks ran
+    ref_loss, ref_grads = reference_step(cfg.model, seed=cfg.seed, inputs=inputs, targets=targets,
+                                         microbatches=cfg.schedule.m)
+    worst = compare_grads(grads, ref_grads)
+    loss_diff = relative_difference(loss, ref_loss)
+    tolerance = TOLERANCE[cfg.model.dtype]
+    largest = max(worst.relative, loss_diff)
+    ok = largest <= tolerance
+    chunks = f" seq_chunks={cfg.schedule.seq_chunks} {list(cfg.seq_lengths())}" if cfg.schedule.seq_chunks > 1 else ""
+    print(f"verify {cfg.schedule.name} p={cfg.schedule.p} m={cfg.schedule.m}{chunks} {cfg.model.dtype}: "
+          f"loss {loss:.10g} vs one process {ref_loss:.10g} (relative difference {loss_diff:.3g}); "
+          f"{len(ref_grads)} gradients, largest relative difference {worst.relative:.3g} ({worst.name})")
+    print(f"largest relative difference {largest:.3g}, tolerance {tolerance:g}: {'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
