@@ -16,7 +16,8 @@ import torch
 from pipeblocks import schedules
 from pipeblocks.runtime import PipelineRunner, spawn
 from pipeblocks.runtime.profile import profile_stage_memory
-from pipeblocks.runtime.toy import ToyConfig, cross_entropy, toy_batch, toy_schedules, toy_stages
+from _toy import toy_schedules
+from pipeblocks.models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
 from pipeblocks.sim import Costs, simulate
 
 MICROBATCH = 2

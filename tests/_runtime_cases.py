@@ -9,7 +9,7 @@ import torch
 from pipeblocks import schedules
 from pipeblocks.core import Action, Kind, Placement, Schedule, ScheduleError
 from pipeblocks.runtime import PipelineRunner
-from pipeblocks.runtime.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
+from pipeblocks.models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
 
 CONFIG = ToyConfig(vocab=11, hidden=8, blocks_per_stage=1, seq=5)
 MICROBATCH = 2  # samples per microbatch

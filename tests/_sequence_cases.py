@@ -87,7 +87,7 @@ def reference(num_stages: int, m: int, seq: int) -> tuple[float, dict[str, torch
 
 def errors_worker(ctx) -> list[str]:
     """Bad sequence-chunk setups on one rank: each must raise ValueError before any step runs."""
-    from pipeblocks.runtime.toy import ToyConfig, toy_stages
+    from pipeblocks.models.toy import ToyConfig, toy_stages
 
     messages = []
     schedule = build("seq1f1b", 1, 2, 4)

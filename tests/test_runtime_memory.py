@@ -14,7 +14,7 @@ import pytest
 from pipeblocks import schedules
 from pipeblocks.runtime import spawn
 from pipeblocks.runtime.profile import profile_stage_memory
-from pipeblocks.runtime.toy import cross_entropy, toy_batch, toy_stages
+from pipeblocks.models.toy import cross_entropy, toy_batch, toy_stages
 from pipeblocks.sim import Costs, simulate
 
 from _runtime_cases import EXTRA, MICROBATCH, build, memory_config, memory_worker, try_build

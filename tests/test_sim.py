@@ -101,11 +101,15 @@ def test_analytic_formulas():
     assert costs.t_comm == approx(hw.latency + s * b * h * 2 / hw.bandwidth)
 
 
-def test_layer_split_balances_the_head():
+def test_layer_split_is_the_model_splitters_rule():
+    from pipeblocks.models.split import layer_counts
+
     assert layer_split(8, 4) == (2, 2, 2, 2)
-    assert layer_split(22, 8, head_layers=1.3) == (3, 3, 3, 3, 3, 3, 3, 1)
-    assert sum(layer_split(30, 8, head_layers=2)) == 30
-    with pytest.raises(ScheduleError, match="3 layers cannot fill 4 stages"):
+    assert layer_split(10, 4) == (2, 3, 3, 2)  # the ends carry the embedding and the head
+    for layers, stages in ((22, 8), (30, 8), (9, 4), (7, 4), (5, 2)):
+        assert layer_split(layers, stages) == layer_counts(layers, stages)
+        assert sum(layer_split(layers, stages)) == layers
+    with pytest.raises(ValueError, match="3 transformer layers but the pipeline has 4 stages"):
         layer_split(3, 4)
 
 

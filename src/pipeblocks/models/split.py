@@ -10,16 +10,13 @@ Global stage s always holds the s-th contiguous slice of blocks, whatever the pl
 the placement (loop: stage s on rank s mod p; V: rank i holds stages i and 2p-1-i) only
 decides which rank runs it, so a rank asks for `placement.stages_of(rank)`.
 
-How layers are counted. Only transformer blocks count. The embedding (a table lookup)
-rides on stage 0 and the final norm + LM head on stage S-1; the head costs about
-vocab/(12·hidden) of a block's FLOPs (a third for the defaults). Blocks are spread as
-evenly as possible; when they do not divide evenly, the extra blocks go first to the
-middle stages 1..S-2, then to stage 0, then to stage S-1, so the two ends, which carry
-the embedding and the head, get the lighter share:
+How layers are counted: `pipeblocks.core.split.layer_counts`, the rule the analytic cost
+model uses too. Only transformer blocks count; the embedding (a table lookup) rides on
+stage 0 and the final norm + LM head on stage S-1 (the head costs about vocab/(12·hidden)
+of a block's FLOPs, a third for the defaults), so the extra blocks of an uneven split go
+to the middle stages first:
 
     layers=10, S=4  ->  2 3 3 2        layers=5, S=2  ->  3 2        layers=7, S=4  ->  2 2 2 1
-
-Every stage needs at least one block, so layers < S is an error that names both numbers.
 """
 from __future__ import annotations
 
@@ -28,6 +25,7 @@ from typing import Protocol, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..core.split import layer_counts
 from .config import GPTConfig
 from .gpt import GPT, Block, Embedding, Head, KVExtender, init_parameters
 
@@ -40,24 +38,6 @@ class SequenceChunkLike(Protocol):
     offset: int
 
     def kv(self, layer: str) -> KVExtender: ...
-
-
-def layer_counts(layers: int, num_stages: int) -> tuple[int, ...]:
-    """Blocks per stage, balanced as the module docstring describes."""
-    if num_stages < 1:
-        raise ValueError(f"a pipeline needs at least one stage, got {num_stages}")
-    if layers < num_stages:
-        raise ValueError(
-            f"the model has {layers} transformer layers but the pipeline has {num_stages} stages, and every "
-            f"stage needs at least one layer: use {num_stages} or more layers (--layers {num_stages}) "
-            "or fewer stages (lower -p or -v)"
-        )
-    base, extra = divmod(layers, num_stages)
-    priority = list(range(1, num_stages - 1)) + [0, num_stages - 1][: min(2, num_stages)]
-    counts = [base] * num_stages
-    for stage in priority[:extra]:
-        counts[stage] += 1
-    return tuple(counts)
 
 
 def layer_ranges(counts: Sequence[int]) -> tuple[range, ...]:

@@ -16,7 +16,9 @@ from typing import Callable, Sequence
 import torch
 
 from .backward import input_backward
+from .compute import ModuleCompute
 from .memory import SavedTensorTracker, StageMemory
+from .sequence import SequenceChunk, chunk_bounds
 
 __all__ = ["profile_stage_memory", "profile_chunk_memory", "profile_stage_times"]
 
@@ -83,8 +85,6 @@ def profile_chunk_memory(
     does (same compute, same K/V cache); the shares need not sum to 1: attention over the
     earlier chunks' keys saves a longer K/V than the whole sequence's attention does per token.
     """
-    from .compute import ModuleCompute
-    from .sequence import SequenceChunk, chunk_bounds  # sequence chunks only
 
     params = [p for stage in stages for p in stage.parameters()]
     before = [None if p.grad is None else p.grad.clone() for p in params]

@@ -8,7 +8,8 @@ Per transformer layer, with s = sequence, b = microbatch size, h = hidden, a = h
     M_B = s*b*(34h + 5*a*s) bytes     M_W = 32*s*b*h bytes
     (with flash attention the s x s scores are not stored: M_B = 34*s*b*h)
 
-The LM head (on the last stage, which gets fewer layers to balance it) adds 2*s*b*h*V FLOPs to each of F, B and W and keeps the
+The LM head (on the last stage; layers per stage follow `core.split.layer_counts`, which
+gives the end stages the lighter share of an uneven split) adds 2*s*b*h*V FLOPs to each of F, B and W and keeps the
 fp32 logits (4*s*b*V bytes). Time = FLOPs / (peak FLOP/s * achievable fraction); one hop
 between ranks takes latency + s*b*h*dtype_bytes / bandwidth.
 
@@ -22,6 +23,7 @@ from types import MappingProxyType
 
 from ..core.errors import ScheduleError
 from ..core.costs import Costs
+from ..core.split import layer_counts
 
 __all__ = ["TransformerConfig", "Hardware", "MODELS", "HARDWARE", "layer_split", "transformer_costs", "parse_model"]
 
@@ -99,19 +101,10 @@ HARDWARE = MappingProxyType({
 })
 
 
-def layer_split(layers: int, num_stages: int, head_layers: float = 0.0) -> tuple[int, ...]:
-    """Layers per stage, balancing compute: the last stage also runs the LM head, worth
-    `head_layers` layers, so it gets that many fewer. Each layer goes to the least loaded
-    stage (ties to the earlier stage)."""
-    if layers < num_stages:
-        raise ScheduleError(
-            f"{layers} layers cannot fill {num_stages} stages: use at least {num_stages} layers or fewer stages"
-        )
-    counts = [1] * num_stages  # every stage holds at least one layer
-    for _ in range(layers - num_stages):
-        load = [n + (head_layers if i == num_stages - 1 else 0.0) for i, n in enumerate(counts)]
-        counts[load.index(min(load))] += 1
-    return tuple(counts)
+def layer_split(layers: int, num_stages: int) -> tuple[int, ...]:
+    """Layers per stage: the model splitter's rule (`core.split.layer_counts`), so the
+    analytic costs describe the stages the runtime builds."""
+    return layer_counts(layers, num_stages)
 
 
 def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stages: int) -> Costs:
@@ -125,7 +118,7 @@ def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stag
     layer_mem_b = s * b * (34 * h + (0 if config.flash_attention else 5 * a * s)) * scale
     layer_mem_w = 32 * s * b * h * scale
     head = 2 * s * b * h * V
-    counts = layer_split(config.layers, num_stages, head_layers=3 * head / (layer_f + layer_b + layer_w))
+    counts = layer_split(config.layers, num_stages)
     last = num_stages - 1
     t_f = tuple((n * layer_f + (head if i == last else 0)) / rate for i, n in enumerate(counts))
     t_b = tuple((n * layer_b + (head if i == last else 0)) / rate for i, n in enumerate(counts))

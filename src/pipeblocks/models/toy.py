@@ -8,12 +8,11 @@ only its stages while a reference process runs them all.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["ToyConfig", "toy_stages", "toy_batch", "cross_entropy", "toy_schedules"]
+__all__ = ["ToyConfig", "toy_stages", "toy_batch", "cross_entropy"]
 
 
 @dataclass(frozen=True)
@@ -78,20 +77,3 @@ def toy_batch(batch: int, config: ToyConfig = ToyConfig(), *, seed: int = 1) -> 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy over [b, s, V] logits."""
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def toy_schedules(p: int, m: int, names: Sequence[str]) -> list[str]:
-    """The named schedules a toy model of 2p blocks can run at (p, m): those that build,
-    split no sequences, and whose stage count divides the 2p blocks."""
-    from ..core.errors import ScheduleError
-    from ..schedules import get
-
-    runnable = []
-    for name in names:
-        try:
-            schedule = get(name)(p=p, m=m)
-        except ScheduleError:
-            continue
-        if schedule.seq_chunks == 1 and (2 * p) % schedule.num_stages == 0:
-            runnable.append(name)
-    return runnable
