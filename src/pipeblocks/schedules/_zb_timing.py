@@ -2,9 +2,12 @@
 
 `Timer` places passes one at a time on their ranks and keeps, as the greedy schedulers
 need them, each pass's end time, each rank's clock, activation memory and accumulated
-bubble, and the Ws still pending. Its time model is the simulator's (ALGORITHMS §1.2):
-a pass starts when its rank is free and its inputs have arrived, t_comm after they were
-produced on another rank. A Timer lives for one build; nothing here is shared state.
+bubble, and the Ws still pending. Its model is the simulator's, from the same pieces:
+the dependency rule is `core.deps.requirements`, durations and memory effects are the
+resolved `StageCosts.duration` / `StageCosts.memory`, and a pass starts when its rank is
+free and its inputs have arrived, t_comm after they were produced on another rank (as a
+lowered receive waits in `core.simulate`). A Timer lives for one build; nothing here is
+shared state.
 
 `Candidate` and `pick_best` evaluate finished orders with the real simulator and choose
 by the ZB objective: the longest rank span (first pass to last pass), then the makespan.
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ..core.actions import Action, Kind
+from ..core.deps import requirements
 from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
@@ -66,35 +70,48 @@ class Timer:
         self.started = [False] * p
         self.pending: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
         self.end: dict[tuple[Kind, int, int], float] = {}
+        # per (kind, stage): its inputs as (kind, stage, delay) and its memory change, from
+        # the core's dependency rule and cost table (the microbatch passes through unchanged)
+        self._needs: dict[tuple[Kind, int], tuple[tuple[Kind, int, float], ...]] = {}
+        self._delta: dict[tuple[Kind, int], float] = {}
 
     # ---- costs ------------------------------------------------------------------
     def cost(self, kind: Kind, stage: int) -> float:
         return self.table.duration(kind, stage)
 
     def delta(self, kind: Kind, stage: int) -> float:
-        m_b = self.table.mem_b[stage]
-        ratio = self.table.mem_w_ratio[stage]
-        return m_b if kind is Kind.F else (m_b * ratio - m_b if kind is Kind.B else -m_b * ratio)
+        """The pass's net change of its rank's activation memory."""
+        value = self._delta.get((kind, stage))
+        if value is None:
+            alloc, release = self.table.memory(kind, stage)
+            value = self._delta[(kind, stage)] = alloc + release
+        return value
 
     def fits(self, kind: Kind, stage: int) -> bool:
         return self.mem[self.rank_of[stage]] + self.delta(kind, stage) <= self.limit
 
     # ---- dependencies -------------------------------------------------------------
+    def _inputs(self, kind: Kind, stage: int) -> tuple[tuple[Kind, int, float], ...]:
+        needs = self._needs.get((kind, stage))
+        if needs is None:
+            rank, t_comm = self.rank_of[stage], self.table.t_comm
+            needs = self._needs[(kind, stage)] = tuple(
+                (Kind(phase), s, t_comm if self.rank_of[s] != rank else 0.0)
+                for phase, s, _, _ in requirements(Action(stage, kind, 0), self.last + 1, 1)
+            )
+        return needs
+
     def arrival(self, kind: Kind, stage: int, mb: int) -> float | None:
-        """When the cross-stage input of this pass is available here; None if not placed yet."""
-        if kind is Kind.F:
-            src = (Kind.F, stage - 1, mb) if stage > 0 else None
-        elif kind is Kind.B:
-            src = (Kind.B, stage + 1, mb) if stage < self.last else (Kind.F, stage, mb)
-        else:
-            src = (Kind.B, stage, mb)
-        if src is None:
-            return 0.0
-        done = self.end.get(src)
-        if done is None:
-            return None
-        hop = self.rank_of[src[1]] != self.rank_of[stage]
-        return done + (self.table.t_comm if hop else 0.0)
+        """When every input of this pass is available on its rank; None if one is not placed yet."""
+        ready = 0.0
+        end = self.end
+        for need_kind, need_stage, delay in self._inputs(kind, stage):
+            done = end.get((need_kind, need_stage, mb))
+            if done is None:
+                return None
+            if done + delay > ready:
+                ready = done + delay
+        return ready
 
     def placed(self, kind: Kind, stage: int, mb: int) -> bool:
         return (kind, stage, mb) in self.end
@@ -104,7 +121,7 @@ class Timer:
         """Place the pass at the end of its rank's program; returns its end time."""
         rank = self.rank_of[stage]
         ready = self.arrival(kind, stage, mb)
-        if ready is None or (kind is not Kind.F and not self.placed(Kind.F, stage, mb)):
+        if ready is None:
             raise Unplaceable(f"{stage}{kind.value}{mb} placed before its inputs")
         if not self.fits(kind, stage):
             raise Unplaceable(f"{stage}{kind.value}{mb} does not fit the memory limit on rank {rank}")
