@@ -3,9 +3,11 @@ the event simulator. No torch here; generators (the schedules layer) build on it
 from .actions import Action, Kind, parse_actions
 from .costs import Costs, StageCosts, parse_costs
 from .errors import DeadlockError, ScheduleError
-from .lower import check_deadlock, lower
+from .lower import PASSES, add_p2p, check_deadlock, lower
+from .ops import OP_TYPES, OpType, Stream, UnknownOpError
 from .placement import Placement
 from .program import Comm, Op, Program
+from .request import CostSpec, Mesh, ScheduleRequest
 from .schedule import Schedule
 from .simulate import simulate, simulate_program
 from .timeline import Event, Timeline
@@ -14,5 +16,6 @@ from .validate import check_structure, validate
 __all__ = [
     "Action", "Kind", "parse_actions", "DeadlockError", "ScheduleError", "check_deadlock", "lower",
     "Placement", "Comm", "Op", "Program", "Schedule", "check_structure", "validate", "Costs", "StageCosts",
-    "parse_costs", "simulate", "simulate_program", "Event", "Timeline",
+    "parse_costs", "simulate", "simulate_program", "Event", "Timeline", "PASSES", "add_p2p", "OP_TYPES", "OpType",
+    "Stream", "UnknownOpError", "CostSpec", "Mesh", "ScheduleRequest",
 ]
