@@ -22,13 +22,17 @@ Initialisation is a function of (seed, parameter name) alone (see `init_paramete
 pipeline rank can build just its own stages (`pipeblocks.models.split.build_stages`) and get
 exactly the weights that the whole model built from the same seed has.
 
+Attention. `torch.nn.functional.scaled_dot_product_attention` (SDPA): on CPU it runs the
+flash kernel for float32 and float64 alike, which saves q, k, v, the output and one
+log-sum-exp per query and head for the backward, not the s x s probabilities.
+
 Attention seam for sequence-chunked schedules (Seq1F1B, ALGORITHMS.md §5.3): the embedding
 takes a position `offset`, and `CausalSelfAttention.forward` takes an optional `kv` object
-whose `extend(k, v)` returns the keys and values to attend over (this chunk's, prefixed by
-earlier chunks'). `causal_attention` already handles k_len > q_len with a bottom-right
-aligned mask. The runtime's K/V cache (`pipeblocks.runtime.sequence`) implements `extend`
-and hands the gradients of earlier chunks' K/V back; `GPTStage.forward(x, chunk=...)`
-(split.py) wires the offset and one extender per block.
+whose `extend(k, v)` returns the keys and values to attend over (this chunk's and earlier
+chunks', in the extender's order) with the causal mask for that order. The runtime's K/V
+cache (`pipeblocks.runtime.sequence`) implements `extend` with one K/V buffer per
+microbatch and hands the gradients of earlier chunks' K/V back; `GPTStage.forward(x,
+chunk=...)` (split.py) wires the offset and one extender per block.
 """
 from __future__ import annotations
 
@@ -52,15 +56,13 @@ class KVExtender(Protocol):
     """What a sequence-chunk schedule passes to attention.
 
     `extend(k, v)` receives this chunk's keys and values, [b, a, s_chunk, d], and returns
-    the ones to attend over, [b, a, offset + s_chunk, d]: earlier chunks' K/V in front.
-    `causal_mask(s_q, s_k, dtype, device)` returns the additive bottom-right causal mask,
-    one tensor shared by every layer (attention saves its mask for the backward, so a mask
-    per layer would cost s_q*s_k per layer).
+    (keys, values, mask): the keys and values of all positions 0..offset + s_chunk - 1,
+    [b, a, offset + s_chunk, d], in an order of the extender's choosing, and the additive
+    causal mask [s_chunk, offset + s_chunk] for that order (query i at position offset + i
+    sees the keys at positions 0..offset + i).
     """
 
-    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
-
-    def causal_mask(self, s_q: int, s_k: int, dtype: torch.dtype, device: torch.device) -> Tensor: ...
+    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -98,12 +100,13 @@ class CausalSelfAttention(nn.Module):
         b, s, h = x.shape
         q, k, v = self.qkv(x).split(h, dim=2)
         q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        mask = None
-        if kv is not None:
-            k, v = kv.extend(k, v)
-            if k.size(-2) > s:
-                mask = kv.causal_mask(s, k.size(-2), q.dtype, q.device)
-        y = causal_attention(q, k, v, mask)
+        if kv is None:
+            y = causal_attention(q, k, v)
+        else:
+            k, v, mask = kv.extend(k, v)
+            # k and v now live in the extender's buffer; q is a view of the fused qkv output,
+            # and attention saving it would keep this chunk's k and v a second time.
+            y = F.scaled_dot_product_attention(q.contiguous(), k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
 
