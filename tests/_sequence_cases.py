@@ -142,3 +142,28 @@ def predicted_peaks(case: str, p: int, m: int, k: int, how: str, model: dict,
     seq_mem = profile_chunk_memory(stages, x, cross_entropy, y, lengths(cfg, k, how)) if k > 1 else None
     costs = Costs(mem_b=tuple(float(s.m_b) for s in profile), mem_w_ratio=1.0, seq_mem=seq_mem)
     return simulate(schedule, costs).peak_activation
+
+
+def kv_ratio(case: str, p: int, m: int, k: int, model: dict, microbatch: int = MICROBATCH) -> dict:
+    """The closed form for rank 0's Seq1F1B peak against 1F1B's, with its parts: the formula
+    (k+p-1)/(kp), the K/V fraction of one microbatch's saved bytes on rank 0 (its buffers
+    hold 2 x layers x b x seq x hidden values; the rest is profiled), the K/V buffers rank 0
+    holds at once, and formula + K/V share (`sim.sequence_split.memory_ratio`)."""
+    from pipeblocks.models import split_gpt
+    from pipeblocks.runtime.memory import profile_stage_memory
+    from pipeblocks.sim.sequence_split import kv_buffers_held, memory_ratio
+
+    schedule = build(case, p, m, k)
+    cfg = GPTConfig(**model)
+    stages = split_gpt(GPT(cfg, seed=0), schedule.num_stages)
+    x, y = (t[:microbatch] for t in batch(cfg, max(1, -(-microbatch // MICROBATCH)), seed=1))
+    profile = profile_stage_memory(stages, x, cross_entropy, y)
+    mine = schedule.placement.stages_of(0)
+    saved = sum(profile[s].m_b for s in mine)
+    layers = sum(len(stages[s].layers) for s in mine)
+    kv = 2 * layers * microbatch * cfg.seq * cfg.hidden * cfg.torch_dtype.itemsize
+    buffers = kv_buffers_held(schedule, 0)
+    return {
+        "formula": (k + p - 1) / (k * p), "kv_fraction": kv / saved, "buffers": buffers,
+        "formula_kv": memory_ratio(p, k, kv_fraction=kv / saved, buffers=buffers),
+    }

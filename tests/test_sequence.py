@@ -5,8 +5,10 @@ import pytest
 from pipeblocks import Costs, ScheduleError, schedules, simulate, validate
 from pipeblocks.core import Kind
 from pipeblocks.schedules.sequence import split_sequence
-from pipeblocks.sim.analytic import HARDWARE, TransformerConfig, transformer_costs
-from pipeblocks.sim.sequence_split import balanced_split, chunk_flops, chunk_shares, even_split, split_lengths
+from pipeblocks.sim.analytic import HARDWARE, TransformerConfig, layer_activation_bytes, transformer_costs
+from pipeblocks.sim.sequence_split import (
+    balanced_split, chunk_flops, chunk_shares, even_split, kv_buffers_held, memory_ratio, split_lengths,
+)
 
 approx = pytest.approx
 
@@ -79,7 +81,11 @@ def test_even_and_balanced_splits():
     assert time_even[-1] > time_even[0] * 1.5  # an even split at long sequence is badly unbalanced
     flash = TransformerConfig(layers=8, hidden=512, heads=8, seq=8192, vocab=1000, flash_attention=True)
     _, mem_flash = chunk_shares(lengths, flash)
-    assert mem_flash == approx([n / 8192 for n in lengths])  # without stored scores, memory follows tokens
+    assert sum(mem_flash) == approx(1.0)  # without stored scores, the chunks hold what the whole sequence does
+    per_token = mem_flash[1] / lengths[1]
+    assert mem_flash[2:] == approx([n * per_token for n in lengths[2:]])  # ... by tokens, K/V aside
+    kv = mem_flash[0] - lengths[0] * per_token  # chunk 0 holds the whole sequence's K/V buffer: 4h of 34h per token
+    assert kv == approx(4 / 34, rel=1e-2)
     assert mem_bal[-1] / lengths[-1] > mem_bal[0] / lengths[0]  # stored scores make later tokens dearer
 
 
@@ -110,4 +116,22 @@ def test_analytic_long_sequence_seq1f1b_against_1f1b():
         results[how] = simulate(split, Costs(**{**costs.__dict__, "seq_time": seq_time, "seq_mem": seq_mem}))
     assert results["balanced"].makespan < results["even"].makespan < t0.makespan
     ratio = results["even"].peak_activation[0] / t0.peak_activation[0]
-    assert ratio == approx((k + p - 1) / (k * p), rel=1e-6)  # tokens share memory evenly with flash attention
+    # (k+p-1)/(kp) of the activations but K/V; rank 0 holds 3 whole-sequence K/V buffers at its peak
+    per_layer = layer_activation_bytes(config, config.seq, config.seq)
+    kv_fraction = (per_layer - layer_activation_bytes(config, config.seq, config.seq, kv=False)) / per_layer
+    assert kv_buffers_held(split, 0) == 3
+    want = memory_ratio(p, k, kv_fraction=kv_fraction, buffers=3)
+    assert want > (k + p - 1) / (k * p) + 0.03
+    assert ratio == approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("p, k, held", [(2, 2, 2), (4, 2, 3), (4, 4, 3), (8, 4, 4)])
+def test_kv_buffers_held_on_rank0(p, k, held):
+    # p=4, k=4: after 0BW0.2 rank 0 runs 0F2.0, holding chunks of microbatches 0, 1 and 2
+    schedule = schedules.get("seq1f1b")(p=p, m=2 * p, seq_chunks=k)
+    assert kv_buffers_held(schedule, 0) == held
+    assert kv_buffers_held(schedule, p - 1) <= held  # the last rank holds fewer chunks in flight
+    assert memory_ratio(p, k) == approx((k + p - 1) / (k * p))
+    assert memory_ratio(p, k, kv_fraction=1.0, buffers=held) == approx(held / p)  # all K/V: buffers alone count
+    with pytest.raises(ScheduleError, match="buffers >= 1"):
+        memory_ratio(p, k, kv_fraction=0.1)

@@ -99,14 +99,18 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor, kv: KVExtender | None = None) -> Tensor:
         b, s, h = x.shape
         q, k, v = self.qkv(x).split(h, dim=2)
+        if kv is not None:
+            # k and v will live in the extender's buffer; q is a view of the fused qkv output,
+            # and attention saving that view would keep this chunk's k and v a second time.
+            # (Copied before the head transpose, so that the attention output keeps the
+            # [b, s, a, d] layout and the projection's input stays a view of it.)
+            q = q.contiguous()
         q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
         if kv is None:
             y = causal_attention(q, k, v)
         else:
             k, v, mask = kv.extend(k, v)
-            # k and v now live in the extender's buffer; q is a view of the fused qkv output,
-            # and attention saving it would keep this chunk's k and v a second time.
-            y = F.scaled_dot_product_attention(q.contiguous(), k, v, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
 

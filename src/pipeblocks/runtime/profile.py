@@ -2,8 +2,8 @@
 
 `profile_stage_memory` measures, per stage, what F saves (M_B) and what B keeps for W
 (M_W), to feed `Costs(mem_b=..., mem_w_ratio=...)`. `profile_chunk_memory` measures, for a
-sequence-chunk schedule, what each chunk saves relative to the whole microbatch (with its
-K/V prefix), to feed `Costs(seq_mem=...)`. `profile_stage_times` times F, B and W per
+sequence-chunk schedule, what each chunk saves relative to the whole microbatch (chunk 0
+with the microbatch's K/V buffer), to feed `Costs(seq_mem=...)`. `profile_stage_times` times F, B and W per
 stage, to predict an iteration before launching one. All use the runtime's own forward
 and split backward, so the numbers are what the executor does.
 """
@@ -82,8 +82,9 @@ def profile_chunk_memory(
     one whole microbatch's (`Costs(seq_mem=...)`, with `mem_b` from `profile_stage_memory`).
 
     Runs the chunks forward in order through all stages in this process, as the runtime
-    does (same compute, same K/V cache); the shares need not sum to 1: attention over the
-    earlier chunks' keys saves a longer K/V than the whole sequence's attention does per token.
+    does (same compute, same K/V cache). Chunk 0 allocates the K/V buffer of the whole
+    sequence, so its share carries every token's K and V; the buffer is freed with chunk 0's
+    backward, the microbatch's last, which is where the simulator frees chunk 0's share.
     """
 
     params = [p for stage in stages for p in stage.parameters()]

@@ -6,7 +6,8 @@ Per transformer layer, with s = sequence, b = microbatch size, h = hidden, a = h
 
     F = s*b*h*(24h + 4s)    B = s*b*h*(24h + 8s)    W = 24*s*b*h^2        (so B + W = 2F)
     M_B = s*b*(34h + 5*a*s) bytes     M_W = 32*s*b*h bytes
-    (with flash attention the s x s scores are not stored: M_B = 34*s*b*h)
+    (flash attention, as torch's scaled_dot_product_attention: the s x s scores are not
+    stored, the softmax's log-sum-exp is, one fp32 per query and head: M_B = 34*s*b*h + 4*a*s*b)
 
 The LM head (on the last stage; layers per stage follow `core.split.layer_counts`, which
 gives the end stages the lighter share of an uneven split) adds 2*s*b*h*V FLOPs to each of F, B and W and keeps the
@@ -25,7 +26,10 @@ from ..core.errors import ScheduleError
 from ..core.costs import Costs
 from ..core.split import layer_counts
 
-__all__ = ["TransformerConfig", "Hardware", "MODELS", "HARDWARE", "layer_split", "transformer_costs", "parse_model"]
+__all__ = [
+    "TransformerConfig", "Hardware", "MODELS", "HARDWARE", "layer_split", "layer_activation_bytes", "transformer_costs",
+    "parse_model",
+]
 
 _DTYPE_BYTES = MappingProxyType({"fp32": 4, "float32": 4, "bf16": 2, "fp16": 2, "float16": 2, "float64": 8})
 
@@ -38,7 +42,8 @@ class TransformerConfig:
     seq: tokens per sequence.  vocab: vocabulary (padded).  microbatch_size: sequences per microbatch.
     dtype: activation dtype name (bf16, fp16, fp32, float64).
     flash_attention: attention that does not store the s x s scores (drops the 5*a*s term
-        of M_B), as long-sequence training does.
+        of M_B and keeps a log-sum-exp per query and head instead), as long-sequence
+        training and torch's scaled_dot_product_attention do.
     """
 
     layers: int
@@ -107,6 +112,18 @@ def layer_split(layers: int, num_stages: int) -> tuple[int, ...]:
     return layer_counts(layers, num_stages)
 
 
+def layer_activation_bytes(config: TransformerConfig, tokens: int, keys: int, *, kv: bool = True) -> float:
+    """Bytes one layer's forward saves for `tokens` queries attending over `keys` keys, per
+    microbatch: 34*h per token (of which K and V are 4*h), plus 5*a*keys per token for
+    the scores, or with flash attention a 4-byte log-sum-exp per token and head.
+    kv=False leaves K and V out (a sequence chunk's K/V live in a buffer of the whole sequence)."""
+    b, h, a = config.microbatch_size, config.hidden, config.heads
+    scale = config.dtype_bytes / 2  # the formulas count 16-bit bytes
+    per_token = (34 if kv else 30) * h * scale
+    attention = 4 * a if config.flash_attention else 5 * a * keys * scale
+    return tokens * b * (per_token + attention)
+
+
 def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stages: int) -> Costs:
     """Per-stage costs (seconds, bytes) for `num_stages` global stages of `config`."""
     s, b, h, a, V = config.seq, config.microbatch_size, config.hidden, config.heads, config.vocab
@@ -115,7 +132,7 @@ def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stag
     layer_f = s * b * h * (24 * h + 4 * s)
     layer_b = s * b * h * (24 * h + 8 * s)
     layer_w = 24 * s * b * h * h
-    layer_mem_b = s * b * (34 * h + (0 if config.flash_attention else 5 * a * s)) * scale
+    layer_mem_b = layer_activation_bytes(config, s, s)
     layer_mem_w = 32 * s * b * h * scale
     head = 2 * s * b * h * V
     counts = layer_split(config.layers, num_stages)

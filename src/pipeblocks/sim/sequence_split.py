@@ -12,15 +12,26 @@ alpha = L(4d+3)h/2, beta = 4HV + L[(4d+3)h e + 8H^2 + 4H F_ff], gamma = C_total/
 smaller root is the chunk length; the first chunk takes the remainder. `even_split` cuts
 equal token counts. `chunk_shares` gives each chunk's share of the microbatch's time and
 activation memory, for `Costs(seq_time=..., seq_mem=...)`.
+
+Memory of chunks. The runtime keeps one K/V buffer per microbatch for the whole sequence,
+allocated by chunk 0's forward and freed with chunk 0's backward (the microbatch's last),
+so chunk 0's share carries the K/V of every token and later chunks carry none. Against
+1F1B, rank 0 then holds (k+p-1)/(kp) of the other activations, as Seq1F1B's algebra has
+it, plus one whole-sequence K/V per microbatch it holds a chunk of (`memory_ratio`).
 """
 from __future__ import annotations
 
 import math
 
+from ..core.actions import Kind
 from ..core.errors import ScheduleError
-from .analytic import TransformerConfig
+from ..core.schedule import Schedule
+from .analytic import TransformerConfig, layer_activation_bytes
 
-__all__ = ["even_split", "balanced_split", "split_lengths", "chunk_flops", "chunk_shares", "SPLITS"]
+__all__ = [
+    "even_split", "balanced_split", "split_lengths", "chunk_flops", "chunk_shares", "kv_buffers_held", "memory_ratio",
+    "SPLITS",
+]
 
 SPLITS = ("balanced", "even")
 
@@ -79,18 +90,62 @@ def split_lengths(seq: int, k: int, how: str, config: TransformerConfig | None =
 
 
 def chunk_shares(lengths: tuple[int, ...], config: TransformerConfig) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Each chunk's share of a microbatch's time (by FLOPs) and activation memory.
+    """Each chunk's share of a microbatch's time (by FLOPs) and of its activation memory
+    (against the whole sequence run at once).
 
-    Memory per layer of a chunk of s tokens with e keys: s*(34H) + 5*h*s*e (the attention
-    scores of its queries against all earlier keys), from the activation formula of §1.3;
-    with flash attention the scores are not stored and memory follows the token count.
+    Memory per layer of a chunk of s tokens with e keys: its activations without K and V
+    (30*H per token, `analytic.layer_activation_bytes`), the attention scores of its queries
+    against all e keys unless flash attention, and on chunk 0 the K/V buffer of the whole
+    sequence (4*H per token). With flash attention the shares sum to 1; stored scores make
+    them sum to less (a chunk's queries see fewer keys than the whole sequence's square).
     """
     if any(n < 1 for n in lengths):
         raise ScheduleError(f"sequence split {list(lengths)} has an empty chunk: every chunk needs a token")
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n)
+    total = bounds[-1]
     flops = [chunk_flops(a, e, config) for a, e in zip(bounds, bounds[1:])]
-    scores = 0 if config.flash_attention else 5 * config.heads
-    memory = [n * 34 * config.hidden + scores * n * e for n, e in zip(lengths, bounds[1:])]
-    return tuple(x / sum(flops) for x in flops), tuple(x / sum(memory) for x in memory)
+    whole = layer_activation_bytes(config, total, total)
+    kv = whole - layer_activation_bytes(config, total, total, kv=False)
+    memory = [layer_activation_bytes(config, n, e, kv=False) + (kv if c == 0 else 0.0)
+              for c, (n, e) in enumerate(zip(lengths, bounds[1:]))]
+    return tuple(x / sum(flops) for x in flops), tuple(x / whole for x in memory)
+
+
+def kv_buffers_held(schedule: Schedule, rank: int) -> int:
+    """The most (stage, microbatch) K/V buffers `rank` holds at once: a buffer lives from
+    chunk 0's forward to chunk 0's last backward pass (W when B and W are split)."""
+    live: set[tuple[int, int]] = set()
+    most = 0
+    for action in schedule.ranks[rank]:
+        if (action.seq_chunk or 0) != 0:
+            continue
+        key = (action.stage, action.microbatch)
+        if action.kind is Kind.F:
+            live.add(key)
+            most = max(most, len(live))
+        elif action.kind in (Kind.W, Kind.BW):
+            live.discard(key)
+    return most
+
+
+def memory_ratio(p: int, k: int, *, kv_fraction: float = 0.0, buffers: int = 0) -> float:
+    """Seq1F1B's rank-0 peak activation against 1F1B's, for k equal chunks.
+
+    (k+p-1)/(kp) (the Seq1F1B paper's algebra) for everything but K and V, plus the K/V
+    share: `kv_fraction` is K and V's part of one microbatch's activation, and the rank
+    holds `buffers` whole-sequence K/V buffers at its peak (`kv_buffers_held`) where 1F1B
+    holds p microbatches:  ratio = f + kv_fraction * (buffers/p - f),  f = (k+p-1)/(kp).
+    """
+    if p < 1 or k < 1:
+        raise ScheduleError(f"memory_ratio needs p >= 1 and k >= 1, got p={p}, k={k}")
+    if not 0 <= kv_fraction <= 1:
+        raise ScheduleError(f"kv_fraction is a share of the activation, in [0, 1]; got {kv_fraction}")
+    if kv_fraction > 0 and buffers < 1:
+        raise ScheduleError(
+            f"kv_fraction {kv_fraction} needs the number of K/V buffers held at the peak (buffers >= 1, from "
+            "kv_buffers_held), got {buffers}"
+        )
+    formula = (k + p - 1) / (k * p)
+    return formula + kv_fraction * (buffers / p - formula)

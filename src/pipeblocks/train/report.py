@@ -15,7 +15,7 @@ The prediction uses costs profiled from the run itself:
 * sequence chunks: a pass of one chunk is timed per (stage, kind, chunk); a stage's time
   for a whole microbatch is the sum over its chunks, and `seq_time` is each chunk's share.
   Each chunk's memory share (`seq_mem`, from `runtime.profile.profile_chunk_memory`) is
-  measured with its K/V prefix.
+  measured as the runtime holds it (chunk 0 with the K/V buffer of the whole sequence).
 
 The simulator replays the same schedule with those costs: its makespan is
 `iteration_time_simulated_s`, its per-rank peak `peak_activation_bytes_predicted`.
