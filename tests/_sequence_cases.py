@@ -127,6 +127,12 @@ def memory_worker(ctx, runs: list[tuple[str, int, int, str]], model: dict) -> di
     return out
 
 
+def exact_and_memory_worker(ctx, runs: list[tuple[str, int, int, str]], seq: int,
+                            memory_runs: list[tuple[str, int, int, str]], model: dict) -> tuple[dict, dict]:
+    """`sequence_worker` and then `memory_worker` in the same processes (one spawn for both)."""
+    return sequence_worker(ctx, runs, seq), memory_worker(ctx, memory_runs, model)
+
+
 def predicted_peaks(case: str, p: int, m: int, k: int, how: str, model: dict,
                     microbatch: int = MICROBATCH) -> tuple[float, ...]:
     """The simulator's per-rank peak, fed per-stage bytes and per-chunk shares profiled from the same model."""
