@@ -17,7 +17,12 @@ from pipeblocks.models import GPTConfig, cross_entropy, split_gpt
 from pipeblocks.models.gpt import GPT, CausalSelfAttention
 from pipeblocks.runtime.compute import ModuleCompute
 from pipeblocks.runtime.memory import SavedTensorTracker
-from pipeblocks.runtime.sequence import KVCache, SequenceChunk, chunk_bounds, reversed_causal_mask
+from pipeblocks.runtime.sequence import (
+    KVCache,
+    SequenceChunk,
+    chunk_bounds,
+    reversed_causal_mask,
+)
 
 
 def _saved_bytes(module: torch.nn.Module, x: torch.Tensor, **kwargs) -> int:

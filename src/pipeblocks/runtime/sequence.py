@@ -79,7 +79,7 @@ class _Leaves:
 class _Buffer:
     """One layer's K/V of one (stage, microbatch), whole sequence, positions reversed."""
 
-    __slots__ = ("k", "v", "spans", "leaves")
+    __slots__ = ("k", "leaves", "spans", "v")
 
     def __init__(self, like: Tensor, total: int) -> None:
         b, a, _, d = like.shape

@@ -126,7 +126,7 @@ def layer_activation_bytes(config: TransformerConfig, tokens: int, keys: int, *,
 
 def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stages: int) -> Costs:
     """Per-stage costs (seconds, bytes) for `num_stages` global stages of `config`."""
-    s, b, h, a, V = config.seq, config.microbatch_size, config.hidden, config.heads, config.vocab
+    s, b, h, V = config.seq, config.microbatch_size, config.hidden, config.vocab
     rate = hardware.flops * hardware.efficiency
     scale = config.dtype_bytes / 2  # the activation formulas count 16-bit bytes
     layer_f = s * b * h * (24 * h + 4 * s)
