@@ -25,11 +25,13 @@ Sequence chunks (a schedule with `seq_chunks` = k > 1: seq1f1b, seq1f1b-i,
   sequence), `c.stage`. Chunks of a microbatch go forward in order 0..k-1 and backward in
   reverse order, on every stage.
 * Positions start at `c.offset`. Every attention layer gets its keys and values over
-  positions 0..offset+length-1 from `k_all, v_all = c.kv(layer_name).extend(k, v)` and
-  attends with a bottom-right-aligned causal mask. The runner's K/V cache hands each
-  earlier chunk's K/V gradient back to it when it runs its backward (fused BW, or B with
-  W any time later), and frees a (stage, microbatch)'s cache when its chunk 0 has run its
-  backward. A stage whose forward has no `chunk` keyword (no attention over earlier
+  positions 0..offset+length-1, and the causal mask for them, from
+  `k_all, v_all, mask = c.kv(layer_name).extend(k, v)`, and attends with
+  `scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)`. The keys and values
+  are a view of one buffer per (stage, microbatch, layer), in reversed position order.
+  The runner's K/V cache hands each earlier chunk's K/V gradient back to it when it runs
+  its backward (fused BW, or B with W any time later), and frees a (stage, microbatch)'s
+  cache when its chunk 0 has run its backward. A stage whose forward has no `chunk` keyword (no attention over earlier
   chunks) is refused when the runner is built, with a ValueError.
 * `loss_fn` still returns the mean over the tokens it is given (one chunk); the runner
   weights it by length/total, then by 1/m, so the step's loss and gradients are those of
