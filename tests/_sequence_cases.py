@@ -156,7 +156,7 @@ def kv_ratio(case: str, p: int, m: int, k: int, model: dict, microbatch: int = M
     hold 2 x layers x b x seq x hidden values; the rest is profiled), the K/V buffers rank 0
     holds at once, and formula + K/V share (`sim.sequence_split.memory_ratio`)."""
     from pipeblocks.models import split_gpt
-    from pipeblocks.runtime.memory import profile_stage_memory
+    from pipeblocks.runtime.profile import profile_stage_memory
     from pipeblocks.sim.sequence_split import kv_buffers_held, memory_ratio
 
     schedule = build(case, p, m, k)

@@ -93,7 +93,7 @@ def profile_chunk_memory(
     tracker = SavedTensorTracker()
     tracker.exclude([*params, *(b for stage in stages for b in stage.buffers())])
     last = len(stages) - 1
-    # one compute (and K/V cache) per stage, as on separate ranks: masks are not shared across stages
+    # one compute (and K/V cache) per stage, as on separate ranks
     computes = [ModuleCompute({s: stage}, loss_fn, last, 1, tracker) for s, stage in enumerate(stages)]
     k, total = len(lengths), sum(lengths)
     shares, units = [], []
