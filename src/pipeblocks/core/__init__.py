@@ -5,10 +5,12 @@ from .costs import Costs, StageCosts, parse_costs
 from .errors import DeadlockError, ScheduleError
 from .lower import PASSES, add_p2p, check_deadlock, lower
 from .ops import OP_TYPES, OpType, Stream, UnknownOpError
+from .passes_dp import add_grad_reduce, add_sharding, check_dp_ops, dp_passes
 from .placement import Placement
-from .program import Comm, Op, Program
+from .program import Comm, DPOp, Op, Program
 from .request import CostSpec, Mesh, ScheduleRequest
 from .schedule import Schedule
+from .sharding import ShardingPolicy, parse_sharding, per_stage
 from .simulate import simulate, simulate_program
 from .timeline import Event, Timeline
 from .validate import check_structure, validate
@@ -17,5 +19,6 @@ __all__ = [
     "Action", "Kind", "parse_actions", "DeadlockError", "ScheduleError", "check_deadlock", "lower",
     "Placement", "Comm", "Op", "Program", "Schedule", "check_structure", "validate", "Costs", "StageCosts",
     "parse_costs", "simulate", "simulate_program", "Event", "Timeline", "PASSES", "add_p2p", "OP_TYPES", "OpType",
-    "Stream", "UnknownOpError", "CostSpec", "Mesh", "ScheduleRequest",
+    "Stream", "UnknownOpError", "CostSpec", "Mesh", "ScheduleRequest", "DPOp", "add_grad_reduce", "add_sharding",
+    "check_dp_ops", "dp_passes", "ShardingPolicy", "parse_sharding", "per_stage",
 ]

@@ -4,8 +4,8 @@ Lowering is an ordered list of passes, each `Program -> Program`, applied to the
 compute actions. The first, `add_p2p`, puts a receive just before the action that
 consumes a tensor from another rank and a send just after the action that produces one.
 Neighbouring stages on one rank (the turn of a V) hand over locally, with no op. Later
-passes (DP gradient reduce, parameter gather and free, recomputation) append to `PASSES`
-or are given to `lower(..., passes=...)`.
+passes (DP gradient reduce, parameter gather and free: `passes_dp.dp_passes`;
+recomputation) follow it: `lower(schedule, passes=PASSES + dp_passes(policies, dp))`.
 
 The deadlock check runs the Program under the runtime's semantics: sends never block
 (they are posted asynchronously), receives block until the matching send has run.
@@ -16,8 +16,8 @@ from typing import Callable, Sequence
 
 from .actions import Action, Kind
 from .errors import DeadlockError
-from .ops import ACTION, P2P, unsupported
-from .program import Comm, Op, Program
+from .ops import ACTION, DP, P2P, unsupported
+from .program import Comm, DPOp, Op, Program
 from .schedule import Schedule
 
 __all__ = ["Pass", "PASSES", "lower", "add_p2p", "check_deadlock"]
@@ -97,8 +97,9 @@ def check_deadlock(program: Program) -> None:
                 elif key not in sent:
                     waiting[key] = rank
                     break
-            elif kind is not Action:
-                raise unsupported(op, "the deadlock check", (ACTION, P2P))
+            elif kind is not Action and kind is not DPOp:
+                # DP ops never wait on a pipeline peer: every replica runs this same Program
+                raise unsupported(op, "the deadlock check", (ACTION, P2P, DP))
             pos += 1
         cursor[rank] = pos
     blocked = [r for r in range(len(ranks)) if cursor[r] < len(ranks[r])]

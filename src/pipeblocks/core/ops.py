@@ -19,10 +19,10 @@ from typing import Callable, Iterable, Mapping
 
 from .actions import Action
 from .errors import ScheduleError
-from .program import Comm, Op
+from .program import Comm, DPOp, Op
 from .schedule import Schedule
 
-__all__ = ["Stream", "OpType", "OP_TYPES", "UnknownOpError", "op_type", "format_op", "parse_op", "require_known"]
+__all__ = ["Stream", "OpType", "OP_TYPES", "ACTION", "P2P", "DP", "UnknownOpError", "op_type", "format_op", "parse_op", "require_known"]
 
 
 class Stream(str, Enum):
@@ -72,6 +72,15 @@ def _parse_comm(match: re.Match[str], schedule: Schedule) -> Comm:
     return Comm(payload, send, s, int(mb), None if chunk is None else int(chunk), peer)
 
 
+def _parse_dp(match: re.Match[str], schedule: Schedule) -> DPOp:
+    stage, kind = int(match.group(1)), match.group(2)
+    if stage >= schedule.num_stages:
+        raise ScheduleError(
+            f"op {match.group(0)!r}: stage {stage} does not exist (stages 0..{schedule.num_stages - 1})"
+        )
+    return DPOp(kind, stage)
+
+
 ACTION = OpType(
     "action", Action, Stream.COMPUTE, re.compile(r"\d+(?:BW|F|B|W)\d+(?:\.\d+)?"), _parse_action
 )
@@ -79,8 +88,11 @@ P2P = OpType(
     "p2p", Comm, Stream.COMMUNICATION, re.compile(r"(\d+)(SEND|RECV)_(F|B)(\d+)(?:\.(\d+))?"), _parse_comm
 )
 
+# Data-parallel collectives and parameter gather/free, named as torch names them.
+DP = OpType("dp", DPOp, Stream.COMMUNICATION, re.compile(r"(\d+)(UNSHARD|RESHARD|REDUCE_GRAD)"), _parse_dp)
+
 # One entry per op type, in the order parsing tries them.
-OP_TYPES: tuple[OpType, ...] = (ACTION, P2P)
+OP_TYPES: tuple[OpType, ...] = (ACTION, P2P, DP)
 _BY_CLASS: Mapping[type, OpType] = MappingProxyType({t.cls: t for t in OP_TYPES})
 
 
@@ -126,5 +138,6 @@ def parse_op(text: str, schedule: Schedule) -> Op:
         if match is not None:
             return entry.parse(match, schedule)
     raise UnknownOpError(
-        f"cannot parse op {text!r}: expected an action (2F5, 0BW2, 0B3.1) or a transfer (2SEND_F5, 3RECV_B5.1)"
+        f"cannot parse op {text!r}: expected an action (2F5, 0BW2, 0B3.1), a transfer (2SEND_F5, 3RECV_B5.1) "
+        "or a data-parallel op (2UNSHARD, 2RESHARD, 2REDUCE_GRAD)"
     )

@@ -8,8 +8,13 @@ stage on this rank, the payload travels to or from its neighbour stage::
     3SEND_B5   stage 3 sends the gradient of its input, microbatch 5, to stage 2
     2RECV_B5   stage 2 receives the gradient of its output, microbatch 5, from stage 3
 
-Other op types (DP gradient reduce, parameter gather/free, recomputation) join `Op` as
-new types with an entry in the op table (`ops.py`), which every consumer dispatches on.
+Data-parallel ops (`DPOp`) name a stage only, as torch does::
+
+    2UNSHARD      gather stage 2's sharded parameters (ZeRO-3 / FSDP all-gather)
+    2RESHARD      free the gathered parameters again
+    2REDUCE_GRAD  reduce stage 2's accumulated gradients over the data-parallel replicas
+
+Each op type has an entry in the op table (`ops.py`), which every consumer dispatches on.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from typing import NamedTuple, Union
 from .actions import Action
 from .schedule import Schedule
 
-__all__ = ["Comm", "Op", "Program"]
+__all__ = ["Comm", "DPOp", "DP_KINDS", "Op", "Program"]
 
 
 class Comm(NamedTuple):
@@ -51,7 +56,25 @@ class Comm(NamedTuple):
         return text if self.seq_chunk is None else f"{text}.{self.seq_chunk}"
 
 
-Op = Union[Action, Comm]
+DP_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+
+
+class DPOp(NamedTuple):
+    """A data-parallel op of one stage on its rank: `kind` is one of DP_KINDS.
+
+    It runs on the rank's communication stream; every pipeline replica runs the same
+    Program, so the collective is symmetric across the replicas and never waits on a
+    pipeline peer.
+    """
+
+    kind: str
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}"
+
+
+Op = Union[Action, Comm, DPOp]
 
 
 @dataclass(frozen=True)

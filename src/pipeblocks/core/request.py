@@ -11,6 +11,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from .sharding import ShardingPolicy, parse_sharding
+
 __all__ = ["Mesh", "CostSpec", "ScheduleRequest"]
 
 
@@ -85,6 +87,9 @@ class ScheduleRequest:
     """the cost specification, for the simulator and for cost-aware generators"""
     file: str | None = None
     """a schedule file (.json, .csv, text form) instead of a name"""
+    sharding: tuple[ShardingPolicy, ...] = (ShardingPolicy.REPLICATE,)
+    """DP sharding policy for every chunk (one entry) or one per chunk, in stage order
+    (checked against the stage count when the schedule is built: `sharding.per_stage`)"""
 
     def __post_init__(self) -> None:
         if self.name is None and self.file is None:
@@ -92,6 +97,8 @@ class ScheduleRequest:
         _positive("m", self.m, "give -m 1 or more (microbatches per step)")
         if self.seq_chunks is not None:
             _positive("--seq-chunks", self.seq_chunks, "give 1 or more sequence chunks")
+        if not isinstance(self.sharding, tuple) or not all(isinstance(p, ShardingPolicy) for p in self.sharding):
+            object.__setattr__(self, "sharding", parse_sharding(self.sharding))
         keys = [key for key, _ in self.options]
         repeated = sorted({key for key in keys if keys.count(key) > 1})
         if repeated:
