@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .actions import Kind
+from .dp_model import DataParallel
 from .errors import ScheduleError
 from .placement import Placement
 from .schedule import Schedule
@@ -33,6 +34,10 @@ class Costs:
         runtime that splits the autograd graph frees the loss region on the last stage at B).
     seq_time, seq_mem: per sequence chunk, its share of a microbatch's time and memory
         (None: even shares); Seq1F1B's balanced split sets them from token positions.
+    params: parameters per full stage (unit model: 1), or one count per stage; they size
+        the data-parallel collectives and the static memory.
+    data_parallel: the replicas, sharding policies, link and precision (`dp_model`); one
+        replica by default, which adds no op and no time.
     """
 
     t_f: Value = 1.0
@@ -43,9 +48,11 @@ class Costs:
     mem_w_ratio: Value = 1.0
     seq_time: tuple[float, ...] | None = None
     seq_mem: tuple[float, ...] | None = None
+    params: Value = 1.0
+    data_parallel: DataParallel = DataParallel()
 
     def __post_init__(self) -> None:
-        for name in ("t_f", "t_b", "t_w", "t_comm", "mem_b", "mem_w_ratio"):
+        for name in ("t_f", "t_b", "t_w", "t_comm", "mem_b", "mem_w_ratio", "params"):
             value = getattr(self, name)
             values = value if isinstance(value, tuple) else (value,)
             if any(not isinstance(x, (int, float)) or x < 0 for x in values):
@@ -80,6 +87,7 @@ class Costs:
             mem_b=per_stage("mem_b", frac), mem_w_ratio=per_stage("mem_w_ratio", 1.0), t_comm=self.t_comm,
             seq_time=_shares(self.seq_time, seq_chunks, "seq_time"),
             seq_mem=_shares(self.seq_mem, seq_chunks, "seq_mem"),
+            params=per_stage("params", frac), data_parallel=self.data_parallel,
         )
 
 
@@ -96,6 +104,8 @@ class StageCosts:
     t_comm: float
     seq_time: tuple[float, ...]
     seq_mem: tuple[float, ...]
+    params: tuple[float, ...] = ()
+    data_parallel: DataParallel = DataParallel()
 
     def duration(self, kind: Kind, stage: int, seq_chunk: int = 0) -> float:
         share = self.seq_time[seq_chunk]

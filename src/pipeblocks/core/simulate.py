@@ -7,6 +7,14 @@ allocated at the start of F and released at the end of the freeing pass.
 
 The loop visits every op once: a rank runs until it meets a receive whose send has not
 happened yet, parks there, and is woken by that send.
+
+Data-parallel ops (`DPOp`) run on a second, communication stream per rank, in program
+order: each is issued when the compute stream reaches it (the end of the compute action
+before it) and starts when the stream is free; its duration is the link model's
+(`dp_model`). The first pass of a stage after its UNSHARD waits for the gather; the end of
+the step waits for every REDUCE_GRAD, then runs the zero1/zero2 parameter gather. The
+compute stream's waits are the rank's exposed communication. Point-to-point transfers keep
+their own model (t_comm after the send) and do not occupy the DP stream.
 """
 from __future__ import annotations
 
@@ -15,22 +23,29 @@ import gc
 
 from .actions import Action
 from .errors import DeadlockError
-from .lower import check_deadlock, lower
+from .lower import PASSES, check_deadlock, lower
 from .ops import ACTION, P2P, unsupported
 from .program import Comm, Program
 from .schedule import Schedule
 from .validate import check_structure
-from .costs import Costs
-from .timeline import Event, Timeline
+from .costs import Costs, StageCosts
+from .ops import DP
+from .passes_dp import dp_passes
+from .program import DPOp
+from .timeline import CommEvent, Event, Timeline
 
 __all__ = ["simulate", "simulate_program"]
 
 
 def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
-    """Validate, lower and simulate a schedule (a deadlock is found by the simulation itself)."""
+    """Validate, lower and simulate a schedule (a deadlock is found by the simulation itself).
+    The costs' data-parallel side decides which DP passes lowering runs."""
+    costs = costs or Costs()
+    data_parallel = costs.data_parallel
     with _collector_paused():
         check_structure(schedule)
-        return simulate_program(lower(schedule), costs)
+        passes = PASSES + dp_passes(data_parallel.policies(schedule.num_stages), data_parallel.dp)
+        return simulate_program(lower(schedule, passes), costs)
 
 
 @contextlib.contextmanager
@@ -51,7 +66,11 @@ def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
     schedule = program.schedule
     table = (costs or Costs()).for_schedule(schedule)
     t_comm = table.t_comm
-    compiled = [_compile(ops, table) for ops in program.ranks]
+    compiled, comm_plans = [], []
+    for ops in program.ranks:
+        steps, plan = _compile(ops, table)
+        compiled.append(steps)
+        comm_plans.append(plan)
     p = len(compiled)
     cursor = [0] * p
     clock = [0.0] * p
@@ -62,6 +81,7 @@ def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
     arrival: dict[tuple, float] = {}
     parked: dict[tuple, int] = {}
     ready = list(range(p))
+    streams = [_CommStream(plan, events[r]) for r, plan in enumerate(comm_plans)]
     new_event = tuple.__new__  # Event(...) without the Python-level NamedTuple __new__: hot loop
     while ready:
         r = ready.pop()
@@ -70,7 +90,7 @@ def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
         evs, trace = events[r], traces[r]
         n = len(steps)
         while pos < n:
-            receives, action, duration, alloc, release, sends = steps[pos]
+            receives, action, duration, alloc, release, sends, gate = steps[pos]
             if receives:
                 blocked = False
                 for key in receives:
@@ -83,6 +103,8 @@ def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
                         now = t
                 if blocked:
                     break
+            if gate is not None:
+                now = streams[r].wait(gate, now)
             end = now + duration
             evs.append(new_event(Event, (action, now, end)))
             if alloc:
@@ -104,23 +126,110 @@ def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
     if any(cursor[r] < len(compiled[r]) for r in range(p)):
         check_deadlock(program)  # raises with the blocked ranks named
         raise DeadlockError(f"schedule {schedule.name!r} did not finish in simulation")
+    placement = schedule.placement
+    static = tuple(
+        table.data_parallel.static_memory(table.params, placement.stages_of(r)) for r in range(p)
+    )
+    if not any(comm_plans):
+        return Timeline(
+            schedule=schedule,
+            events=tuple(tuple(e) for e in events),
+            memory=tuple(tuple(t) for t in traces),
+            peak_activation=tuple(peak),
+            static_memory=static,
+        )
+    step_end = tuple(
+        stream.finish(_after_step(table, placement.stages_of(r))) for r, stream in enumerate(streams)
+    )
     return Timeline(
         schedule=schedule,
         events=tuple(tuple(e) for e in events),
         memory=tuple(tuple(t) for t in traces),
         peak_activation=tuple(peak),
+        comm_events=tuple(tuple(stream.events) for stream in streams),
+        exposed_comm=tuple(stream.exposed for stream in streams),
+        step_end=step_end,
+        static_memory=static,
     )
 
 
-def _compile(ops, table) -> list[tuple]:
+def _after_step(table: StageCosts, stages) -> list[tuple[str, float]]:
+    """The parameter gathers after the optimizer step (zero1, zero2), in stage order."""
+    dp = table.data_parallel
+    policies = dp.policies(len(table.params))
+    out = []
+    for s in stages:
+        duration = dp.after_step_time(table.params[s], policies[s])
+        if duration:
+            out.append((f"{s}OPTIMIZER_GATHER", duration))
+    return out
+
+
+class _CommStream:
+    """One rank's communication stream: DP ops in program order, each issued at the end
+    of the compute action before it (`plan`: (index of the next compute action, op text,
+    duration)), run one at a time. Advanced lazily: only a pass that needs a gather, and
+    the end of the step, look at it."""
+
+    __slots__ = ("plan", "compute", "pos", "free", "events", "exposed")
+
+    def __init__(self, plan: list[tuple[int, str, float]], compute_events: list[Event]) -> None:
+        self.plan = plan
+        self.compute = compute_events  # the rank's compute events, filled as the simulation runs
+        self.pos = 0
+        self.free = 0.0
+        self.events: list[CommEvent] = []
+        self.exposed = 0.0
+
+    def _advance(self, upto: int) -> None:
+        """Run the DP ops up to and including plan[upto]."""
+        compute = self.compute
+        while self.pos <= upto:
+            before, text, duration = self.plan[self.pos]
+            issued = compute[before - 1].end if before else 0.0
+            start = max(issued, self.free)
+            self.free = start + duration
+            self.events.append(CommEvent(text, start, self.free))
+            self.pos += 1
+
+    def wait(self, index: int, now: float) -> float:
+        """The compute stream at `now` waits for plan[index]; returns when it may go on."""
+        self._advance(index)
+        done = self.events[index].end
+        if done > now:
+            self.exposed += done - now
+            return done
+        return now
+
+    def finish(self, after_step: list[tuple[str, float]]) -> float:
+        """Run what is left, wait for it at the end of the step, then the gathers after
+        the optimizer step; returns the rank's step end."""
+        self._advance(len(self.plan) - 1)
+        compute_end = self.compute[-1].end if self.compute else 0.0
+        end = max(compute_end, self.free)
+        for text, duration in after_step:
+            self.events.append(CommEvent(text, end, end + duration))
+            end += duration
+        self.free = end
+        self.exposed += end - compute_end
+        return end
+
+
+def _compile(ops, table) -> tuple[list[tuple], list[tuple[int, str, float]]]:
     """One entry per compute action: (receive keys before it, action, duration, memory
-    allocated at its start, memory released at its end, send keys after it). A send
+    allocated at its start, memory released at its end, send keys after it, gate). A send
     belongs to the action before it, a receive to the action after it. Keys are
-    `Comm.key`, unpacked inline because this loop runs once per op of the program."""
+    `Comm.key`, unpacked inline because this loop runs once per op of the program. `gate`
+    is None, or the index in the DP plan of the gather the action waits for (the first
+    pass of a stage after its UNSHARD). The plan: per DP collective, (index of the compute
+    action it is issued before, its text, its duration)."""
     out: list[tuple] = []
     cost_of: dict[tuple, tuple[float, float, float]] = {}
     receives: list[tuple] = []
     sends: list[tuple] = []
+    plan: list[tuple[int, str, float]] = []
+    pending: dict[int, int] = {}  # stage -> plan index of its UNSHARD, until its first pass
+    policies = None
     for op in ops:
         kind = type(op)
         if kind is Comm:
@@ -135,8 +244,18 @@ def _compile(ops, table) -> list[tuple]:
             if cost is None:
                 cost = cost_of[key] = (table.duration(*key), *table.memory(*key))
             sends = []
-            out.append((tuple(receives) if receives else (), op, cost[0], cost[1], cost[2], sends))
+            gate = pending.pop(op.stage, None) if pending else None
+            out.append((tuple(receives) if receives else (), op, cost[0], cost[1], cost[2], sends, gate))
             receives.clear()
+        elif kind is DPOp:
+            if op.kind == "RESHARD":
+                continue  # frees memory only: nothing on the link
+            dp = table.data_parallel
+            if policies is None:
+                policies = dp.policies(len(table.params))
+            if op.kind == "UNSHARD":
+                pending[op.stage] = len(plan)
+            plan.append((len(out), str(op), dp.op_time(op.kind, table.params[op.stage], policies[op.stage])))
         else:
-            raise unsupported(op, "the simulator", (ACTION, P2P))
-    return out
+            raise unsupported(op, "the simulator", (ACTION, P2P, DP))
+    return out, plan

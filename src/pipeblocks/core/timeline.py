@@ -10,6 +10,17 @@ Definitions (the JSON of `pipeblocks simulate` follows them):
                   input; "zero bubble" schedules reach 0 here, while bubble_ratio keeps the
                   unavoidable fill, (p-1)*T_F for the last rank
     peak_activation[r]  the largest activation memory rank r holds at any time
+
+With data parallelism (more than one replica, or a sharding policy) the Program holds DP
+ops, which run on a communication stream per rank beside the compute stream:
+    comm_events[r]  the DP collectives on rank r's communication stream, in order
+    comm_time[r]    busy time of rank r's communication stream
+    exposed_comm[r] time rank r's compute stream waits on its communication stream: a pass
+                  waiting for its parameters' gather, and the end of the step waiting for
+                  the gradient reductions (and the zero1/zero2 parameter gather after it)
+    step_end[r]     when rank r's step ends (compute and communication); the makespan
+                  then runs to the last rank's step end
+    static_memory[r]  parameter, gradient and optimizer-state bytes by policy
 """
 from __future__ import annotations
 
@@ -19,13 +30,23 @@ from typing import NamedTuple
 from .actions import Action
 from .schedule import Schedule
 
-__all__ = ["Event", "Timeline"]
+__all__ = ["CommEvent", "Event", "Timeline"]
 
 
 class Event(NamedTuple):
     """One action's run on its rank."""
 
     action: Action
+    start: float
+    end: float
+
+
+class CommEvent(NamedTuple):
+    """One collective's run on its rank's communication stream; `op` is its text form
+    (`2REDUCE_GRAD`, `2UNSHARD`, or `2OPTIMIZER_GATHER` for the zero1/zero2 parameter
+    gather after the step)."""
+
+    op: str
     start: float
     end: float
 
@@ -41,14 +62,27 @@ class Timeline:
     events: tuple[tuple[Event, ...], ...]
     memory: tuple[tuple[tuple[float, float], ...], ...]
     peak_activation: tuple[float, ...]
+    comm_events: tuple[tuple[CommEvent, ...], ...] = ()
+    exposed_comm: tuple[float, ...] = ()
+    step_end: tuple[float, ...] = ()
+    static_memory: tuple[float, ...] = ()
 
     @property
     def start(self) -> float:
-        return min((evs[0].start for evs in self.events if evs), default=0.0)
+        compute = min((evs[0].start for evs in self.events if evs), default=0.0)
+        # a step with DP ops starts when its first collective does (a gather before any pass)
+        return min(compute, *(evs[0].start for evs in self.comm_events if evs)) if self.comm_events else compute
 
     @property
     def end(self) -> float:
-        return max((evs[-1].end for evs in self.events if evs), default=0.0)
+        compute = max((evs[-1].end for evs in self.events if evs), default=0.0)
+        return max(compute, *self.step_end) if self.step_end else compute
+
+    @property
+    def comm_time(self) -> tuple[float, ...]:
+        if not self.comm_events:
+            return (0.0,) * len(self.events)
+        return tuple(sum(e.end - e.start for e in evs) for evs in self.comm_events)
 
     @property
     def makespan(self) -> float:
@@ -89,4 +123,7 @@ class Timeline:
             "bubble_ratio_span": self.bubble_ratio_span,
             "busy": [self.busy(r) for r in range(s.p)],
             "peak_activation": list(self.peak_activation),
+            "comm_time": list(self.comm_time),
+            "exposed_comm": list(self.exposed_comm) or [0.0] * s.p,
+            **({"static_memory": list(self.static_memory)} if self.static_memory else {}),
         }
