@@ -9,17 +9,19 @@ pipeblocks.sim.build) turns that into the schedule and its costs, once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 from ..core.errors import ScheduleError
 from ..core.request import CostSpec, Mesh, ScheduleRequest
+from ..core.sharding import parse_sharding
 from ..sim.analytic import HARDWARE, MODELS
 from ..sim.build import Built, build
 from ..sim.sequence_split import SPLITS
 
 __all__ = [
-    "add_generator_options", "add_cost_options", "add_schedule_options", "request_from_args", "build", "Built",
+    "add_generator_options", "add_mesh_options", "add_cost_options", "add_schedule_options", "request_from_args", "build", "Built",
     "print_json", "progress",
 ]
 
@@ -62,6 +64,30 @@ def add_generator_options(
         "--file", default=None,
         help="load a schedule from a file instead of a name: .json, .csv (torch compute-only), or the text form",
     )
+    add_mesh_options(parser)
+
+
+def add_mesh_options(parser: argparse.ArgumentParser) -> None:
+    """Data parallelism: replicas of the pipeline, sharding per chunk, the DP link."""
+    group = parser.add_argument_group("data parallel")
+    group.add_argument("--dp", type=int, default=1, metavar="D", help="data-parallel replicas of the pipeline (default 1)")
+    group.add_argument(
+        "--sharding", default="replicate", metavar="POLICY[,POLICY...]",
+        help="per chunk (global stage), or one for all: replicate, zero1, zero2, zero3; or auto "
+        "(the simulator picks per chunk: least step time, then least static memory, within --gpu-memory)",
+    )
+    group.add_argument(
+        "--dp-bandwidth", type=float, default=None, metavar="GB/s",
+        help="DP link bandwidth (default: the --hardware profile's; under unit costs, size units per time unit)",
+    )
+    group.add_argument(
+        "--dp-latency", type=float, default=None, metavar="us",
+        help="DP latency per ring step (default: the profile's; under unit costs, time units)",
+    )
+    group.add_argument(
+        "--mixed-precision", action="store_true",
+        help="static memory and collectives at 2+2+12 bytes per parameter instead of fp32 AdamW's 4+4+8",
+    )
 
 
 def add_cost_options(parser: argparse.ArgumentParser) -> None:
@@ -101,14 +127,17 @@ def request_from_args(
         if any(key == given for given, _ in options):
             raise ScheduleError(f"--set {item!r}: option {key!r} is given twice; give it once")
         options.append((key, value))
+    link = {"dp_bandwidth": args.dp_bandwidth, "dp_latency": args.dp_latency, "mixed_precision": args.mixed_precision}
     if costs is None:
         costs = CostSpec(
             times=args.costs, mem_w_ratio=args.mem_w_ratio, model=args.model, hardware=args.hardware,
-            flash_attention=args.flash_attention, seq_split=args.seq_split,
+            flash_attention=args.flash_attention, seq_split=args.seq_split, **link,
         )
+    else:
+        costs = dataclasses.replace(costs, **link)
     return ScheduleRequest(
-        name=name or getattr(args, "name", None), m=args.m, mesh=Mesh(pp=args.p), options=tuple(options),
-        seq_chunks=args.seq_chunks, costs=costs, file=args.file,
+        name=name or getattr(args, "name", None), m=args.m, mesh=Mesh(pp=args.p, dp=args.dp), options=tuple(options),
+        seq_chunks=args.seq_chunks, costs=costs, file=args.file, sharding=parse_sharding(args.sharding),
     )
 
 

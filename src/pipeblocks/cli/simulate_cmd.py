@@ -22,11 +22,16 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(summary)
         return 0
-    print(f"schedule      {schedule.name}  (p={schedule.p}, m={schedule.m}, v={schedule.v})")
+    dp = built.costs.data_parallel
+    mesh = f", dp={dp.dp}, sharding={','.join(map(str, dp.sharding))}" if dp.dp > 1 or set(dp.sharding) != {"replicate"} else ""
+    print(f"schedule      {schedule.name}  (p={schedule.p}, m={schedule.m}, v={schedule.v}{mesh})")
     print(f"makespan      {summary['makespan']:.6g}")
     print(f"bubble ratio  {summary['bubble_ratio']:.4f}   (per-rank span, as in the papers: "
           f"{summary['bubble_ratio_span']:.4f})")
-    print("rank  busy      peak activation")
+    print("rank  busy      peak activation  static memory  DP comm   exposed DP comm")
     for r in range(schedule.p):
-        print(f"{r:>4}  {summary['busy'][r]:<8.6g}  {summary['peak_activation'][r]:.6g}")
+        print(f"{r:>4}  {summary['busy'][r]:<8.6g}  {summary['peak_activation'][r]:<15.6g}  "
+              f"{summary['static_memory'][r]:<13.6g}  {summary['comm_time'][r]:<8.4g}  {summary['exposed_comm'][r]:.4g}")
+    unit = "bytes" if args.model else "units: a full stage holds 1 parameter, 16 per parameter in fp32 AdamW"
+    print(f"(static memory: parameters, gradients and optimizer state, {unit})")
     return 0

@@ -60,8 +60,26 @@ class CostSpec:
     """`model`: attention that does not store the s x s scores"""
     seq_split: str = "balanced"
     """sequence chunk boundaries: equal FLOPs ('balanced') or equal tokens ('even')"""
+    dp_bandwidth: float | None = None
+    """data-parallel link bandwidth override: GB/s under `model`, size units per time unit
+    under unit costs (None: the hardware profile's link, or the unit link)"""
+    dp_latency: float | None = None
+    """data-parallel latency per ring step: microseconds under `model`, time units under
+    unit costs (None: the profile's, or 0)"""
+    mixed_precision: bool = False
+    """static memory and collectives at 2 + 2 + 12 bytes per parameter (bf16 parameter and
+    gradient, fp32 master and moments) instead of fp32 AdamW's 4 + 4 + 8"""
 
     def __post_init__(self) -> None:
+        for flag, value, positive in (("--dp-bandwidth", self.dp_bandwidth, True), ("--dp-latency", self.dp_latency, False)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+                value <= 0 if positive else value < 0
+            ):
+                raise ValueError(
+                    f"{flag} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}"
+                )
         if self.model is not None and self.times is not None:
             raise ValueError("give either --model (analytic costs) or --costs, not both")
         ratio = self.mem_w_ratio

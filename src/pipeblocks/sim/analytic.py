@@ -14,6 +14,14 @@ gives the end stages the lighter share of an uneven split) adds 2*s*b*h*V FLOPs 
 fp32 logits (4*s*b*V bytes). Time = FLOPs / (peak FLOP/s * achievable fraction); one hop
 between ranks takes latency + s*b*h*dtype_bytes / bandwidth.
 
+Parameters per stage (they size the data-parallel collectives and the static memory), as
+the reference GPT has them: 12h^2 + 13h per layer, the embeddings (V + s)*h on the first
+stage, the final LayerNorm and the untied head 2h + h*V on the last.
+
+Data-parallel link: the mesh orders ranks (pp, dp), so a stage's d replicas are
+consecutive ranks and share a node when d <= gpus_per_node; a ring that leaves the node
+runs at the inter-node link (`dp_link`).
+
     >>> from pipeblocks.sim.analytic import MODELS, HARDWARE, transformer_costs
     >>> costs = transformer_costs(MODELS["1.5b"], HARDWARE["a100"], num_stages=8)
 """
@@ -24,11 +32,12 @@ from types import MappingProxyType
 
 from ..core.errors import ScheduleError
 from ..core.costs import Costs
+from ..core.dp_model import Link
 from ..core.split import layer_counts
 
 __all__ = [
     "TransformerConfig", "Hardware", "MODELS", "HARDWARE", "layer_split", "layer_activation_bytes", "transformer_costs",
-    "parse_model",
+    "parse_model", "stage_params", "dp_link",
 ]
 
 _DTYPE_BYTES = MappingProxyType({"fp32": 4, "float32": 4, "bf16": 2, "fp16": 2, "float16": 2, "float64": 8})
@@ -72,10 +81,13 @@ class TransformerConfig:
 
 @dataclass(frozen=True)
 class Hardware:
-    """A device and its pipeline link.
+    """A device, its pipeline link and its data-parallel links.
 
     flops: peak FLOP/s at the activation dtype.  efficiency: the achievable fraction of it.
     bandwidth: bytes/s of one point-to-point hop.  latency: seconds per hop.
+    gpus_per_node: devices that share the intra-node link.
+    intra_bandwidth, intra_latency: the link inside a node (bytes/s per device, seconds per
+        ring step).  inter_bandwidth, inter_latency: between nodes.
     """
 
     name: str
@@ -83,12 +95,21 @@ class Hardware:
     efficiency: float
     bandwidth: float
     latency: float
+    gpus_per_node: int = 8
+    intra_bandwidth: float = 300e9
+    intra_latency: float = 5e-6
+    inter_bandwidth: float = 25e9
+    inter_latency: float = 10e-6
 
     def __post_init__(self) -> None:
         if self.flops <= 0 or self.bandwidth <= 0 or self.latency < 0 or not 0 < self.efficiency <= 1:
             raise ScheduleError(
                 f"hardware {self.name!r}: need flops > 0, bandwidth > 0, latency >= 0 and 0 < efficiency <= 1"
             )
+        if self.gpus_per_node < 1 or min(self.intra_bandwidth, self.inter_bandwidth) <= 0 or min(
+            self.intra_latency, self.inter_latency
+        ) < 0:
+            raise ScheduleError(f"hardware {self.name!r}: need gpus_per_node >= 1, link bandwidths > 0, latencies >= 0")
 
 
 # Models of the Zero Bubble paper's experiments (§9.1 of the algorithms reference).
@@ -99,11 +120,43 @@ MODELS = MappingProxyType({
     "28.3b": TransformerConfig(layers=62, hidden=6144, heads=48, seq=1024, microbatch_size=1),
 })
 
-# Dense 16-bit peak, a typical achievable fraction, and an inter-node link (one NIC).
+# Dense 16-bit peak, a typical achievable fraction, and an inter-node link (one NIC) for the
+# pipeline. Data-parallel links: NVLink inside a node (nominal per-GPU figures), the NIC
+# between nodes. `cloud`: A100-class nodes of 8 joined by slow Ethernet (50 Gb/s per GPU).
 HARDWARE = MappingProxyType({
-    "a100": Hardware("a100", flops=312e12, efficiency=0.5, bandwidth=25e9, latency=10e-6),
-    "h100": Hardware("h100", flops=989e12, efficiency=0.45, bandwidth=50e9, latency=10e-6),
+    "a100": Hardware(
+        "a100", flops=312e12, efficiency=0.5, bandwidth=25e9, latency=10e-6,
+        intra_bandwidth=300e9, intra_latency=5e-6, inter_bandwidth=25e9, inter_latency=10e-6,
+    ),
+    "h100": Hardware(
+        "h100", flops=989e12, efficiency=0.45, bandwidth=50e9, latency=10e-6,
+        intra_bandwidth=450e9, intra_latency=5e-6, inter_bandwidth=50e9, inter_latency=10e-6,
+    ),
+    "cloud": Hardware(
+        "cloud", flops=312e12, efficiency=0.5, bandwidth=6.25e9, latency=30e-6,
+        intra_bandwidth=300e9, intra_latency=5e-6, inter_bandwidth=6.25e9, inter_latency=30e-6,
+    ),
 })
+
+
+def dp_link(hardware: Hardware, dp: int) -> Link:
+    """The link a ring over `dp` consecutive replicas runs at: intra-node when they fit in
+    one node, else the slower inter-node link (a ring is as fast as its slowest hop)."""
+    if dp <= hardware.gpus_per_node:
+        return Link(hardware.intra_bandwidth, hardware.intra_latency)
+    return Link(hardware.inter_bandwidth, hardware.inter_latency)
+
+
+def stage_params(config: TransformerConfig, num_stages: int) -> tuple[int, ...]:
+    """Parameters per stage: layers, embeddings on the first stage, the head on the last."""
+    h, V, s = config.hidden, config.vocab, config.seq
+    layer = 12 * h * h + 13 * h
+    counts = layer_split(config.layers, num_stages)
+    last = num_stages - 1
+    return tuple(
+        n * layer + ((V + s) * h if i == 0 else 0) + ((2 * h + h * V) if i == last else 0)
+        for i, n in enumerate(counts)
+    )
 
 
 def layer_split(layers: int, num_stages: int) -> tuple[int, ...]:
@@ -142,7 +195,10 @@ def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stag
     t_w = tuple((n * layer_w + (head if i == last else 0)) / rate for i, n in enumerate(counts))
     mem_b = tuple(n * layer_mem_b + (4 * s * b * V if i == last else 0) for i, n in enumerate(counts))
     t_comm = hardware.latency + s * b * h * config.dtype_bytes / hardware.bandwidth
-    return Costs(t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, mem_b=mem_b, mem_w_ratio=layer_mem_w / layer_mem_b)
+    return Costs(
+        t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, mem_b=mem_b, mem_w_ratio=layer_mem_w / layer_mem_b,
+        params=tuple(float(n) for n in stage_params(config, num_stages)),
+    )
 
 
 def parse_model(text: str) -> TransformerConfig:

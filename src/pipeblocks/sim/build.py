@@ -13,16 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.costs import Costs, parse_costs
+from ..core.dp_model import UNIT_LINK, DataParallel, Link
 from ..core.errors import ScheduleError
 from ..core.request import CostSpec, ScheduleRequest
 from ..core.schedule import Schedule
 from ..interop import from_torch_csv
 from ..schedules import get
 from ..schedules.sequence import split_sequence
-from .analytic import HARDWARE, parse_model, transformer_costs
+from .analytic import HARDWARE, dp_link, parse_model, transformer_costs
 from .sequence_split import chunk_shares, split_lengths
 
-__all__ = ["Built", "build", "resolve_costs"]
+__all__ = ["Built", "build", "data_parallel", "resolve_costs"]
 
 # generator keyword -> the flag that sets it, for messages
 _FLAGS = {"v": "-v", "group_size": "--group-size", "memory_limit": "--memory-limit"}
@@ -41,7 +42,7 @@ def build(request: ScheduleRequest) -> Built:
     """The schedule the request describes (generated once) and its resolved costs."""
     if request.file:
         schedule = _load(request.file)
-        return Built(request, schedule, resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks))
+        return Built(request, schedule, _with_dp(request, resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks), schedule))
     spec = get(request.name)
     kwargs: dict[str, object] = {"p": request.p, "m": request.m}
     for key, value in request.options:
@@ -59,9 +60,35 @@ def build(request: ScheduleRequest) -> Built:
         schedule = generate(**kwargs, costs=costs)
         if schedule.num_stages != stages:  # the registration's v is wrong: a bug, not user input
             raise RuntimeError(f"schedule {spec.name!r} built {schedule.num_stages} stages, registry said {stages}")
-        return Built(request, schedule, costs)
+        return Built(request, schedule, _with_dp(request, costs, schedule))
     schedule = generate(**kwargs)
-    return Built(request, schedule, resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks))
+    costs = resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks)
+    return Built(request, schedule, _with_dp(request, costs, schedule))
+
+
+def data_parallel(request: ScheduleRequest) -> DataParallel:
+    """The request's mesh, sharding, DP link and precision for the cost model."""
+    spec = request.costs
+    dp = request.mesh.dp
+    if spec.model:
+        base = dp_link(HARDWARE[spec.hardware], dp)
+        bandwidth = base.bandwidth if spec.dp_bandwidth is None else spec.dp_bandwidth * 1e9
+        latency = base.latency if spec.dp_latency is None else spec.dp_latency * 1e-6
+    else:  # unit costs: the override is in the units of the costs (see core.dp_model)
+        bandwidth = UNIT_LINK.bandwidth if spec.dp_bandwidth is None else spec.dp_bandwidth
+        latency = UNIT_LINK.latency if spec.dp_latency is None else spec.dp_latency
+    return DataParallel(
+        dp=dp, sharding=request.sharding, link=Link(bandwidth, latency),
+        precision="mixed" if spec.mixed_precision else "fp32",
+    )
+
+
+def _with_dp(request: ScheduleRequest, costs: Costs, schedule: Schedule) -> Costs:
+    """`costs` with the request's data-parallel side; the policy list is checked against
+    the schedule's chunks here, before anything runs."""
+    dp = data_parallel(request)
+    dp.policies(schedule.num_stages)
+    return dataclasses.replace(costs, data_parallel=dp)
 
 
 def resolve_costs(spec: CostSpec, num_stages: int, seq_chunks: int = 1) -> Costs:
