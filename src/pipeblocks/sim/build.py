@@ -42,7 +42,7 @@ def build(request: ScheduleRequest) -> Built:
     """The schedule the request describes (generated once) and its resolved costs."""
     if request.file:
         schedule = _load(request.file)
-        return Built(request, schedule, _with_dp(request, resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks), schedule))
+        return Built(request, schedule, _with_dp(request, resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks), schedule.num_stages))
     spec = get(request.name)
     kwargs: dict[str, object] = {"p": request.p, "m": request.m}
     for key, value in request.options:
@@ -56,14 +56,14 @@ def build(request: ScheduleRequest) -> Built:
     generate = spec if k is None else functools.partial(split_sequence, spec.name, seq_chunks=k)
     if spec.accepts("costs") and "costs" not in kwargs:
         stages = spec.num_stages(**kwargs)
-        costs = resolve_costs(request.costs, stages, k or 1)
+        costs = _with_dp(request, resolve_costs(request.costs, stages, k or 1), stages)
         schedule = generate(**kwargs, costs=costs)
         if schedule.num_stages != stages:  # the registration's v is wrong: a bug, not user input
             raise RuntimeError(f"schedule {spec.name!r} built {schedule.num_stages} stages, registry said {stages}")
-        return Built(request, schedule, _with_dp(request, costs, schedule))
+        return Built(request, schedule, costs)
     schedule = generate(**kwargs)
     costs = resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks)
-    return Built(request, schedule, _with_dp(request, costs, schedule))
+    return Built(request, schedule, _with_dp(request, costs, schedule.num_stages))
 
 
 def data_parallel(request: ScheduleRequest) -> DataParallel:
@@ -83,11 +83,11 @@ def data_parallel(request: ScheduleRequest) -> DataParallel:
     )
 
 
-def _with_dp(request: ScheduleRequest, costs: Costs, schedule: Schedule) -> Costs:
+def _with_dp(request: ScheduleRequest, costs: Costs, num_stages: int) -> Costs:
     """`costs` with the request's data-parallel side; the policy list is checked against
     the schedule's chunks here, before anything runs."""
     dp = data_parallel(request)
-    dp.policies(schedule.num_stages)
+    dp.policies(num_stages)
     return dataclasses.replace(costs, data_parallel=dp)
 
 
