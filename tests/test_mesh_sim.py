@@ -1,0 +1,154 @@
+"""The simulator's data-parallel side: the communication stream, exposed communication,
+the link model and static memory by policy."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeblocks.cli.main import main
+from pipeblocks.core import Costs, parse_sharding, simulate
+from pipeblocks.core.dp_model import (
+    PRECISIONS,
+    DataParallel,
+    Link,
+    all_gather_time,
+    all_reduce_time,
+    reduce_scatter_time,
+    static_bytes,
+)
+from pipeblocks.core.sharding import ShardingPolicy
+from pipeblocks.schedules import get
+from pipeblocks.sim.analytic import HARDWARE, MODELS, dp_link, stage_params
+
+
+def _dp(policy: str, d: int = 2, **kw) -> Costs:
+    return Costs(data_parallel=DataParallel(dp=d, sharding=parse_sharding(policy), **kw))
+
+
+def test_one_replicated_pipeline_has_no_dp_ops_and_the_same_timeline():
+    schedule = get("1f1b")(p=3, m=4)
+    plain, with_dp = simulate(schedule), simulate(schedule, _dp("replicate", d=1))
+    assert with_dp.events == plain.events and with_dp.comm_events == ()
+    assert with_dp.summary()["comm_time"] == [0.0] * 3 and with_dp.summary()["exposed_comm"] == [0.0] * 3
+
+
+def test_replicate_reduction_at_the_end_of_1f1b_is_exposed():
+    # 1F1B p=2 m=2, unit costs: rank 0 ends with 0BW1 at 9, rank 1 with 1BW1 at 7. An
+    # all-reduce of one full stage's fp32 gradients (4 units) over d=2 on the unit link
+    # (4 per time unit): 2*(1/2)*4/4 = 1.
+    t = simulate(get("1f1b")(p=2, m=2), _dp("replicate"))
+    assert [[tuple(e) for e in evs] for evs in t.comm_events] == [
+        [("0REDUCE_GRAD", 9.0, 10.0)], [("1REDUCE_GRAD", 7.0, 8.0)],
+    ]
+    assert t.comm_time == (1.0, 1.0) and t.exposed_comm == (1.0, 1.0)
+    assert t.makespan == 10.0 and t.step_end == (10.0, 8.0)
+
+
+def test_zero3_gather_gates_the_first_pass_and_counts_as_exposed():
+    # 0UNSHARD (all-gather, (1/2)*4/4 = 0.5) delays 0F0 to 0.5; rank 1's gather hides
+    # behind its wait for 0F0's activation. Reductions are reduce-scatters (0.5).
+    t = simulate(get("1f1b")(p=2, m=2), _dp("zero3"))
+    assert [tuple(e) for e in t.comm_events[0]] == [("0UNSHARD", 0.0, 0.5), ("0REDUCE_GRAD", 9.5, 10.0)]
+    assert t.events[0][0].start == 0.5 and t.events[1][0].start == 1.5
+    assert t.exposed_comm == (1.0, 0.5)
+    assert t.makespan == 10.0  # the step starts with the gather
+
+
+def test_zero1_and_zero2_gather_parameters_after_the_step():
+    t1 = simulate(get("1f1b")(p=2, m=2), _dp("zero1"))
+    assert [e.op for e in t1.comm_events[0]] == ["0REDUCE_GRAD", "0OPTIMIZER_GATHER"]
+    assert t1.comm_time == (1.5, 1.5) and t1.exposed_comm == (1.5, 1.5)
+    t2 = simulate(get("1f1b")(p=2, m=2), _dp("zero2"))
+    assert t2.comm_time == (1.0, 1.0) and t2.step_end == (10.0, 8.0)
+
+
+def test_a_reduction_overlaps_the_compute_after_it():
+    # interleaved-1f1b p=2 m=4: rank 0 reduces chunk 2 (half a stage: 0.5) right after
+    # 2BW3 while 0BW2 and 0BW3 still run; only chunk 0's reduction is left at the end.
+    t = simulate(get("interleaved-1f1b")(p=2, m=4), _dp("replicate"))
+    ops = {e.op: e for e in t.comm_events[0]}
+    assert ops["2REDUCE_GRAD"].end < t.events[0][-1].end
+    assert t.comm_time[0] == pytest.approx(1.0) and t.exposed_comm[0] == pytest.approx(0.5)
+
+
+def test_link_formulas():
+    link = Link(bandwidth=10.0, latency=0.25)
+    assert all_reduce_time(100.0, 4, link) == pytest.approx(2 * 3 / 4 * 10 + 2 * 3 * 0.25)
+    assert reduce_scatter_time(100.0, 4, link) == pytest.approx(3 / 4 * 10 + 3 * 0.25)
+    assert all_gather_time(100.0, 4, link) == reduce_scatter_time(100.0, 4, link)
+    assert all_reduce_time(100.0, 1, link) == 0.0
+    with pytest.raises(ValueError, match="bandwidth must be a finite number"):
+        Link(float("nan"))
+    with pytest.raises(ValueError, match="latency must be >= 0"):
+        Link(1.0, -1.0)
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_static_memory_follows_the_zero_closed_forms(d):
+    fp32, mixed = PRECISIONS["fp32"], PRECISIONS["mixed"]
+    replicate = static_bytes(1000, ShardingPolicy.REPLICATE, d, fp32)
+    assert replicate == 16000
+    ratios = {p: static_bytes(1000, ShardingPolicy(p), d, fp32) / replicate for p in ("zero1", "zero2", "zero3")}
+    assert ratios["zero1"] == pytest.approx((8 + 8 / d) / 16)
+    assert ratios["zero2"] == pytest.approx((4 + 12 / d) / 16)
+    assert ratios["zero3"] == pytest.approx(1 / d)
+    # mixed precision (ZeRO paper): 16, 4 + 12/d, 2 + 14/d, 16/d bytes per parameter
+    got = [static_bytes(1, ShardingPolicy(p), d, mixed) for p in ("replicate", "zero1", "zero2", "zero3")]
+    assert got == pytest.approx([16, 4 + 12 / d, 2 + 14 / d, 16 / d])
+    # and the simulator reports them per rank (unit costs: 1 parameter per full stage)
+    for policy, ratio in [("replicate", 1.0), *ratios.items()]:
+        t = simulate(get("zb-v")(p=2, m=4), _dp(policy, d=d))
+        assert t.static_memory == pytest.approx((16 * ratio,) * 2)
+
+
+def test_static_memory_per_chunk_policies_and_analytic_parameters():
+    config = MODELS["1.5b"]
+    h, V, s, L = config.hidden, config.vocab, config.seq, config.layers
+    params = stage_params(config, 4)
+    assert sum(params) == L * (12 * h * h + 13 * h) + (V + s) * h + 2 * h + h * V
+    assert params[0] > params[1] and params[3] > params[1]  # embedding and head on the end stages
+    # cloud: replicas inside one node use NVLink, a larger ring runs at the slow inter-node link
+    cloud = HARDWARE["cloud"]
+    assert dp_link(cloud, 8).bandwidth == cloud.intra_bandwidth
+    assert dp_link(cloud, 16).bandwidth == cloud.inter_bandwidth < cloud.intra_bandwidth
+    # per-chunk policies on a V placement: rank 0 holds stages 0 and 3
+    t = simulate(get("zb-v")(p=2, m=4), _dp("zero3,replicate,replicate,zero1", d=4))
+    assert t.static_memory == pytest.approx((0.5 * (16 / 4) + 0.5 * (8 + 8 / 4), 0.5 * 16 * 2))
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_json_fields_and_text(capsys):
+    code, out, _ = run_cli(capsys, "simulate", "1f1b", "-p", "2", "-m", "2", "--dp", "2", "--sharding", "zero3",
+                           "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert data["static_memory"] == [8.0, 8.0] and data["comm_time"] == [1.0, 1.0]
+    assert data["exposed_comm"] == [1.0, 0.5] and data["makespan"] == 10.0
+    code, out, _ = run_cli(capsys, "simulate", "1f1b", "-p", "2", "-m", "2", "--dp", "2", "--dp-bandwidth", "8")
+    assert code == 0 and "dp=2, sharding=replicate" in out and "exposed DP comm" in out
+    # a faster link (8 units per time unit) halves the all-reduce
+    code, out, _ = run_cli(capsys, "simulate", "1f1b", "-p", "2", "-m", "2", "--dp", "2", "--dp-bandwidth", "8",
+                           "--json")
+    assert json.loads(out)["comm_time"] == [0.5, 0.5]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--sharding", "zero4"), "unknown policy 'zero4'"),
+        (("--sharding", "zero1,zero3"), "gives 2 policies but the schedule has 4 chunks"),
+        (("--dp-bandwidth", "nan"), "--dp-bandwidth must be a finite number > 0, got nan"),
+        (("--dp-bandwidth", "inf"), "--dp-bandwidth must be a finite number > 0, got inf"),
+        (("--dp-latency", "-1"), "--dp-latency must be a finite number >= 0"),
+        (("--dp", "0"), "dp must be an integer >= 1"),
+    ],
+)
+def test_cli_rejects_bad_mesh_options(capsys, argv, message):
+    code, _, err = run_cli(capsys, "simulate", "zb-v", "-p", "2", "-m", "4", "--dp", "2", *argv)
+    assert code == 2 and message in err and "Traceback" not in err
