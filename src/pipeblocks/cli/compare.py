@@ -41,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
                 raise
             skipped.append((name, str(err).splitlines()[0]))
             continue
-        rows.append({**timeline.summary(), "peak_max": max(timeline.peak_activation)})
+        summary = timeline.summary()
+        rows.append({**summary, "peak_max": max(timeline.peak_activation),
+                     "exposed_comm_max": max(summary["exposed_comm"]), "static_max": max(summary["static_memory"])})
         if time.monotonic() - started > 2:
             progress(f"compare: simulated {name} ({len(rows)}/{len(chosen)})")
     reference = next(r["peak_max"] for r in rows if r["schedule"] == "1f1b")
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
             points += _adaptive_curve(base)
         plot_pareto(points, args.plot, title=f"p={args.p}, m={args.m}: peak activation against bubble ratio")
     if args.json:
-        print_json({"p": args.p, "m": args.m, "schedules": rows, "skipped": [{"name": n, "reason": w} for n, w in skipped]})
+        print_json({"p": args.p, "m": args.m, "dp": args.dp, "sharding": args.sharding, "schedules": rows, "skipped": [{"name": n, "reason": w} for n, w in skipped]})
         return 0
     _print_table(rows, args)
     for name, why in skipped:
@@ -86,8 +88,14 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
     else:
         print(f"p={args.p} m={args.m}  (peak activation: 1 = one microbatch through one full stage; 1F1B peaks at p)")
     unit = 2**30 if args.model else 1
-    print(f"{'schedule':<{width}}  {'v':>2}  {'makespan':>9}  {'bubble':>7}  {'span bub':>8}  {'peak max':>8}  {'vs 1F1B':>7}  peak per rank")
+    mesh = args.dp > 1 or args.sharding != "replicate"
+    if mesh:
+        print(f"dp={args.dp} sharding={args.sharding}  (exposed DP comm: max over ranks; static: max over ranks"
+              f"{', GiB' if args.model else ', 16 per full stage in fp32 replicate'})")
+    extra = f"  {'exp comm':>8}  {'static':>8}" if mesh else ""
+    print(f"{'schedule':<{width}}  {'v':>2}  {'makespan':>9}  {'bubble':>7}  {'span bub':>8}  {'peak max':>8}  {'vs 1F1B':>7}{extra}  peak per rank")
     for r in rows:
         per_rank = " ".join(f"{x / unit:.3g}" for x in r["peak_activation"])
+        extra = f"  {r['exposed_comm_max']:>8.4g}  {r['static_max'] / unit:>8.4g}" if mesh else ""
         print(f"{r['schedule']:<{width}}  {r['v']:>2}  {r['makespan']:>9.4g}  {r['bubble_ratio']:>7.4f}  {r['bubble_ratio_span']:>8.4f}  "
-              f"{r['peak_max'] / unit:>8.4g}  {r['peak_vs_1f1b']:>7.3f}  {per_rank}")
+              f"{r['peak_max'] / unit:>8.4g}  {r['peak_vs_1f1b']:>7.3f}{extra}  {per_rank}")

@@ -28,4 +28,8 @@ def run(args: argparse.Namespace) -> int:
     print(render_text_timeline(timeline), end="")
     print(f"makespan {timeline.makespan:.6g}   bubble ratio {timeline.bubble_ratio:.4f}   "
           f"peak activation per rank {[round(x, 4) for x in timeline.peak_activation]}")
+    if timeline.comm_events:
+        print(f"DP comm per rank {[round(x, 4) for x in timeline.comm_time]}   "
+              f"exposed {[round(x, 4) for x in timeline.exposed_comm]}   "
+              f"static memory {[round(x, 4) for x in timeline.static_memory]}")
     return 0

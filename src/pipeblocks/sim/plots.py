@@ -1,5 +1,7 @@
 """Plots: a timeline per rank (coloured by pass kind, microbatches labelled, as in the
-papers' figures), memory over time, and memory against bubble across schedules.
+papers' figures), memory over time, and memory against bubble across schedules. With
+data-parallel ops, each rank's communication stream is drawn as a thin row under its
+compute row (gathers, gradient reductions, the parameter gather after the step).
 
 The file suffix picks the format (.png or .svg). matplotlib is imported here only, with
 the non-interactive Agg backend, so the rest of the simulator never needs it.
@@ -15,11 +17,13 @@ from ..core.actions import Kind
 from ..core.errors import ScheduleError
 from ..core.timeline import Timeline
 
-__all__ = ["plot_timeline", "plot_pareto", "ParetoPoint", "KIND_COLOURS"]
+__all__ = ["plot_timeline", "plot_pareto", "ParetoPoint", "KIND_COLOURS", "DP_COLOURS"]
 
 # Paper-like palette: forward blue, input-grad teal/green, weight-grad orange, fused purple.
 KIND_COLOURS = {Kind.F: "#4C72B0", Kind.B: "#55A868", Kind.W: "#DD8452", Kind.BW: "#8172B3"}
 _SUFFIXES = (".png", ".svg", ".pdf")
+# Communication stream: parameter gather grey, gradient reduction red, gather after the step brown.
+DP_COLOURS = {"UNSHARD": "#8C8C8C", "REDUCE_GRAD": "#C44E52", "OPTIMIZER_GATHER": "#937860"}
 
 
 def _pyplot():
@@ -78,7 +82,11 @@ def plot_timeline(
         if p <= 16:
             ax.legend(fontsize=7, ncol=min(p, 8), loc="upper right")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLOURS.values()]
-    fig.legend(handles, ["F", "B (input grad)", "W (weight grad)", "BW (fused)"], loc="upper right", ncol=4, fontsize=8)
+    labels = ["F", "B (input grad)", "W (weight grad)", "BW (fused)"]
+    if any(tl.comm_events for tl, _ in panels):
+        handles += [plt.Rectangle((0, 0), 1, 1, color=c) for c in DP_COLOURS.values()]
+        labels += ["UNSHARD", "REDUCE_GRAD", "param gather after step"]
+    fig.legend(handles, labels, loc="upper right", ncol=min(len(labels), 7), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -87,9 +95,10 @@ def plot_timeline(
 
 def _default_title(timeline: Timeline) -> str:
     s = timeline.schedule
+    dp = f"   exposed DP comm (max rank) {max(timeline.exposed_comm):.3g}" if timeline.exposed_comm else ""
     return (
         f"{s.name}  p={s.p} m={s.m} v={s.v}   bubble {timeline.bubble_ratio:.3f}   "
-        f"peak {max(timeline.peak_activation):.3g}"
+        f"peak {max(timeline.peak_activation):.3g}{dp}"
     )
 
 
@@ -102,17 +111,25 @@ def _draw_ranks(ax, timeline: Timeline, title: str) -> None:
     schedule = timeline.schedule
     local_chunk = {s: i for r in range(schedule.p) for i, s in enumerate(schedule.placement.stages_of(r))}
     origin = timeline.start
+    # with a communication stream, compute takes the upper part of the rank's row
+    top, height = (-0.42, 0.56) if timeline.comm_events else (-0.4, 0.8)
+    for r, comm in enumerate(timeline.comm_events):
+        for e in comm:
+            kind = e.op.lstrip("0123456789")
+            ax.broken_barh([(e.start - origin, e.end - e.start)], (r + 0.18, 0.24),
+                           facecolors=DP_COLOURS.get(kind, "#333333"), edgecolor="white", linewidth=0.4)
     for r, events in enumerate(timeline.events):
         for e in events:
             a = e.action
             chunk = local_chunk[a.stage]
             ax.broken_barh(
-                [(e.start - origin, e.end - e.start)], (r - 0.4, 0.8),
+                [(e.start - origin, e.end - e.start)], (r + top, height),
                 facecolors=KIND_COLOURS[a.kind], edgecolor="white", linewidth=0.6,
                 hatch="//" if chunk % 2 else None, alpha=1.0 if chunk % 2 == 0 else 0.8,
             )
             text = str(a.microbatch) if a.seq_chunk is None else f"{a.microbatch}.{a.seq_chunk}"
-            ax.text(e.start - origin + (e.end - e.start) / 2, r, text, ha="center", va="center", fontsize=6, color="white")
+            ax.text(e.start - origin + (e.end - e.start) / 2, r + top + height / 2, text,
+                    ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(range(schedule.p))
     ax.set_yticklabels([f"rank {r}" for r in range(schedule.p)], fontsize=7)
     ax.set_ylim(schedule.p - 0.5, -0.5)
