@@ -193,3 +193,26 @@ def test_torch_runtime_on_gloo_matches_one_process():
             for s in range(num_stages):
                 for mine, ref in zip(got[s], modules[s].parameters()):
                     torch.testing.assert_close(mine, ref.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,policy", [("zb-v", "zero3"), ("interleaved-1f1b", "replicate"), ("1f1b", "zero2")])
+def test_lowered_csv_carries_dp_ops_through_torch_and_back(name, policy):
+    from pipeblocks.core import PASSES, dp_passes, lower, parse_sharding
+    from pipeblocks.interop import program_from_torch_csv, program_to_torch_csv
+
+    schedule = get(name)(p=2, m=4)
+    program = lower(schedule, PASSES + dp_passes(parse_sharding(policy), 2))
+    text = program_to_torch_csv(program)
+    assert "REDUCE_GRAD" in text and ("UNSHARD" in text) == (policy == "zero3")
+    stage = types.SimpleNamespace(num_stages=schedule.num_stages, group_size=2, group_rank=0,
+                                  stage_index_to_group_rank=None)
+    runtime = _PipelineScheduleRuntime([stage], 4)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "lowered.csv")
+        with open(path, "w") as handle:
+            handle.write(text)
+        runtime._load_csv(path, format="compute_comms")
+    for rank in range(2):  # torch parses every cell into the same op, in order
+        assert [str(a) for a in runtime.pipeline_order_with_comms[rank]] == text.splitlines()[rank].split(",")
+    back = program_from_torch_csv(text, name=schedule.name)
+    assert back.ranks == program.ranks and back.schedule.placement == schedule.placement

@@ -1,7 +1,10 @@
 """`pipeblocks export NAME -p P -m M -o FILE`: write a schedule for another runtime or for
-later (`--file`): torch.distributed.pipelining's compute-only CSV, JSON, or the text form.
+later (`--file`): torch.distributed.pipelining's compute-only CSV, its lowered CSV (with
+sends, receives and the DP ops UNSHARD, RESHARD, REDUCE_GRAD), JSON, or the text form.
 
     pipeblocks export zb-v -p 4 -m 8 -o zbv.csv       # torch: _load_csv("zbv.csv", format="compute_only")
+    pipeblocks export zb-v -p 4 -m 8 --dp 2 --sharding zero3 --format torch-comms-csv -o zbv_lowered.csv
+                                                      # torch: _load_csv(..., format="compute_comms")
     pipeblocks simulate x --file zbv.csv              # and back: CSV, JSON and text files load alike
 """
 from __future__ import annotations
@@ -10,11 +13,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..core.lower import PASSES, lower
+from ..core.passes_dp import dp_passes
 from ..core.schedule import write_atomically
-from ..interop import to_torch_csv
+from ..interop import program_to_torch_csv, to_torch_csv
 from .common import add_schedule_options, build, request_from_args
 
-_FORMATS = ("torch-csv", "json", "text")
+_FORMATS = ("torch-csv", "torch-comms-csv", "json", "text")
 
 
 def register(sub) -> None:
@@ -23,16 +28,22 @@ def register(sub) -> None:
     parser.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
     parser.add_argument(
         "--format", choices=_FORMATS, default=None,
-        help="default from the suffix: .csv torch-csv, .json json, otherwise the text form",
+        help="default from the suffix: .csv torch-csv, .json json, otherwise the text form; "
+        "torch-comms-csv: the lowered program (sends, receives, and DP ops for --dp/--sharding)",
     )
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    schedule = build(request_from_args(args)).schedule
+    built = build(request_from_args(args))
+    schedule = built.schedule
     fmt = args.format or _format_of(args.output)
     if fmt == "torch-csv":
         body = to_torch_csv(schedule)
+    elif fmt == "torch-comms-csv":
+        data_parallel = built.costs.data_parallel
+        passes = PASSES + dp_passes(data_parallel.policies(schedule.num_stages), data_parallel.dp)
+        body = program_to_torch_csv(lower(schedule, passes))
     elif fmt == "json":
         import json
 

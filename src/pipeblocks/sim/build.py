@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,13 +18,15 @@ from ..core.dp_model import UNIT_LINK, DataParallel, Link
 from ..core.errors import ScheduleError
 from ..core.request import CostSpec, ScheduleRequest
 from ..core.schedule import Schedule
-from ..interop import from_torch_csv
+from ..interop import from_torch_csv, program_from_torch_csv
 from ..schedules import get
 from ..schedules.sequence import split_sequence
 from .analytic import HARDWARE, dp_link, parse_model, transformer_costs
 from .sequence_split import chunk_shares, split_lengths
 
 __all__ = ["Built", "build", "data_parallel", "resolve_costs"]
+
+_LOWERED_CELL = re.compile(r"\d(?:SEND_|RECV_|UNSHARD|RESHARD|REDUCE_GRAD)")
 
 # generator keyword -> the flag that sets it, for messages
 _FLAGS = {"v": "-v", "group_size": "--group-size", "memory_limit": "--memory-limit"}
@@ -115,5 +118,7 @@ def _load(file: str) -> Schedule:
             text = Path(file).read_text()
         except OSError as err:
             raise ScheduleError(f"cannot read schedule file {file!r}: {err.strerror}") from None
+        if _LOWERED_CELL.search(text):  # torch's lowered format: the compute order is the schedule
+            return program_from_torch_csv(text).schedule
         return from_torch_csv(text, m=None)
     return Schedule.load(file)

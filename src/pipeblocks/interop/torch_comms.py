@@ -1,0 +1,81 @@
+"""torch.distributed.pipelining's lowered ("compute_comms") CSV: a whole Program, both ways.
+
+    from pipeblocks.interop import program_to_torch_csv, program_from_torch_csv
+    text = program_to_torch_csv(program)            # compute, SEND/RECV and DP ops per rank
+    program = program_from_torch_csv(text)          # back to a Program (placement inferred)
+
+Torch loads it with `_load_csv(path, format="compute_comms")`, which takes the order as
+given. Every op has torch's name: compute as in the compute-only CSV (our B is torch's I,
+our BW torch's B), transfers and DP ops as they are in our text form (`2SEND_F5`,
+`3RECV_B1`, `1UNSHARD`, `1RESHARD`, `0REDUCE_GRAD`): torch and pipeblocks both name a
+transfer by the stage on the rank that runs it. Sequence chunks have no torch form.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import re
+from collections.abc import Sequence
+
+from ..core.actions import Action
+from ..core.errors import ScheduleError
+from ..core.ops import format_op, parse_op
+from ..core.placement import Placement
+from ..core.program import Comm, DPOp, Program
+from ..core.schedule import Schedule
+from .torch_pipelining import from_torch_rows, to_torch_rows
+
+__all__ = ["program_from_torch_csv", "program_from_torch_rows", "program_to_torch_csv", "program_to_torch_rows"]
+
+_COMM = re.compile(r"^\d+(?:SEND|RECV)_[FB]\d+$|^\d+(?:UNSHARD|RESHARD|REDUCE_GRAD)$")
+
+
+def program_to_torch_rows(program: Program) -> list[list[str]]:
+    """Per rank, every op of the Program in torch's text form."""
+    compute = iter(to_torch_rows(program.schedule))  # raises for sequence chunks
+    rows = []
+    for ops in program.ranks:
+        names = iter(next(compute))
+        rows.append([next(names) if type(op) is Action else format_op(op) for op in ops])
+    return rows
+
+
+def program_to_torch_csv(program: Program) -> str:
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerows(program_to_torch_rows(program))
+    return out.getvalue()
+
+
+def program_from_torch_rows(
+    rows: Sequence[Sequence[str]], *, m: int | None = None, placement: Placement | str | None = None,
+    name: str = "torch",
+) -> Program:
+    """A Program from per-rank cells of torch's lowered format (empty cells are skipped).
+    The compute cells make the Schedule (`from_torch_rows`), the others keep their place."""
+    cells = [[c.strip() for c in row if c.strip()] for row in rows]
+    schedule: Schedule = from_torch_rows(
+        [[c for c in row if not _COMM.match(c)] for row in cells], m=m, placement=placement, name=name,
+    )
+    ranks = []
+    for rank, row in enumerate(cells):
+        actions = iter(schedule.ranks[rank])
+        ops = []
+        for pos, cell in enumerate(row):
+            if not _COMM.match(cell):
+                ops.append(next(actions))
+                continue
+            op = parse_op(cell, schedule)
+            if isinstance(op, Comm) and schedule.placement.stage_to_rank[op.stage] != rank or (
+                isinstance(op, DPOp) and schedule.placement.stage_to_rank[op.stage] != rank
+            ):
+                raise ScheduleError(f"rank {rank}, cell {pos}: {cell!r} names stage {op.stage}, which is not on rank {rank}")
+            ops.append(op)
+        ranks.append(tuple(ops))
+    return Program(schedule, tuple(ranks))
+
+
+def program_from_torch_csv(
+    text: str, *, m: int | None = None, placement: Placement | str | None = None, name: str = "torch",
+) -> Program:
+    rows = [row for row in csv.reader(io.StringIO(text)) if any(cell.strip() for cell in row)]
+    return program_from_torch_rows(rows, m=m, placement=placement, name=name)
