@@ -18,6 +18,10 @@ again per microbatch). 1F1B, p=2, m=2, zero3 on both stages::
     0: 0UNSHARD 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0BW0 0RECV_B1 0BW1 0REDUCE_GRAD 0RESHARD
     1: 1UNSHARD 1RECV_F0 1F0 1BW0 1SEND_B0 1RECV_F1 1F1 1BW1 1SEND_B1 1REDUCE_GRAD 1RESHARD
 
+`add_grad_reduce_at_end` is the baseline without overlap: every REDUCE_GRAD at the end of
+the rank's step, in stage order (what a data-parallel wrapper that reduces once after the
+whole pipeline step does); the benchmark compares the two placements.
+
 `dp_passes(policies, dp)` is the list to append to `lower.PASSES`: nothing for a single
 replicated pipeline, otherwise the passes the policies need. Both passes work on any
 Program (before or after `add_p2p`); DP ops never block on a pipeline peer, so the
@@ -32,7 +36,7 @@ from .errors import ScheduleError
 from .program import Comm, DPOp, Op, Program
 from .sharding import ShardingPolicy, per_stage
 
-__all__ = ["add_grad_reduce", "add_sharding", "check_dp_ops", "dp_passes", "needs_dp_ops"]
+__all__ = ["add_grad_reduce", "add_grad_reduce_at_end", "add_sharding", "check_dp_ops", "dp_passes", "dp_passes_at_end", "needs_dp_ops"]
 
 UNSHARD, RESHARD, REDUCE_GRAD = "UNSHARD", "RESHARD", "REDUCE_GRAD"
 
@@ -85,6 +89,20 @@ def add_grad_reduce(program: Program) -> Program:
             insert_at.setdefault(_after_sends(ops, i), []).append(DPOp(REDUCE_GRAD, stage))
         ranks.append(_splice(ops, insert_at))
     return Program(program.schedule, tuple(ranks))
+
+
+def add_grad_reduce_at_end(program: Program) -> Program:
+    """Insert every stage's `sREDUCE_GRAD` at the end of its rank's ops (no overlap)."""
+    ranks = []
+    for ops in program.ranks:
+        stages = sorted({op.stage for op in ops if _is_weight_grad(op)})
+        ranks.append((*ops, *(DPOp(REDUCE_GRAD, s) for s in stages)))
+    return Program(program.schedule, tuple(ranks))
+
+
+def dp_passes_at_end(policies: Iterable[ShardingPolicy], dp: int) -> tuple:
+    """As `dp_passes`, with the reductions at the end of the step (the no-overlap baseline)."""
+    return tuple(add_grad_reduce_at_end if p is add_grad_reduce else p for p in dp_passes(policies, dp))
 
 
 def add_sharding(policies: Iterable[ShardingPolicy]):

@@ -1,0 +1,101 @@
+"""Exposed data-parallel communication per schedule: gradient reduction at the end of the
+step against reduction overlapped (launched right after each stage's last weight gradient).
+
+    python benchmarks/mesh.py [-p 4] [-m 8] [--dp 16] [--sharding replicate] [--model 6.2b]
+                              [--hardware cloud] [--dp-bandwidth GB/s] [--mixed-precision]
+                              [--schedules a,b,...] [--json]
+
+Simulated with the analytic model (default: the 6.2B model of the Zero Bubble paper on the
+`cloud` profile, 16 replicas, so every ring leaves the node and runs on the slow link).
+Columns (seconds; "exposed" is the largest over ranks of the time compute waits on the
+communication stream; "step" is the makespan including it):
+
+    compute     the step without data parallelism
+    comm        DP communication per rank (the busiest rank)
+    end: step / exposed      every REDUCE_GRAD at the end of the rank's step
+    overlap: step / exposed  each REDUCE_GRAD right after its stage's last W or BW (lowering)
+    saved       step time saved by overlapping, in percent of the end-of-step step
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from pipeblocks.core import Costs, ScheduleError, lower, simulate, simulate_program
+from pipeblocks.core.dp_model import DataParallel
+from pipeblocks.core.lower import PASSES
+from pipeblocks.core.passes_dp import dp_passes, dp_passes_at_end
+from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.core.sharding import parse_sharding
+from pipeblocks.sim.build import build
+
+SCHEDULES = ("1f1b", "interleaved-1f1b", "bfs", "zb-h1", "zb-v", "v-half", "v-min")
+
+
+def measure(request: ScheduleRequest) -> dict:
+    built = build(request)
+    schedule, costs = built.schedule, built.costs
+    dp = costs.data_parallel
+    alone = simulate(schedule, dataclasses.replace(costs, data_parallel=DataParallel()))
+    policies = dp.policies(schedule.num_stages)
+    row = {"schedule": schedule.name, "v": schedule.v, "compute_s": alone.makespan}
+    for label, passes in (("end", dp_passes_at_end(policies, dp.dp)), ("overlap", dp_passes(policies, dp.dp))):
+        timeline = simulate_program(lower(schedule, PASSES + passes), costs)
+        row[f"{label}_step_s"] = timeline.makespan
+        row[f"{label}_exposed_s"] = max(timeline.exposed_comm)
+        row["comm_s"] = max(timeline.comm_time)
+    row["saved_pct"] = 100 * (row["end_step_s"] - row["overlap_step_s"]) / row["end_step_s"]
+    return row
+
+
+def _check(costs: Costs) -> None:
+    if costs.data_parallel.dp < 2:
+        raise ScheduleError("--dp must be at least 2 to have data-parallel communication to place")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-p", type=int, default=4)
+    parser.add_argument("-m", type=int, default=8)
+    parser.add_argument("--dp", type=int, default=16)
+    parser.add_argument("--sharding", default="replicate")
+    parser.add_argument("--model", default="6.2b")
+    parser.add_argument("--hardware", default="cloud")
+    parser.add_argument("--dp-bandwidth", type=float, default=None, metavar="GB/s")
+    parser.add_argument("--mixed-precision", action="store_true", help="bf16 gradients and parameters on the wire")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    args = parser.parse_args(argv)
+    spec = CostSpec(model=args.model, hardware=args.hardware, dp_bandwidth=args.dp_bandwidth,
+                    mixed_precision=args.mixed_precision)
+    base = ScheduleRequest(name="1f1b", m=args.m, mesh=Mesh(pp=args.p, dp=args.dp), costs=spec,
+                           sharding=parse_sharding(args.sharding))
+    _check(build(base).costs)
+    rows = []
+    for name in args.schedules.split(","):
+        try:
+            rows.append(measure(base.with_name(name)))
+        except ScheduleError as err:
+            print(f"skipped {name}: {str(err).splitlines()[0]}", file=sys.stderr)
+    if args.json:
+        json.dump({"p": args.p, "m": args.m, "dp": args.dp, "sharding": args.sharding, "model": args.model,
+                   "hardware": args.hardware, "dp_bandwidth_gbs": args.dp_bandwidth, "rows": rows}, sys.stdout, indent=1)
+        print()
+        return 0
+    link = f"{args.dp_bandwidth} GB/s" if args.dp_bandwidth else f"{args.hardware} profile"
+    precision = "bf16" if args.mixed_precision else "fp32"
+    print(f"p={args.p} m={args.m} dp={args.dp} sharding={args.sharding} model {args.model}, DP link {link}, "
+          f"{precision} gradients (seconds)")
+    print(f"{'schedule':<17} {'v':>2} {'compute':>8} {'comm':>7} {'end step':>9} {'end exp':>8} "
+          f"{'ovl step':>9} {'ovl exp':>8} {'saved':>6}")
+    for r in rows:
+        print(f"{r['schedule']:<17} {r['v']:>2} {r['compute_s']:>8.4f} {r['comm_s']:>7.4f} {r['end_step_s']:>9.4f} "
+              f"{r['end_exposed_s']:>8.4f} {r['overlap_step_s']:>9.4f} {r['overlap_exposed_s']:>8.4f} "
+              f"{r['saved_pct']:>5.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
