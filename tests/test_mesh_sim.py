@@ -152,3 +152,40 @@ def test_cli_json_fields_and_text(capsys):
 def test_cli_rejects_bad_mesh_options(capsys, argv, message):
     code, _, err = run_cli(capsys, "simulate", "zb-v", "-p", "2", "-m", "4", "--dp", "2", *argv)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_static_memory_at_the_step_peak_keeps_full_gradients_and_gathered_parameters(d):
+    # per parameter, fp32: replicate 16; zero1/zero2 4 + 4 + 8/d; zero3 4 + 4/d + 4 + 8/d
+    expected = {"replicate": 16, "zero1": 8 + 8 / d, "zero2": 8 + 8 / d, "zero3": 8 + 12 / d}
+    for policy, per in expected.items():
+        t = simulate(get("1f1b")(p=2, m=2), _dp(policy, d=d))
+        assert t.static_memory_peak == pytest.approx((per, per))
+        assert all(peak >= rest for peak, rest in zip(t.static_memory_peak, t.static_memory))
+
+
+def test_auto_sharding_picks_the_fastest_then_the_smallest(capsys):
+    from pipeblocks.sim.auto_sharding import choose_sharding
+
+    schedule = get("zb-v")(p=2, m=4)
+    costs = _dp("replicate", d=4)
+    chosen = choose_sharding(schedule, costs)
+    assert len(chosen) == schedule.num_stages
+    best = simulate(schedule, Costs(data_parallel=DataParallel(dp=4, sharding=chosen)))
+    for policy in ShardingPolicy:  # no single policy for all chunks is faster, or as fast and smaller
+        uniform = simulate(schedule, _dp(policy.value, d=4))
+        assert best.makespan <= uniform.makespan * (1 + 1e-3)
+        if abs(best.makespan - uniform.makespan) <= 1e-3 * best.makespan:
+            assert max(best.static_memory) <= max(uniform.static_memory)
+    # a budget the chosen assignment's peak must fit; below every assignment, a clear error
+    fits = choose_sharding(schedule, costs, memory_budget=16)
+    timeline = simulate(schedule, Costs(data_parallel=DataParallel(dp=4, sharding=fits)))
+    assert max(s + a for s, a in zip(timeline.static_memory_peak, timeline.peak_activation)) <= 16
+    with pytest.raises(ValueError, match="no assignment fits --gpu-memory"):
+        choose_sharding(schedule, costs, memory_budget=1)
+    code, out, err = run_cli(capsys, "simulate", "zb-v", "-p", "2", "-m", "4", "--dp", "4", "--sharding", "auto",
+                             "--json")
+    assert code == 0 and json.loads(out)["static_memory"] == list(best.static_memory)
+    code, _, err = run_cli(capsys, "simulate", "zb-v", "-p", "2", "-m", "4", "--dp", "4", "--sharding", "auto",
+                           "--gpu-memory", "nan")
+    assert code == 2 and "--gpu-memory must be a finite number > 0" in err

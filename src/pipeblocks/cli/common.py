@@ -85,6 +85,11 @@ def add_mesh_options(parser: argparse.ArgumentParser) -> None:
         help="DP latency per ring step (default: the profile's; under unit costs, time units)",
     )
     group.add_argument(
+        "--gpu-memory", type=float, default=None, metavar="GB",
+        help="--sharding auto: memory per device for static memory plus peak activation "
+        "(GB under --model; memory units under unit costs)",
+    )
+    group.add_argument(
         "--mixed-precision", action="store_true",
         help="static memory and collectives at 2+2+12 bytes per parameter instead of fp32 AdamW's 4+4+8",
     )
@@ -137,8 +142,15 @@ def request_from_args(
         costs = dataclasses.replace(costs, **link)
     return ScheduleRequest(
         name=name or getattr(args, "name", None), m=args.m, mesh=Mesh(pp=args.p, dp=args.dp), options=tuple(options),
-        seq_chunks=args.seq_chunks, costs=costs, file=args.file, sharding=parse_sharding(args.sharding),
+        seq_chunks=args.seq_chunks, costs=costs, file=args.file, gpu_memory=args.gpu_memory,
+        **_sharding(args.sharding),
     )
+
+
+def _sharding(text: str) -> dict[str, object]:
+    if text.strip().lower() == "auto":
+        return {"auto_sharding": True}
+    return {"sharding": parse_sharding(text)}
 
 
 def _parse_setting(item: str) -> tuple[str, object]:

@@ -28,10 +28,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"makespan      {summary['makespan']:.6g}")
     print(f"bubble ratio  {summary['bubble_ratio']:.4f}   (per-rank span, as in the papers: "
           f"{summary['bubble_ratio_span']:.4f})")
-    print("rank  busy      peak activation  static memory  DP comm   exposed DP comm")
+    print("rank  busy      peak activation  static memory  (in step)     DP comm   exposed DP comm")
     for r in range(schedule.p):
         print(f"{r:>4}  {summary['busy'][r]:<8.6g}  {summary['peak_activation'][r]:<15.6g}  "
-              f"{summary['static_memory'][r]:<13.6g}  {summary['comm_time'][r]:<8.4g}  {summary['exposed_comm'][r]:.4g}")
+              f"{summary['static_memory'][r]:<13.6g}  {summary['static_memory_peak'][r]:<12.6g}  "
+              f"{summary['comm_time'][r]:<8.4g}  {summary['exposed_comm'][r]:.4g}")
     unit = "bytes" if args.model else "units: a full stage holds 1 parameter, 16 per parameter in fp32 AdamW"
-    print(f"(static memory: parameters, gradients and optimizer state, {unit})")
+    print(f"(static memory: parameters, gradients and optimizer state between steps, and at the step's peak; {unit})")
     return 0

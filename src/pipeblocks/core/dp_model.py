@@ -31,6 +31,17 @@ fp32 master copy and moments)::
     zero2      p + (g + o)/d        (4 + 12/d)
     zero3      (p + g + o)/d        (16/d)
 
+Inside the step the rank holds more (the static memory at the step's peak, `static_peak_bytes`):
+gradients accumulate at full size over the microbatches until the stage's REDUCE_GRAD, and
+a ZeRO-3 stage's parameters are gathered from its UNSHARD to its RESHARD, which the
+lowering places around all of the stage's passes. At the peak, per parameter::
+
+    replicate  p + g + o       zero1, zero2  p + g + o/d      zero3  p + g + o/d
+                                                                     (+ its shard p/d)
+
+so sharding saves optimizer state at the peak, and parameters and gradients only between
+steps (which is where a checkpoint or another model lives).
+
 Units. Under the analytic model, sizes are bytes and times seconds: --dp-bandwidth is in
 GB/s and --dp-latency in microseconds. Under unit costs (no --model) a full stage holds one
 unit of parameters, so sizes are in "bytes per parameter" units (16 per full stage for
@@ -47,7 +58,7 @@ from .sharding import ShardingPolicy, per_stage
 
 __all__ = [
     "PRECISIONS", "UNIT_LINK", "DataParallel", "Link", "Precision", "all_gather_time", "all_reduce_time",
-    "reduce_scatter_time", "static_bytes",
+    "reduce_scatter_time", "static_bytes", "static_peak_bytes",
 ]
 
 
@@ -118,6 +129,19 @@ def static_bytes(params: float, policy: ShardingPolicy, d: int, precision: Preci
     return params * per
 
 
+def static_peak_bytes(params: float, policy: ShardingPolicy, d: int, precision: Precision) -> float:
+    """Static bytes at the step's peak: full-size accumulated gradients before the
+    reduction and, for zero3, the gathered parameters beside the rank's own shard."""
+    p, g, o = precision.param, precision.grad, precision.optim
+    if policy is ShardingPolicy.REPLICATE:
+        per = p + g + o
+    elif policy is ShardingPolicy.ZERO3:
+        per = p + p / d + g + o / d
+    else:
+        per = p + g + o / d
+    return params * per
+
+
 @dataclass(frozen=True)
 class DataParallel:
     """The data-parallel side of the cost model: d replicas, a policy per chunk, the link
@@ -159,8 +183,10 @@ class DataParallel:
             return all_gather_time(params * self.bytes.param, self.dp, self.link)
         return 0.0
 
-    def static_memory(self, stage_params: Iterable[float], stages: Iterable[int]) -> float:
-        """Static bytes one replica's rank holds for its `stages`."""
+    def static_memory(self, stage_params: Iterable[float], stages: Iterable[int], *, peak: bool = False) -> float:
+        """Static bytes one replica's rank holds for its `stages`: between steps, or (with
+        `peak`) at the step's peak."""
         params = tuple(stage_params)
         policy = self.policies(len(params))
-        return sum(static_bytes(params[s], policy[s], self.dp, self.bytes) for s in stages)
+        rule = static_peak_bytes if peak else static_bytes
+        return sum(rule(params[s], policy[s], self.dp, self.bytes) for s in stages)

@@ -108,6 +108,12 @@ class ScheduleRequest:
     sharding: tuple[ShardingPolicy, ...] = (ShardingPolicy.REPLICATE,)
     """DP sharding policy for every chunk (one entry) or one per chunk, in stage order
     (checked against the stage count when the schedule is built: `sharding.per_stage`)"""
+    auto_sharding: bool = False
+    """choose the policy per chunk with the simulator when building (`sim.auto_sharding`);
+    the built request's `sharding` then holds the choice"""
+    gpu_memory: float | None = None
+    """memory per device for `auto_sharding` (static + activation): GB under the analytic
+    model, memory units under unit costs (None: no limit)"""
 
     def __post_init__(self) -> None:
         if self.name is None and self.file is None:
@@ -115,6 +121,11 @@ class ScheduleRequest:
         _positive("m", self.m, "give -m 1 or more (microbatches per step)")
         if self.seq_chunks is not None:
             _positive("--seq-chunks", self.seq_chunks, "give 1 or more sequence chunks")
+        budget = self.gpu_memory
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0
+        ):
+            raise ValueError(f"--gpu-memory must be a finite number > 0, got {budget!r}")
         if not isinstance(self.sharding, tuple) or not all(isinstance(p, ShardingPolicy) for p in self.sharding):
             object.__setattr__(self, "sharding", parse_sharding(self.sharding))
         keys = [key for key, _ in self.options]

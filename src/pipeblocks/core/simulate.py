@@ -24,14 +24,12 @@ import gc
 from .actions import Action
 from .errors import DeadlockError
 from .lower import PASSES, check_deadlock, lower
-from .ops import ACTION, P2P, unsupported
-from .program import Comm, Program
+from .ops import ACTION, DP, P2P, unsupported
+from .program import Comm, DPOp, Program
 from .schedule import Schedule
 from .validate import check_structure
 from .costs import Costs, StageCosts
-from .ops import DP
 from .passes_dp import dp_passes
-from .program import DPOp
 from .timeline import CommEvent, Event, Timeline
 
 __all__ = ["simulate", "simulate_program"]
@@ -130,6 +128,9 @@ def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
     static = tuple(
         table.data_parallel.static_memory(table.params, placement.stages_of(r)) for r in range(p)
     )
+    static_peak = tuple(
+        table.data_parallel.static_memory(table.params, placement.stages_of(r), peak=True) for r in range(p)
+    )
     if not any(comm_plans):
         return Timeline(
             schedule=schedule,
@@ -137,6 +138,7 @@ def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
             memory=tuple(tuple(t) for t in traces),
             peak_activation=tuple(peak),
             static_memory=static,
+            static_memory_peak=static_peak,
         )
     step_end = tuple(
         stream.finish(_after_step(table, placement.stages_of(r))) for r, stream in enumerate(streams)
@@ -150,6 +152,7 @@ def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
         exposed_comm=tuple(stream.exposed for stream in streams),
         step_end=step_end,
         static_memory=static,
+        static_memory_peak=static_peak,
     )
 
 

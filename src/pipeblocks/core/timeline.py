@@ -20,7 +20,10 @@ ops, which run on a communication stream per rank beside the compute stream:
                   the gradient reductions (and the zero1/zero2 parameter gather after it)
     step_end[r]     when rank r's step ends (compute and communication); the makespan
                   then runs to the last rank's step end
-    static_memory[r]  parameter, gradient and optimizer-state bytes by policy
+    static_memory[r]  parameter, gradient and optimizer-state bytes by policy, between steps
+                  (the ZeRO closed forms)
+    static_memory_peak[r]  the same at the step's peak: gradients at full size before their
+                  reduction, ZeRO-3 parameters gathered (`dp_model.static_peak_bytes`)
 """
 from __future__ import annotations
 
@@ -66,6 +69,7 @@ class Timeline:
     exposed_comm: tuple[float, ...] = ()
     step_end: tuple[float, ...] = ()
     static_memory: tuple[float, ...] = ()
+    static_memory_peak: tuple[float, ...] = ()
 
     @property
     def start(self) -> float:
@@ -126,4 +130,5 @@ class Timeline:
             "comm_time": list(self.comm_time),
             "exposed_comm": list(self.exposed_comm) or [0.0] * s.p,
             **({"static_memory": list(self.static_memory)} if self.static_memory else {}),
+            **({"static_memory_peak": list(self.static_memory_peak)} if self.static_memory_peak else {}),
         }

@@ -22,6 +22,7 @@ from ..interop import from_torch_csv, program_from_torch_csv
 from ..schedules import get
 from ..schedules.sequence import split_sequence
 from .analytic import HARDWARE, dp_link, parse_model, transformer_costs
+from .auto_sharding import choose_sharding
 from .sequence_split import chunk_shares, split_lengths
 
 __all__ = ["Built", "build", "data_parallel", "resolve_costs"]
@@ -42,7 +43,23 @@ class Built:
 
 
 def build(request: ScheduleRequest) -> Built:
-    """The schedule the request describes (generated once) and its resolved costs."""
+    """The schedule the request describes (generated once) and its resolved costs; with
+    `auto_sharding`, the policies the simulator chose are in the returned request and costs."""
+    built = _build(request)
+    if not request.auto_sharding:
+        return built
+    budget = request.gpu_memory
+    if budget is not None and request.costs.model:
+        budget *= 1e9
+    chosen = choose_sharding(built.schedule, built.costs, memory_budget=budget)
+    dp = dataclasses.replace(built.costs.data_parallel, sharding=chosen)
+    return Built(
+        dataclasses.replace(request, sharding=chosen), built.schedule,
+        dataclasses.replace(built.costs, data_parallel=dp),
+    )
+
+
+def _build(request: ScheduleRequest) -> Built:
     if request.file:
         schedule = _load(request.file)
         return Built(request, schedule, _with_dp(request, resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks), schedule.num_stages))
