@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 from ..core.lower import PASSES, lower
-from ..core.passes_dp import dp_passes
 from ..core.schedule import write_atomically
 from ..interop import program_to_torch_csv, to_torch_csv
 from .common import add_schedule_options, build, request_from_args
@@ -42,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         body = to_torch_csv(schedule)
     elif fmt == "torch-comms-csv":
         data_parallel = built.costs.data_parallel
-        passes = PASSES + dp_passes(data_parallel.policies(schedule.num_stages), data_parallel.dp)
+        passes = PASSES + data_parallel.passes(schedule.num_stages)
         body = program_to_torch_csv(lower(schedule, passes))
     elif fmt == "json":
         import json

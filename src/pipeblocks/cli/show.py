@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..core.lower import PASSES, lower
 from ..core.simulate import simulate
 from ..sim.text_timeline import render_text_timeline
 from .common import add_schedule_options, build, request_from_args
@@ -12,6 +13,10 @@ def register(sub) -> None:
     parser = sub.add_parser("show", help="print a schedule as a text timeline")
     add_schedule_options(parser)
     parser.add_argument("--actions", action="store_true", help="print the per-rank action lists (the text form) instead")
+    parser.add_argument(
+        "--program", action="store_true",
+        help="print the lowered program instead: sends, receives and the DP ops that --dp/--sharding add",
+    )
     parser.add_argument("-o", "--output", default=None, help="also save the schedule (.json or text form)")
     parser.set_defaults(run=run)
 
@@ -23,6 +28,11 @@ def run(args: argparse.Namespace) -> int:
         schedule.save(args.output)
     if args.actions:
         print(schedule.to_text(), end="")
+        return 0
+    if args.program:
+        data_parallel = built.costs.data_parallel
+        passes = PASSES + data_parallel.passes(schedule.num_stages)
+        print(lower(schedule, passes).to_text(), end="")
         return 0
     timeline = simulate(schedule, built.costs)
     print(render_text_timeline(timeline), end="")

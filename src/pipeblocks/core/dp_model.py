@@ -54,6 +54,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from .passes_dp import dp_passes
 from .sharding import ShardingPolicy, per_stage
 
 __all__ = [
@@ -165,6 +166,10 @@ class DataParallel:
 
     def policies(self, num_stages: int) -> tuple[ShardingPolicy, ...]:
         return per_stage(self.sharding, num_stages)
+
+    def passes(self, num_stages: int) -> tuple:
+        """The DP lowering passes to run after `lower.PASSES` for a schedule of `num_stages`."""
+        return dp_passes(self.policies(num_stages), self.dp)
 
     def op_time(self, kind: str, params: float, policy: ShardingPolicy) -> float:
         """Duration of a DP op of a stage with `params` parameters on the link."""

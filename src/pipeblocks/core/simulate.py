@@ -29,7 +29,6 @@ from .program import Comm, DPOp, Program
 from .schedule import Schedule
 from .validate import check_structure
 from .costs import Costs, StageCosts
-from .passes_dp import dp_passes
 from .timeline import CommEvent, Event, Timeline
 
 __all__ = ["simulate", "simulate_program"]
@@ -42,7 +41,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     data_parallel = costs.data_parallel
     with _collector_paused():
         check_structure(schedule)
-        passes = PASSES + dp_passes(data_parallel.policies(schedule.num_stages), data_parallel.dp)
+        passes = PASSES + data_parallel.passes(schedule.num_stages)
         return simulate_program(lower(schedule, passes), costs)
 
 
