@@ -203,3 +203,10 @@ def test_show_program_and_export_lowered_csv_carry_dp_ops(capsys, tmp_path):
     # the lowered CSV loads back as a schedule (its compute order)
     code, out, _ = run_cli(capsys, "simulate", "x", "--file", str(path), "--json")
     assert code == 0 and json.loads(out)["p"] == 2
+
+
+def test_non_finite_costs_and_parameter_counts_are_rejected():
+    with pytest.raises(ValueError, match="cost params must be finite and >= 0"):
+        Costs(params=float("nan"))
+    with pytest.raises(ValueError, match="cost t_f must be finite and >= 0"):
+        Costs(t_f=float("inf"))

@@ -9,6 +9,7 @@ until W (the default ratio 1 keeps everything); W or a fused BW frees the rest.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -55,8 +56,10 @@ class Costs:
         for name in ("t_f", "t_b", "t_w", "t_comm", "mem_b", "mem_w_ratio", "params"):
             value = getattr(self, name)
             values = value if isinstance(value, tuple) else (value,)
-            if any(not isinstance(x, (int, float)) or x < 0 for x in values):
-                raise ScheduleError(f"cost {name} must be >= 0, got {value!r}: costs are durations and sizes")
+            if any(not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 for x in values):
+                raise ScheduleError(
+                    f"cost {name} must be finite and >= 0, got {value!r}: costs are durations and sizes"
+                )
         ratios = self.mem_w_ratio if isinstance(self.mem_w_ratio, tuple) else (self.mem_w_ratio,)
         if any(r > 1 for r in ratios):
             raise ScheduleError(f"mem_w_ratio must be in [0, 1] (M_W <= M_B), got {self.mem_w_ratio}")
