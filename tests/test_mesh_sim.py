@@ -206,7 +206,7 @@ def test_show_program_and_export_lowered_csv_carry_dp_ops(capsys, tmp_path):
 
 
 def test_non_finite_costs_and_parameter_counts_are_rejected():
-    with pytest.raises(ValueError, match="cost params must be finite and >= 0"):
+    with pytest.raises(ValueError, match="cost params must be >= 0 and finite"):
         Costs(params=float("nan"))
-    with pytest.raises(ValueError, match="cost t_f must be finite and >= 0"):
+    with pytest.raises(ValueError, match="cost t_f must be >= 0 and finite"):
         Costs(t_f=float("inf"))

@@ -58,7 +58,7 @@ class Costs:
             values = value if isinstance(value, tuple) else (value,)
             if any(not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 for x in values):
                 raise ScheduleError(
-                    f"cost {name} must be finite and >= 0, got {value!r}: costs are durations and sizes"
+                    f"cost {name} must be >= 0 and finite, got {value!r}: costs are durations and sizes"
                 )
         ratios = self.mem_w_ratio if isinstance(self.mem_w_ratio, tuple) else (self.mem_w_ratio,)
         if any(r > 1 for r in ratios):
