@@ -210,3 +210,18 @@ def test_non_finite_costs_and_parameter_counts_are_rejected():
         Costs(params=float("nan"))
     with pytest.raises(ValueError, match="cost t_f must be >= 0 and finite"):
         Costs(t_f=float("inf"))
+
+
+def test_compare_and_plot_take_the_mesh(capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "compare", "-p", "2", "-m", "4", "--schedules", "1f1b,interleaved-1f1b",
+                           "--dp", "2", "--sharding", "zero2", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["dp"] == 2 and data["sharding"] == "zero2"
+    rows = {r["schedule"]: r for r in data["schedules"]}
+    assert rows["1f1b"]["static_memory"] == [10.0, 10.0] and rows["interleaved-1f1b"]["comm_time"] == [1.0, 1.0]
+    code, out, _ = run_cli(capsys, "compare", "-p", "2", "-m", "4", "--schedules", "1f1b", "--dp", "2")
+    assert code == 0 and "exp comm" in out
+    path = tmp_path / "mesh.svg"
+    code, _, _ = run_cli(capsys, "plot", "zb-v", "-p", "2", "-m", "4", "--dp", "2", "--sharding", "zero3",
+                         "-o", str(path))
+    assert code == 0 and "REDUCE_GRAD" in path.read_text()  # the communication stream's legend
