@@ -29,6 +29,7 @@ from .program import Comm, DPOp, Program
 from .schedule import Schedule
 from .validate import check_structure
 from .costs import Costs, StageCosts
+from .passes_dp import check_dp_ops
 from .timeline import CommEvent, Event, Timeline
 
 __all__ = ["simulate", "simulate_program"]
@@ -41,8 +42,11 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     data_parallel = costs.data_parallel
     with _collector_paused():
         check_structure(schedule)
-        passes = PASSES + data_parallel.passes(schedule.num_stages)
-        return simulate_program(lower(schedule, passes), costs)
+        dp_passes = data_parallel.passes(schedule.num_stages)
+        program = lower(schedule, PASSES + dp_passes)
+        if dp_passes:
+            check_dp_ops(program, data_parallel.policies(schedule.num_stages))
+        return simulate_program(program, costs)
 
 
 @contextlib.contextmanager
