@@ -126,3 +126,17 @@ def test_check_dp_ops_names_misplaced_ops():
     early = Program(program.schedule, tuple(map(tuple, ranks)))
     with pytest.raises(ScheduleError, match="runs after 1REDUCE_GRAD"):
         check_dp_ops(early)
+
+
+def test_every_registered_schedule_lowers_and_simulates_with_dp_ops():
+    from pipeblocks.core import Costs, simulate
+    from pipeblocks.core.dp_model import DataParallel
+    from pipeblocks.schedules import names
+
+    for name in names():
+        schedule = get(name)(p=2, m=4)
+        program = lower(schedule, passes=PASSES + dp_passes(parse_sharding("zero3"), 2))
+        check_deadlock(program)
+        check_dp_ops(program, parse_sharding("zero3"))
+        timeline = simulate(schedule, Costs(data_parallel=DataParallel(dp=2, sharding=parse_sharding("zero3"))))
+        assert all(len(evs) == 2 * len(schedule.placement.stages_of(r)) for r, evs in enumerate(timeline.comm_events))
