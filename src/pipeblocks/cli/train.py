@@ -9,6 +9,7 @@
     pipeblocks train --data notes.txt --seq 128 --layers 8 --hidden 128 --heads 8
     pipeblocks train --checkpoint ckpt --steps 20            # then, to continue to step 40:
     pipeblocks train --checkpoint ckpt --steps 40 --resume
+    pipeblocks train --clip-grad 1.0                         # global-norm clipping, no barrier before the step
     pipeblocks train --schedule zb-v -p 4 -m 8 --layers 8 --dry-run   # predicted memory and time, no launch
 
 Each step prints `step, loss, tokens/s`. At the end it prints, per rank, the measured peak
@@ -20,6 +21,17 @@ report's name with .png) draws the measured timeline under the simulated one.
 `--verify` runs one step and compares the loss and every gradient with one process
 training the whole model: it prints the largest relative difference and exits 1 beyond
 the tolerance (float64 1e-10, float32 1e-5).
+
+`--clip-grad X` clips the gradients by their global norm over all ranks; with or without
+it, a step whose gradient is non-finite on any rank is skipped on every rank. Neither adds
+a barrier before the optimizer step: each rank steps at once and undoes the step if the
+global check, which completes alongside, says so (post-validation, Zero Bubble section 4).
+With `--verify` and `--clip-grad` the clipped step is taken and the clipped gradients and
+updated weights are compared with synchronous clipping in one process.
+
+Checkpoints are verified (size and sha256) before a resume: a damaged newest checkpoint
+is reported and the newest step intact on every rank is used. A new run refuses a
+`--checkpoint` directory that holds checkpoints unless given `--overwrite`.
 
 `--seq-chunks K` cuts every microbatch into K sequence chunks (Seq1F1B, ALGORITHMS.md §5):
 seq1f1b and seq1f1b-i take it directly (default 2), any other schedule is composed with
@@ -40,6 +52,7 @@ starts, with exit status 2.
 from __future__ import annotations
 
 import argparse
+import math
 
 from ..core.request import CostSpec
 from ..models.config import GPTConfig
@@ -79,7 +92,14 @@ def register(sub) -> None:
     train.add_argument("--seed", type=int, default=TrainConfig.seed, help="weights and data order (default 0)")
     train.add_argument("--checkpoint", default=None, metavar="DIR", help="save per-rank checkpoints here")
     train.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps")
-    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest checkpoint intact on every rank in --checkpoint")
+    train.add_argument("--overwrite", action="store_true",
+                       help="a new run replaces the checkpoints already in --checkpoint (without it, it refuses)")
+    train.add_argument("--clip-grad", type=_positive_finite, default=None, metavar="X",
+                       help="clip gradients to global norm X over all ranks (default: no clipping; "
+                       "non-finite steps are skipped either way)")
+    train.add_argument("--inject-nonfinite", type=int, default=None, metavar="STEP", help=argparse.SUPPRESS)
     train.add_argument("--timeout", type=float, default=300.0, metavar="S",
                        help="seconds before a stuck run is stopped (default 300)")
     train.add_argument("--quiet", action="store_true", help="no per-step lines")
@@ -110,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     cfg, data = training.prepare(
         request, model=model, emulate=emulate, microbatch_size=args.microbatch_size, steps=args.steps, lr=args.lr,
         seed=args.seed, data=args.data, checkpoint=args.checkpoint, resume=args.resume, save_every=args.save_every,
-        verify=args.verify, timeout_s=args.timeout, quiet=args.quiet,
+        verify=args.verify, timeout_s=args.timeout, quiet=args.quiet, overwrite=args.overwrite,
+        clip_grad=args.clip_grad, inject_nonfinite=args.inject_nonfinite,
     )
     if args.dry_run:
         training.dry_run(cfg, data)
@@ -118,6 +139,16 @@ def run(args: argparse.Namespace) -> int:
     if args.verify:
         return training.verify(cfg, data)
     return training.train(cfg, data, report=args.report, plot=args.plot)
+
+
+def _positive_finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
 
 
 def _parse_emulate(text: str | None) -> tuple[float, float, float] | None:

@@ -1,40 +1,76 @@
-"""Per-rank checkpoints, written atomically, from which a run resumes exactly.
+"""Per-rank checkpoints, verified before use, from which a run resumes exactly.
 
-    DIR/rank0-step00000010.pt     rank 0's stages, optimizer, RNG and run description
-    DIR/rank1-step00000010.pt     ...one file per rank per saved step
+    DIR/rank0-step00000010.pt              rank 0's stages, optimizer, RNG and run description
+    DIR/rank0-step00000010.manifest.json   its size and sha256, written last
+    DIR/rank1-step00000010.pt ...          one pair per rank per saved step
 
     >>> save_rank(ckpt_dir, rank=0, step=10, stages={0: s0, 3: s3}, optimizer=opt, meta=meta)
-    >>> step = latest_step(ckpt_dir, world_size=2)      # newest step that every rank has
+    >>> step = latest_step(ckpt_dir, world_size=2)      # newest step intact on every rank
     >>> state = load_rank(ckpt_dir, rank=0, step=step)  # then restore_rank(state, stages, opt)
 
 `step` counts completed optimizer steps: resuming from step 10 runs step 10 next. Data
 needs no cursor (batches are a function of seed and step, see pipeblocks.data.text), and
 the RNG state is restored for anything that draws from it.
 
-Each file goes to a temporary name in DIR and is renamed into place, so a file that
-exists is complete. Ranks save independently, so a crash can leave one rank a checkpoint
-ahead of another; each rank keeps its two newest files, and `latest_step` picks the newest
-step present for every rank.
+Both files go to a temporary name in DIR and are renamed into place, the manifest after
+the checkpoint, so a manifest that exists describes a complete file. A checkpoint counts
+as intact only when its manifest parses and the file's size and sha256 match it; anything
+else (a truncated or overwritten file, a lost manifest, a file from before manifests) is
+damaged. `verify_rank` lists a rank's intact steps and its damaged files, and
+`agree_step` picks the newest step intact on every rank, so all ranks resume from the
+same step even when one rank's newest file is damaged.
+
+Ranks save independently, so a crash can leave one rank a checkpoint ahead of another;
+each rank keeps its two newest checkpoints. A new run refuses a directory that already
+holds checkpoints (`claim_directory`): it must resume them, or be told to overwrite them.
+Temporary files left by an interrupted write are removed by `remove_temporaries`.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+import sys
 import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import torch
 from torch import nn
 
-__all__ = ["save_rank", "load_rank", "restore_rank", "latest_step", "checkpoint_path", "check_meta"]
+__all__ = [
+    "RankCheck",
+    "agree_step",
+    "check_meta",
+    "checkpoint_path",
+    "claim_directory",
+    "existing_files",
+    "latest_step",
+    "load_rank",
+    "manifest_path",
+    "no_intact_message",
+    "remove_temporaries",
+    "restore_rank",
+    "save_rank",
+    "verify_rank",
+    "warn_damaged",
+]
 
 _NAME = re.compile(r"^rank(\d+)-step(\d+)\.pt$")
+_MANIFEST = re.compile(r"^rank(\d+)-step(\d+)\.manifest\.json$")
+_TEMPORARY = re.compile(r"^\.rank(\d+)-step(\d+)\.(pt|manifest\.json)\..+$")
 _KEEP = 2
+_CHUNK = 1 << 20
 
 
 def checkpoint_path(directory: str | os.PathLike, rank: int, step: int) -> Path:
     return Path(directory) / f"rank{rank}-step{step:08d}.pt"
+
+
+def manifest_path(directory: str | os.PathLike, rank: int, step: int) -> Path:
+    return Path(directory) / f"rank{rank}-step{step:08d}.manifest.json"
 
 
 def save_rank(
@@ -46,7 +82,7 @@ def save_rank(
     optimizer: torch.optim.Optimizer,
     meta: Mapping[str, object],
 ) -> Path:
-    """Write this rank's state after `step` completed steps; prune its older files."""
+    """Write this rank's state after `step` completed steps, then its manifest; prune its older files."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {
@@ -58,36 +94,96 @@ def save_rank(
         "meta": dict(meta),
     }
     path = checkpoint_path(directory, rank, step)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(state, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    manifest = manifest_path(directory, rank, step)
+    # a manifest left from an earlier save of this step must not vouch for the new file mid-write
+    manifest.unlink(missing_ok=True)
+    digest = hashlib.sha256()
+
+    def write_state(handle) -> None:
+        hashing = _HashingWriter(handle, digest)
+        torch.save(state, hashing)
+        if hashing.size == 0:
+            raise OSError(f"torch.save wrote nothing to {str(path)!r}")
+
+    size = _write_atomically(path, write_state)
+    record = {"file": path.name, "rank": rank, "step": step, "bytes": size, "sha256": digest.hexdigest()}
+    _write_atomically(manifest, lambda handle: handle.write(json.dumps(record, indent=1).encode() + b"\n"))
     for old in sorted(_steps_of(directory).get(rank, ()))[:-_KEEP]:
+        # the manifest goes first: a half-pruned checkpoint then reads as damaged, never as intact
+        manifest_path(directory, rank, old).unlink(missing_ok=True)
         checkpoint_path(directory, rank, old).unlink(missing_ok=True)
     return path
 
 
-def latest_step(directory: str | os.PathLike, world_size: int) -> int | None:
-    """The newest step for which all `world_size` ranks have a file; None if there is none."""
-    found = _steps_of(Path(directory))
-    if not found:
+@dataclass(frozen=True)
+class RankCheck:
+    """One rank's checkpoints in a directory: the steps that verify, and what does not (path, why)."""
+
+    rank: int
+    intact: tuple[int, ...]
+    damaged: tuple[tuple[str, str], ...]
+
+
+def verify_rank(directory: str | os.PathLike, rank: int) -> RankCheck:
+    """Check every checkpoint of `rank` in `directory` against its manifest (size, then sha256)."""
+    directory = Path(directory)
+    intact, damaged = [], []
+    for step in sorted(_steps_of(directory).get(rank, ())):
+        problem = _problem(directory, rank, step)
+        if problem is None:
+            intact.append(step)
+        else:
+            damaged.append((str(checkpoint_path(directory, rank, step)), problem))
+    return RankCheck(rank, tuple(intact), tuple(damaged))
+
+
+def agree_step(checks: Sequence[RankCheck]) -> int | None:
+    """The newest step intact on every rank of `checks` (one per rank); None if there is none."""
+    if not checks:
         return None
-    common = set.intersection(*(set(found.get(r, ())) for r in range(world_size)))
+    common = set.intersection(*(set(c.intact) for c in checks))
     return max(common) if common else None
 
 
+def latest_step(directory: str | os.PathLike, world_size: int) -> int | None:
+    """The newest step intact for all `world_size` ranks (every file verified); None if there is none."""
+    return agree_step([verify_rank(directory, r) for r in range(world_size)])
+
+
+def no_intact_message(directory: str | os.PathLike, checks: Sequence[RankCheck]) -> str:
+    """Why no step can be resumed, rank by rank, and what to do."""
+    parts = []
+    for c in checks:
+        bad = "; ".join(f"{Path(p).name} ({why})" for p, why in c.damaged)
+        parts.append(f"rank {c.rank} intact steps {list(c.intact)}" + (f", damaged {bad}" if bad else ""))
+    return (
+        f"no checkpoint in {str(directory)!r} is intact on all {len(checks)} ranks ({'; '.join(parts)}): "
+        "drop --resume to start from step 0 (with --overwrite to replace these files), "
+        "or resume from a directory with a complete checkpoint"
+    )
+
+
+def warn_damaged(check: RankCheck, step: int | None, *, stream=None) -> None:
+    """One line per damaged file of this rank, naming it and the step used instead."""
+    stream = stream or sys.stderr
+    for path, why in check.damaged:
+        instead = f"resuming from step {step}" if step is not None else "no intact step to resume from"
+        print(f"warning: checkpoint {path} is damaged ({why}): {instead}", file=stream, flush=True)
+
+
 def load_rank(directory: str | os.PathLike, *, rank: int, step: int) -> dict:
+    """The state of `rank` at `step`, verified against its manifest first."""
     path = checkpoint_path(directory, rank, step)
+    problem = _problem(Path(directory), rank, step)
+    if problem is not None:
+        raise ValueError(
+            f"checkpoint {str(path)!r} cannot be used ({problem}): resume from a step intact on every rank "
+            "(latest_step / agree_step)"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise ValueError(f"checkpoint {str(path)!r} is missing: resume from a directory every rank saved to") from None
+    except Exception as err:  # noqa: BLE001 - a file that verifies but does not load is still damaged
+        raise ValueError(f"checkpoint {str(path)!r} matches its manifest but does not load: {err}") from None
 
 
 def restore_rank(state: Mapping, stages: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer) -> int:
@@ -118,12 +214,120 @@ def check_meta(saved: Mapping[str, object], current: Mapping[str, object], direc
         )
 
 
-def _steps_of(directory: Path) -> dict[int, list[int]]:
-    found: dict[int, list[int]] = {}
+def existing_files(directory: str | os.PathLike) -> list[Path]:
+    """Every checkpoint, manifest and temporary file of this format in `directory` (nothing else)."""
+    directory = Path(directory)
     if not directory.is_dir():
-        return found
-    for entry in directory.iterdir():
-        match = _NAME.match(entry.name)
-        if match:
-            found.setdefault(int(match.group(1)), []).append(int(match.group(2)))
+        return []
+    patterns = (_NAME, _MANIFEST, _TEMPORARY)
+    return sorted(e for e in directory.iterdir() if any(p.match(e.name) for p in patterns))
+
+
+def claim_directory(directory: str | os.PathLike, *, overwrite: bool, dry_run: bool = False) -> list[Path]:
+    """Make `directory` ready for a new run (not a resume); return the files removed.
+
+    Checkpoints already there belong to another run: without `overwrite` this raises
+    ValueError naming them and the ways out; with it they are removed (only files of this
+    format: other files in the directory are left alone). `dry_run`: check only.
+    """
+    found = existing_files(directory)
+    if not found:
+        return []
+    if not overwrite:
+        steps = sorted({int(m.group(2)) for f in found if (m := _NAME.match(f.name))})
+        raise ValueError(
+            f"--checkpoint {str(directory)!r} already holds {len(found)} checkpoint file(s) of another run "
+            f"(steps {steps}): add --resume to continue that run, --overwrite to replace its checkpoints, "
+            "or choose a new --checkpoint directory"
+        )
+    if not dry_run:
+        for f in found:
+            f.unlink(missing_ok=True)
     return found
+
+
+def remove_temporaries(directory: str | os.PathLike, ranks: Iterable[int] | None = None) -> list[Path]:
+    """Delete temporary files that an interrupted save of `ranks` (None: any rank) left; return them.
+
+    Call only while no save to `directory` is under way for those ranks (at the start of a run).
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    wanted = None if ranks is None else set(ranks)
+    removed = []
+    for entry in sorted(directory.iterdir()):
+        match = _TEMPORARY.match(entry.name)
+        if match and (wanted is None or int(match.group(1)) in wanted):
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
+
+
+# ---- internals ----------------------------------------------------------------------------
+class _HashingWriter:
+    """A binary file wrapper that hashes and counts what passes through it."""
+
+    def __init__(self, handle, digest) -> None:
+        self._handle, self._digest, self.size = handle, digest, 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self._digest.update(view)
+        self.size += view.nbytes
+        return self._handle.write(view)
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+
+def _write_atomically(path: Path, write) -> int:
+    """Write through `write(handle)` to a temporary file beside `path`, fsync, rename; return the size."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+            size = handle.tell()
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return size
+
+
+def _problem(directory: Path, rank: int, step: int) -> str | None:
+    """Why the checkpoint of (rank, step) is not intact, or None when it is."""
+    path, manifest = checkpoint_path(directory, rank, step), manifest_path(directory, rank, step)
+    if not path.is_file():
+        return "file missing"
+    try:
+        record = json.loads(manifest.read_text())
+        expected_size, expected_hash = int(record["bytes"]), str(record["sha256"])
+    except FileNotFoundError:
+        return "no manifest: an interrupted save, or written before checkpoints were verified"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"unreadable manifest: {err}"
+    size = path.stat().st_size
+    if size != expected_size:
+        return f"{size} bytes, manifest says {expected_size}"
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    if digest.hexdigest() != expected_hash:
+        return "sha256 differs from the manifest"
+    return None
+
+
+def _steps_of(directory: Path) -> dict[int, list[int]]:
+    """rank -> steps with a checkpoint file or a manifest (either marks a save that was started)."""
+    found: dict[int, set[int]] = {}
+    if not directory.is_dir():
+        return {}
+    for entry in directory.iterdir():
+        match = _NAME.match(entry.name) or _MANIFEST.match(entry.name)
+        if match:
+            found.setdefault(int(match.group(1)), set()).add(int(match.group(2)))
+    return {r: sorted(s) for r, s in found.items()}

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..core.schedule import Schedule
@@ -38,6 +39,8 @@ class TrainConfig:
     """Continue from the newest complete checkpoint in `checkpoint`."""
     save_every: int = 0
     """Also save every this many steps (0: only after the last step)."""
+    overwrite: bool = False
+    """A new run may replace the checkpoints of another run in `checkpoint` (else it refuses)."""
     emulate: tuple[float, float, float] | None = None
     """(F, B, W) milliseconds per layer per microbatch: sleep instead of computing (no learning)."""
     verify: bool = False
@@ -50,11 +53,22 @@ class TrainConfig:
     """No per-step progress lines."""
     seq_split: str = "balanced"
     """With a sequence-chunk schedule: "balanced" (equal FLOPs under causal attention) or "even" chunks."""
+    clip_grad: float | None = None
+    """Clip the global gradient norm (all ranks) to this; None: no clipping. Either way a step
+    whose gradient is non-finite on any rank is skipped on every rank (post_validation.py)."""
+    optimistic_step: bool = True
+    """Step before the global norm is known and undo if needed; False: wait for it (a barrier)."""
+    inject_nonfinite: int | None = None
+    """Test hook: make one gradient of the last rank infinite in this step (1-based)."""
 
     def __post_init__(self) -> None:
         for name in ("microbatch_size", "steps", "timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.clip_grad is not None and not (math.isfinite(self.clip_grad) and self.clip_grad > 0):
+            raise ValueError(f"clip_grad must be a finite number > 0, got {self.clip_grad!r}")
+        if self.inject_nonfinite is not None and not 1 <= self.inject_nonfinite <= self.steps:
+            raise ValueError(f"inject_nonfinite must be a step in 1..{self.steps}, got {self.inject_nonfinite!r}")
         if self.save_every < 0:
             raise ValueError(f"save_every must be >= 0, got {self.save_every}")
         if self.resume and not self.checkpoint:
@@ -98,6 +112,6 @@ class TrainConfig:
         return {
             "model": self.model.to_json(), "schedule": s.name, "p": s.p, "m": s.m,
             "placement": list(s.placement.stage_to_rank), "microbatch_size": self.microbatch_size,
-            "lr": self.lr, "seed": self.seed, "data": data_source,
+            "lr": self.lr, "seed": self.seed, "data": data_source, "clip_grad": self.clip_grad,
             "seq_chunks": s.seq_chunks, "seq_lengths": list(self.seq_lengths() or ()),
         }

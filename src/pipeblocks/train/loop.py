@@ -8,9 +8,13 @@ Each rank builds only its own stages from the seed (`build_stages`, so the weigh
 those of `GPT(cfg.model, seed=cfg.seed)`), an AdamW over their parameters, and a
 `PipelineRunner`. Step k feeds the batch `TokenWindows.batch(k, m*b, seed)` (the runner
 cuts it into m microbatches), then steps the optimizer. The rank that holds the last
-stage prints one progress line per step. Checkpoints go to `cfg.checkpoint` every
-`save_every` steps and after the last one (see checkpoint.py); `resume` continues from
-the newest step that every rank saved.
+stage prints one progress line per step. The optimizer steps through a `PostValidator`
+(post_validation.py): `clip_grad` clips by the global gradient norm, and a step whose
+gradient is non-finite on any rank is skipped on every rank, with no barrier before the
+step. Checkpoints go to `cfg.checkpoint` every `save_every` steps and after the last one
+(see checkpoint.py); `resume` continues from the newest step intact on every rank (each
+rank verifies its own files, then the ranks agree). `launch` refuses a directory holding
+another run's checkpoints unless `overwrite`.
 
 Rank 0 also collects the measured Timeline of every step (one gather per step) and
 returns the latest ones, from which the launcher profiles pass times and the bubble
@@ -30,6 +34,7 @@ from ..models.gpt import cross_entropy
 from ..models.split import build_stages, layer_counts
 from . import checkpoint as ckpt
 from .config import TrainConfig
+from .post_validation import PostValidator
 from .report import RankResult
 
 __all__ = ["TrainConfig", "launch", "train_rank"]
@@ -42,6 +47,11 @@ def launch(cfg: TrainConfig) -> list[RankResult]:
     """Run `cfg` in p local processes (gloo on CPU); a failure on any rank raises here."""
     from ..runtime.launch import spawn
 
+    if cfg.checkpoint and not cfg.resume and not cfg.verify:
+        removed = ckpt.claim_directory(cfg.checkpoint, overwrite=cfg.overwrite)
+        if removed:
+            print(f"--overwrite: removed {len(removed)} checkpoint file(s) of an earlier run from "
+                  f"{cfg.checkpoint!r}", file=sys.stderr, flush=True)
     threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.schedule.p)
     return spawn(
         train_rank, cfg.schedule.p, args=(cfg,), timeout_s=cfg.timeout_s, threads_per_rank=threads,
@@ -63,13 +73,12 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
     torch.manual_seed(cfg.seed)
 
     start = 0
+    if cfg.checkpoint:
+        ckpt.remove_temporaries(cfg.checkpoint, ranks=[rank])  # no save of this rank is under way yet
     if cfg.resume:
-        step = ckpt.latest_step(cfg.checkpoint, schedule.p)
-        if step is None:
-            raise ValueError(f"no complete checkpoint in {cfg.checkpoint!r}")
-        state = ckpt.load_rank(cfg.checkpoint, rank=rank, step=step)
-        ckpt.check_meta(state["meta"], cfg.meta(data.source), cfg.checkpoint)
-        start = ckpt.restore_rank(state, stages, optimizer)
+        start = _resume(cfg, ctx, stages, optimizer, data.source)
+    validator = PostValidator(optimizer, max_norm=cfg.clip_grad, optimistic=cfg.optimistic_step,
+                              timeout_s=cfg.timeout_s)
 
     compute = _emulated_compute(cfg, stages, ctx.device) if cfg.emulate is not None else None
     runner = PipelineRunner(
@@ -77,19 +86,27 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
         record_timeline=not cfg.verify, compute=compute, seq_lengths=cfg.seq_lengths(),
     )
     last = start + 1 if cfg.verify else cfg.steps
-    losses, spans, peak = [], [], 0
+    losses, spans, peak, skipped = [], [], 0, []
     timelines: deque = deque(maxlen=KEEP_TIMELINES)
     for step in range(start, last):
         inputs, targets = data.batch(step, cfg.batch_size, seed=cfg.seed)
         optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         result = runner.step(inputs if runner.holds_first_stage else None, targets if runner.holds_last_stage else None)
+        if cfg.inject_nonfinite == step + 1 and rank == schedule.p - 1:
+            next(p.grad for p in params if p.grad is not None).view(-1)[0] = float("inf")
         if cfg.verify:
+            # with clipping, the step is taken and the gradients it used are compared
+            check = validator.step() if cfg.clip_grad is not None else None
             grads = {n: None if p.grad is None else p.grad.detach().cpu().clone()
                      for s in built for n, p in s.named_parameters()}
+            updated = None if check is None else {n: p.detach().cpu().clone()
+                                                  for s in built for n, p in s.named_parameters()}
             return RankResult(rank, tuple(mine), ((step, result.loss),) if result.loss is not None else (),
-                              grads=grads)
-        optimizer.step()
+                              grads=grads, params=updated, checks=() if check is None else ((step, check),))
+        check = validator.step()
+        if check.outcome == "skipped":
+            skipped.append(step)
         t1 = time.perf_counter()
         spans.append((step, t0, t1))
         peak = max(peak, result.peak_saved_bytes)
@@ -100,13 +117,39 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
             if not cfg.quiet:
                 loss = "emulated" if cfg.emulate else f"{result.loss:.4f}"
                 print(f"step {step + 1:>5}/{cfg.steps}  loss {loss}  "
-                      f"{cfg.tokens_per_step / (t1 - t0):>9,.0f} tokens/s  {(t1 - t0) * 1e3:7.1f} ms", flush=True)
+                      f"{cfg.tokens_per_step / (t1 - t0):>9,.0f} tokens/s  {(t1 - t0) * 1e3:7.1f} ms"
+                      + _check_note(check, cfg.clip_grad), flush=True)
         done = step + 1
         if cfg.checkpoint and (done == last or (cfg.save_every and done % cfg.save_every == 0)):
             ckpt.save_rank(cfg.checkpoint, rank=rank, step=done, stages=stages, optimizer=optimizer,
                            meta=cfg.meta(data.source))
     sys.stdout.flush()
-    return RankResult(rank, tuple(mine), tuple(losses), tuple(spans), peak, tuple(timelines))
+    return RankResult(rank, tuple(mine), tuple(losses), tuple(spans), peak, tuple(timelines),
+                      skipped_steps=tuple(skipped))
+
+
+def _resume(cfg: TrainConfig, ctx, stages, optimizer, data_source: str) -> int:
+    """Verify this rank's checkpoints, agree with the other ranks on a step, restore it."""
+    import torch.distributed as dist
+
+    mine = ckpt.verify_rank(cfg.checkpoint, ctx.rank)
+    checks: list = [None] * ctx.world_size
+    dist.all_gather_object(checks, mine)
+    step = ckpt.agree_step(checks)
+    ckpt.warn_damaged(mine, step)
+    if step is None:
+        raise ValueError(ckpt.no_intact_message(cfg.checkpoint, checks))
+    state = ckpt.load_rank(cfg.checkpoint, rank=ctx.rank, step=step)
+    ckpt.check_meta(state["meta"], cfg.meta(data_source), cfg.checkpoint)
+    return ckpt.restore_rank(state, stages, optimizer)
+
+
+def _check_note(check, clip_grad: float | None) -> str:
+    if check.outcome == "skipped":
+        return "  skipped (non-finite gradient)"
+    if clip_grad is None:
+        return ""
+    return f"  norm {check.norm:.3g}" + (" clipped" if check.outcome == "clipped" else "")
 
 
 def _emulated_compute(cfg: TrainConfig, stages, device):

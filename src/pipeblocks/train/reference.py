@@ -7,17 +7,26 @@ One process builds the whole GPT from the same seed, runs the step's m microbatc
 after another with loss/m each (the pipeline's per-step loss is the mean of its
 microbatch losses), and keeps every parameter's gradient by name. The names are the ones
 the stage modules use, so a pipeline's gradients compare one to one.
+
+With gradient clipping the reference is synchronous clipping in one process:
+`torch.nn.utils.clip_grad_norm_` over the whole model, then AdamW.
+
+    >>> loss, clipped, params, norm = reference_update(cfg, seed=0, inputs=x, targets=y, microbatches=8,
+    ...                                                lr=3e-3, max_norm=0.1)
+    >>> losses = reference_losses(cfg, seed=0, batches=batches, microbatches=8, lr=3e-3, max_norm=0.1, skip={2})
 """
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple
+from collections.abc import Container, Iterable, Mapping
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..models import GPT, GPTConfig, cross_entropy
 
-__all__ = ["reference_step", "compare_grads", "GradDiff", "relative_difference", "TOLERANCE"]
+__all__ = ["reference_step", "reference_update", "reference_losses", "compare_grads", "GradDiff",
+           "relative_difference", "TOLERANCE"]
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 """Largest relative difference `train --verify` accepts, by dtype (DESIGN.md invariant 2)."""
@@ -35,12 +44,56 @@ def reference_step(
     if inputs.size(0) % microbatches:
         raise ValueError(f"a batch of {inputs.size(0)} does not split into {microbatches} equal microbatches")
     model = GPT(cfg, seed=seed)
+    loss = _accumulate(model, inputs, targets, microbatches)
+    return loss, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def reference_update(
+    cfg: GPTConfig, *, seed: int, inputs: Tensor, targets: Tensor, microbatches: int, lr: float,
+    max_norm: float | None,
+) -> tuple[float, dict[str, Tensor], dict[str, Tensor], float]:
+    """One step with synchronous clipping: (loss, clipped gradients, parameters after AdamW, global norm)."""
+    model = GPT(cfg, seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    loss = _accumulate(model, inputs, targets, microbatches)
+    norm = _clip(model, max_norm)
+    optimizer.step()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return loss, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, norm
+
+
+def reference_losses(
+    cfg: GPTConfig, *, seed: int, batches: Iterable[tuple[Tensor, Tensor]], microbatches: int, lr: float,
+    max_norm: float | None = None, skip: Container[int] = (),
+) -> list[float]:
+    """Each step's loss over `batches`, clipping synchronously; the steps in `skip` (0-based) compute
+    their loss but make no update, as a run without that batch's update."""
+    model = GPT(cfg, seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step, (inputs, targets) in enumerate(batches):
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(_accumulate(model, inputs, targets, microbatches))
+        if step not in skip:
+            _clip(model, max_norm)
+            optimizer.step()
+    return losses
+
+
+def _accumulate(model: GPT, inputs: Tensor, targets: Tensor, microbatches: int) -> float:
     total = 0.0
     for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches)):
         loss = cross_entropy(model(x), y)
         (loss / microbatches).backward()
         total += loss.item()
-    return total / microbatches, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return total / microbatches
+
+
+def _clip(model: GPT, max_norm: float | None) -> float:
+    params = list(model.parameters())
+    if max_norm is None:
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])).item()
+    return torch.nn.utils.clip_grad_norm_(params, max_norm).item()
 
 
 def relative_difference(a: Tensor | float, b: Tensor | float) -> float:

@@ -61,6 +61,12 @@ class RankResult:
     """Rank 0 only: (step, measured Timeline of all ranks) for the latest steps."""
     grads: dict | None = None
     """Gradients by parameter name after one step (--verify)."""
+    params: dict | None = None
+    """Parameters by name after one clipped step (--verify with clipping)."""
+    checks: tuple = ()
+    """(step, post_validation.StepCheck) of the steps --verify took."""
+    skipped_steps: tuple[int, ...] = ()
+    """Steps (0-based) skipped for a non-finite gradient."""
 
 
 @dataclass(frozen=True)

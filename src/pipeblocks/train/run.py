@@ -50,6 +50,8 @@ def prepare(
 
     if request.mesh.dp != 1:
         raise ValueError(f"data parallelism is not supported yet (dp={request.mesh.dp}): use dp=1")
+    if train_options.get("resume") and train_options.get("overwrite"):
+        raise ValueError("--resume continues the checkpoints that --overwrite would replace: choose one")
     if train_options.get("verify") and (emulate is not None or train_options.get("checkpoint")
                                         or train_options.get("resume")):
         raise ValueError("--verify runs one real step from the seed: drop --emulate, --checkpoint and --resume")
@@ -66,18 +68,27 @@ def prepare(
                       **train_options)
     if cfg.resume:
         _check_resume(cfg, data)
+    elif cfg.checkpoint:
+        from . import checkpoint as ckpt
+
+        ckpt.claim_directory(cfg.checkpoint, overwrite=cfg.overwrite, dry_run=True)
     return cfg, data
 
 
 def _check_resume(cfg: TrainConfig, data: TokenWindows) -> None:
     from . import checkpoint as ckpt
 
-    step = ckpt.latest_step(cfg.checkpoint, cfg.schedule.p)
+    # the ranks verify and agree again themselves (and warn about damaged files); this is
+    # here so that a resume that cannot work fails before anything is launched
+    checks = [ckpt.verify_rank(cfg.checkpoint, r) for r in range(cfg.schedule.p)]
+    step = ckpt.agree_step(checks)
     if step is None:
-        raise ValueError(
-            f"--resume: no complete checkpoint for {cfg.schedule.p} ranks in {cfg.checkpoint!r}: "
-            "drop --resume to start from step 0"
-        )
+        if not any(c.intact or c.damaged for c in checks):
+            raise ValueError(
+                f"--resume: no complete checkpoint for {cfg.schedule.p} ranks in {cfg.checkpoint!r}: "
+                "drop --resume to start from step 0"
+            )
+        raise ValueError(f"--resume: {ckpt.no_intact_message(cfg.checkpoint, checks)}")
     ckpt.check_meta(ckpt.load_rank(cfg.checkpoint, rank=0, step=step)["meta"], cfg.meta(data.source), cfg.checkpoint)
     if step >= cfg.steps:
         raise ValueError(f"--resume: the checkpoint is at step {step} already: raise --steps above {step}")
@@ -204,7 +215,14 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
     seq_mem = profile_chunk_memory(stages, x, cross_entropy, y, cfg.seq_lengths()) if s.seq_chunks > 1 else None
     warmup = min(WARMUP_STEPS, max(0, len(results[0].step_spans) - 1))
     built = build_report(s, results, memory, warmup=warmup, emulated=cfg.emulate is not None, seq_mem=seq_mem)
+    skipped = [[step + 1 for step in r.skipped_steps] for r in results]
+    built.data["skipped_steps"] = skipped  # 1-based, per rank
     print(format_report(built.data))
+    if any(skipped):
+        if all(x == skipped[0] for x in skipped):
+            print(f"skipped steps {skipped[0]} (non-finite gradient) on every rank")
+        else:
+            print(f"skipped steps per rank {skipped} (non-finite gradient): the ranks disagree")
     if report:
         write_atomically(Path(report), json.dumps(built.data, indent=1) + "\n")
         print(f"report   {report}")
@@ -217,8 +235,11 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
 
 
 def verify(cfg: TrainConfig, data: TokenWindows) -> int:
-    """One step on the ranks against one process on the whole model; 0 within tolerance."""
-    from .reference import TOLERANCE, compare_grads, reference_step, relative_difference
+    """One step on the ranks against one process on the whole model; 0 within tolerance.
+
+    With clipping the ranks take the (post-validated) step, and the clipped gradients and
+    the weights after it are compared with synchronous clipping in one process."""
+    from .reference import TOLERANCE, GradDiff, compare_grads, reference_step, reference_update, relative_difference
 
     results = _launch(cfg)
     if results is None:
@@ -226,17 +247,31 @@ def verify(cfg: TrainConfig, data: TokenWindows) -> int:
     grads = {name: g for r in results for name, g in (r.grads or {}).items()}
     loss = next(l for r in results for _, l in r.losses)
     inputs, targets = data.batch(0, cfg.batch_size, seed=cfg.seed)  # the step the ranks ran
-    ref_loss, ref_grads = reference_step(cfg.model, seed=cfg.seed, inputs=inputs, targets=targets,
-                                         microbatches=cfg.schedule.m)
-    worst = compare_grads(grads, ref_grads)
+    clipped = ""
+    if cfg.clip_grad is None:
+        ref_loss, ref_grads = reference_step(cfg.model, seed=cfg.seed, inputs=inputs, targets=targets,
+                                             microbatches=cfg.schedule.m)
+        worst = compare_grads(grads, ref_grads)
+    else:
+        ref_loss, ref_grads, ref_params, ref_norm = reference_update(
+            cfg.model, seed=cfg.seed, inputs=inputs, targets=targets, microbatches=cfg.schedule.m, lr=cfg.lr,
+            max_norm=cfg.clip_grad)
+        params = {n: p for r in results for n, p in (r.params or {}).items()}
+        check = results[0].checks[0][1]
+        undone = sum(1 for r in results if r.checks and r.checks[0][1].rolled_back)
+        worst = max(compare_grads(grads, ref_grads), compare_grads(params, ref_params),
+                    GradDiff("global norm", relative_difference(check.norm, ref_norm)), key=lambda d: d.relative)
+        clipped = (f" clip-grad {cfg.clip_grad:g}: global norm {check.norm:.6g} vs one process {ref_norm:.6g}, "
+                   f"{check.outcome}, {undone} rank(s) undid an optimistic step;")
     loss_diff = relative_difference(loss, ref_loss)
     tolerance = TOLERANCE[cfg.model.dtype]
     largest = max(worst.relative, loss_diff)
     ok = largest <= tolerance
     chunks = f" seq_chunks={cfg.schedule.seq_chunks} {list(cfg.seq_lengths())}" if cfg.schedule.seq_chunks > 1 else ""
-    print(f"verify {cfg.schedule.name} p={cfg.schedule.p} m={cfg.schedule.m}{chunks} {cfg.model.dtype}: "
+    what = "gradients and weights after the clipped step" if cfg.clip_grad is not None else "gradients"
+    print(f"verify {cfg.schedule.name} p={cfg.schedule.p} m={cfg.schedule.m}{chunks} {cfg.model.dtype}:{clipped} "
           f"loss {loss:.10g} vs one process {ref_loss:.10g} (relative difference {loss_diff:.3g}); "
-          f"{len(ref_grads)} gradients, largest relative difference {worst.relative:.3g} ({worst.name})")
+          f"{len(ref_grads)} {what}, largest relative difference {worst.relative:.3g} ({worst.name})")
     print(f"largest relative difference {largest:.3g}, tolerance {tolerance:g}: {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
 
