@@ -25,8 +25,15 @@ from torch import Tensor
 
 from ..models import GPT, GPTConfig, cross_entropy
 
-__all__ = ["reference_step", "reference_update", "reference_losses", "compare_grads", "GradDiff",
-           "relative_difference", "TOLERANCE"]
+__all__ = [
+    "TOLERANCE",
+    "GradDiff",
+    "compare_grads",
+    "reference_losses",
+    "reference_step",
+    "reference_update",
+    "relative_difference",
+]
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 """Largest relative difference `train --verify` accepts, by dtype (DESIGN.md invariant 2)."""
