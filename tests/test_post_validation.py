@@ -10,7 +10,15 @@ import re
 
 import pytest
 import torch
-from _post_validation_cases import LR, MAX_NORM, NONFINITE, SCALES, gradient, initial, validator_worker
+from _post_validation_cases import (
+    LR,
+    MAX_NORM,
+    NONFINITE,
+    SCALES,
+    gradient,
+    initial,
+    validator_worker,
+)
 
 from pipeblocks.runtime import spawn
 from pipeblocks.train.post_validation import PostValidator, clip_coefficient
@@ -75,7 +83,7 @@ def test_clip_coefficient_and_bad_max_norm():
 
 
 # ---- through `pipeblocks train` ---------------------------------------------------------
-from test_train import SMALL, _train  # noqa: E402
+from test_train import SMALL, _train
 
 
 def test_verify_with_clipping_matches_synchronous_clipping_after_an_undone_step():
@@ -97,7 +105,7 @@ def test_injected_inf_skips_exactly_that_step_on_every_rank(tmp_path):
     proc = _train("--schedule", "1f1b", *SMALL, "--dtype", "float64", "--steps", "4", "--clip-grad", "0.5",
                   "--inject-nonfinite", "2", "--report", str(tmp_path / "r.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert re.search(r"^step +2/4 .*skipped \(non-finite gradient\)", proc.stdout, re.M)
+    assert re.search(r"^step +2/4 .*skipped \(non-finite gradient\)", proc.stdout, re.MULTILINE)
     assert "skipped steps [2] (non-finite gradient) on every rank" in proc.stdout
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["skipped_steps"] == [[2], [2]]

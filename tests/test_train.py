@@ -55,8 +55,9 @@ def test_latest_step_is_the_newest_every_rank_has_and_old_files_are_pruned(tmp_p
     for step in (1, 2, 3):
         save_rank(tmp_path, rank=0, step=step, stages=stages, optimizer=opt, meta={})
     save_rank(tmp_path, rank=1, step=2, stages=stages, optimizer=opt, meta={})
-    names = sorted(p.name for p in tmp_path.iterdir())
+    names = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".pt")
     assert names == ["rank0-step00000002.pt", "rank0-step00000003.pt", "rank1-step00000002.pt"]
+    assert len(list(tmp_path.glob("*.manifest.json"))) == 3
     assert latest_step(tmp_path, world_size=2) == 2
     assert latest_step(tmp_path, world_size=3) is None
     assert latest_step(tmp_path / "nothing", world_size=1) is None
