@@ -120,3 +120,37 @@ def test_injected_inf_skips_exactly_that_step_on_every_rank(tmp_path):
     for a, b in zip(got, expected):
         assert abs(a - b) <= 1e-10 * abs(b), (got, expected)
     assert abs(got[2] - without_skip[2]) > 1e-6  # the skip changed what followed
+
+
+# ---- tentative steps: kept equals torch's step bit for bit, dropped leaves no trace --------
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1, foreach=False),
+    lambda ps: torch.optim.Adam(ps, lr=0.05, weight_decay=0.1, betas=(0.8, 0.9), foreach=False),
+    lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+], ids=["adamw", "adam-coupled-decay", "sgd-copy-rollback"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_kept_tentative_step_is_torchs_step_and_a_dropped_one_leaves_no_trace(make, dtype):
+    from pipeblocks.train.tentative import AdamOutOfPlace, CopyRollback, tentative_step
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 4, 2)]
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    mine_opt, torch_opt = make(ours), make(theirs)
+    step = tentative_step(mine_opt)
+    assert isinstance(step, AdamOutOfPlace if isinstance(mine_opt, torch.optim.Adam) else CopyRollback)
+    for k in range(6):
+        grads = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        step.take()
+        if k in (0, 3):  # dropped: the first (no state yet) and a later one
+            step.drop()
+        else:
+            step.keep()
+            torch_opt.step()
+        for p, q in zip(ours, theirs):
+            assert torch.equal(p, q), (k, (p - q).abs().max())
+            for key, value in torch_opt.state.get(q, {}).items():
+                assert torch.equal(mine_opt.state[p][key], value), (k, key)
+        assert (ours[0] in mine_opt.state) == (theirs[0] in torch_opt.state)

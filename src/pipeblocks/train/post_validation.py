@@ -20,11 +20,12 @@ Bubble (Qi et al., 2024, section 4) removes the wait by validating after the ste
    coefficient and the step is redone; otherwise the optimistic step stands.
 
 The clip coefficient is torch's (`clip_grad_norm_`): max_norm / (norm + 1e-6), applied only
-when below 1. Undoing restores saved copies (parameters and every optimizer state tensor,
-in buffers reused from step to step), so a redone step is bit for bit the step that
-synchronous clipping takes, for any optimizer; the paper's in-place AdamW inversion would
-save that memory but is exact only up to rounding. `optimistic=False` is the barrier
-(all-reduce, wait, then step) with the same arithmetic, to compare against.
+when below 1. The optimistic step is tentative (tentative.py): for torch's Adam and AdamW
+it is computed into spare buffers and swapped in once the check passes, so undoing costs
+nothing and the result is bit for bit the step synchronous clipping takes; for any other
+optimizer the parameters and state are copied before the step and copied back to undo.
+`optimistic=False` is the barrier (all-reduce, wait, then step) with the same arithmetic,
+to compare against.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from .tentative import tentative_step
 
 __all__ = ["CLIP_EPS", "PostValidator", "StepCheck", "clip_coefficient"]
 
@@ -105,9 +108,7 @@ class PostValidator:
         self.optimistic = optimistic
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
-        self._param_copies: list[torch.Tensor] | None = None
-        self._state_copies: dict[tuple[int, str], torch.Tensor] = {}
-        self._saved_state: list[dict | None] = []
+        self._update = tentative_step(optimizer)
 
     def step(self) -> StepCheck:
         """Validate and take (or undo, redo, skip) this rank's optimizer step."""
@@ -123,8 +124,7 @@ class PostValidator:
         local = total.item()
         stepped = math.isfinite(local) and clip_coefficient(math.sqrt(local), self.max_norm) == 1.0
         if stepped:
-            self._save()
-            self.optimizer.step()
+            self._update.take()
         start = time.perf_counter()
         if self.timeout is None:
             work.wait()
@@ -138,71 +138,31 @@ class PostValidator:
         norm = math.sqrt(squared) if squared >= 0 else math.nan
         if not math.isfinite(squared):
             if stepped:
-                self._restore()
+                self._update.drop()
             return StepCheck(norm, 0.0, "skipped", stepped, stepped, wait_s)
         coefficient = clip_coefficient(norm, self.max_norm)
         if coefficient < 1.0:
             if stepped:
-                self._restore()
+                self._update.drop()
             torch._foreach_mul_(grads, coefficient)
-            self.optimizer.step()
+            self._update.step()
             return StepCheck(norm, coefficient, "clipped", stepped, stepped, wait_s)
-        if not stepped:
+        if stepped:
+            self._update.keep()
+        else:
             # only reachable when rounding made the local part look unsafe while the sum is not
-            self.optimizer.step()
+            self._update.step()
         return StepCheck(norm, 1.0, "stepped", stepped, False, wait_s)
 
     def _squared_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         device = grads[0].device if grads else (self._params[0].device if self._params else torch.device("cpu"))
         if not grads:
             return torch.zeros(1, dtype=torch.float64, device=device)
-        norms = torch._foreach_norm([g.detach().to(torch.float64) for g in grads])
-        return torch.stack(norms).square().sum().reshape(1)
+        # per-tensor norms in the gradients' dtype, as clip_grad_norm_ computes them; their
+        # squares are summed in float64, where a float32 norm cannot overflow when squared
+        norms = torch._foreach_norm([g.detach() for g in grads])
+        return torch.stack(norms).to(torch.float64).square().sum().reshape(1)
 
     def _all_reduce(self, tensor: torch.Tensor, *, async_op: bool):
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         return work if async_op else tensor
-
-    # ---- undo: copies into buffers kept from step to step ---------------------------------
-    @torch.no_grad()
-    def _save(self) -> None:
-        if self._param_copies is None:
-            self._param_copies = [torch.empty_like(p) for p in self._params]
-        torch._foreach_copy_(self._param_copies, [p.detach() for p in self._params])
-        saved: list[dict | None] = []
-        for i, p in enumerate(self._params):
-            state = self.optimizer.state.get(p)
-            if not state:
-                saved.append(None)
-                continue
-            entry = {}
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    copy = self._state_copies.get((i, key))
-                    if copy is None or copy.shape != value.shape or copy.dtype != value.dtype:
-                        copy = self._state_copies[(i, key)] = torch.empty_like(value)
-                    copy.copy_(value)
-                    entry[key] = copy
-                else:
-                    entry[key] = value
-            saved.append(entry)
-        self._saved_state = saved
-
-    @torch.no_grad()
-    def _restore(self) -> None:
-        torch._foreach_copy_([p.detach() for p in self._params], self._param_copies)
-        for p, entry in zip(self._params, self._saved_state):
-            if entry is None:
-                # the optimistic step created this state: without it the redo starts afresh
-                self.optimizer.state.pop(p, None)
-                continue
-            state = self.optimizer.state[p]
-            for key in [k for k in state if k not in entry]:
-                del state[key]
-            for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and isinstance(state.get(key), torch.Tensor):
-                    state[key].copy_(value)
-                elif isinstance(value, torch.Tensor):
-                    state[key] = value.clone()
-                else:
-                    state[key] = value
