@@ -239,7 +239,14 @@ def verify(cfg: TrainConfig, data: TokenWindows) -> int:
 
     With clipping the ranks take the (post-validated) step, and the clipped gradients and
     the weights after it are compared with synchronous clipping in one process."""
-    from .reference import TOLERANCE, GradDiff, compare_grads, reference_step, reference_update, relative_difference
+    from .reference import (
+        TOLERANCE,
+        GradDiff,
+        compare_grads,
+        reference_step,
+        reference_update,
+        relative_difference,
+    )
 
     results = _launch(cfg)
     if results is None:
