@@ -154,3 +154,17 @@ def test_a_kept_tentative_step_is_torchs_step_and_a_dropped_one_leaves_no_trace(
             for key, value in torch_opt.state.get(q, {}).items():
                 assert torch.equal(mine_opt.state[p][key], value), (k, key)
         assert (ours[0] in mine_opt.state) == (theirs[0] in torch_opt.state)
+
+
+def test_dry_run_counts_the_spare_copies_unless_the_step_waits_at_a_barrier(monkeypatch, capsys):
+    from pipeblocks.cli.main import main
+    from pipeblocks.train import run
+
+    printed: list[dict] = []
+    real_dry_run = run.dry_run
+    monkeypatch.setattr(run, "dry_run", lambda *a, **k: printed.append(real_dry_run(*a, **k)))
+    args = ["train", "--dry-run", "--schedule", "1f1b", "-p", "2", "-m", "2", "--layers", "2", "--hidden", "16",
+            "--heads", "2", "--seq", "8", "--emulate", "1,1,1"]
+    assert main(args) == 0 and main([*args, "--step-barrier"]) == 0
+    optimistic, barrier = ([r["static_bytes_predicted"] for r in f["ranks"]] for f in printed)
+    assert all(o * 16 == b * 28 for o, b in zip(optimistic, barrier))

@@ -39,7 +39,8 @@ seq1f1b and seq1f1b-i take it directly (default 2), any other schedule is compos
 chunks; the report's predicted memory uses each chunk's measured share.
 
 `--dry-run` prints the schedule as a text timeline, the predicted activation memory and
-static memory (parameters, gradients and AdamW state: 16 bytes per float32 parameter) per
+static memory (parameters, gradients and AdamW state: 16 bytes per float32 parameter, 28 with the
+optimistic step's spare copies; 16 with --step-barrier) per
 rank and the predicted iteration time, then exits without starting a process.
 
 The schedule options are those of `pipeblocks simulate` (-v, --group-size, --memory-limit,
@@ -99,6 +100,9 @@ def register(sub) -> None:
     train.add_argument("--clip-grad", type=_positive_finite, default=None, metavar="X",
                        help="clip gradients to global norm X over all ranks (default: no clipping; "
                        "non-finite steps are skipped either way)")
+    train.add_argument("--step-barrier", action="store_true",
+                       help="wait for the global norm check before the optimizer step instead of stepping "
+                       "optimistically (no spare copy of the parameters and AdamW moments)")
     train.add_argument("--inject-nonfinite", type=int, default=None, metavar="STEP", help=argparse.SUPPRESS)
     train.add_argument("--timeout", type=float, default=300.0, metavar="S",
                        help="seconds before a stuck run is stopped (default 300)")
@@ -131,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         request, model=model, emulate=emulate, microbatch_size=args.microbatch_size, steps=args.steps, lr=args.lr,
         seed=args.seed, data=args.data, checkpoint=args.checkpoint, resume=args.resume, save_every=args.save_every,
         verify=args.verify, timeout_s=args.timeout, quiet=args.quiet, overwrite=args.overwrite,
-        clip_grad=args.clip_grad, inject_nonfinite=args.inject_nonfinite,
+        clip_grad=args.clip_grad, inject_nonfinite=args.inject_nonfinite, optimistic_step=not args.step_barrier,
     )
     if args.dry_run:
         training.dry_run(cfg, data)

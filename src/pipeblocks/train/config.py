@@ -57,7 +57,8 @@ class TrainConfig:
     """Clip the global gradient norm (all ranks) to this; None: no clipping. Either way a step
     whose gradient is non-finite on any rank is skipped on every rank (post_validation.py)."""
     optimistic_step: bool = True
-    """Step before the global norm is known and undo if needed; False: wait for it (a barrier)."""
+    """Step before the global norm is known and undo if needed (AdamW keeps a spare copy of the
+    parameters and both moments for it); False: wait for the norm first (a barrier)."""
     inject_nonfinite: int | None = None
     """Test hook: make one gradient of the last rank infinite in this step (1-based)."""
 

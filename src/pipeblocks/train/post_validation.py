@@ -22,10 +22,13 @@ Bubble (Qi et al., 2024, section 4) removes the wait by validating after the ste
 The clip coefficient is torch's (`clip_grad_norm_`): max_norm / (norm + 1e-6), applied only
 when below 1. The optimistic step is tentative (tentative.py): for torch's Adam and AdamW
 it is computed into spare buffers and swapped in once the check passes, so undoing costs
-nothing and the result is bit for bit the step synchronous clipping takes; for any other
-optimizer the parameters and state are copied before the step and copied back to undo.
-`optimistic=False` is the barrier (all-reduce, wait, then step) with the same arithmetic,
-to compare against.
+nothing and the result is bit for bit torch's own (single-tensor) step, at the price of a
+spare copy of the parameters and both moments; for any other optimizer the parameters
+and state are copied before the step and copied back to undo. Every step that is not
+optimistic (a redo, or the barrier) is the optimizer's own `step()`.
+
+`optimistic=False` is the barrier (all-reduce, wait, then `optimizer.step()`): the same
+decisions, no spare buffers, and every rank waits for the slowest before stepping.
 """
 from __future__ import annotations
 
@@ -145,13 +148,13 @@ class PostValidator:
             if stepped:
                 self._update.drop()
             torch._foreach_mul_(grads, coefficient)
-            self._update.step()
+            self.optimizer.step()
             return StepCheck(norm, coefficient, "clipped", stepped, stepped, wait_s)
         if stepped:
             self._update.keep()
         else:
-            # only reachable when rounding made the local part look unsafe while the sum is not
-            self._update.step()
+            # the barrier, or rounding made the local part look unsafe while the sum is not
+            self.optimizer.step()
         return StepCheck(norm, 1.0, "stepped", stepped, False, wait_s)
 
     def _squared_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:

@@ -35,6 +35,8 @@ WARMUP_STEPS = 2
 # fp32 AdamW keeps, per parameter, the parameter, its gradient and two moments: 4+4+8 bytes;
 # in units of the parameter's own size that is 1 + 1 + 2.
 STATIC_COPIES = 4
+# the optimistic (post-validated) step keeps a spare parameter and two spare moments
+SPARE_COPIES = 3
 
 
 def default_schedule() -> str:
@@ -101,7 +103,8 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) 
 
     Activation bytes per stage are measured on this process's copy of the stage modules
     (one microbatch, the runtime's own forward and split backward); static bytes are the
-    stage modules' parameters times (parameter + gradient + AdamW's two moments). Pass
+    stage modules' parameters times (parameter + gradient + AdamW's two moments, and the
+    optimistic step's spare parameter and moments unless `optimistic_step` is off). Pass
     times are those --emulate sleeps, or measured here on one microbatch otherwise, with
     the torch threads one rank of the run would have. The timeline is drawn at unit costs
     (as `show` draws it) unless the times are emulated.
@@ -119,7 +122,8 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) 
     shown = timeline if cfg.emulate is not None else simulate(s, Costs())
     static = [0] * s.p
     for stage in stages:
-        static[s.placement.rank_of(stage.index)] += STATIC_COPIES * sum(
+        copies = STATIC_COPIES + (SPARE_COPIES if cfg.optimistic_step else 0)
+        static[s.placement.rank_of(stage.index)] += copies * sum(
             p.numel() * p.element_size() for p in stage.parameters()
         )
     figures = {

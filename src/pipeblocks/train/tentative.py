@@ -18,7 +18,8 @@ it needs to undo a step cheaply and exactly. Two ways:
   tensor, step, and copy them back on `drop`. Exact, but the copies cost about as much
   memory traffic as the step itself.
 
-`step()` on either is the plain, final step (take and keep).
+torch's foreach and fused Adam kernels may round differently from its single-tensor one;
+`AdamOutOfPlace` follows the single-tensor one, which torch uses on CPU by default.
 """
 from __future__ import annotations
 
@@ -118,10 +119,6 @@ class AdamOutOfPlace:
     def drop(self) -> None:
         self._pending = []
 
-    def step(self) -> None:
-        self.take()
-        self.keep()
-
     def _buffers(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         spare = self._spare.pop(id(p), None)
         if spare is not None and all(t.shape == p.shape and t.dtype == p.dtype and t.device == p.device
@@ -187,6 +184,3 @@ class CopyRollback:
                 else:
                     state[key] = value
         self._saved = []
-
-    def step(self) -> None:
-        self.optimizer.step()
