@@ -64,6 +64,10 @@ def test_no_intact_step_names_every_damaged_file(tmp_path):
 
 def test_a_used_directory_is_refused_or_overwritten_and_other_files_are_kept(tmp_path):
     assert ckpt.claim_directory(tmp_path / "new", overwrite=False) == []
+    debris = tmp_path / ".rank0-step00000001.pt.u7w"  # an interrupted first save is no run to protect
+    debris.write_bytes(b"partial")
+    assert ckpt.claim_directory(tmp_path, overwrite=False, dry_run=True) == [] and debris.exists()
+    assert ckpt.claim_directory(tmp_path, overwrite=False) == [] and not debris.exists()
     _save(tmp_path, 0, 3)
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match=r"already holds 2 checkpoint file\(s\) of another run \(steps \[3\]\).*"

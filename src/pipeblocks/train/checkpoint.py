@@ -228,15 +228,20 @@ def claim_directory(directory: str | os.PathLike, *, overwrite: bool, dry_run: b
 
     Checkpoints already there belong to another run: without `overwrite` this raises
     ValueError naming them and the ways out; with it they are removed (only files of this
-    format: other files in the directory are left alone). `dry_run`: check only.
+    format: other files in the directory are left alone). Temporary files of an
+    interrupted save are removed either way. `dry_run`: check only, remove nothing.
     """
     found = existing_files(directory)
-    if not found:
+    # temporaries alone are debris of an interrupted save, not a run to protect
+    kept = [f for f in found if not _TEMPORARY.match(f.name)]
+    if not kept:
+        if not dry_run:
+            remove_temporaries(directory)
         return []
     if not overwrite:
-        steps = sorted({int(m.group(2)) for f in found if (m := _NAME.match(f.name))})
+        steps = sorted({int(m.group(2)) for f in kept if (m := _NAME.match(f.name))})
         raise ValueError(
-            f"--checkpoint {str(directory)!r} already holds {len(found)} checkpoint file(s) of another run "
+            f"--checkpoint {str(directory)!r} already holds {len(kept)} checkpoint file(s) of another run "
             f"(steps {steps}): add --resume to continue that run, --overwrite to replace its checkpoints, "
             "or choose a new --checkpoint directory"
         )
