@@ -1,0 +1,196 @@
+"""A run's life cycle under `pipeblocks train`: a progressing run outlives --timeout, a
+signal to the launcher stops every process (and saves when asked), no worker outlives a
+killed launcher, and a killed worker is named as the cause.
+
+Processes are found through /proc (the launcher's descendants, recorded while it runs) and
+every one of them is killed in a `finally`, so a failing test leaves nothing behind.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeblocks.train.checkpoint import latest_step
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TINY = ["--schedule", "1f1b", "-p", "2", "-m", "2", "--layers", "2", "--hidden", "16", "--heads", "2", "--seq", "16",
+        "--microbatch-size", "2"]
+GONE_WITHIN_S = 10.0
+
+
+class Run:
+    """`pipeblocks train ARGS` in the background; stdout collected line by line."""
+
+    def __init__(self, *args: str) -> None:
+        env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "pipeblocks.cli.main", "train", *args], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.errors: list[str] = []
+        self.seen: dict[int, str] = {}  # pid -> start time: every process of the run, for the cleanup
+        # read in threads: a worker that outlives the launcher keeps the pipes open
+        for stream, into in ((self.proc.stdout, self.lines), (self.proc.stderr, self.errors)):
+            threading.Thread(target=lambda s=stream, i=into: i.extend(s), daemon=True).start()
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.errors)
+
+    def wait_for_step(self, step: int, limit_s: float = 90.0) -> None:
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            if any(re.match(rf"step +{step}/", line) for line in self.lines):
+                return
+            if self.proc.poll() is not None:
+                pytest.fail(f"the run ended before step {step}: {self.stderr[-2000:]}")
+            time.sleep(0.05)
+        pytest.fail(f"no step {step} within {limit_s} s: {self.lines[-3:]}")
+
+    def descendants(self) -> dict[int, str]:
+        found = _descendants(self.proc.pid)
+        self.seen.update(found)
+        return found
+
+    def workers(self) -> list[int]:
+        """The rank processes (multiprocessing children), in start order."""
+        pids = [pid for pid in self.descendants() if "--multiprocessing-fork" in _cmdline(pid)]
+        return sorted(pids)  # pids grow in start order (barring a wrap-around)
+
+    def finish(self, limit_s: float) -> int:
+        code = self.proc.wait(limit_s)
+        time.sleep(0.2)  # the reader threads catch up
+        return code
+
+    def cleanup(self) -> None:
+        for pid, start in [(self.proc.pid, None), *self.seen.items()]:
+            if start is None or _alive(pid, start):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.proc.wait(10)
+
+
+def _stat(pid: int) -> list[str]:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    # the command name (field 2) is in parentheses and may hold spaces
+    return [text[:text.index(" ")], text[text.index("(") + 1:text.rindex(")")], *text[text.rindex(")") + 2:].split()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> start time of every live descendant of `root`."""
+    children: dict[int, list[int]] = {}
+    starts: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = _stat(int(entry.name))
+        except (OSError, ValueError):
+            continue
+        if fields[2] != "Z":
+            children.setdefault(int(fields[3]), []).append(int(entry.name))
+            starts[int(entry.name)] = fields[21]
+    found, todo = {}, [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = starts[child]
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int, start: str) -> bool:
+    """Running (not a zombie) and the same process (not a reused pid)."""
+    try:
+        fields = _stat(pid)
+    except (OSError, ValueError):
+        return False
+    return fields[2] != "Z" and fields[21] == start
+
+
+def _survivors(processes: dict[int, str], limit_s: float) -> list[str]:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        alive = [pid for pid, start in processes.items() if _alive(pid, start)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [f"{pid}: {_cmdline(pid)[:120]}" for pid, start in processes.items() if _alive(pid, start)]
+
+
+def test_a_run_that_makes_progress_outlives_its_timeout():
+    # about 0.9 s a step (3 slots of 300 ms), 7 steps: the steps alone last well past
+    # --timeout 4, but no step or wait takes 4 s
+    run = Run(*TINY, "--steps", "7", "--emulate", "100,100,100", "--timeout", "4")
+    try:
+        assert run.finish(150) == 0, run.stderr[-3000:]
+        step_ms = [float(ms) for ms in re.findall(r"^step +\d+/7 .* ([\d.]+) ms$", "".join(run.lines), re.M)]
+        assert len(step_ms) == 7, run.lines
+        assert sum(step_ms) > 5000, f"the steps took {sum(step_ms):.0f} ms: too short to show anything"
+    finally:
+        run.cleanup()
+
+
+def test_sigterm_to_the_launcher_stops_every_process_and_saves_one_step(tmp_path):
+    ckpt = tmp_path / "ck"
+    run = Run(*TINY, "--steps", "100000", "--emulate", "5,5,5", "--checkpoint", str(ckpt))
+    try:
+        run.wait_for_step(3)
+        processes = run.descendants()
+        assert len(processes) >= 2, processes
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.finish(GONE_WITHIN_S) == 128 + signal.SIGTERM, run.stderr[-3000:]
+        assert _survivors(processes, GONE_WITHIN_S) == []
+        assert "stopped by SIGTERM to the launcher" in run.stderr, run.stderr[-3000:]
+        step = latest_step(ckpt, world_size=2)
+        assert step is not None and step >= 3, sorted(p.name for p in ckpt.iterdir())
+        # both ranks saved the same step: the stop was agreed, not wherever each one was
+        assert {p.name for p in ckpt.glob("*.pt")} >= {f"rank0-step{step:08d}.pt", f"rank1-step{step:08d}.pt"}
+        assert f"every rank has step {step}" in run.stderr
+    finally:
+        run.cleanup()
+
+
+def test_sigkill_of_the_launcher_leaves_no_worker_behind(tmp_path):
+    run = Run(*TINY, "--steps", "100000", "--emulate", "5,5,5", "--checkpoint", str(tmp_path / "ck"))
+    try:
+        run.wait_for_step(3)
+        processes = run.descendants()
+        assert len(processes) >= 2, processes
+        run.proc.kill()
+        run.finish(GONE_WITHIN_S)
+        assert _survivors(processes, GONE_WITHIN_S) == []
+    finally:
+        run.cleanup()
+
+
+def test_a_killed_worker_is_named_with_its_signal():
+    run = Run(*TINY, "--steps", "100000", "--emulate", "5,5,5")
+    try:
+        run.wait_for_step(3)
+        workers = run.workers()
+        assert len(workers) == 2, workers
+        victim = workers[1]  # rank 1 (started second)
+        os.kill(victim, signal.SIGKILL)
+        assert run.finish(60) == 1, run.stderr[-3000:]
+        assert re.search(rf"rank 1 \(pid {victim}\) was killed by SIGKILL; rank 0 then failed: ", run.stderr), \
+            run.stderr[-3000:]
+    finally:
+        run.cleanup()
