@@ -20,6 +20,8 @@ import pytest
 
 from pipeblocks.train.checkpoint import latest_step
 
+from _processes import cmdline, descendants, kill_all, survivors
+
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -57,13 +59,13 @@ class Run:
         pytest.fail(f"no step {step} within {limit_s} s: {self.lines[-3:]}")
 
     def descendants(self) -> dict[int, str]:
-        found = _descendants(self.proc.pid)
+        found = descendants(self.proc.pid)
         self.seen.update(found)
         return found
 
     def workers(self) -> list[int]:
         """The rank processes (multiprocessing children), in start order."""
-        pids = [pid for pid in self.descendants() if "--multiprocessing-fork" in _cmdline(pid)]
+        pids = [pid for pid in self.descendants() if "--multiprocessing-fork" in cmdline(pid)]
         return sorted(pids)  # pids grow in start order (barring a wrap-around)
 
     def finish(self, limit_s: float) -> int:
@@ -72,67 +74,9 @@ class Run:
         return code
 
     def cleanup(self) -> None:
-        for pid, start in [(self.proc.pid, None), *self.seen.items()]:
-            if start is None or _alive(pid, start):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        self.proc.kill()
+        kill_all(self.seen)
         self.proc.wait(10)
-
-
-def _stat(pid: int) -> list[str]:
-    text = Path(f"/proc/{pid}/stat").read_text()
-    # the command name (field 2) is in parentheses and may hold spaces
-    return [text[:text.index(" ")], text[text.index("(") + 1:text.rindex(")")], *text[text.rindex(")") + 2:].split()]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _descendants(root: int) -> dict[int, str]:
-    """pid -> start time of every live descendant of `root`."""
-    children: dict[int, list[int]] = {}
-    starts: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = _stat(int(entry.name))
-        except (OSError, ValueError):
-            continue
-        if fields[2] != "Z":
-            children.setdefault(int(fields[3]), []).append(int(entry.name))
-            starts[int(entry.name)] = fields[21]
-    found, todo = {}, [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found[child] = starts[child]
-            todo.append(child)
-    return found
-
-
-def _alive(pid: int, start: str) -> bool:
-    """Running (not a zombie) and the same process (not a reused pid)."""
-    try:
-        fields = _stat(pid)
-    except (OSError, ValueError):
-        return False
-    return fields[2] != "Z" and fields[21] == start
-
-
-def _survivors(processes: dict[int, str], limit_s: float) -> list[str]:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        alive = [pid for pid, start in processes.items() if _alive(pid, start)]
-        if not alive:
-            return []
-        time.sleep(0.1)
-    return [f"{pid}: {_cmdline(pid)[:120]}" for pid, start in processes.items() if _alive(pid, start)]
 
 
 def test_a_run_that_makes_progress_outlives_its_timeout():
@@ -157,7 +101,7 @@ def test_sigterm_to_the_launcher_stops_every_process_and_saves_one_step(tmp_path
         assert len(processes) >= 2, processes
         run.proc.send_signal(signal.SIGTERM)
         assert run.finish(GONE_WITHIN_S) == 128 + signal.SIGTERM, run.stderr[-3000:]
-        assert _survivors(processes, GONE_WITHIN_S) == []
+        assert survivors(processes, GONE_WITHIN_S) == []
         assert "stopped by SIGTERM to the launcher" in run.stderr, run.stderr[-3000:]
         step = latest_step(ckpt, world_size=2)
         assert step is not None and step >= 3, sorted(p.name for p in ckpt.iterdir())
@@ -176,7 +120,7 @@ def test_sigkill_of_the_launcher_leaves_no_worker_behind(tmp_path):
         assert len(processes) >= 2, processes
         run.proc.kill()
         run.finish(GONE_WITHIN_S)
-        assert _survivors(processes, GONE_WITHIN_S) == []
+        assert survivors(processes, GONE_WITHIN_S) == []
     finally:
         run.cleanup()
 

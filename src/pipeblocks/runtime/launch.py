@@ -32,6 +32,7 @@ import datetime
 import os
 import pickle
 import socket
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -194,12 +195,17 @@ def _child(rank, world, port, backend, timeout_s, threads, fn, args, results_que
     except BaseException as err:  # noqa: BLE001 - every failure is reported to the parent
         message = ("error", rank, f"{type(err).__name__}: {err}", traceback.format_exc())
     control.finish()
-    if control.orphaned:
-        return  # nobody reads the queue: a large result would block this process's exit forever
-    results_queue.put(message)
-    if message[0] == "error":
-        return
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - teardown after a reported result
-        pass
+    if not control.orphaned:  # else nobody reads the queue: a large result would block the exit forever
+        results_queue.put(message)
+        results_queue.close()
+        results_queue.join_thread()
+    if message[0] == "ok":
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - teardown after a reported result
+            pass
+    # The message is written; the interpreter's own teardown with torch loaded takes
+    # seconds and serves nobody.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -51,7 +51,8 @@ class RankFailedError(RuntimeError):
     """One rank raised (or died); `rank` is the first that failed, `remote_traceback` its traceback."""
 
     def __init__(self, rank: int, message: str, remote_traceback: str = "") -> None:
-        super().__init__(message + (f"\n--- traceback of rank {rank} ---\n{remote_traceback}" if remote_traceback else ""))
+        tail = f"\n--- traceback of rank {rank} ---\n{remote_traceback}" if remote_traceback else ""
+        super().__init__(message + tail)
         self.rank = rank
         self.remote_traceback = remote_traceback
 
@@ -187,10 +188,9 @@ def _describe_exit(code: int) -> str:
 
 
 def _blame(procs, results, errors, exits) -> RankFailedError:
-    dead = sorted((seen, rank) for rank, (code, seen) in exits.items()
-                  if rank not in results and rank not in errors and code != 0)
-    if not dead:
-        dead = sorted((seen, rank) for rank, (code, seen) in exits.items() if rank not in results and rank not in errors)
+    silent = [(seen, rank, code) for rank, (code, seen) in exits.items() if rank not in results and rank not in errors]
+    # a rank killed by a signal or a non-zero exit comes before one that merely ended
+    dead = sorted((seen, rank) for seen, rank, code in silent if code != 0) or sorted((s, r) for s, r, _ in silent)
     if dead:
         rank = dead[0][1]
         message = f"rank {rank} (pid {procs[rank].pid}) {_describe_exit(exits[rank][0])}"
