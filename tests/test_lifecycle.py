@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from pipeblocks.runtime import spawn
 from pipeblocks.train.checkpoint import latest_step
 
+from _lifecycle_cases import beating_worker
 from _processes import cmdline, descendants, kill_all, survivors
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
@@ -79,6 +81,15 @@ class Run:
         self.proc.wait(10)
 
 
+def test_spawn_times_out_a_rank_without_progress_not_a_run_with_it():
+    # 8 reports 0.4 s apart: 3 s or more in all, past timeout_s=2, with progress all along
+    assert spawn(beating_worker, 2, args=(8, 0.4, None), timeout_s=2, threads_per_rank=1) == [("done", 8)] * 2
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank [01] made no progress for 2 s \(after step 3\)"):
+        spawn(beating_worker, 2, args=(8, 0.1, 3), timeout_s=2, threads_per_rank=1)
+    assert time.monotonic() - started < 60  # not the 600 s the ranks would hang
+
+
 def test_a_run_that_makes_progress_outlives_its_timeout():
     # about 0.9 s a step (3 slots of 300 ms), 7 steps: the steps alone last well past
     # --timeout 4, but no step or wait takes 4 s
@@ -125,8 +136,9 @@ def test_sigkill_of_the_launcher_leaves_no_worker_behind(tmp_path):
         run.cleanup()
 
 
-def test_a_killed_worker_is_named_with_its_signal():
-    run = Run(*TINY, "--steps", "100000", "--emulate", "5,5,5")
+def test_a_killed_worker_is_named_with_its_signal_and_the_survivor_saves(tmp_path):
+    ckpt = tmp_path / "ck"
+    run = Run(*TINY, "--steps", "100000", "--emulate", "5,5,5", "--checkpoint", str(ckpt))
     try:
         run.wait_for_step(3)
         workers = run.workers()
@@ -136,5 +148,9 @@ def test_a_killed_worker_is_named_with_its_signal():
         assert run.finish(60) == 1, run.stderr[-3000:]
         assert re.search(rf"rank 1 \(pid {victim}\) was killed by SIGKILL; rank 0 then failed: ", run.stderr), \
             run.stderr[-3000:]
+        # rank 0 saved its last completed step on the way out (rank 1 could not: no common step)
+        saved = re.search(r"rank 0: saved step (\d+) to .* on the way out", run.stderr)
+        assert saved and int(saved.group(1)) >= 3, run.stderr[-3000:]
+        assert (ckpt / f"rank0-step{int(saved.group(1)):08d}.pt").exists()
     finally:
         run.cleanup()
