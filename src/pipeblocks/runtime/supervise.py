@@ -101,7 +101,7 @@ def supervise(procs: list, results_queue, state: RunState, timeout_s: float, rec
             stopping_since = now
         if len(results) == nprocs:
             if stopping_since is not None:
-                raise _stopped(state, procs, results, [])
+                raise _stopped(state, procs, results, [], "")
             return [results[r] for r in range(nprocs)]
         silent = [r for r, (code, seen) in exits.items()
                   if r not in results and r not in errors and (code != 0 or now - seen > SILENT_EXIT_S)]
@@ -111,7 +111,8 @@ def supervise(procs: list, results_queue, state: RunState, timeout_s: float, rec
         if stopping_since is not None:
             if len(received) > 1 or now - stopping_since > STOP_GRACE_S:
                 late = [r for r in range(nprocs) if r not in results]
-                raise _stopped(state, procs, results, late)
+                why = "a second signal" if len(received) > 1 else f"not reached within {STOP_GRACE_S:g} s"
+                raise _stopped(state, procs, results, late, why)
             continue
         for rank in range(nprocs):
             if rank in results or rank in exits:
@@ -205,14 +206,13 @@ def _blame(procs, results, errors, exits) -> RankFailedError:
     return RankFailedError(rank, f"rank {rank} failed: {text}", tb)
 
 
-def _stopped(state: RunState, procs, results: dict, late: list[int]) -> RunStoppedError:
+def _stopped(state: RunState, procs, results: dict, late: list[int], why: str) -> RunStoppedError:
     signum, who = state.stop_signal, state.stop_requester
     asker = f"the launcher (pid {os.getpid()})" if who < 0 else f"rank {who} (pid {procs[who].pid})"
     step = state.stop_step
     message = f"stopped by {signal_name(signum)} to {asker}: "
     if late:
-        message += (f"ranks {late} did not reach a common stop step within {STOP_GRACE_S:g} s and were interrupted "
-                    "where they were")
+        message += f"ranks {late} were interrupted before the common stop step ({why})"
     else:
         message += f"every rank stopped after step {step}" if step is not None else "every rank stopped"
     return RunStoppedError(message, signum, dict(results), step)
