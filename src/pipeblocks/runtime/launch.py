@@ -14,11 +14,11 @@ Local (one machine, N processes)::
 count), starts the processes, and watches them (supervise.py): the first rank that raises
 stops every rank at once and `spawn` raises `RankFailedError` with that rank's traceback; a
 rank that dies without a word is named with its signal or exit status, before the peers
-that failed after it. `timeout_s` bounds every wait that makes no progress, never a run that
+that failed after it. `timeout_s` bounds a wait that makes no progress, never a run that
 does: a rank that reports no progress (`ctx.control.step_done` / `ctx.control.beat`) for
-timeout_s is stopped, and so is every receive or collective inside it. SIGTERM, SIGINT or
-SIGHUP stops every rank after one common step (see lifecycle.py) and raises
-`RunStoppedError`; ranks die with their launcher. Nothing is left hanging or running.
+timeout_s is stopped. SIGTERM, SIGINT or SIGHUP stops every rank after one common step
+(see lifecycle.py) and raises `RunStoppedError`; ranks die with their launcher. Nothing is
+left hanging or running.
 
 Under torchrun (`torchrun --nproc-per-node 4 train.py`), call `init_from_env()` in the
 script: it reads RANK, WORLD_SIZE and LOCAL_RANK, initialises the process group and
@@ -129,11 +129,12 @@ def spawn(
 ) -> list[Any]:
     """Run `fn(ctx, *args)` in `nprocs` local processes; return their results by rank.
 
-    timeout_s: how long a wait may make no progress: every receive and collective, and the
-        time between two progress reports of a rank (`ctx.control.step_done` or `.beat`).
-        Before its first report a rank has max(timeout_s, STARTUP_S = 60 s) to start, meet
-        the others and build its model (a function that reports nothing has that for its
-        whole run).
+    timeout_s: the longest time between two progress reports of a rank
+        (`ctx.control.step_done` or `.beat`). Before its first report a rank has
+        max(timeout_s, STARTUP_S = 60 s) to start, meet the others and build its model (a
+        function that reports nothing has that for its whole run); that is also the
+        process group's timeout for collectives. PipelineRunner's receives have their own
+        `timeout_s`.
     schedule: if given, checked against `nprocs` before anything starts.
     threads_per_rank: `torch.set_num_threads` in each process (None: torch's default).
     Raises RankFailedError (the rank that failed first), TimeoutError (a rank made no
