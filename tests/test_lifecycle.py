@@ -124,7 +124,8 @@ def test_sigterm_to_the_launcher_stops_every_process_and_saves_one_step(tmp_path
 
 
 def test_sigkill_of_the_launcher_leaves_no_worker_behind(tmp_path):
-    run = Run(*TINY, "--steps", "100000", "--emulate", "5,5,5", "--checkpoint", str(tmp_path / "ck"))
+    ckpt = tmp_path / "ck"
+    run = Run(*TINY, "--steps", "100000", "--emulate", "5,5,5", "--checkpoint", str(ckpt))
     try:
         run.wait_for_step(3)
         processes = run.descendants()
@@ -132,6 +133,9 @@ def test_sigkill_of_the_launcher_leaves_no_worker_behind(tmp_path):
         run.proc.kill()
         run.finish(GONE_WITHIN_S)
         assert survivors(processes, GONE_WITHIN_S) == []
+        # the orphaned ranks agreed on a step and saved it before ending
+        step = latest_step(ckpt, world_size=2)
+        assert step is not None and step >= 3, sorted(p.name for p in ckpt.iterdir()) if ckpt.exists() else None
     finally:
         run.cleanup()
 
