@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
+from _lifecycle_cases import beating_worker
+from _processes import cmdline, descendants, kill_all, survivors
 
 from pipeblocks.runtime import spawn
 from pipeblocks.train.checkpoint import latest_step
-
-from _lifecycle_cases import beating_worker
-from _processes import cmdline, descendants, kill_all, survivors
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
 
@@ -96,7 +95,7 @@ def test_a_run_that_makes_progress_outlives_its_timeout():
     run = Run(*TINY, "--steps", "7", "--emulate", "100,100,100", "--timeout", "4")
     try:
         assert run.finish(150) == 0, run.stderr[-3000:]
-        step_ms = [float(ms) for ms in re.findall(r"^step +\d+/7 .* ([\d.]+) ms$", "".join(run.lines), re.M)]
+        step_ms = [float(ms) for ms in re.findall(r"^step +\d+/7 .* ([\d.]+) ms$", "".join(run.lines), re.MULTILINE)]
         assert len(step_ms) == 7, run.lines
         assert sum(step_ms) > 5000, f"the steps took {sum(step_ms):.0f} ms: too short to show anything"
     finally:

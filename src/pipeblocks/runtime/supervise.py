@@ -25,13 +25,21 @@ import queue as queue_mod
 import signal
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from .lifecycle import INTERRUPT_SIGNAL, STOP_SIGNALS, RunState, signal_name
 
 __all__ = [
-    "INTERRUPT_GRACE_S", "RankFailedError", "RunStoppedError", "SETTLE_S", "STARTUP_S", "STOP_GRACE_S",
-    "catch_stop_signals", "stop_all", "supervise",
+    "INTERRUPT_GRACE_S",
+    "SETTLE_S",
+    "STARTUP_S",
+    "STOP_GRACE_S",
+    "RankFailedError",
+    "RunStoppedError",
+    "catch_stop_signals",
+    "stop_all",
+    "supervise",
 ]
 
 STARTUP_S = 60.0
