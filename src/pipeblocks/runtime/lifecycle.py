@@ -160,6 +160,7 @@ class RankControl(RunControl):
         self._state = state
         self.rank = rank
         self._launcher = launcher_pid
+        self._parent = os.getppid()  # the launcher, or a fork server that dies with it
         self._signal = 0  # set by a handler; acted on outside it (a handler must not take the lock)
         self._critical = 0
         self._interrupt_pending = False
@@ -229,6 +230,19 @@ class RankControl(RunControl):
         self._disarmed = True  # once: the rank may now save on its way out
         raise Interrupted(f"rank {self.rank} was stopped by its launcher")
 
+    def _launcher_gone(self) -> bool:
+        # a dead parent re-parents this process at once; the pid check covers a launcher
+        # that died before this process started watching
+        if os.getppid() != self._parent:
+            return True
+        try:
+            os.kill(self._launcher, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # exists, under another user
+            pass
+        return False
+
     def _watch(self) -> None:
         orphaned_at = None
         while True:
@@ -237,7 +251,7 @@ class RankControl(RunControl):
                 with self._state.lock:
                     self._state.ask_stop(self._signal, self.rank)
                     self._state._settle_stop()
-            if os.getppid() == self._launcher:
+            if not self._launcher_gone():
                 continue
             now = time.monotonic()
             if orphaned_at is None:
