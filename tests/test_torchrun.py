@@ -22,3 +22,48 @@ def test_example_trains_under_torchrun(tmp_path):
     assert len(losses) == 3
     assert losses[0] == pytest.approx(5.5532, abs=1e-3)  # the untrained byte-level model: ~ln(256)
     assert losses[-1] < losses[0]
+
+
+def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_saves(tmp_path):
+    """torchrun sends SIGTERM to every worker when it is stopped; the example ends after one
+    common step, saves it on every rank, and leaves no process behind."""
+    import signal
+    import threading
+    import time
+
+    from pipeblocks.train.checkpoint import latest_step
+
+    from _processes import descendants, kill_all, survivors
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
+         "--schedule", "1f1b", "--microbatches", "2", "--microbatch-size", "1", "--steps", "100000",
+         "--checkpoint", str(tmp_path / "ck")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep its pipe from filling
+    seen: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while not any(line.startswith("step 2/") for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, lines[-5:]
+            time.sleep(0.05)
+        seen.update(descendants(proc.pid))
+        assert len(seen) >= 2, seen
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        assert survivors(seen, 10) == []
+        time.sleep(0.2)  # the reader thread catches up
+        stops = [tuple(map(int, m)) for m in re.findall(r"rank (\d): stopped by SIGTERM to a rank after step (\d+)",
+                                                         "".join(lines))]
+        assert sorted(rank for rank, _ in stops) == [0, 1], lines[-6:]
+        steps = {step for _, step in stops}
+        assert len(steps) == 1, stops  # the same step on every rank
+        assert latest_step(tmp_path / "ck", world_size=2) == steps.pop()
+    finally:
+        proc.kill()
+        kill_all(seen)
+        proc.wait(10)

@@ -105,7 +105,10 @@ def register(sub) -> None:
                        "optimistically (no spare copy of the parameters and AdamW moments)")
     train.add_argument("--inject-nonfinite", type=int, default=None, metavar="STEP", help=argparse.SUPPRESS)
     train.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                       help="seconds before a stuck run is stopped (default 300)")
+                       help="stop the run when a wait makes no progress for S seconds: a receive, a collective, "
+                       "or one step of a rank (start-up gets at least 60 s); a run that keeps completing steps "
+                       "is never stopped (default 300). SIGTERM, SIGINT or SIGHUP stop every rank after one "
+                       "common step, and any stop saves a checkpoint when --checkpoint is given")
     train.add_argument("--quiet", action="store_true", help="no per-step lines")
     out = parser.add_argument_group("checks and output")
     out.add_argument("--verify", action="store_true",

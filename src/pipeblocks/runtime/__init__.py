@@ -44,14 +44,16 @@ Entry points:
                    seq_lengths=None)
         .step(inputs, targets) -> StepResult
     launch.spawn(fn, nprocs, *, args=(), timeout_s=600.0, ...) -> list   # fn(ctx, *args)
-    launch.init_from_env(*, timeout_s=300.0) -> DistContext              # under torchrun
+    launch.init_from_env(*, timeout_s=300.0, stop_signals=False) -> DistContext   # under torchrun
+    ctx.control.step_done(k) -> bool      # after each step: True on every rank when the run is to stop
     emulate.EmulatedCompute(costs, ...)                                 # sleep instead of compute
     profile.profile_stage_memory(stages, inputs, loss_fn, target)       # M_B, M_W per stage
     profile.profile_stage_times(stages, inputs, loss_fn, target)        # F, B, W seconds per stage
 """
 from .comm import PeerTimeoutError
 from .executor import ActionError
-from .launch import DistContext, RankFailedError, check_world, init_from_env, spawn
+from .launch import DistContext, RankFailedError, RunStoppedError, check_world, init_from_env, spawn
+from .lifecycle import Interrupted
 from .memory import SavedTensorTracker, StageMemory
 from .profile import profile_chunk_memory, profile_stage_memory, profile_stage_times
 from .runner import PipelineRunner, StepResult
@@ -59,7 +61,8 @@ from .sequence import KVCache, SequenceChunk
 from .shapes import SpecMismatchError, TensorSpec
 
 __all__ = [
-    "ActionError", "DistContext", "KVCache", "PeerTimeoutError", "PipelineRunner", "RankFailedError", "SavedTensorTracker",
-    "SequenceChunk", "SpecMismatchError", "StageMemory", "StepResult", "TensorSpec", "check_world", "init_from_env",
-    "profile_chunk_memory", "profile_stage_memory", "profile_stage_times", "spawn",
+    "ActionError", "DistContext", "Interrupted", "KVCache", "PeerTimeoutError", "PipelineRunner", "RankFailedError",
+    "RunStoppedError", "SavedTensorTracker", "SequenceChunk", "SpecMismatchError", "StageMemory", "StepResult",
+    "TensorSpec", "check_world", "init_from_env", "profile_chunk_memory", "profile_stage_memory", "profile_stage_times",
+    "spawn",
 ]

@@ -11,24 +11,30 @@ Local (one machine, N processes)::
     results = spawn(train, 4, args=("1f1b",), timeout_s=600)   # one result per rank
 
 `spawn` picks gloo on CPU and NCCL when CUDA is there (rank r on cuda:r mod the device
-count), starts the processes, and watches them: the first rank that raises stops every
-rank at once and `spawn` raises `RankFailedError` with that rank's traceback; a rank that
-dies without a word, or a run past `timeout_s`, stops them too. Nothing is left hanging.
+count), starts the processes, and watches them (supervise.py): the first rank that raises
+stops every rank at once and `spawn` raises `RankFailedError` with that rank's traceback; a
+rank that dies without a word is named with its signal or exit status, before the peers
+that failed after it. `timeout_s` bounds a wait that makes no progress, never a run that
+does: a rank that reports no progress (`ctx.control.step_done` / `ctx.control.beat`) for
+timeout_s is stopped. SIGTERM, SIGINT or SIGHUP stops every rank after one common step
+(see lifecycle.py) and raises `RunStoppedError`; ranks die with their launcher. Nothing is
+left hanging or running.
 
 Under torchrun (`torchrun --nproc-per-node 4 train.py`), call `init_from_env()` in the
 script: it reads RANK, WORLD_SIZE and LOCAL_RANK, initialises the process group and
-returns the same `DistContext`; torchrun stops the other ranks when one fails.
+returns the same `DistContext`; torchrun stops the other ranks when one fails. With
+`stop_signals=True`, `ctx.control.step_done(k)` turns torchrun's SIGTERM into a stop after
+one common step.
 """
 from __future__ import annotations
 
 import datetime
 import os
 import pickle
-import queue as queue_mod
 import socket
-import time
+import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -36,17 +42,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..core.schedule import Schedule
+from .lifecycle import RankControl, RunControl, RunState, SignalControl
+from .supervise import STARTUP_S, RankFailedError, RunStoppedError, catch_stop_signals, stop_all, supervise
 
-__all__ = ["DistContext", "RankFailedError", "check_world", "default_device", "init_from_env", "spawn"]
-
-
-class RankFailedError(RuntimeError):
-    """One rank raised (or died); `rank` is the first that failed, `remote_traceback` its traceback."""
-
-    def __init__(self, rank: int, message: str, remote_traceback: str = "") -> None:
-        super().__init__(message + (f"\n--- traceback of rank {rank} ---\n{remote_traceback}" if remote_traceback else ""))
-        self.rank = rank
-        self.remote_traceback = remote_traceback
+__all__ = [
+    "DistContext", "RankFailedError", "RunStoppedError", "check_world", "default_device", "init_from_env", "spawn",
+]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class DistContext:
 
     rank, world_size: in the default process group.  local_rank: on this machine.
     device: where its stages live.  backend: "gloo" or "nccl".
+    control: progress and stop requests (lifecycle.py): call `control.step_done(k)` after
+        each step and stop when it returns True.
     """
 
     rank: int
@@ -62,6 +65,7 @@ class DistContext:
     local_rank: int
     device: torch.device
     backend: str
+    control: RunControl = field(default_factory=RunControl, compare=False, repr=False)
 
 
 def default_device(local_rank: int) -> torch.device:
@@ -80,17 +84,27 @@ def check_world(schedule: Schedule, world_size: int) -> None:
         )
 
 
-def init_from_env(*, timeout_s: float = 300.0, backend: str | None = None) -> DistContext:
-    """Initialise the default process group from torchrun's environment (env:// rendezvous)."""
+def init_from_env(*, timeout_s: float = 300.0, backend: str | None = None, stop_signals: bool = False) -> DistContext:
+    """Initialise the default process group from torchrun's environment (env:// rendezvous).
+
+    stop_signals: SIGTERM, SIGINT and SIGHUP no longer end the process; they make
+    `ctx.control.step_done(k)` return True on every rank after the same step (one small
+    all-reduce per call), so the script can save and exit cleanly.
+    """
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise ValueError(f"environment lacks {missing}: run under torchrun, or use pipeblocks.runtime.launch.spawn")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    return _init(rank, world, local_rank, timeout_s, backend)
+    ctx = _init(rank, world, local_rank, timeout_s, backend)
+    if stop_signals:
+        ctx = DistContext(ctx.rank, ctx.world_size, ctx.local_rank, ctx.device, ctx.backend, SignalControl(ctx.device))
+    return ctx
 
 
-def _init(rank: int, world: int, local_rank: int, timeout_s: float, backend: str | None) -> DistContext:
+def _init(
+    rank: int, world: int, local_rank: int, timeout_s: float, backend: str | None, control: RunControl | None = None
+) -> DistContext:
     device = default_device(local_rank)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
@@ -99,7 +113,7 @@ def _init(rank: int, world: int, local_rank: int, timeout_s: float, backend: str
         dist.init_process_group(
             backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), init_method="env://"
         )
-    return DistContext(rank, world, local_rank, device, backend)
+    return DistContext(rank, world, local_rank, device, backend, control or RunControl())
 
 
 def spawn(
@@ -115,68 +129,47 @@ def spawn(
 ) -> list[Any]:
     """Run `fn(ctx, *args)` in `nprocs` local processes; return their results by rank.
 
+    timeout_s: the longest time between two progress reports of a rank
+        (`ctx.control.step_done` or `.beat`). Before its first report a rank has
+        max(timeout_s, STARTUP_S = 60 s) to start, meet the others and build its model (a
+        function that reports nothing has that for its whole run); that is also the
+        process group's timeout for collectives. PipelineRunner's receives have their own
+        `timeout_s`.
     schedule: if given, checked against `nprocs` before anything starts.
     threads_per_rank: `torch.set_num_threads` in each process (None: torch's default).
-    Raises RankFailedError (first failing rank) or TimeoutError (the whole run past timeout_s).
+    Raises RankFailedError (the rank that failed first), TimeoutError (a rank made no
+    progress), or RunStoppedError (SIGTERM, SIGINT or SIGHUP to this process or a rank).
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be an integer >= 1, got {nprocs!r}")
+    if not timeout_s > 0 or timeout_s == float("inf"):
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
     if schedule is not None:
         check_world(schedule, nprocs)
     ctx = mp.get_context(start_method)
     results_queue = ctx.Queue()
+    state = RunState.create(ctx, nprocs)
     port = _free_port()
     procs = [
         ctx.Process(
             target=_child,
-            args=(rank, nprocs, port, backend, timeout_s, threads_per_rank, fn, tuple(args), results_queue),
+            args=(rank, nprocs, port, backend, timeout_s, threads_per_rank, fn, tuple(args), results_queue, state,
+                  os.getpid()),
             daemon=True,
         )
         for rank in range(nprocs)
     ]
-    for proc in procs:
-        proc.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    dead_since: dict[int, float] = {}
-    try:
-        while len(results) < nprocs:
-            try:
-                status, rank, payload, tb = results_queue.get(timeout=0.05)
-            except queue_mod.Empty:
-                now = time.monotonic()
-                for rank, proc in enumerate(procs):
-                    if rank not in results and proc.exitcode is not None:
-                        # give its queue message a moment to arrive before calling it silent
-                        if now - dead_since.setdefault(rank, now) > 2.0:
-                            raise RankFailedError(
-                                rank, f"rank {rank} exited with code {proc.exitcode} without reporting a result "
-                                "(killed, out of memory, or os._exit)"
-                            )
-                if now > deadline:
-                    raise TimeoutError(
-                        f"spawn: {nprocs - len(results)} rank(s) {sorted(set(range(nprocs)) - set(results))} did not "
-                        f"finish within timeout_s={timeout_s:g}; all ranks were stopped"
-                    )
-                continue
-            if status == "error":
-                raise RankFailedError(rank, f"rank {rank} failed: {payload}", tb)
-            results[rank] = pickle.loads(payload)
-    finally:
-        _stop(procs)
-    return [results[r] for r in range(nprocs)]
-
-
-def _stop(procs: list) -> None:
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    limit = time.monotonic() + 3.0
-    for proc in procs:
-        proc.join(max(0.0, limit - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join(1.0)
+    received: list[int] = []
+    finished = False
+    with catch_stop_signals(received):
+        try:
+            for proc in procs:
+                proc.start()
+            results = supervise(procs, results_queue, state, timeout_s, received)
+            finished = True
+        finally:
+            stop_all(procs, results_queue, interrupt=not finished)
+    return results
 
 
 def _free_port() -> int:
@@ -185,22 +178,35 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _child(rank, world, port, backend, timeout_s, threads, fn, args, results_queue) -> None:
+def _child(rank, world, port, backend, timeout_s, threads, fn, args, results_queue, state, launcher_pid) -> None:
+    control = RankControl(state, rank, launcher_pid)
+    control.start()
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        ctx = _init(rank, world, rank, timeout_s, backend)
+        # rendezvous waits for the slowest process to start, which is not a stuck wait
+        ctx = _init(rank, world, rank, max(timeout_s, STARTUP_S), backend, control)
         # pickled here, by value: torch's queue reductions would pass tensors through
         # shared memory that dies with this process
         result = pickle.dumps(fn(ctx, *args))
-        results_queue.put(("ok", rank, result, ""))
+        message = ("ok", rank, result, "")
     except BaseException as err:  # noqa: BLE001 - every failure is reported to the parent
-        results_queue.put(("error", rank, f"{type(err).__name__}: {err}", traceback.format_exc()))
-        return
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - teardown after a reported result
-        pass
+        message = ("error", rank, f"{type(err).__name__}: {err}", traceback.format_exc())
+    control.finish()
+    if not control.orphaned:  # else nobody reads the queue: a large result would block the exit forever
+        results_queue.put(message)
+        results_queue.close()
+        results_queue.join_thread()
+    if message[0] == "ok":
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - teardown after a reported result
+            pass
+    # The message is written; the interpreter's own teardown with torch loaded takes
+    # seconds and serves nobody.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

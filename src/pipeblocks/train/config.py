@@ -46,7 +46,8 @@ class TrainConfig:
     verify: bool = False
     """Run one step and return every gradient, for comparison with one process."""
     timeout_s: float = 300.0
-    """Any wait for a peer, and the whole run, give up after this long."""
+    """A receive, a collective or one step of a rank that makes no progress this long stops the run
+    (start-up gets at least 60 s); a run that keeps completing steps is never stopped."""
     threads_per_rank: int | None = None
     """torch threads in each rank (None: the cores divided among the ranks)."""
     quiet: bool = False

@@ -16,6 +16,11 @@ step. Checkpoints go to `cfg.checkpoint` every `save_every` steps and after the 
 rank verifies its own files, then the ranks agree). `launch` refuses a directory holding
 another run's checkpoints unless `overwrite`.
 
+A run that stops early saves too: on a stop request (SIGTERM, SIGINT or SIGHUP, see
+pipeblocks.runtime.lifecycle) every rank stops after the same step and saves it; a rank
+that fails or is interrupted saves its last completed step on the way out (its weights,
+optimizer and RNG as they were after that step), when it still can.
+
 Rank 0 also collects the measured Timeline of every step (one gather per step) and
 returns the latest ones, from which the launcher profiles pass times and the bubble
 (report.py).
@@ -37,7 +42,7 @@ from .config import TrainConfig
 from .post_validation import PostValidator
 from .report import RankResult
 
-__all__ = ["TrainConfig", "launch", "train_rank"]
+__all__ = ["TrainConfig", "checkpoint_note", "launch", "train_rank"]
 
 KEEP_TIMELINES = 32
 """Rank 0 returns the measured timelines of at most this many of the latest steps."""
@@ -61,6 +66,15 @@ def launch(cfg: TrainConfig) -> list[RankResult]:
 
 def train_rank(ctx, cfg: TrainConfig) -> RankResult:
     """The body of one rank (`ctx` is the runtime's DistContext)."""
+    last_good = _LastGood()
+    try:
+        return _train_rank(ctx, cfg, last_good)
+    except BaseException:
+        last_good.save_on_the_way_out(cfg, ctx.control)
+        raise
+
+
+def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
     from ..runtime import PipelineRunner
 
     schedule, rank = cfg.schedule, ctx.rank
@@ -85,6 +99,9 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
         schedule, stages, cross_entropy, rank=rank, device=ctx.device, timeout_s=cfg.timeout_s,
         record_timeline=not cfg.verify, compute=compute, seq_lengths=cfg.seq_lengths(),
     )
+    control = ctx.control
+    last_good.track(rank, stages, optimizer, cfg.meta(data.source), start)
+    control.step_done(start)
     last = start + 1 if cfg.verify else cfg.steps
     losses, spans, peak, skipped = [], [], 0, []
     timelines: deque = deque(maxlen=KEEP_TIMELINES)
@@ -104,7 +121,9 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
                                                   for s in built for n, p in s.named_parameters()}
             return RankResult(rank, tuple(mine), ((step, result.loss),) if result.loss is not None else (),
                               grads=grads, params=updated, checks=() if check is None else ((step, check),))
-        check = validator.step()
+        with control.critical():  # an interrupt must not leave half the parameters stepped
+            check = validator.step()
+            last_good.stepped(step + 1)
         if check.outcome == "skipped":
             skipped.append(step)
         t1 = time.perf_counter()
@@ -120,9 +139,15 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
                       f"{cfg.tokens_per_step / (t1 - t0):>9,.0f} tokens/s  {(t1 - t0) * 1e3:7.1f} ms"
                       + _check_note(check, cfg.clip_grad), flush=True)
         done = step + 1
-        if cfg.checkpoint and (done == last or (cfg.save_every and done % cfg.save_every == 0)):
-            ckpt.save_rank(cfg.checkpoint, rank=rank, step=done, stages=stages, optimizer=optimizer,
-                           meta=cfg.meta(data.source))
+        stop = control.step_done(done)  # True on every rank after the same step
+        if cfg.checkpoint and (stop or done == last or (cfg.save_every and done % cfg.save_every == 0)):
+            with control.critical():
+                ckpt.save_rank(cfg.checkpoint, rank=rank, step=done, stages=stages, optimizer=optimizer,
+                               meta=cfg.meta(data.source))
+                last_good.saved = done
+            control.beat()
+        if stop:
+            break
     sys.stdout.flush()
     return RankResult(rank, tuple(mine), tuple(losses), tuple(spans), peak, tuple(timelines),
                       skipped_steps=tuple(skipped))
@@ -150,6 +175,50 @@ def _check_note(check, clip_grad: float | None) -> str:
     if clip_grad is None:
         return ""
     return f"  norm {check.norm:.3g}" + (" clipped" if check.outcome == "clipped" else "")
+
+
+class _LastGood:
+    """This rank's state after its last completed step, to save when the rank fails mid-step:
+    until the next optimizer step the parameters and optimizer state are still those of
+    that step; only the RNG may have moved on, so it is kept."""
+
+    def __init__(self) -> None:
+        self.done = self.saved = 0
+        self.rank, self.stages, self.optimizer, self.meta, self.rng = 0, None, None, None, None
+
+    def track(self, rank: int, stages, optimizer, meta: dict, start: int) -> None:
+        self.rank, self.stages, self.optimizer, self.meta = rank, stages, optimizer, meta
+        self.stepped(start)
+        self.saved = start
+
+    def stepped(self, done: int) -> None:
+        self.done, self.rng = done, torch.get_rng_state()
+
+    def save_on_the_way_out(self, cfg: TrainConfig, control) -> None:
+        """Save the last completed step if it is newer than the last save; a failing save
+        is reported and must not hide the error that stopped the rank."""
+        if not cfg.checkpoint or self.stages is None or self.done <= self.saved:
+            return
+        with control.critical():
+            try:
+                torch.set_rng_state(self.rng)
+                ckpt.save_rank(cfg.checkpoint, rank=self.rank, step=self.done, stages=self.stages,
+                               optimizer=self.optimizer, meta=self.meta)
+                print(f"rank {self.rank}: saved step {self.done} to {cfg.checkpoint} on the way out",
+                      file=sys.stderr, flush=True)
+            except Exception as err:  # noqa: BLE001 - reported; the original error goes on
+                print(f"rank {self.rank}: could not save step {self.done} on the way out: {err}",
+                      file=sys.stderr, flush=True)
+
+
+def checkpoint_note(cfg: TrainConfig) -> str:
+    """One line for a run that ended early: what its checkpoint directory now resumes from."""
+    if not cfg.checkpoint:
+        return "no checkpoint was written: give --checkpoint DIR to save when a run stops"
+    step = ckpt.latest_step(cfg.checkpoint, cfg.schedule.p)
+    if step is None:
+        return f"no step was saved by every rank in {cfg.checkpoint}"
+    return f"checkpoint: every rank has step {step} in {cfg.checkpoint}: continue with --resume"
 
 
 def _emulated_compute(cfg: TrainConfig, stages, device):

@@ -188,13 +188,15 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows):
 
 # ---- launch --------------------------------------------------------------------------------
 def _launch(cfg: TrainConfig):
-    from ..runtime import RankFailedError
-    from .loop import launch
+    from ..runtime import RankFailedError, RunStoppedError
+    from .loop import checkpoint_note, launch
 
     try:
         return launch(cfg)
-    except (RankFailedError, TimeoutError) as err:
-        print(f"pipeblocks train: {err}", file=sys.stderr)
+    except (RankFailedError, TimeoutError, RunStoppedError) as err:
+        print(f"pipeblocks train: {err}\npipeblocks train: {checkpoint_note(cfg)}", file=sys.stderr)
+        if isinstance(err, RunStoppedError):
+            raise SystemExit(128 + err.signal) from None  # the shell's convention for a signalled process
         return None
 
 
