@@ -13,7 +13,7 @@ from torch import nn
 from pipeblocks.core import WeightVersions, weight_versions
 from pipeblocks.models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
 from pipeblocks.schedules.asynchronous import async_1f1b
-from pipeblocks.train.async_mode import MODES, AsyncMode, t1_multiplier
+from pipeblocks.train.async_mode import MODES, AsyncMode, t1_multiplier, weight_memory
 from pipeblocks.train.async_reference import replay
 
 CONFIG = ToyConfig(vocab=11, hidden=8, blocks_per_stage=1, seq=5)
@@ -216,6 +216,15 @@ def test_t2_estimate_is_closer_to_the_forward_weights_than_the_current_ones():
                    optimizer=lambda params: torch.optim.SGD(params, lr=0.02, momentum=0.9),
                    mode=AsyncMode("naive"), measure_discrepancy=True)
     assert all(d.used == d.uncorrected for d in naive.discrepancies)
+
+
+def test_weight_memory_per_mode():
+    program = async_1f1b(p=4, n=1, steps=8)
+    assert weight_memory(program, None) == (1, 1, 1, 1)
+    assert weight_memory(program, AsyncMode("naive")) == (1, 1, 1, 1)
+    assert weight_memory(program, AsyncMode("pipedream")) == (4, 3, 2, 1)
+    assert weight_memory(program, AsyncMode("pipemare")) == (2, 2, 2, 1)  # T2's buffer where there is delay
+    assert weight_memory(program, AsyncMode("pipemare", discrepancy_decay=1.0)) == (1, 1, 1, 1)
 
 
 def test_bad_modes_and_inputs_are_errors():

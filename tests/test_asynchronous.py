@@ -6,7 +6,8 @@ import pytest
 
 from pipeblocks.core import (
     Costs, DeadlockError, OptimizerStep, Program, ScheduleError, WeightVersions, add_optimizer_steps,
-    check_optimizer_steps, check_program, lower, simulate, simulate_program, steady_state, weight_versions,
+    check_optimizer_steps, check_program, lower, simulate, simulate_program, stashed_versions, steady_state,
+    weight_versions,
 )
 from pipeblocks.core.actions import Action, Kind
 from pipeblocks.core.ops import STEP, Stream, op_type, parse_op
@@ -139,10 +140,20 @@ def test_delay_table_p8():
     assert steady_delay_sets(8, 8) == [{0, 1}] * 7 + [{0}]
 
 
+@pytest.mark.parametrize("p,n", [(8, 1), (8, 2), (8, 8), (4, 3), (5, 2)])
+def test_weight_stashing_keeps_max_delay_plus_one_versions(p, n):
+    program = async_1f1b(p=p, n=n, steps=4 + 2 * p // n)
+    versions = weight_versions(program)
+    assert stashed_versions(program) == tuple(versions.max_delay(s) + 1 for s in range(p))
+    if n == 1:
+        assert stashed_versions(program) == tuple(p - s for s in range(p))
+
+
 def test_versions_of_a_synchronous_program_are_all_zero():
     versions = weight_versions(lower(get("1f1b")(p=3, m=4)))
     assert versions == WeightVersions.synchronous(3, 4, 1)
     assert all(versions.delays(s) == (0,) * 4 for s in range(3))
+    assert stashed_versions(lower(get("1f1b")(p=3, m=4))) == (1, 1, 1)
 
 
 def test_versions_append_after_a_synchronous_warm_up():

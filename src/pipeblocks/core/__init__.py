@@ -16,7 +16,7 @@ from .steady import SteadyState, steady_state
 from .steps import add_optimizer_steps, check_optimizer_steps
 from .timeline import Event, Timeline
 from .validate import check_program, check_structure, validate
-from .versions import WeightVersions, weight_versions
+from .versions import WeightVersions, stashed_versions, weight_versions
 
 __all__ = [
     "Action", "Kind", "parse_actions", "DeadlockError", "ScheduleError", "check_deadlock", "lower",
@@ -25,5 +25,5 @@ __all__ = [
     "Stream", "UnknownOpError", "CostSpec", "Mesh", "ScheduleRequest", "DPOp", "add_grad_reduce", "add_sharding",
     "check_dp_ops", "dp_passes", "ShardingPolicy", "parse_sharding", "per_stage",
     "OptimizerStep", "add_optimizer_steps", "check_optimizer_steps", "check_program", "SteadyState", "steady_state",
-    "WeightVersions", "weight_versions",
+    "WeightVersions", "weight_versions", "stashed_versions",
 ]

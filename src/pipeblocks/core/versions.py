@@ -25,7 +25,7 @@ from .errors import ScheduleError
 from .program import OptimizerStep, Program
 from .steps import check_optimizer_steps
 
-__all__ = ["WeightVersions", "weight_versions"]
+__all__ = ["WeightVersions", "weight_versions", "stashed_versions"]
 
 
 @dataclass(frozen=True)
@@ -152,3 +152,30 @@ def _record(table: list[list[int | None]], action: Action, version: int) -> None
             f"{seen}: the chunks of a microbatch must not straddle an optimizer step"
         )
     table[action.stage][action.microbatch] = version
+
+
+def stashed_versions(program: Program) -> tuple[int, ...]:
+    """Per stage, the most weight versions alive at once under weight stashing (PipeDream):
+    the current version and the versions that the microbatches between their forward and
+    their backward (B or BW) used. A synchronous program keeps 1; asynchronous 1F1B keeps
+    max delay + 1, which is p - s for stage s when every microbatch is a step."""
+    check_optimizer_steps(program)
+    most = [1] * program.schedule.num_stages
+    for ops in program.ranks:
+        version: dict[int, int] = {}
+        in_flight: dict[int, dict[tuple[int, int], int]] = {}
+        for op in ops:
+            if type(op) is OptimizerStep:
+                version[op.stage] = op.step + 1
+                continue
+            if type(op) is not Action or op.kind is Kind.W:
+                continue
+            mine = in_flight.setdefault(op.stage, {})
+            key = (op.microbatch, op.seq_chunk or 0)
+            if op.kind is Kind.F:
+                mine[key] = version.get(op.stage, 0)
+                alive = len(set(mine.values()) | {version.get(op.stage, 0)})
+                most[op.stage] = max(most[op.stage], alive)
+            else:
+                mine.pop(key, None)
+    return tuple(most)

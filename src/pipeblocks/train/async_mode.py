@@ -28,7 +28,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["MODES", "AsyncMode", "DEFAULT_LR_WARMUP_STEPS", "DEFAULT_DISCREPANCY_DECAY", "t1_multiplier"]
+from ..core.program import Program
+from ..core.versions import stashed_versions, weight_versions
+
+__all__ = [
+    "MODES", "AsyncMode", "DEFAULT_LR_WARMUP_STEPS", "DEFAULT_DISCREPANCY_DECAY", "t1_multiplier", "weight_memory",
+]
 
 MODES = ("pipedream", "naive", "pipemare")
 
@@ -92,3 +97,24 @@ def t1_multiplier(delay: int, step: int, k: int) -> float:
     if delay <= 1 or k == 0:
         return 1.0
     return math.pow(delay, -(1.0 - min(step / k, 1.0)))
+
+
+def weight_memory(program: Program, mode: AsyncMode | None) -> tuple[float, ...]:
+    """Per rank, the weight-sized buffers `mode` keeps while running `program`, in units of
+    one full stage's weights (None: synchronous training, 1 per rank):
+
+        pipedream  every version still in flight: max delay + 1 per stage (stashes)
+        naive      the weights only: 1
+        pipemare   the weights, and T2's velocity estimate on a stage with delay (2)
+
+    Gradients and optimizer state are left out: every mode has the same."""
+    schedule = program.schedule
+    if mode is None or mode.name == "naive":
+        copies = [1] * schedule.num_stages
+    elif mode.name == "pipedream":
+        copies = list(stashed_versions(program))
+    else:
+        versions = weight_versions(program)
+        copies = [1 + (mode.d < 1 and versions.max_delay(s) >= 1) for s in range(schedule.num_stages)]
+    share = schedule.placement.stage_fraction
+    return tuple(sum(copies[s] * share for s in schedule.placement.stages_of(r)) for r in range(schedule.p))
