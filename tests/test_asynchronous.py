@@ -149,6 +149,12 @@ def test_weight_stashing_keeps_max_delay_plus_one_versions(p, n):
         assert stashed_versions(program) == tuple(p - s for s in range(p))
 
 
+def test_a_stash_outlives_the_step_after_its_forward():
+    # 8 microbatches through 8 stages: stage 0 runs all its forwards at version 0, then steps
+    # while they are still in flight, so it holds version 0 beside the current one
+    assert stashed_versions(async_1f1b(p=8, n=1, steps=8)) == (2, 3, 4, 5, 4, 3, 2, 1)
+
+
 def test_versions_of_a_synchronous_program_are_all_zero():
     versions = weight_versions(lower(get("1f1b")(p=3, m=4)))
     assert versions == WeightVersions.synchronous(3, 4, 1)

@@ -167,15 +167,16 @@ def stashed_versions(program: Program) -> tuple[int, ...]:
         for op in ops:
             if type(op) is OptimizerStep:
                 version[op.stage] = op.step + 1
-                continue
-            if type(op) is not Action or op.kind is Kind.W:
-                continue
-            mine = in_flight.setdefault(op.stage, {})
-            key = (op.microbatch, op.seq_chunk or 0)
-            if op.kind is Kind.F:
-                mine[key] = version.get(op.stage, 0)
-                alive = len(set(mine.values()) | {version.get(op.stage, 0)})
-                most[op.stage] = max(most[op.stage], alive)
+            elif type(op) is Action and op.kind is not Kind.W:
+                key = (op.microbatch, op.seq_chunk or 0)
+                if op.kind is Kind.F:
+                    in_flight.setdefault(op.stage, {})[key] = version.get(op.stage, 0)
+                else:
+                    in_flight[op.stage].pop(key, None)
+                    continue
             else:
-                mine.pop(key, None)
+                continue
+            # a new version or a new forward: the moments the count can grow
+            alive = len(set(in_flight.get(op.stage, {}).values()) | {version.get(op.stage, 0)})
+            most[op.stage] = max(most[op.stage], alive)
     return tuple(most)
