@@ -10,7 +10,7 @@ from pipeblocks.core import (
     weight_versions,
 )
 from pipeblocks.core.actions import Action, Kind
-from pipeblocks.core.ops import STEP, Stream, op_type, parse_op
+from pipeblocks.core.ops import ACTION, P2P, STEP, Stream, UnknownOpError, op_type, parse_op, require_known
 from pipeblocks.schedules import get
 from pipeblocks.schedules.asynchronous import async_1f1b, async_1f1b_schedule, one_f_one_b_delay
 from pipeblocks.sim.plots import plot_timeline
@@ -31,6 +31,13 @@ def test_step_op_text_form_round_trips_through_the_table():
     assert Program.from_text(program.to_text(), schedule) == program
     with pytest.raises(ScheduleError, match="stage 3 does not exist"):
         parse_op("3STEP0", schedule)
+
+
+def test_a_consumer_without_steps_names_the_step_op():
+    program = async_1f1b(p=2, n=1, steps=2)
+    # what the runtime checks before it runs a rank's ops: it does not run steps yet
+    with pytest.raises(UnknownOpError, match=r"the runtime \(rank 1\) cannot run op 1STEP0 \(type optimizer step\)"):
+        require_known(program.ranks[1], "the runtime (rank 1)", (ACTION, P2P))
 
 
 def test_async_1f1b_is_1f1b_without_flush_and_a_step_after_every_n_backwards():

@@ -50,7 +50,7 @@ class SteadyState:
 def steady_state(timeline: Timeline) -> SteadyState:
     """The steady-state figures of a simulated asynchronous program (3 or more steps)."""
     ends: list[dict[int, float]] = []
-    for r, events in enumerate(timeline.events):
+    for events in timeline.events:
         mine: dict[int, float] = {}
         for e in events:
             if type(e.action) is OptimizerStep:

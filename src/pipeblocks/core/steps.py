@@ -20,12 +20,13 @@ from collections import defaultdict
 
 from .actions import Action, Kind
 from .errors import ScheduleError
+from .lower import Pass
 from .program import Comm, Op, OptimizerStep, Program
 
 __all__ = ["add_optimizer_steps", "check_optimizer_steps", "step_size"]
 
 
-def add_optimizer_steps(every: int):
+def add_optimizer_steps(every: int) -> Pass:
     """A lowering pass (`Program -> Program`) that gives every stage an optimizer step
     after the weight gradients of each group of `every` consecutive microbatches.
 
