@@ -40,6 +40,13 @@ def test_a_consumer_without_steps_names_the_step_op():
         require_known(program.ranks[1], "the runtime (rank 1)", (ACTION, P2P))
 
 
+def test_export_to_torch_refuses_optimizer_steps():
+    from pipeblocks.interop.torch_comms import program_to_torch_csv
+
+    with pytest.raises(ScheduleError, match="rank 0 holds optimizer step 0STEP0: torch.distributed.pipelining has no"):
+        program_to_torch_csv(async_1f1b(p=2, n=1, steps=2))
+
+
 def test_async_1f1b_is_1f1b_without_flush_and_a_step_after_every_n_backwards():
     program = async_1f1b(p=3, n=2, steps=3)
     assert program.schedule.m == 6 and program.schedule.name == "async-1f1b"
