@@ -2,6 +2,8 @@
 delays against the closed form, and the simulated steady state."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipeblocks.core import (
@@ -11,6 +13,7 @@ from pipeblocks.core import (
 )
 from pipeblocks.core.actions import Action, Kind
 from pipeblocks.core.ops import ACTION, P2P, STEP, Stream, UnknownOpError, op_type, parse_op, require_known
+from pipeblocks.cli.main import main
 from pipeblocks.schedules import get
 from pipeblocks.schedules.asynchronous import async_1f1b, async_1f1b_schedule, one_f_one_b_delay
 from pipeblocks.sim.plots import plot_timeline
@@ -232,3 +235,25 @@ def test_unit_costs_default_step_cost_is_zero():
     timeline = simulate_program(async_1f1b(p=2, n=1, steps=3))
     assert all(e.end == e.start for evs in timeline.events for e in evs if type(e.action) is OptimizerStep)
     assert Action(0, Kind.F, 0) == timeline.events[0][0].action
+
+
+def test_simulate_async_reports_steady_state_delays_and_weight_memory(capsys):
+    assert main(["simulate", "1f1b", "-p", "4", "-m", "2", "--async", "pipedream", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["steady_bubble"] == 0 and data["sync_bubble_ratio"] == pytest.approx(3 / 5)
+    assert data["step_time"] == 6 and data["speedup"] == pytest.approx(2.5)
+    assert data["max_delay"] == [2, 1, 1, 0]
+    assert data["weight_memory"] == [3, 2, 2, 1] and data["weight_memory_sync"] == [1, 1, 1, 1]
+    assert main(["simulate", "1f1b", "-p", "4", "-m", "8", "--async", "pipemare"]) == 0
+    assert "bubble        0.0000 per step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["zb-v", "--async", "naive"], "schedule 'zb-v' has no asynchronous form: --async runs with 1f1b"),
+    (["1f1b", "--async", "naive", "--dp", "2"], "--async with --dp 2 is not supported yet"),
+    (["1f1b", "--async", "naive", "--async-steps", "2"], "--async-steps 2: the steady state leaves out"),
+    (["1f1b", "--async", "naive", "--seq-chunks", "2"], "--async with sequence chunks is not supported"),
+])
+def test_simulate_async_errors(capsys, argv, message):
+    assert main(["simulate", *argv, "-p", "4", "-m", "4"]) == 2
+    assert message in capsys.readouterr().err
