@@ -9,6 +9,7 @@ rank in units of one stage's weights: the mode's stashes (pipedream) or T2's buf
 from __future__ import annotations
 
 import argparse
+from types import MappingProxyType
 
 from ..core.simulate import simulate, simulate_program
 from ..core.steady import steady_state
@@ -19,7 +20,7 @@ from .common import Built, print_json
 
 __all__ = ["ASYNC_FORMS", "add_async_options", "run_async"]
 
-ASYNC_FORMS = {"1f1b": async_1f1b}
+ASYNC_FORMS = MappingProxyType({"1f1b": async_1f1b})
 """Schedules with an asynchronous form, and the function that builds its Program."""
 
 
