@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ..core.simulate import simulate
+from .async_sim import add_async_options, run_async
 from .common import add_schedule_options, build, request_from_args, print_json
 
 
@@ -11,11 +12,14 @@ def register(sub) -> None:
     parser = sub.add_parser("simulate", help="simulate one schedule: makespan, bubble ratio, peak memory per rank")
     add_schedule_options(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_async_options(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     built = build(request_from_args(args))
+    if args.async_mode:
+        return run_async(args, built)
     schedule = built.schedule
     timeline = simulate(schedule, built.costs)
     summary = timeline.summary()

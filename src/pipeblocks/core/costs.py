@@ -39,6 +39,8 @@ class Costs:
         the data-parallel collectives and the static memory.
     data_parallel: the replicas, sharding policies, link and precision (`dp_model`); one
         replica by default, which adds no op and no time.
+    t_step: time of one stage's optimizer step (asynchronous programs hold step ops; a
+        synchronous one steps after its flush, outside the simulated step).
     """
 
     t_f: Value = 1.0
@@ -51,9 +53,10 @@ class Costs:
     seq_mem: tuple[float, ...] | None = None
     params: Value = 1.0
     data_parallel: DataParallel = DataParallel()
+    t_step: Value = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("t_f", "t_b", "t_w", "t_comm", "mem_b", "mem_w_ratio", "params"):
+        for name in ("t_f", "t_b", "t_w", "t_comm", "mem_b", "mem_w_ratio", "params", "t_step"):
             value = getattr(self, name)
             values = value if isinstance(value, tuple) else (value,)
             if any(not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 for x in values):
@@ -91,6 +94,7 @@ class Costs:
             seq_time=_shares(self.seq_time, seq_chunks, "seq_time"),
             seq_mem=_shares(self.seq_mem, seq_chunks, "seq_mem"),
             params=per_stage("params", frac), data_parallel=self.data_parallel,
+            step=per_stage("t_step", frac),
         )
 
 
@@ -109,6 +113,8 @@ class StageCosts:
     seq_mem: tuple[float, ...]
     params: tuple[float, ...] = ()
     data_parallel: DataParallel = DataParallel()
+    step: tuple[float, ...] = ()
+    """per stage, the time of its optimizer step"""
 
     def duration(self, kind: Kind, stage: int, seq_chunk: int = 0) -> float:
         share = self.seq_time[seq_chunk]

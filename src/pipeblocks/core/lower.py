@@ -8,7 +8,8 @@ passes (DP gradient reduce, parameter gather and free: `passes_dp.dp_passes`;
 recomputation) follow it: `lower(schedule, passes=PASSES + dp_passes(policies, dp))`.
 
 The deadlock check runs the Program under the runtime's semantics: sends never block
-(they are posted asynchronously), receives block until the matching send has run.
+(they are posted asynchronously), receives block until the matching send has run, and an
+optimizer step waits only for its own stage's backwards, which precede it on its rank.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from typing import Callable, Sequence
 
 from .actions import Action, Kind
 from .errors import DeadlockError
-from .ops import ACTION, DP, P2P, unsupported
-from .program import Comm, DPOp, Op, Program
+from .ops import ACTION, DP, P2P, STEP, unsupported
+from .program import Comm, DPOp, Op, OptimizerStep, Program
 from .schedule import Schedule
 
 __all__ = ["Pass", "PASSES", "lower", "add_p2p", "check_deadlock"]
@@ -97,9 +98,10 @@ def check_deadlock(program: Program) -> None:
                 elif key not in sent:
                     waiting[key] = rank
                     break
-            elif kind is not Action and kind is not DPOp:
-                # DP ops never wait on a pipeline peer: every replica runs this same Program
-                raise unsupported(op, "the deadlock check", (ACTION, P2P, DP))
+            elif kind is not Action and kind is not DPOp and kind is not OptimizerStep:
+                # DP ops never wait on a pipeline peer: every replica runs this same Program;
+                # an optimizer step waits on its own rank only
+                raise unsupported(op, "the deadlock check", (ACTION, P2P, DP, STEP))
             pos += 1
         cursor[rank] = pos
     blocked = [r for r in range(len(ranks)) if cursor[r] < len(ranks[r])]

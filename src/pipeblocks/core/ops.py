@@ -19,10 +19,10 @@ from typing import Callable, Iterable, Mapping
 
 from .actions import Action
 from .errors import ScheduleError
-from .program import Comm, DPOp, Op
+from .program import Comm, DPOp, Op, OptimizerStep
 from .schedule import Schedule
 
-__all__ = ["Stream", "OpType", "OP_TYPES", "ACTION", "P2P", "DP", "UnknownOpError", "op_type", "format_op", "parse_op", "require_known"]
+__all__ = ["Stream", "OpType", "OP_TYPES", "ACTION", "P2P", "DP", "STEP", "UnknownOpError", "op_type", "format_op", "parse_op", "require_known"]
 
 
 class Stream(str, Enum):
@@ -91,8 +91,22 @@ P2P = OpType(
 # Data-parallel collectives and parameter gather/free, named as torch names them.
 DP = OpType("dp", DPOp, Stream.COMMUNICATION, re.compile(r"(\d+)(UNSHARD|RESHARD|REDUCE_GRAD)"), _parse_dp)
 
+
+
+def _parse_step(match: re.Match[str], schedule: Schedule) -> OptimizerStep:
+    stage, step = (int(x) for x in match.groups())
+    if stage >= schedule.num_stages:
+        raise ScheduleError(
+            f"op {match.group(0)!r}: stage {stage} does not exist (stages 0..{schedule.num_stages - 1})"
+        )
+    return OptimizerStep(stage, step)
+
+
+# A stage's optimizer step in an asynchronous program: compute stream, waits on its own rank only.
+STEP = OpType("optimizer step", OptimizerStep, Stream.COMPUTE, re.compile(r"(\d+)STEP(\d+)"), _parse_step)
+
 # One entry per op type, in the order parsing tries them.
-OP_TYPES: tuple[OpType, ...] = (ACTION, P2P, DP)
+OP_TYPES: tuple[OpType, ...] = (ACTION, P2P, DP, STEP)
 _BY_CLASS: Mapping[type, OpType] = MappingProxyType({t.cls: t for t in OP_TYPES})
 
 
@@ -139,5 +153,5 @@ def parse_op(text: str, schedule: Schedule) -> Op:
             return entry.parse(match, schedule)
     raise UnknownOpError(
         f"cannot parse op {text!r}: expected an action (2F5, 0BW2, 0B3.1), a transfer (2SEND_F5, 3RECV_B5.1) "
-        "or a data-parallel op (2UNSHARD, 2RESHARD, 2REDUCE_GRAD)"
+        "a data-parallel op (2UNSHARD, 2RESHARD, 2REDUCE_GRAD) or an optimizer step (3STEP0)"
     )

@@ -14,6 +14,12 @@ Data-parallel ops (`DPOp`) name a stage only, as torch does::
     2RESHARD      free the gathered parameters again
     2REDUCE_GRAD  reduce stage 2's accumulated gradients over the data-parallel replicas
 
+An optimizer step of one stage (asynchronous programs, which run several steps without a
+flush) reads `<stage>STEP<step>`::
+
+    3STEP0        stage 3 applies its optimizer step 0 (its first), after the backwards
+                  of that step's microbatches
+
 Each op type has an entry in the op table (`ops.py`), which every consumer dispatches on.
 """
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import NamedTuple, Union
 from .actions import Action
 from .schedule import Schedule
 
-__all__ = ["Comm", "DPOp", "DP_KINDS", "Op", "Program"]
+__all__ = ["Comm", "DPOp", "DP_KINDS", "OptimizerStep", "Op", "Program"]
 
 
 class Comm(NamedTuple):
@@ -74,7 +80,22 @@ class DPOp(NamedTuple):
         return f"{self.stage}{self.kind}"
 
 
-Op = Union[Action, Comm, DPOp]
+class OptimizerStep(NamedTuple):
+    """Stage `stage` applies optimizer step `step` (0, 1, ...) to its weights.
+
+    Step k consumes the gradients of microbatches k*N .. k*N+N-1 (N microbatches per step)
+    and makes the stage's weights version k+1; it runs on the compute stream and waits
+    for nothing but the stage's own backwards.
+    """
+
+    stage: int
+    step: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}STEP{self.step}"
+
+
+Op = Union[Action, Comm, DPOp, OptimizerStep]
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ before it) and starts when the stream is free; its duration is the link model's
 the step waits for every REDUCE_GRAD, then runs the zero1/zero2 parameter gather. The
 compute stream's waits are the rank's exposed communication. Point-to-point transfers keep
 their own model (t_comm after the send) and do not occupy the DP stream.
+
+An optimizer step (`OptimizerStep`, asynchronous programs) occupies the compute stream for
+its cost `t_step` and shows in the timeline as an event of its own.
 """
 from __future__ import annotations
 
@@ -24,8 +27,8 @@ import gc
 from .actions import Action
 from .errors import DeadlockError
 from .lower import PASSES, check_deadlock, lower
-from .ops import ACTION, DP, P2P, unsupported
-from .program import Comm, DPOp, Program
+from .ops import ACTION, DP, P2P, STEP, unsupported
+from .program import Comm, DPOp, OptimizerStep, Program
 from .schedule import Schedule
 from .validate import check_structure
 from .costs import Costs, StageCosts
@@ -222,7 +225,7 @@ class _CommStream:
 
 
 def _compile(ops, table) -> tuple[list[tuple], list[tuple[int, str, float]]]:
-    """One entry per compute action: (receive keys before it, action, duration, memory
+    """One entry per compute op (action or optimizer step): (receive keys before it, op, duration, memory
     allocated at its start, memory released at its end, send keys after it, gate). A send
     belongs to the action before it, a receive to the action after it. Keys are
     `Comm.key`, unpacked inline because this loop runs once per op of the program. `gate`
@@ -262,6 +265,10 @@ def _compile(ops, table) -> tuple[list[tuple], list[tuple[int, str, float]]]:
             if op.kind == "UNSHARD":
                 pending[op.stage] = len(plan)
             plan.append((len(out), str(op), dp.op_time(op.kind, table.params[op.stage], policies[op.stage])))
+        elif kind is OptimizerStep:  # compute stream, no activation memory
+            sends = []
+            out.append((tuple(receives) if receives else (), op, table.step[op.stage], 0.0, 0.0, sends, None))
+            receives.clear()
         else:
-            raise unsupported(op, "the simulator", (ACTION, P2P, DP))
+            raise unsupported(op, "the simulator", (ACTION, P2P, DP, STEP))
     return out, plan

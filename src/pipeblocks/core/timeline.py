@@ -31,15 +31,17 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .actions import Action
+from .program import OptimizerStep
 from .schedule import Schedule
 
 __all__ = ["CommEvent", "Event", "Timeline"]
 
 
 class Event(NamedTuple):
-    """One action's run on its rank."""
+    """One compute op's run on its rank: an action, or an optimizer step (`OptimizerStep`,
+    in asynchronous programs only)."""
 
-    action: Action
+    action: Action | OptimizerStep
     start: float
     end: float
 

@@ -1,7 +1,9 @@
 """Structural validation of a Schedule: placement, completeness, local order.
 
 Cross-rank order is checked after lowering, by the deadlock check in `lower.py`;
-`validate` runs both and returns the lowered Program.
+`validate` runs both and returns the lowered Program. `check_program` checks a lowered
+Program of its own (one built with extra passes, or read from text): its optimizer steps,
+if it has any (`steps.py`), and freedom from deadlock.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from .deps import phase_of, requirements
 from .errors import ScheduleError
 from .schedule import Schedule
 
-__all__ = ["check_structure", "validate"]
+__all__ = ["check_structure", "check_program", "validate"]
 
 
 def check_structure(schedule: Schedule) -> None:
@@ -28,6 +30,17 @@ def validate(schedule: Schedule):
     program = lower(schedule)
     check_deadlock(program)
     return program
+
+
+def check_program(program) -> None:
+    """Raise ScheduleError unless the lowered `program` steps its optimizers where its
+    microbatches' gradients are complete and runs without deadlock (its schedule is
+    assumed to pass `check_structure`)."""
+    from .lower import check_deadlock
+    from .steps import check_optimizer_steps
+
+    check_optimizer_steps(program)
+    check_deadlock(program)
 
 
 def _check_placement_and_ranges(schedule: Schedule) -> None:

@@ -21,7 +21,7 @@ from ..core.actions import Action
 from ..core.errors import ScheduleError
 from ..core.ops import format_op, parse_op
 from ..core.placement import Placement
-from ..core.program import Comm, DPOp, Program
+from ..core.program import Comm, DPOp, OptimizerStep, Program
 from ..core.schedule import Schedule
 from .torch_pipelining import from_torch_rows, to_torch_rows
 
@@ -34,7 +34,13 @@ def program_to_torch_rows(program: Program) -> list[list[str]]:
     """Per rank, every op of the Program in torch's text form."""
     compute = iter(to_torch_rows(program.schedule))  # raises for sequence chunks
     rows = []
-    for ops in program.ranks:
+    for rank, ops in enumerate(program.ranks):
+        step = next((op for op in ops if type(op) is OptimizerStep), None)
+        if step is not None:
+            raise ScheduleError(
+                f"rank {rank} holds optimizer step {step}: torch.distributed.pipelining has no optimizer-step "
+                "action, so an asynchronous program cannot be exported (export its synchronous schedule instead)"
+            )
         names = iter(next(compute))
         rows.append([next(names) if type(op) is Action else format_op(op) for op in ops])
     return rows

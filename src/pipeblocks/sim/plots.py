@@ -15,6 +15,7 @@ from typing import Sequence
 
 from ..core.actions import Kind
 from ..core.errors import ScheduleError
+from ..core.program import OptimizerStep
 from ..core.timeline import Timeline
 
 __all__ = ["plot_timeline", "plot_pareto", "ParetoPoint", "KIND_COLOURS", "DP_COLOURS"]
@@ -121,6 +122,11 @@ def _draw_ranks(ax, timeline: Timeline, title: str) -> None:
     for r, events in enumerate(timeline.events):
         for e in events:
             a = e.action
+            if type(a) is OptimizerStep:  # asynchronous programs: a black bar where the weights change
+                if e.end > e.start:
+                    ax.broken_barh([(e.start - origin, e.end - e.start)], (r - 0.4, 0.8), facecolors="black")
+                ax.vlines(e.start - origin, r - 0.45, r + 0.45, colors="black", linewidth=1.5)
+                continue
             chunk = local_chunk[a.stage]
             ax.broken_barh(
                 [(e.start - origin, e.end - e.start)], (r + top, height),

@@ -3,7 +3,9 @@
 One row per rank, one cell per time quantum (the largest step that divides every
 duration). A pass shows its kind and microbatch (`F3`, `B3`, `W3`, `BW3`), prefixed by
 the rank-local chunk when a rank holds several (`1F3` = chunk 1) and suffixed by the
-sequence chunk (`F3.1`); `-` continues a pass over several cells, `.` is idle::
+sequence chunk (`F3.1`); an optimizer step of an asynchronous program shows as `S0`,
+`S1`, ... (one of zero cost is covered by the pass that starts with it); `-` continues a
+pass over several cells, `.` is idle::
 
     rank 0  F0 F1 F2 F3 BW0 -- F4 BW1 -- ...
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+from ..core.program import OptimizerStep
 from ..core.timeline import Event, Timeline
 
 __all__ = ["render_text_timeline"]
@@ -27,6 +30,9 @@ def render_text_timeline(timeline: Timeline, *, max_cells: int = _MAX_CELLS) -> 
 
     def label(event: Event) -> str:
         a = event.action
+        if type(a) is OptimizerStep:
+            text = f"S{a.step}"
+            return f"{local_chunk[a.stage]}{text}" if schedule.v > 1 else text
         text = f"{a.kind.value}{a.microbatch}"
         if schedule.v > 1:
             text = f"{local_chunk[a.stage]}{text}"
