@@ -8,11 +8,21 @@ else can run. Memory: a microbatch may enter a rank (its first F there) only if 
 can also hold it on all its later stages; so the oldest microbatch always advances and no
 limit at or above the floor (`memory_floor`) deadlocks.
 
+Weight refill. Keep each rank's F and B order from a finished schedule (a fixed pattern
+built for equal costs) and place its Ws again under the real costs: a pending W runs when
+it fits entirely in the wait for the next F or B, when memory requires it, or (with
+`partial`) when the wait it would lengthen is within the worst rank's bubble so far; the
+rest drain at the end. Ws are off the critical path, so this keeps the pattern's shape
+and memory bound while its Ws stop delaying Bs when W is cheaper or dearer than F and B.
+
 Local search. Adjacent swaps on each rank, the ranks with the longest spans first; a swap
 is kept when it shortens (longest span, sum of spans) and stays valid and within memory.
 `budget` bounds the simulations, so the result is deterministic.
 """
 from __future__ import annotations
+
+import heapq
+from typing import Sequence
 
 from ..core.actions import Action, Kind
 from ..core.errors import ScheduleError
@@ -22,7 +32,7 @@ from ..core.costs import Costs, StageCosts
 from ..core.simulate import simulate
 from ._zb_timing import Timer, Unplaceable
 
-__all__ = ["list_schedule", "hill_climb"]
+__all__ = ["list_schedule", "refill_weights", "hill_climb"]
 
 F_, B_, W_ = Kind.F, Kind.B, Kind.W
 _EPS = 1e-9
@@ -106,6 +116,62 @@ def list_schedule(
         remaining -= 1
     timer.drain()
     return timer.ranks()
+
+
+def refill_weights(
+    placement: Placement, ranks: Sequence[Sequence[Action]], table: StageCosts, limit: float, *, partial: bool = False
+) -> tuple[tuple[Action, ...], ...]:
+    """The F/B order of `ranks` with its Ws placed again under the costs (module docstring)."""
+    timer = Timer(placement, table, limit)
+    main = [[a for a in row if a.kind is not W_] for row in ranks]
+    if any(a.kind is Kind.BW for row in main for a in row):
+        raise ScheduleError("refill_weights needs a split backward (B and W); this schedule fuses them (BW)")
+    cursor = [0] * len(main)
+    heads: list[tuple[float, int]] = []  # (earliest start, rank) of each rank's next F/B whose input is placed
+    waiting: dict[tuple[Kind, int, int], int] = {}  # producer pass -> rank whose next F/B needs it
+
+    def offer(rank: int) -> None:
+        if cursor[rank] >= len(main[rank]):
+            return
+        a = main[rank][cursor[rank]]
+        ready = timer.arrival(a.kind, a.stage, a.microbatch)
+        if ready is None or (a.kind is B_ and not timer.placed(F_, a.stage, a.microbatch)):
+            # parked until the producing pass is placed (the local F of a B is placed first in order)
+            waiting[_producer(a, timer.last)] = rank
+            return
+        heapq.heappush(heads, (max(ready, timer.clock[rank]), rank))
+
+    for rank in range(len(main)):
+        offer(rank)
+    while heads:
+        _, rank = heapq.heappop(heads)
+        a = main[rank][cursor[rank]]
+        ready = timer.arrival(a.kind, a.stage, a.microbatch)
+        pending = timer.pending[rank]
+        while pending and ready >= timer.clock[rank] + timer.cost(W_, pending[0][0]) - _EPS:
+            timer.put_w(rank)
+        wait = ready - timer.clock[rank]
+        if partial and pending and wait > _EPS and wait > timer.max_bubble() - timer.bubble[rank]:
+            timer.put_w(rank)
+        while not timer.fits(a.kind, a.stage):
+            timer.put_w(rank)  # Unplaceable when no W is left to free memory
+        timer.put(a.kind, a.stage, a.microbatch)
+        cursor[rank] += 1
+        woken = waiting.pop((a.kind, a.stage, a.microbatch), None)
+        if woken is not None:
+            offer(woken)
+        offer(rank)
+    if any(cursor[r] < len(main[r]) for r in range(len(main))):
+        raise Unplaceable("refill_weights: the F/B order deadlocks")
+    timer.drain()
+    return timer.ranks()
+
+
+def _producer(a: Action, last: int) -> tuple[Kind, int, int]:
+    """The pass whose end makes `a`'s cross-stage input available."""
+    if a.kind is F_:
+        return (F_, a.stage - 1, a.microbatch)
+    return (B_, a.stage + 1, a.microbatch) if a.stage < last else (F_, a.stage, a.microbatch)
 
 
 def _score(schedule: Schedule, costs: Costs | None, limit: float):

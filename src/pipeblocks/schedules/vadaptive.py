@@ -4,7 +4,8 @@ Candidates are V building blocks whose shifts between neighbouring ranks set the
 (downward shift d, upward 1, for d = 1..5, and V-ZB's 4/2), plus two-part blocks that
 use one shift on the first ranks and another on the rest, for the levels in between.
 Each candidate is built twice, keeping its own peak and filling up to the budget during
-warm-up, and replayed under the given costs; the fastest that fits wins.
+warm-up, and replayed under the given costs; the fastest that fits wins. Under costs other
+than the unit costs each build is also tried with its Ws placed again for the costs.
 
 At unit costs the bubble follows the lower bound of "Pipeline Parallelism with
 Controllable Memory": with k chunk activations per rank (a chunk activation is half of
@@ -25,7 +26,10 @@ from __future__ import annotations
 from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
-from ._reorder import cost_table
+from ..core.costs import Costs
+from ._reorder import cost_table, peaks_of, replay
+from ._zb_search import refill_weights
+from ._zb_timing import Unplaceable
 from .blocks import Block, build_orders
 from .registry import register
 from .vshape import _checked, two_part_block, v_block_variants
@@ -97,6 +101,8 @@ def v_adaptive(*, p: int, m: int, memory_limit: float | None = None, costs: obje
     maybe = [c for c, b in tight if limit + _EPS < b <= limit + mem_b + _EPS][: _TRIES // 2]
     if p <= _VARIANT_P:  # plus the richest looser-turn blocks that fit (the odd-k gains, see module doc)
         sure += [c for c, b in zip(candidates, bounds) if b <= limit + _EPS and c not in sure][::-1][:_VARIANTS]
+    table = cost_table(placement, costs)
+    refill = costs is not None and costs != Costs()
     best = None
     smallest = float("inf")
     for label, block in sure + maybe or candidates[:3]:
@@ -105,6 +111,8 @@ def v_adaptive(*, p: int, m: int, memory_limit: float | None = None, costs: obje
         smallest = min(smallest, own)
         if limit > own + _EPS:  # let the reorder spend the rest of the budget in warm-up
             built.append(build_orders(block, m, costs=costs, memory_cap=limit))
+        if refill:  # the blocks are laid out for equal costs: place their Ws again for these
+            built += _refilled(placement, built, table, limit)
         for orders, times, peaks in built:
             key = (times, max(peaks))
             if max(peaks) <= limit + _EPS and (best is None or key < best[0]):
@@ -116,3 +124,16 @@ def v_adaptive(*, p: int, m: int, memory_limit: float | None = None, costs: obje
         )
     options = (("block", best[2]), ("memory_limit", limit))
     return Schedule("v-adaptive", p, m, placement, best[1], options=options)
+
+
+def _refilled(placement: Placement, built, table, limit: float) -> list:
+    """Each built order with its Ws placed again under the costs, as (orders, times, peaks)."""
+    out = []
+    for orders, _, _ in built:
+        for partial in (False, True):
+            try:
+                again = refill_weights(placement, orders, table, limit, partial=partial)
+            except Unplaceable:
+                continue
+            out.append((again, replay(again, table), peaks_of(again, table)))
+    return out

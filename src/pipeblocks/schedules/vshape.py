@@ -10,6 +10,11 @@ shifts between neighbouring ranks set the lifespans and so the memory (peak abou
     v-zb     shifts summing to 6, peak p, zero bubble at equal costs
     1f1b-v   fused backward (BW, two slots), peak ~ 2p/3
 
+Given costs other than the unit costs, v-min, v-half and v-zb are cost-aware by default:
+at the pattern's peak they keep the fastest order under the costs (the pattern, the pattern
+with its Ws placed again for the costs, a list schedule, local search; `_cost_aware`);
+`cost_aware=False` keeps the pattern.
+
 Usage::
 
     from pipeblocks.schedules import get
@@ -17,10 +22,15 @@ Usage::
 """
 from __future__ import annotations
 
-from ..core.actions import Kind
+from ..core.actions import Action, Kind
+from ..core.costs import Costs
 from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
+from ._cost_aware import cost_aware_v, wants_cost_aware
+from ._reorder import peaks_of
+from ._zb_timing import stage_costs
+from ._zbv_reference import reference_v_candidates
 from .blocks import Block, BlockPass, build, build_orders, fit_block
 from .registry import register
 
@@ -125,7 +135,7 @@ def _checked(p: int, m: int) -> None:
 
 
 @register("v-min", "V shape, shifts 1/1: about 1/3 of 1F1B's activation memory", v=2)
-def v_min(*, p: int, m: int, costs: object | None = None) -> Schedule:
+def v_min(*, p: int, m: int, costs: Costs | None = None, cost_aware: bool | None = None, search: int = 100) -> Schedule:
     """V-Min: the V block with every shift 1, so each rank holds about 2p/3 chunk
     activations (p/3 in full-stage units, 1F1B holds p); bubble about 4p unit slots.
     When p = 2 mod 3 (p >= 5) the peak rounds up to (p+4)//3 and the last two downward
@@ -140,6 +150,15 @@ def v_min(*, p: int, m: int, costs: object | None = None) -> Schedule:
         3: 3F0 4F0 3F1 4F1 4B0 3B0 4W0 3W0 3F2 4F2 4B1 3B1 4W1 3W1 3F3 4F3 4B2 3B2 4W2 3W2 3F4 4F4 4B3 3B3 4W3 3W3 3F5 4F5 4B4 3B4 4W4 3W4 3F6 4F6 4B5 3B5 4W5 3W5 3F7 4F7 4B6 3B6 4W6 3W6 4B7 3B7 4W7 3W7
     """
     _checked(p, m)
+    if wants_cost_aware("v-min", cost_aware, costs):
+        return cost_aware_v(
+            "v-min", p, m, _v_min_orders(p, m, None), costs, search=search,
+            extra=[("pattern built for the costs", _v_min_orders(p, m, costs))],
+        )
+    return Schedule("v-min", p, m, Placement.v_shape(p), _v_min_orders(p, m, costs))
+
+
+def _v_min_orders(p: int, m: int, costs: Costs | None) -> tuple[tuple[Action, ...], ...]:
     uniform = v_block(p, (1, 1, 1, 1))
     orders, times, peaks = build_orders(uniform, m, costs=costs)
     if p % 3 == 2 and p >= 5:
@@ -153,11 +172,11 @@ def v_min(*, p: int, m: int, costs: object | None = None) -> Schedule:
             alt = None
         if alt is not None and alt[1] < times:
             orders = alt[0]
-    return Schedule("v-min", p, m, Placement.v_shape(p), orders)
+    return orders
 
 
 @register("v-half", "V shape, shifts 2/1: about 1/2 of 1F1B's activation memory", v=2)
-def v_half(*, p: int, m: int, costs: object | None = None) -> Schedule:
+def v_half(*, p: int, m: int, costs: Costs | None = None, cost_aware: bool | None = None, search: int = 100) -> Schedule:
     """V-Half: the V block with downward shifts 2 and upward shifts 1; each rank holds
     about p chunk activations (p/2 in full-stage units); bubble about 3p unit slots.
 
@@ -169,11 +188,17 @@ def v_half(*, p: int, m: int, costs: object | None = None) -> Schedule:
         3: 3F0 4F0 3F1 4F1 3F2 4F2 4B0 4W0 3B0 3W0 3F3 4F3 4B1 4W1 3B1 3W1 3F4 4F4 4B2 4W2 3B2 3W2 3F5 4F5 4B3 4W3 3B3 3W3 3F6 4F6 4B4 4W4 3B4 3W4 3F7 4F7 4B5 3B5 4B6 3B6 4W5 3W5 4B7 3B7 4W6 3W6 4W7 3W7
     """
     _checked(p, m)
-    return build(v_block(p, (2, 1, 2, 1)), m, name="v-half", costs=costs)
+    block = v_block(p, (2, 1, 2, 1))
+    if wants_cost_aware("v-half", cost_aware, costs):
+        return cost_aware_v(
+            "v-half", p, m, build_orders(block, m)[0], costs, search=search,
+            extra=[("pattern built for the costs", build_orders(block, m, costs=costs)[0])],
+        )
+    return build(block, m, name="v-half", costs=costs)
 
 
 @register("v-zb", "V shape at 1F1B's memory (p): zero bubble at equal F/B/W costs", v=2)
-def v_zb(*, p: int, m: int, costs: object | None = None) -> Schedule:
+def v_zb(*, p: int, m: int, costs: Costs | None = None, cost_aware: bool | None = None, search: int = 100) -> Schedule:
     """V-ZB: the V block with downward shifts 4 and upward shifts 2 (their sum 6 is the
     interval), so each rank's lifespans total about 12p slots and the peak is 1F1B's:
     2p chunk activations, p in full-stage units. At equal F/B/W costs no rank idles
@@ -187,7 +212,16 @@ def v_zb(*, p: int, m: int, costs: object | None = None) -> Schedule:
         3: 3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 4B0 3B0 4W0 3W0 3F4 4F4 4B1 3B1 4W1 3W1 3F5 4F5 4B2 3B2 4W2 3W2 3F6 4F6 4B3 3B3 4W3 3W3 3F7 4F7 4B4 3B4 4B5 3B5 4B6 3B6 4B7 3B7 4W4 3W4 4W5 3W5 4W6 3W6 4W7 3W7
     """
     _checked(p, m)
-    return build(v_block(p, (4, 2, 4, 2)), m, name="v-zb", costs=costs)
+    block = v_block(p, (4, 2, 4, 2))
+    if wants_cost_aware("v-zb", cost_aware, costs):
+        pattern = build_orders(block, m)[0]
+        table = stage_costs(Placement.v_shape(p), m, costs)
+        limit = max(peaks_of(pattern, table))
+        return cost_aware_v(
+            "v-zb", p, m, pattern, costs, search=search, reference=reference_v_candidates(p, m, table, limit),
+            extra=[("pattern built for the costs", build_orders(block, m, costs=costs)[0])],
+        )
+    return build(block, m, name="v-zb", costs=costs)
 
 
 @register("1f1b-v", "V placement without B/W split (fused BW): about 2/3 of 1F1B's memory", v=2)

@@ -4,12 +4,14 @@
     python -c "from pipeblocks.schedules import get; from pipeblocks.sim import Costs; \
         print(get('zb-v')(p=4, m=8, cost_aware=True, costs=Costs(3, 4, 2)).to_text())"
 
-Two builders behind one name. The default is the handcrafted order of the ZB paper
-(ALGORITHMS §3.5); it ignores costs. `cost_aware=True` builds from the pass costs under a
-memory limit (default 1F1B's peak, p*M_B): `mode="reference"` is the ZB paper's V greedy
-(`_zbv_reference`), `mode="best"` (default) the best by simulation of that greedy's knob
-grid, the handcrafted order, our memory-safe list scheduler, then `search` steps of local
-search; chosen by the longest rank span, then the makespan.
+Two builders behind one name. The handcrafted order of the ZB paper ignores costs; the
+cost-aware build schedules from the pass costs under a memory limit (default 1F1B's peak,
+p*M_B). `cost_aware` defaults to the cost-aware build exactly when costs other than the
+unit costs are given; `cost_aware=False` keeps the handcrafted order. Cost-aware,
+`mode="reference"` is the ZB paper's V greedy (`_zbv_reference`), `mode="best"` (default)
+the best by simulation of that greedy's knob grid, the handcrafted order (as is and with
+its Ws placed again for the costs), our memory-safe list scheduler, then `search` steps of
+local search; chosen by the longest rank span, then the makespan.
 """
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ from ..core.placement import Placement
 from ..core.schedule import Schedule
 from ..core.costs import Costs
 from ._build import B, F, W
+from ._cost_aware import wants_cost_aware
+from ._zb_search import refill_weights
 from ._zb_select import select
-from ._zb_timing import check_limit, memory_floor, stage_costs
+from ._zb_timing import Unplaceable, check_limit, memory_floor, stage_costs
 from ._zbv_reference import reference_v_candidates
 from .registry import register
 
@@ -74,9 +78,9 @@ def zbv_handcrafted(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
     return tuple(ranks)
 
 
-@register("zb-v", "ZB-V: V placement, zero bubble at 1F1B's peak with equal costs; cost_aware=True for costs/limit", v=2)
+@register("zb-v", "ZB-V: V placement, zero bubble at 1F1B's peak with equal costs; cost-aware when costs are given", v=2)
 def zb_v(
-    *, p: int, m: int, cost_aware: bool = False, memory_limit: float | None = None,
+    *, p: int, m: int, cost_aware: bool | None = None, memory_limit: float | None = None,
     costs: Costs | None = None, mode: str = "best", search: int = 100,
 ) -> Schedule:
     """ZB-V. Rank r warms up with 2(p-r)-1 chunk-0 forwards, r (chunk-1 F, chunk-0 F) pairs
@@ -92,7 +96,7 @@ def zb_v(
         2: 2F0 2F1 2F2 5F0 2F3 5F1 2F4 5F2 5B0 5W0 5F3 5B1 5W1 2F5 2B0 2W0 5F4 5B2 5W2 2F6 2B1 2W1 5F5 5B3 5W3 2F7 2B2 2W2 5F6 5B4 5W4 2B3 2W3 5F7 5B5 5W5 2B4 5B6 2B5 5B7 2B6 2W4 2B7 2W5 5W6 5W7 2W6 2W7
         3: 3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 4B0 4W0 3F4 3B0 3W0 4F4 4B1 4W1 3F5 3B1 3W1 4F5 4B2 4W2 3F6 3B2 3W2 4F6 4B3 4W3 3F7 3B3 3W3 4F7 4B4 4W4 3B4 4B5 3B5 4B6 3B6 4B7 3B7 3W4 4W5 4W6 4W7 3W5 3W6 3W7
     """
-    if not cost_aware:
+    if not wants_cost_aware("zb-v", cost_aware, costs):
         if memory_limit is not None:
             raise ScheduleError(
                 "zb-v: the handcrafted order has a fixed peak (p*M_B) and takes no memory_limit; "
@@ -108,8 +112,17 @@ def zb_v(
     def schedule_of(ranks) -> Schedule:
         return Schedule("zb-v", p, m, placement, ranks, options=options)
 
+    handcrafted = zbv_handcrafted(p, m)
+    extra = [("handcrafted", handcrafted)]
+    if mode == "best":
+        for partial in (False, True):
+            try:
+                refilled = refill_weights(placement, handcrafted, table, limit, partial=partial)
+            except Unplaceable:  # the handcrafted F/B order does not fit a limit below p*M_B
+                continue
+            extra.append((f"handcrafted, Ws refilled (partial={partial})", refilled))
     return select(
         "zb-v", schedule_of, placement=placement, m=m, table=table, limit=limit, costs=costs, mode=mode,
-        search=search, reference=reference_v_candidates(p, m, table, limit),
-        extra=[("handcrafted", zbv_handcrafted(p, m))], baseline="reference V greedy",
+        search=search, reference=reference_v_candidates(p, m, table, limit), extra=extra,
+        baseline="reference V greedy",
     )

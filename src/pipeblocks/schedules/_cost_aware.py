@@ -1,0 +1,75 @@
+"""Cost-aware builds of the fixed-pattern V schedules (`zb-v`, `v-zb`, `v-half`, `v-min`).
+
+The patterns are laid out for equal pass costs. When the caller gives other costs, the
+generators keep the pattern's memory level (its peak under those costs, or the caller's
+limit) and choose, by simulation under the costs, among: the pattern itself, the pattern
+with its Ws placed again for the costs (`refill_weights`), the caller's extra candidates
+(the reference V greedy, other blocks), our memory-safe list scheduler, then `search`
+steps of local search. The ranking is the zero-bubble papers' objective: the longest rank
+span, then the makespan. The pattern is a candidate, so the result is never worse than it.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from ..core.actions import Action
+from ..core.costs import Costs
+from ..core.errors import ScheduleError
+from ..core.placement import Placement
+from ..core.schedule import Schedule
+from ._reorder import peaks_of
+from ._zb_search import refill_weights
+from ._zb_select import select
+from ._zb_timing import Unplaceable, check_limit, stage_costs
+
+__all__ = ["wants_cost_aware", "cost_aware_v"]
+
+Ranks = Sequence[Sequence[Action]]
+
+
+def wants_cost_aware(name: str, cost_aware: bool | None, costs: Costs | None) -> bool:
+    """`cost_aware` as given, or by default: True exactly when costs other than the unit
+    costs are given (the fixed patterns are optimal only at equal costs)."""
+    if cost_aware is None:
+        return costs is not None and costs != Costs()
+    if not isinstance(cost_aware, bool):
+        raise ScheduleError(f"{name}: cost_aware must be True, False or None (by the costs), got {cost_aware!r}")
+    return cost_aware
+
+
+def cost_aware_v(
+    name: str,
+    p: int,
+    m: int,
+    pattern: Ranks,
+    costs: Costs | None,
+    *,
+    memory_limit: float | None = None,
+    search: int = 100,
+    reference: Iterable[tuple[object, Ranks]] = (),
+    extra: Iterable[tuple[str, Ranks]] = (),
+    options: tuple[tuple[str, object], ...] = (),
+) -> Schedule:
+    """The best V-placement schedule under `costs` within the memory limit (default: the
+    pattern's own peak under the costs); see the module docstring."""
+    placement = Placement.v_shape(p)
+    table = stage_costs(placement, m, costs)
+    limit = max(peaks_of(pattern, table)) if memory_limit is None else memory_limit
+    check_limit(name, limit, placement, table)
+    options = (("cost_aware", True), ("memory_limit", limit), ("search", search), *options)
+
+    def schedule_of(ranks: Ranks) -> Schedule:
+        return Schedule(name, p, m, placement, tuple(tuple(r) for r in ranks), options=options)
+
+    seeds = [("pattern", pattern), *extra]
+    candidates = list(seeds)
+    for label, ranks in seeds:
+        for partial in (False, True):
+            try:
+                candidates.append((f"{label}, Ws refilled", refill_weights(placement, ranks, table, limit, partial=partial)))
+            except Unplaceable:  # the F/B order needs more memory than the limit at some point
+                continue
+    return select(
+        name, schedule_of, placement=placement, m=m, table=table, limit=limit, costs=costs, mode="best",
+        search=search, reference=reference, extra=candidates, baseline="reference V greedy",
+    )
