@@ -10,7 +10,7 @@ span, then the makespan. The pattern is a candidate, so the result is never wors
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from ..core.actions import Action
 from ..core.costs import Costs
@@ -22,7 +22,7 @@ from ._zb_search import refill_weights
 from ._zb_select import select
 from ._zb_timing import Unplaceable, check_limit, stage_costs
 
-__all__ = ["wants_cost_aware", "cost_aware_v"]
+__all__ = ["cost_aware_v", "wants_cost_aware"]
 
 Ranks = Sequence[Sequence[Action]]
 

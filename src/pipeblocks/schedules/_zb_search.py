@@ -22,7 +22,7 @@ is kept when it shortens (longest span, sum of spans) and stays valid and within
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..core.actions import Action, Kind
 from ..core.errors import ScheduleError
@@ -32,7 +32,7 @@ from ..core.costs import Costs, StageCosts
 from ..core.simulate import simulate
 from ._zb_timing import Timer, Unplaceable
 
-__all__ = ["list_schedule", "refill_weights", "hill_climb"]
+__all__ = ["hill_climb", "list_schedule", "refill_weights"]
 
 F_, B_, W_ = Kind.F, Kind.B, Kind.W
 _EPS = 1e-9
