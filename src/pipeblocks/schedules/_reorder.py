@@ -9,7 +9,9 @@ stays the reference; the tests hold the two in agreement.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+
+import numpy as np
 
 from ..core.actions import Action, Kind
 from ..core.costs import Costs, StageCosts
@@ -31,35 +33,53 @@ def _duration(table: StageCosts, a: Action) -> float:
     return table.duration(a.kind, a.stage)
 
 
-def _alloc(table: StageCosts, a: Action) -> float:
-    return table.memory(a.kind, a.stage)[0]
+def _memory_of(table: StageCosts):
+    """(allocated, released) per (stage, kind), looked up once per pair."""
+    cache: dict[tuple[int, Kind], tuple[float, float]] = {}
 
+    def memory(stage: int, kind: Kind) -> tuple[float, float]:
+        got = cache.get((stage, kind))
+        if got is None:
+            got = cache[(stage, kind)] = table.memory(kind, stage)
+        return got
 
-def _release(table: StageCosts, a: Action) -> float:
-    return table.memory(a.kind, a.stage)[1]
+    return memory
 
 
 def peaks_of(orders: Orders, table: StageCosts) -> tuple[float, ...]:
     """Peak activation per rank; it depends on the order alone."""
+    memory = _memory_of(table)
     out = []
     for row in orders:
         held = top = 0.0
         for a in row:
-            held += _alloc(table, a)
-            top = max(top, held)
-            held += _release(table, a)
+            alloc, release = memory(a.stage, a.kind)
+            held += alloc
+            if held > top:
+                top = held
+            held += release
         out.append(top)
     return tuple(out)
 
 
-def _needs(a: Action, table: StageCosts) -> tuple[tuple[tuple, float], ...]:
-    """(phase, delay after it ends) for each input of `a`; delay is t_comm across ranks."""
-    rank_of = table.placement.stage_to_rank
-    mine = rank_of[a.stage]
-    return tuple(
-        (need, table.t_comm if rank_of[need[1]] != mine else 0.0)
-        for need in requirements(a, table.placement.num_stages, 1)
-    )
+def _templates(table: StageCosts):
+    """Per (stage, kind): (duration, ((phase, stage, delay), ...) needed, (phase, ...) done).
+
+    The same rules as `requirements` and `phase_of` for one sequence chunk, with the
+    microbatch left out (it passes through unchanged), so the replay loop builds no actions."""
+    placement = table.placement
+    rank_of = placement.stage_to_rank
+    out = {}
+    for stage in range(placement.num_stages):
+        for kind in Kind:
+            probe = Action(stage, kind, 0)
+            needs = tuple(
+                (ph, st, table.t_comm if rank_of[st] != rank_of[stage] else 0.0)
+                for ph, st, _, _ in requirements(probe, placement.num_stages, 1)
+            )
+            done = tuple(ph for ph, _, _, _ in phase_of(probe))
+            out[(stage, kind)] = (_duration(table, probe), needs, done)
+    return out
 
 
 def replay(orders: Orders, table: StageCosts) -> tuple[float, float]:
@@ -67,6 +87,7 @@ def replay(orders: Orders, table: StageCosts) -> tuple[float, float]:
     from the start of its first pass to the end of its last. Infinite if they cannot
     complete."""
     p = len(orders)
+    templates = _templates(table)
     done: dict[tuple, float] = {}
     parked: dict[tuple, list[int]] = {}
     cursor, clock = [0] * p, [0.0] * p
@@ -77,12 +98,14 @@ def replay(orders: Orders, table: StageCosts) -> tuple[float, float]:
         row, pos, now = orders[r], cursor[r], clock[r]
         while pos < len(row):
             a = row[pos]
+            mb = a.microbatch
+            duration, needs, phases = templates[(a.stage, a.kind)]
             start = now
             blocked = None
-            for need, delay in _needs(a, table):
-                t = done.get(need)
+            for ph, st, delay in needs:
+                t = done.get((ph, st, mb))
                 if t is None:
-                    blocked = need
+                    blocked = (ph, st, mb)
                     break
                 start = max(start, t + delay)
             if blocked is not None:
@@ -90,10 +113,11 @@ def replay(orders: Orders, table: StageCosts) -> tuple[float, float]:
                 break
             if first[r] is None:
                 first[r] = start
-            now = start + _duration(table, a)
-            for ph in phase_of(a):
-                done[ph] = now
-                ready.extend(parked.pop(ph, ()))
+            now = start + duration
+            for ph in phases:
+                key = (ph, a.stage, mb)
+                done[key] = now
+                ready.extend(parked.pop(key, ()))
             pos += 1
         cursor[r], clock[r] = pos, now
     if any(cursor[r] < len(orders[r]) for r in range(p)):
@@ -128,106 +152,141 @@ def compact(
 
 
 class _Grid:
-    """Per rank: which slots are busy, the activation held in each slot, and where each pass sits."""
+    """Per rank: which slots are busy (a byte per slot, searched with `bytearray.find`), the
+    activation held in each slot (a float array, moved with range updates), and where each
+    pass sits. Passes are keyed by (stage, kind, microbatch), which sorts as `Action` does."""
 
     def __init__(self, timed: Sequence[Sequence[tuple[int, int, Action]]], table: StageCosts) -> None:
         self.table = table
         self.rank_of = table.placement.stage_to_rank
+        self.last = table.placement.num_stages - 1
+        self.memory = _memory_of(table)
         self.horizon = max((s + n for row in timed for s, n, _ in row), default=0) + 1
         p = len(timed)
-        self.busy = [bytearray(self.horizon * 2) for _ in range(p)]
-        self.mem = [[0.0] * (self.horizon * 2 + 1) for _ in range(p)]
-        self.where: dict[Action, tuple[int, int]] = {}
+        size = self.horizon * 2
+        self.busy = [bytearray(size) for _ in range(p)]
+        self.mem = []
+        self.where: dict[tuple[int, Kind, int], tuple[int, int]] = {}
+        self.action: dict[tuple[int, Kind, int], Action] = {}
         for r, row in enumerate(timed):
+            deltas = [0.0] * (size + 1)
             for s, n, a in row:
-                self.where[a] = (s, n)
+                key = (a.stage, a.kind, a.microbatch)
+                self.where[key] = (s, n)
+                self.action[key] = a
                 self.busy[r][s : s + n] = b"\x01" * n
-                self.mem[r][s] += _alloc(table, a)
-                self.mem[r][s + n] += _release(table, a)
-        for prof in self.mem:
-            for t in range(1, len(prof)):
-                prof[t] += prof[t - 1]
+                alloc, release = self.memory(a.stage, a.kind)
+                deltas[s] += alloc
+                deltas[s + n] += release
+            # a running sum in slot order, as a Python loop would add them (cumsum is sequential)
+            self.mem.append(np.cumsum(np.array(deltas, dtype=np.float64)))
 
-    def _shift_memory(self, r: int, a: Action, old: int | None, new: int | None) -> None:
-        """Move a's allocation and release from slot `old` to slot `new` (None: absent)."""
-        n = self.where.get(a, (0, 1))[1]
+    def _shift_memory(self, r: int, key: tuple[int, Kind, int], old: int | None, new: int | None) -> None:
+        """Move a pass's allocation and release from slot `old` to slot `new` (None: absent)."""
+        n = self.where.get(key, (0, 1))[1]
         prof = self.mem[r]
-        end = len(prof)
-        alloc, release = _alloc(self.table, a), _release(self.table, a)
+        alloc, release = self.memory(key[0], key[1])
         if old is not None and new is not None:  # only the slots between the two places change
             sign = 1.0 if new < old else -1.0
             lo, hi = min(old, new), max(old, new)
-            for t in range(lo, hi):
-                prof[t] += sign * alloc
-            for t in range(lo + n, hi + n):
-                prof[t] += sign * release
+            prof[lo:hi] += sign * alloc
+            prof[lo + n : hi + n] += sign * release
             return
         start, sign = (old, -1.0) if old is not None else (new, 1.0)
         if start is None:
             return
-        for t in range(start, end):
-            prof[t] += sign * alloc
-        for t in range(start + n, end):
-            prof[t] += sign * release
+        prof[start:] += sign * alloc
+        prof[start + n :] += sign * release
 
-    def _earliest(self, a: Action) -> int:
-        t = 0
-        for phase, stage, mb, _ in requirements(a, self.table.placement.num_stages, 1):
-            dep = Action(stage, Kind(phase), mb)
-            s, n = self.where[dep] if dep in self.where else self.where[dep.with_kind(Kind.BW)]
+    def _earliest(self, key: tuple[int, Kind, int]) -> int:
+        stage, kind, mb = key
+        where = self.where
+        if kind is Kind.F:
+            if stage == 0:
+                return 0
+            s, n = where[(stage - 1, Kind.F, mb)]
+            return s + n
+        if kind is Kind.W:
+            s, n = where.get((stage, Kind.B, mb)) or where[(stage, Kind.BW, mb)]
+            return s + n
+        s, n = where[(stage, Kind.F, mb)]
+        t = s + n
+        if stage < self.last:
+            s, n = where.get((stage + 1, Kind.B, mb)) or where[(stage + 1, Kind.BW, mb)]
             t = max(t, s + n)
         return t
 
     def compact(self, caps: Sequence[float]) -> None:
-        for (cur, n), a in sorted((v, k) for k, v in self.where.items()):
-            r = self.rank_of[a.stage]
+        for (cur, n), key in sorted((v, k) for k, v in self.where.items()):
+            r = self.rank_of[key[0]]
             row, prof = self.busy[r], self.mem[r]
-            alloc = _alloc(self.table, a)
-            lowest = self._earliest(a)
+            lowest = self._earliest(key)
+            s = _first_free(row, lowest, cur, n)
+            if s < 0:
+                continue
+            alloc = self.memory(key[0], key[1])[0]
             if alloc:  # an earlier F holds its activation longer: stop where the cap would break
-                floor = cur
-                while floor > lowest and prof[floor - 1] + alloc <= caps[r] + _EPS:
-                    floor -= 1
-                lowest = floor
-            for s in range(lowest, cur):
-                if any(row[t] for t in range(s, min(s + n, cur))):
-                    continue
-                row[cur : cur + n] = b"\x00" * n
-                row[s : s + n] = b"\x01" * n
-                self._shift_memory(r, a, cur, s)
-                self.where[a] = (s, n)
-                break
+                # the cap binds only if it breaks between the first free slot and cur
+                bad = np.flatnonzero(prof[s:cur] + alloc > caps[r] + _EPS)
+                if bad.size:
+                    s = _first_free(row, s + int(bad[-1]) + 1, cur, n)
+                    if s < 0:
+                        continue
+            row[cur : cur + n] = b"\x00" * n
+            row[s : s + n] = b"\x01" * n
+            self._shift_memory(r, key, cur, s)
+            self.where[key] = (s, n)
 
-    def lift_tail_weights(self) -> list[Action]:
-        last_f = {}
-        for a, (s, _) in self.where.items():
-            if a.kind is Kind.F:
-                r = self.rank_of[a.stage]
+    def lift_tail_weights(self) -> list[tuple[int, Kind, int]]:
+        last_f: dict[int, int] = {}
+        for (stage, kind, _), (s, _) in self.where.items():
+            if kind is Kind.F:
+                r = self.rank_of[stage]
                 last_f[r] = max(last_f.get(r, -1), s)
-        lifted = [a for a, (s, _) in self.where.items() if a.kind is Kind.W and s > last_f.get(self.rank_of[a.stage], -1)]
-        for a in lifted:
-            s, n = self.where[a]
-            r = self.rank_of[a.stage]
-            self._shift_memory(r, a, s, None)
+        lifted = [
+            key for key, (s, _) in self.where.items() if key[1] is Kind.W and s > last_f.get(self.rank_of[key[0]], -1)
+        ]
+        for key in lifted:
+            s, n = self.where[key]
+            r = self.rank_of[key[0]]
+            self._shift_memory(r, key, s, None)
             self.busy[r][s : s + n] = b"\x00" * n
-        for a in lifted:
-            del self.where[a]
+        for key in lifted:
+            del self.where[key]
         return lifted
 
-    def place_first_free(self, actions: list[Action]) -> None:
+    def place_first_free(self, keys: list[tuple[int, Kind, int]]) -> None:
         """Put each pass, in the order of its inputs' end, into its rank's first free slot."""
-        for a in sorted(actions, key=lambda x: (self._earliest(x), x.stage)):
-            r = self.rank_of[a.stage]
+        for key in sorted(keys, key=lambda x: (self._earliest(x), x[0])):
+            r = self.rank_of[key[0]]
             row = self.busy[r]
-            s = self._earliest(a)
-            while row[s]:
-                s += 1
+            s = row.find(0, self._earliest(key))
             row[s] = 1
-            self.where[a] = (s, 1)
-            self._shift_memory(r, a, None, s)
+            self.where[key] = (s, 1)
+            self._shift_memory(r, key, None, s)
 
     def orders(self) -> Orders:
         rows: list[list[tuple[int, Action]]] = [[] for _ in self.busy]
-        for a, (s, _) in self.where.items():
-            rows[self.rank_of[a.stage]].append((s, a))
-        return tuple(tuple(a for _, a in sorted(row)) for row in rows)
+        for key, (s, _) in self.where.items():
+            rows[self.rank_of[key[0]]].append((s, self.action[key]))
+        return tuple(tuple(a for _, a in sorted(row, key=_first)) for row in rows)
+
+
+def _first(item: tuple[int, Action]) -> int:
+    return item[0]
+
+
+def _first_free(row: bytearray, lo: int, cur: int, n: int) -> int:
+    """The smallest s in [lo, cur) with row[s : min(s + n, cur)] free (a pass of n slots at
+    `cur` may overlap its own old place), or -1."""
+    if lo >= cur:
+        return -1
+    if n == 1:
+        return row.find(0, lo, cur)
+    found = row.find(b"\x00" * n, lo, cur)
+    if found >= 0:
+        return found
+    for s in range(max(lo, cur - n + 1), cur):
+        if not any(row[s:cur]):
+            return s
+    return -1
