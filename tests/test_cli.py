@@ -134,3 +134,17 @@ def test_sequence_chunks_on_the_command_line(capsys):
     assert code == 0 and json.loads(out)["seq_chunks"] == 4
     code, _, err = run_cli(capsys, "simulate", "seq1f1b", "--seq-chunks", "8", "--model", "4,64,4,4")
     assert code == 2 and "cannot split a sequence of 4 tokens into 8 chunks" in err
+
+
+def test_compare_says_which_bubble_to_compare_with_the_papers(capsys):
+    code, out, _ = run_cli(capsys, "compare", "-p", "2", "-m", "4", "--schedules", "zb-h2")
+    assert code == 0 and "bubble_ratio_span, over each rank's own span - the figure to compare with the papers" in out
+
+
+def test_costs_on_the_command_line_make_v_half_cost_aware(capsys):
+    spans = {}
+    for extra in ((), ("--set", "cost_aware=false")):
+        code, out, _ = run_cli(capsys, "simulate", "v-half", "-p", "4", "-m", "8", "--costs", "3,4,2", "--json", *extra)
+        assert code == 0
+        spans[extra] = json.loads(out)["bubble_ratio_span"]
+    assert spans[()] < spans[("--set", "cost_aware=false")]

@@ -99,3 +99,5 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
         extra = f"  {r['exposed_comm_max']:>8.4g}  {r['static_max'] / unit:>8.4g}" if mesh else ""
         print(f"{r['schedule']:<{width}}  {r['v']:>2}  {r['makespan']:>9.4g}  {r['bubble_ratio']:>7.4f}  {r['bubble_ratio_span']:>8.4f}  "
               f"{r['peak_max'] / unit:>8.4g}  {r['peak_vs_1f1b']:>7.3f}{extra}  {per_rank}")
+    print("bubble: bubble_ratio, over the whole makespan (counts the start-up stagger); span bub: "
+          "bubble_ratio_span, over each rank's own span - the figure to compare with the papers")
