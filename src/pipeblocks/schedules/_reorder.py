@@ -18,7 +18,7 @@ from ..core.costs import Costs, StageCosts
 from ..core.deps import phase_of, requirements
 from ..core.placement import Placement
 
-__all__ = ["cost_table", "peaks_of", "replay", "compact"]
+__all__ = ["compact", "cost_table", "peaks_of", "replay", "replay_spans"]
 
 Orders = tuple[tuple[Action, ...], ...]
 _EPS = 1e-9
@@ -86,6 +86,15 @@ def replay(orders: Orders, table: StageCosts) -> tuple[float, float]:
     """(makespan, longest rank span) of the orders under the table; a rank's span runs
     from the start of its first pass to the end of its last. Infinite if they cannot
     complete."""
+    spans = replay_spans(orders, table)
+    if spans is None:
+        return (float("inf"), float("inf"))
+    return spans[0], max(spans[1])
+
+
+def replay_spans(orders: Orders, table: StageCosts) -> tuple[float, tuple[float, ...]] | None:
+    """(makespan, per-rank spans) of the orders under the table, or None if they cannot
+    complete (a cross-rank deadlock, or a pass before its own rank's input)."""
     p = len(orders)
     templates = _templates(table)
     done: dict[tuple, float] = {}
@@ -121,8 +130,8 @@ def replay(orders: Orders, table: StageCosts) -> tuple[float, float]:
             pos += 1
         cursor[r], clock[r] = pos, now
     if any(cursor[r] < len(orders[r]) for r in range(p)):
-        return (float("inf"), float("inf"))
-    return (max(clock), max(clock[r] - (first[r] or 0.0) for r in range(p)))
+        return None
+    return max(clock), tuple(clock[r] - (first[r] or 0.0) for r in range(p))
 
 
 def compact(

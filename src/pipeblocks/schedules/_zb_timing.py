@@ -9,7 +9,7 @@ free and its inputs have arrived, t_comm after they were produced on another ran
 lowered receive waits in `core.simulate`). A Timer lives for one build; nothing here is
 shared state.
 
-`Candidate` and `pick_best` evaluate finished orders with the real simulator and choose
+`Candidate` and `pick_best` evaluate finished orders with the simulator's model and choose
 by the ZB objective: the longest rank span (first pass to last pass), then the makespan.
 """
 from __future__ import annotations
@@ -24,7 +24,9 @@ from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
 from ..core.costs import Costs, StageCosts
-from ..core.simulate import simulate
+from ..core.errors import DeadlockError
+from ..core.validate import check_structure
+from ._reorder import peaks_of, replay_spans
 
 __all__ = ["Timer", "Unplaceable", "Candidate", "stage_costs", "evaluate", "pick_best", "memory_floor", "check_limit"]
 
@@ -173,10 +175,15 @@ class Candidate:
 
 
 def evaluate(origin: str, schedule: Schedule, costs: Costs | None) -> Candidate:
-    """Simulate a complete schedule (validating it) and summarise it."""
-    timeline = simulate(schedule, costs)
-    span = max((evs[-1].end - evs[0].start) for evs in timeline.events if evs)
-    return Candidate(origin, schedule.ranks, span, timeline.makespan, max(timeline.peak_activation))
+    """Check a complete schedule's structure, replay it (the simulator's timing and memory
+    model, without lowering it or keeping events) and summarise it."""
+    check_structure(schedule)
+    table = (costs or Costs()).for_schedule(schedule)
+    replayed = replay_spans(schedule.ranks, table)
+    if replayed is None:
+        raise DeadlockError(f"{origin}: schedule {schedule.name!r} deadlocks")  # a generator bug
+    makespan, spans = replayed
+    return Candidate(origin, schedule.ranks, max(spans), makespan, max(peaks_of(schedule.ranks, table)))
 
 
 def pick_best(candidates: Iterable[Candidate], limit: float) -> Candidate | None:
