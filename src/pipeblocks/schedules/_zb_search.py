@@ -90,10 +90,14 @@ def list_schedule(
                 return (timer.clock[rank], True, W_, None)
         return None if best is None else (best[0], False, best[2], best[4])
 
+    # A rank's candidate depends on its own state and on the arrival of its inputs, so
+    # only the placing rank and the rank consuming the placed pass need a new one.
+    rank_of, last = placement.stage_to_rank, placement.num_stages - 1
+    cached = [candidate(rank) for rank in range(p)]
     while remaining:
         chosen = None
         for rank in range(p):
-            c = candidate(rank)
+            c = cached[rank]
             if c is not None and (chosen is None or (c[0], c[1]) < (chosen[1][0], chosen[1][1])):
                 chosen = (rank, c)
         if chosen is None:
@@ -101,7 +105,11 @@ def list_schedule(
         rank, (_, is_w, kind, stage) = chosen
         if is_w:
             timer.put_w(rank)
+            cached[rank] = candidate(rank)
             continue
+        consumer = stage + 1 if kind is F_ else stage - 1
+        if 0 <= consumer <= last:
+            cached[rank_of[consumer]] = None  # recomputed below, after the placement
         index = next_f[stage] if kind is F_ else next_b[stage]
         if kind is F_:
             while not timer.fits(F_, stage):
@@ -117,6 +125,9 @@ def list_schedule(
             timer.put(B_, stage, index)
             next_b[stage] += 1
         remaining -= 1
+        cached[rank] = candidate(rank)
+        if 0 <= consumer <= last:
+            cached[rank_of[consumer]] = candidate(rank_of[consumer])
     timer.drain()
     return timer.ranks()
 
