@@ -62,11 +62,15 @@ def peaks_of(orders: Orders, table: StageCosts) -> tuple[float, ...]:
     return tuple(out)
 
 
-def _templates(table: StageCosts):
-    """Per (stage, kind): (duration, ((phase, stage, delay), ...) needed, (phase, ...) done).
+_PHASES = {"F": 0, "B": 1, "W": 2}
 
-    The same rules as `requirements` and `phase_of` for one sequence chunk, with the
-    microbatch left out (it passes through unchanged), so the replay loop builds no actions."""
+
+def _templates(table: StageCosts):
+    """Per (stage, kind): (duration, ((phase slot, delay), ...) needed, (phase slot, ...) done).
+
+    A phase of (stage, microbatch) lives at index microbatch * 3S + phase slot, where the
+    slot is 3 * stage + (0 F, 1 B, 2 W): the same rules as `requirements` and `phase_of`
+    for one sequence chunk, so the replay loop builds neither actions nor tuple keys."""
     placement = table.placement
     rank_of = placement.stage_to_rank
     out = {}
@@ -74,10 +78,10 @@ def _templates(table: StageCosts):
         for kind in Kind:
             probe = Action(stage, kind, 0)
             needs = tuple(
-                (ph, st, table.t_comm if rank_of[st] != rank_of[stage] else 0.0)
+                (3 * st + _PHASES[ph], table.t_comm if rank_of[st] != rank_of[stage] else 0.0)
                 for ph, st, _, _ in requirements(probe, placement.num_stages, 1)
             )
-            done = tuple(ph for ph, _, _, _ in phase_of(probe))
+            done = tuple(3 * stage + _PHASES[ph] for ph, _, _, _ in phase_of(probe))
             out[(stage, kind)] = (_duration(table, probe), needs, done)
     return out
 
@@ -97,36 +101,43 @@ def replay_spans(orders: Orders, table: StageCosts) -> tuple[float, tuple[float,
     complete (a cross-rank deadlock, or a pass before its own rank's input)."""
     p = len(orders)
     templates = _templates(table)
-    done: dict[tuple, float] = {}
-    parked: dict[tuple, list[int]] = {}
+    width = 3 * table.placement.num_stages
+    m = 1 + max((a.microbatch for row in orders for a in row), default=0)
+    done: list[float | None] = [None] * (m * width)
+    parked: dict[int, list[int]] = {}
     cursor, clock = [0] * p, [0.0] * p
     first: list[float | None] = [None] * p
     ready = list(range(p))
     while ready:
         r = ready.pop()
         row, pos, now = orders[r], cursor[r], clock[r]
-        while pos < len(row):
+        n = len(row)
+        while pos < n:
             a = row[pos]
-            mb = a.microbatch
+            base = a.microbatch * width
             duration, needs, phases = templates[(a.stage, a.kind)]
             start = now
-            blocked = None
-            for ph, st, delay in needs:
-                t = done.get((ph, st, mb))
+            blocked = -1
+            for slot, delay in needs:
+                t = done[base + slot]
                 if t is None:
-                    blocked = (ph, st, mb)
+                    blocked = base + slot
                     break
-                start = max(start, t + delay)
-            if blocked is not None:
+                t += delay
+                if t > start:
+                    start = t
+            if blocked >= 0:
                 parked.setdefault(blocked, []).append(r)
                 break
             if first[r] is None:
                 first[r] = start
             now = start + duration
-            for ph in phases:
-                key = (ph, a.stage, mb)
-                done[key] = now
-                ready.extend(parked.pop(key, ()))
+            for slot in phases:
+                done[base + slot] = now
+                if parked:
+                    woken = parked.pop(base + slot, None)
+                    if woken:
+                        ready.extend(woken)
             pos += 1
         cursor[r], clock[r] = pos, now
     if any(cursor[r] < len(orders[r]) for r in range(p)):
