@@ -81,3 +81,13 @@ def test_refill_weights_keeps_the_f_b_order_and_the_limit():
     validate(type(pattern)("v-half", p, m, placement, again))
     with pytest.raises(Unplaceable):  # below the F/B order's own need nothing can be freed in time
         refill_weights(placement, pattern.ranks, table, limit / 2)
+
+
+def test_long_builds_report_progress_through_logging(caplog):
+    from pipeblocks.schedules._progress import Progress
+
+    caplog.set_level("INFO", logger="pipeblocks.schedules")
+    Progress("quick", after=3600).step("silent")
+    Progress("slow", after=-1).step("halfway")
+    messages = [r.getMessage() for r in caplog.records if r.name == "pipeblocks.schedules"]
+    assert len(messages) == 1 and messages[0].startswith("slow: halfway (")

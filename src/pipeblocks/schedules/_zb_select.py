@@ -15,6 +15,7 @@ from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
 from ._build import require
+from ._progress import Progress
 from ._zb_search import hill_climb, list_schedule
 from ._zb_timing import Candidate, Unplaceable, evaluate, pick_best
 
@@ -41,9 +42,11 @@ def select(
 ) -> Schedule:
     require(mode in MODES, f"{name}: mode must be one of {MODES}, got {mode!r}")
     require(isinstance(search, int) and search >= 0, f"{name}: search must be an integer >= 0, got {search!r}")
+    progress = Progress(f"{name} p={placement.num_ranks} m={m}")
     candidates: list[Candidate] = [
         evaluate(f"reference {knobs}", schedule_of(ranks), costs) for knobs, ranks in reference
     ]
+    progress.step(f"{baseline}: {len(candidates)} candidates")
     if mode == "reference":
         fitting = [c for c in candidates if c.peak <= limit + 1e-9]
         if not fitting:
@@ -53,14 +56,18 @@ def select(
             )
         return schedule_of(min(fitting, key=lambda c: c.max_span).ranks)  # its own objective, first on ties
     candidates += [evaluate(label, schedule_of(ranks), costs) for label, ranks in extra]
+    progress.step(f"{len(candidates)} candidates evaluated")
     for prefer in ("B", "F"):
         try:
             ranks = list_schedule(placement, m, table, limit, prefer=prefer)
         except Unplaceable:
             continue
         candidates.append(evaluate(f"list prefer={prefer}", schedule_of(ranks), costs))
+        progress.step(f"list schedule (prefer {prefer}) done")
     best = pick_best(candidates, limit)
     if best is None:  # the list scheduler is memory-safe above the floor; this is a bug, not bad input
         raise RuntimeError(f"{name}: no candidate fits memory_limit={limit} at p={placement.num_ranks}, m={m}")
+    progress.step(f"best so far: {best.origin}; local search ({search} steps at most)")
     polished = hill_climb(schedule_of(best.ranks), costs, limit, search)
+    progress.step("local search done")
     return schedule_of(pick_best([best, evaluate("local search", polished, costs)], limit).ranks)

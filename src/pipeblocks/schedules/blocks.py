@@ -40,6 +40,7 @@ from ..core.deps import requirements
 from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
+from ._progress import Progress
 from ._reorder import compact, cost_table, peaks_of, replay
 
 __all__ = ["BlockPass", "Block", "tile", "build", "build_orders", "fit_block"]
@@ -273,8 +274,14 @@ def build_orders(
         for bp in block.passes:
             timed[block.rank_of(bp)].append((bp.start + j * block.interval, bp.length, bp.action(j)))
     best = None
+    progress = Progress(f"block build p={block.p} m={m}")
     # compaction never raises a rank above its cap, but it cannot bring a tiled peak under it
-    for orders in (tiled, compact(timed, table, caps, float_weights=False), compact(timed, table, caps)):
+    for label, orders in (
+        ("tiled", tiled),
+        ("compacted", compact(timed, table, caps, float_weights=False)),
+        ("compacted with the cool-down Ws floated", compact(timed, table, caps)),
+    ):
+        progress.step(f"{label} order built")
         peaks = peaks_of(orders, table)
         if any(x > c + 1e-9 for x, c in zip(peaks, caps)):
             continue

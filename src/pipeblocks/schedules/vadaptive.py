@@ -27,6 +27,7 @@ from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
 from ..core.costs import Costs
+from ._progress import Progress
 from ._reorder import cost_table, peaks_of, replay
 from ._zb_search import refill_weights
 from ._zb_timing import Unplaceable
@@ -105,7 +106,9 @@ def v_adaptive(*, p: int, m: int, memory_limit: float | None = None, costs: obje
     refill = costs is not None and costs != Costs()
     best = None
     smallest = float("inf")
+    progress = Progress(f"v-adaptive p={p} m={m} memory_limit={limit:g}")
     for label, block in sure + maybe or candidates[:3]:
+        progress.step(f"building {label}")
         built = [build_orders(block, m, costs=costs)]
         own = max(built[0][2])
         smallest = min(smallest, own)
