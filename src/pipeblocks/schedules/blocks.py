@@ -30,6 +30,7 @@ this same API.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -132,15 +133,17 @@ class Block:
                 return bp
         raise ScheduleError(f"block has no {stage}{kind.value} pass")
 
-    @property
+    @functools.cached_property
     def lifespans(self) -> tuple[int, ...]:
         """Per global stage: end of its freeing pass (W or BW) minus start of its F."""
-        out = []
-        for stage in range(self.placement.num_stages):
-            start = self.pass_of(stage, Kind.F).start
-            ends = [bp.end for bp in self.passes if bp.stage == stage and bp.kind in (Kind.W, Kind.BW)]
-            out.append(max(ends) - start)
-        return tuple(out)
+        start: dict[int, int] = {}
+        end: dict[int, int] = {}
+        for bp in self.passes:
+            if bp.kind is Kind.F:
+                start[bp.stage] = bp.start
+            elif bp.kind in (Kind.W, Kind.BW):
+                end[bp.stage] = max(end.get(bp.stage, bp.end), bp.end)
+        return tuple(end[stage] - start[stage] for stage in range(self.placement.num_stages))
 
     def lifespan_bound(self, mem_b: float | Sequence[float] = 1.0) -> tuple[float, ...]:
         """Per rank: sum over its stages of ceil(l_s / T) times the stage's activation.

@@ -23,6 +23,8 @@ Usage::
 """
 from __future__ import annotations
 
+import functools
+
 from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
@@ -48,6 +50,13 @@ def adaptive_candidates(p: int, *, variants: bool = True) -> list[tuple[str, Blo
     for each shift family every turn-gap variant with its own lifespans (variant 0 has
     the tightest memory; the others spend a little more and reach an odd number of
     chunk activations with one slot less idle)."""
+    return list(_candidates(p, variants))
+
+
+@functools.lru_cache(maxsize=8)
+def _candidates(p: int, variants: bool) -> tuple[tuple[str, Block], ...]:
+    # The search over shifts and turn gaps depends on p alone and blocks are immutable:
+    # a memory curve (one call per budget) searches once.
     families: list[tuple[str, list[int], list[int]]] = [
         (f"shifts {d}/{u}", [d * i for i in range(p)], [u * (p - 1 - i) for i in range(p)])
         for d, u in [(d, 1) for d in range(1, 6)] + [(4, 2)]
@@ -67,7 +76,7 @@ def adaptive_candidates(p: int, *, variants: bool = True) -> list[tuple[str, Blo
         except ScheduleError:  # these shifts collide mod 6 for this p
             continue
         out += [(label if n == 0 else f"{label}, turn variant {n}", block) for n, block in enumerate(found[: None if variants else 1])]
-    return sorted(out, key=lambda x: max(x[1].lifespan_bound()))
+    return tuple(sorted(out, key=lambda x: max(x[1].lifespan_bound())))
 
 
 @register("v-adaptive", "V shape for any activation budget between V-Min's and 1F1B's, chosen by simulated time", v=2)
