@@ -236,8 +236,23 @@ class _Grid:
             t = max(t, s + n)
         return t
 
+    def _visit_order(self) -> list[tuple[int, Kind, int]]:
+        """The passes by (start, length, stage, kind, microbatch), as sorting the
+        ((start, length), key) pairs would give, on integer keys (kinds in text order)."""
+        rank = {kind: i for i, kind in enumerate(sorted(Kind, key=lambda k: k.value))}
+        stages = self.last + 2
+        width = 1 + max((key[2] for key in self.where), default=0)
+        lengths = 1 + max((n for _, n in self.where.values()), default=1)
+        keyed = sorted(
+            ((((s * lengths + n) * stages + key[0]) * 4 + rank[key[1]]) * width + key[2], key)
+            for key, (s, n) in self.where.items()
+        )
+        return [key for _, key in keyed]
+
     def compact(self, caps: Sequence[float]) -> None:
-        for (cur, n), key in sorted((v, k) for k, v in self.where.items()):
+        where = self.where
+        for key in self._visit_order():
+            cur, n = where[key]
             r = self.rank_of[key[0]]
             row, prof = self.busy[r], self.mem[r]
             lowest = self._earliest(key)
@@ -286,14 +301,11 @@ class _Grid:
             self._shift_memory(r, key, None, s)
 
     def orders(self) -> Orders:
-        rows: list[list[tuple[int, Action]]] = [[] for _ in self.busy]
+        # a rank runs one pass per slot: lay the passes out by start slot
+        rows: list[list[Action | None]] = [[None] * len(row) for row in self.busy]
         for key, (s, _) in self.where.items():
-            rows[self.rank_of[key[0]]].append((s, self.action[key]))
-        return tuple(tuple(a for _, a in sorted(row, key=_first)) for row in rows)
-
-
-def _first(item: tuple[int, Action]) -> int:
-    return item[0]
+            rows[self.rank_of[key[0]]][s] = self.action[key]
+        return tuple(tuple(a for a in row if a is not None) for row in rows)
 
 
 def _first_free(row: bytearray, lo: int, cur: int, n: int) -> int:
