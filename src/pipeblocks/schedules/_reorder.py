@@ -180,7 +180,8 @@ class _Grid:
         self.table = table
         self.rank_of = table.placement.stage_to_rank
         self.last = table.placement.num_stages - 1
-        self.memory = _memory_of(table)
+        memory = _memory_of(table)
+        self.mem_of = {(s, k): memory(s, k) for s in range(self.last + 1) for k in Kind}
         self.horizon = max((s + n for row in timed for s, n, _ in row), default=0) + 1
         p = len(timed)
         size = self.horizon * 2
@@ -195,7 +196,7 @@ class _Grid:
                 self.where[key] = (s, n)
                 self.action[key] = a
                 self.busy[r][s : s + n] = b"\x01" * n
-                alloc, release = self.memory(a.stage, a.kind)
+                alloc, release = self.mem_of[(a.stage, a.kind)]
                 deltas[s] += alloc
                 deltas[s + n] += release
             # a running sum in slot order, as a Python loop would add them (cumsum is sequential)
@@ -205,18 +206,23 @@ class _Grid:
         """Move a pass's allocation and release from slot `old` to slot `new` (None: absent)."""
         n = self.where.get(key, (0, 1))[1]
         prof = self.mem[r]
-        alloc, release = self.memory(key[0], key[1])
+        alloc, release = self.mem_of[(key[0], key[1])]
+        # adding a zero changes no slot: skip it (a pass either allocates or releases, mostly)
         if old is not None and new is not None:  # only the slots between the two places change
             sign = 1.0 if new < old else -1.0
             lo, hi = min(old, new), max(old, new)
-            prof[lo:hi] += sign * alloc
-            prof[lo + n : hi + n] += sign * release
+            if alloc:
+                prof[lo:hi] += sign * alloc
+            if release:
+                prof[lo + n : hi + n] += sign * release
             return
         start, sign = (old, -1.0) if old is not None else (new, 1.0)
         if start is None:
             return
-        prof[start:] += sign * alloc
-        prof[start + n :] += sign * release
+        if alloc:
+            prof[start:] += sign * alloc
+        if release:
+            prof[start + n :] += sign * release
 
     def _earliest(self, key: tuple[int, Kind, int]) -> int:
         stage, kind, mb = key
@@ -238,16 +244,24 @@ class _Grid:
 
     def _visit_order(self) -> list[tuple[int, Kind, int]]:
         """The passes by (start, length, stage, kind, microbatch), as sorting the
-        ((start, length), key) pairs would give, on integer keys (kinds in text order)."""
+        ((start, length), key) pairs would give: bucketed by start slot, then each slot's
+        few passes sorted (kinds in text order, as `Kind` compares)."""
         rank = {kind: i for i, kind in enumerate(sorted(Kind, key=lambda k: k.value))}
-        stages = self.last + 2
-        width = 1 + max((key[2] for key in self.where), default=0)
-        lengths = 1 + max((n for _, n in self.where.values()), default=1)
-        keyed = sorted(
-            ((((s * lengths + n) * stages + key[0]) * 4 + rank[key[1]]) * width + key[2], key)
-            for key, (s, n) in self.where.items()
-        )
-        return [key for _, key in keyed]
+        buckets: list[list | None] = [None] * (2 * self.horizon + 1)
+        for key, (s, n) in self.where.items():
+            bucket = buckets[s]
+            entry = (n, key[0], rank[key[1]], key[2], key)
+            if bucket is None:
+                buckets[s] = [entry]
+            else:
+                bucket.append(entry)
+        out = []
+        for bucket in buckets:
+            if bucket is not None:
+                if len(bucket) > 1:
+                    bucket.sort()
+                out.extend(entry[4] for entry in bucket)
+        return out
 
     def compact(self, caps: Sequence[float]) -> None:
         where = self.where
@@ -259,7 +273,7 @@ class _Grid:
             s = _first_free(row, lowest, cur, n)
             if s < 0:
                 continue
-            alloc = self.memory(key[0], key[1])[0]
+            alloc = self.mem_of[(key[0], key[1])][0]
             if alloc:  # an earlier F holds its activation longer: stop where the cap would break
                 # the cap binds only if it breaks between the first free slot and cur
                 bad = np.flatnonzero(prof[s:cur] + alloc > caps[r] + _EPS)
