@@ -64,7 +64,7 @@ def run_case(name: str, p: int, m: int, extra: list[str], timeout: float) -> dic
         command = [sys.executable, "-c", _CHILD, "simulate", name, "-p", str(p), "-m", str(m), "--json", *extra]
     started = time.perf_counter()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     except subprocess.TimeoutExpired:
         return {"wall_s": None, "cpu_s": None, "peak_rss_gb": None, "status": f"timeout {timeout:g} s"}
     wall = time.perf_counter() - started

@@ -4,9 +4,16 @@ from __future__ import annotations
 import pytest
 
 from pipeblocks.core import Kind, Placement, ScheduleError, validate
-from pipeblocks.schedules.blocks import Block, BlockPass, build, build_orders, fit_block, tile
+from pipeblocks.schedules._reorder import cost_table, peaks_of, replay
+from pipeblocks.schedules.blocks import (
+    Block,
+    BlockPass,
+    build,
+    build_orders,
+    fit_block,
+    tile,
+)
 from pipeblocks.schedules.vshape import v_block, v_fused_block
-from pipeblocks.schedules._reorder import cost_table, replay
 from pipeblocks.sim import Costs, simulate
 
 # ZB-H1's shape on two ranks: rank 0 runs F, B, W of stage 0; rank 1 those of stage 1.
@@ -145,3 +152,49 @@ def test_replay_agrees_with_the_simulator(costs):
     tl = simulate(s, costs)
     assert makespan == pytest.approx(tl.makespan)
     assert span == pytest.approx(max(e[-1].end - e[0].start for e in tl.events))
+
+
+def _timed(blk, m):
+    rows = [[] for _ in range(blk.p)]
+    for j in range(m):
+        for bp in blk.passes:
+            rows[blk.rank_of(bp)].append((bp.start + j * blk.interval, bp.length, bp.action(j)))
+    return rows
+
+
+@pytest.mark.parametrize("costs", [Costs(), Costs(2.0, 1.0, 1.5, 0.3, mem_w_ratio=0.5)])
+def test_fast_compaction_equals_the_slot_grid_specification(costs):
+    from _slow_compact import compact as slow_compact
+
+    from pipeblocks.schedules._reorder import compact
+    from pipeblocks.schedules.vadaptive import two_part_block
+    from pipeblocks.schedules.vshape import v_block, v_fused_block
+
+    blocks = [v_block(4, (1, 1, 1, 1)), v_block(5, (2, 1, 2, 1)), v_block(4, (4, 2, 4, 2)), v_fused_block(4),
+              two_part_block(6, 3, 1, 3), Block.parse(Placement.loop(2), "0F@0 1F@1 1B@2 1W@3 0B@3 0W@5", interval=4)]
+    for blk in blocks:
+        table = cost_table(blk.placement, costs)
+        for m in (1, 3, 2 * blk.p + 1):
+            tiled = peaks_of(tuple(tuple(a for _, _, a in sorted(row, key=lambda x: x[0])) for row in _timed(blk, m)), table)
+            for caps in (tiled, tuple(c + 1.0 for c in tiled), tuple(0.5 * c for c in tiled)):
+                for float_weights in (False, True):
+                    fast = compact(_timed(blk, m), table, caps, float_weights=float_weights)
+                    slow = slow_compact(_timed(blk, m), table, caps, float_weights=float_weights)
+                    assert fast == slow, (blk.to_text(), m, caps, float_weights)
+
+
+@pytest.mark.parametrize("name", ["zb", "zb-v", "v-half"])
+def test_replay_spans_and_peaks_equal_the_simulator(name):
+    from pipeblocks.schedules import get
+    from pipeblocks.schedules._reorder import replay_spans
+
+    costs = Costs(3.0, 4.0, 2.0, 0.25, mem_w_ratio=0.5)
+    s = get(name)(p=4, m=7, costs=costs, search=5)
+    tl = simulate(s, costs)
+    makespan, spans = replay_spans(s.ranks, cost_table(s.placement, costs))
+    assert makespan == tl.makespan
+    assert spans == tuple(tl.span(r) for r in range(s.p))
+    assert peaks_of(s.ranks, cost_table(s.placement, costs)) == tl.peak_activation
+    swapped = [list(r) for r in s.ranks]
+    swapped[0][0], swapped[0][-1] = swapped[0][-1], swapped[0][0]  # a W before its own B: cannot run
+    assert replay_spans(tuple(map(tuple, swapped)), cost_table(s.placement, costs)) is None
