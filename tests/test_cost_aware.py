@@ -91,3 +91,11 @@ def test_long_builds_report_progress_through_logging(caplog):
     Progress("slow", after=-1).step("halfway")
     messages = [r.getMessage() for r in caplog.records if r.name == "pipeblocks.schedules"]
     assert len(messages) == 1 and messages[0].startswith("slow: halfway (")
+
+
+def test_uniform_costs_keep_the_pattern():
+    scaled = Costs(t_f=0.5, t_b=0.5, t_w=0.5, mem_b=0.5)  # a sequence chunk's share of unit costs
+    for name in ("zb-v", "v-half"):
+        assert get(name)(p=4, m=8, costs=scaled).ranks == get(name)(p=4, m=8).ranks
+    for costs in (Costs(t_comm=0.1), Costs(mem_w_ratio=0.5), Costs(1, 1, 0.5)):
+        assert dict(get("v-half")(p=4, m=8, costs=costs, search=0).options)["cost_aware"] is True

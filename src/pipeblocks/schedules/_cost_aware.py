@@ -22,19 +22,33 @@ from ._zb_search import refill_weights
 from ._zb_select import select
 from ._zb_timing import Unplaceable, check_limit, stage_costs
 
-__all__ = ["cost_aware_v", "wants_cost_aware"]
+__all__ = ["cost_aware_v", "uniform", "wants_cost_aware"]
 
 Ranks = Sequence[Sequence[Action]]
 
 
 def wants_cost_aware(name: str, cost_aware: bool | None, costs: Costs | None) -> bool:
-    """`cost_aware` as given, or by default: True exactly when costs other than the unit
-    costs are given (the fixed patterns are optimal only at equal costs)."""
+    """`cost_aware` as given, or by default: True exactly when the given costs are not
+    uniform (the fixed patterns are laid out for uniform costs: equal F, B and W times on
+    every stage, no communication time, equal activation per stage, B keeping all of it
+    until W). Unit costs, or all of them scaled alike (a sequence chunk's share), are
+    uniform."""
     if cost_aware is None:
-        return costs is not None and costs != Costs()
+        return costs is not None and not uniform(costs)
     if not isinstance(cost_aware, bool):
         raise ScheduleError(f"{name}: cost_aware must be True, False or None (by the costs), got {cost_aware!r}")
     return cost_aware
+
+
+def uniform(costs: Costs) -> bool:
+    """Equal F/B/W times on every stage, no communication time, equal activation per
+    stage and M_W = M_B: the costs the fixed patterns are laid out for."""
+
+    def values(x) -> set[float]:
+        return set(x) if isinstance(x, tuple) else {x}
+
+    times = values(costs.t_f) | values(costs.t_b) | values(costs.t_w)
+    return len(times) == 1 and costs.t_comm == 0 and len(values(costs.mem_b)) == 1 and values(costs.mem_w_ratio) == {1}
 
 
 def cost_aware_v(

@@ -4,8 +4,9 @@ Candidates are V building blocks whose shifts between neighbouring ranks set the
 (downward shift d, upward 1, for d = 1..5, and V-ZB's 4/2), plus two-part blocks that
 use one shift on the first ranks and another on the rest, for the levels in between.
 Each candidate is built twice, keeping its own peak and filling up to the budget during
-warm-up, and replayed under the given costs; the fastest that fits wins. Under costs other
-than the unit costs each build is also tried with its Ws placed again for the costs.
+warm-up, and replayed under the given costs; the fastest that fits wins. Under costs that are
+not uniform (unequal passes, communication time, ...) each build is also tried with its
+Ws placed again for the costs.
 
 At unit costs the bubble follows the lower bound of "Pipeline Parallelism with
 Controllable Memory": with k chunk activations per rank (a chunk activation is half of
@@ -28,7 +29,7 @@ import functools
 from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
-from ..core.costs import Costs
+from ._cost_aware import uniform
 from ._progress import Progress
 from ._reorder import cost_table, peaks_of, replay
 from ._zb_search import refill_weights
@@ -112,7 +113,7 @@ def v_adaptive(*, p: int, m: int, memory_limit: float | None = None, costs: obje
     if p <= _VARIANT_P:  # plus the richest looser-turn blocks that fit (the odd-k gains, see module doc)
         sure += [c for c, b in zip(candidates, bounds) if b <= limit + _EPS and c not in sure][::-1][:_VARIANTS]
     table = cost_table(placement, costs)
-    refill = costs is not None and costs != Costs()
+    refill = costs is not None and not uniform(costs)
     best = None
     smallest = float("inf")
     progress = Progress(f"v-adaptive p={p} m={m} memory_limit={limit:g}")

@@ -10,7 +10,8 @@ shifts between neighbouring ranks set the lifespans and so the memory (peak abou
     v-zb     shifts summing to 6, peak p, zero bubble at equal costs
     1f1b-v   fused backward (BW, two slots), peak ~ 2p/3
 
-Given costs other than the unit costs, v-min, v-half and v-zb are cost-aware by default:
+Given costs that are not uniform (unequal F/B/W times, communication time, per-stage
+differences or M_W < M_B), v-min, v-half and v-zb are cost-aware by default:
 at the pattern's peak they keep the fastest order under the costs (the pattern, the pattern
 with its Ws placed again for the costs, a list schedule, local search; `_cost_aware`);
 `cost_aware=False` keeps the pattern.

@@ -6,8 +6,9 @@
 
 Two builders behind one name. The handcrafted order of the ZB paper ignores costs; the
 cost-aware build schedules from the pass costs under a memory limit (default 1F1B's peak,
-p*M_B). `cost_aware` defaults to the cost-aware build exactly when costs other than the
-unit costs are given; `cost_aware=False` keeps the handcrafted order. Cost-aware,
+p*M_B). `cost_aware` defaults to the cost-aware build exactly when the given costs are not
+uniform (unequal F/B/W times, communication time, per-stage differences or M_W < M_B;
+`_cost_aware.uniform`); `cost_aware=False` keeps the handcrafted order. Cost-aware,
 `mode="reference"` is the ZB paper's V greedy (`_zbv_reference`), `mode="best"` (default)
 the best by simulation of that greedy's knob grid, the handcrafted order (as is and with
 its Ws placed again for the costs), our memory-safe list scheduler, then `search` steps of
