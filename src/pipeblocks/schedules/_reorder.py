@@ -18,7 +18,7 @@ from ..core.costs import Costs, StageCosts
 from ..core.deps import phase_of, requirements
 from ..core.placement import Placement
 
-__all__ = ["compact", "cost_table", "peaks_of", "replay", "replay_spans"]
+__all__ = ["compact", "compact_both", "cost_table", "peaks_of", "replay", "replay_spans"]
 
 Orders = tuple[tuple[Action, ...], ...]
 _EPS = 1e-9
@@ -165,10 +165,25 @@ def compact(
     grid = _Grid(timed, table)
     grid.compact(caps)
     if float_weights:
-        lifted = grid.lift_tail_weights()
-        grid.compact(caps)
-        grid.place_first_free(lifted)
+        _float_weights(grid, caps)
     return grid.orders()
+
+
+def compact_both(
+    timed: Sequence[Sequence[tuple[int, int, Action]]], table: StageCosts, caps: Sequence[float]
+) -> tuple[Orders, Orders]:
+    """`compact` without and with `float_weights`, sharing the first round."""
+    grid = _Grid(timed, table)
+    grid.compact(caps)
+    plain = grid.orders()
+    _float_weights(grid, caps)
+    return plain, grid.orders()
+
+
+def _float_weights(grid: _Grid, caps: Sequence[float]) -> None:
+    lifted = grid.lift_tail_weights()
+    grid.compact(caps)
+    grid.place_first_free(lifted)
 
 
 class _Grid:

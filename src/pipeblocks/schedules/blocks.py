@@ -42,7 +42,7 @@ from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
 from ._progress import Progress
-from ._reorder import compact, cost_table, peaks_of, replay
+from ._reorder import compact_both, cost_table, peaks_of, replay
 
 __all__ = ["BlockPass", "Block", "tile", "build", "build_orders", "fit_block"]
 
@@ -279,11 +279,8 @@ def build_orders(
     best = None
     progress = Progress(f"block build p={block.p} m={m}")
     # compaction never raises a rank above its cap, but it cannot bring a tiled peak under it
-    for label, orders in (
-        ("tiled", tiled),
-        ("compacted", compact(timed, table, caps, float_weights=False)),
-        ("compacted with the cool-down Ws floated", compact(timed, table, caps)),
-    ):
+    plain, floated = compact_both(timed, table, caps)
+    for label, orders in (("tiled", tiled), ("compacted", plain), ("compacted with the cool-down Ws floated", floated)):
         progress.step(f"{label} order built")
         peaks = peaks_of(orders, table)
         if any(x > c + 1e-9 for x, c in zip(peaks, caps)):
