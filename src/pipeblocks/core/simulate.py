@@ -72,62 +72,74 @@ def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
     t_comm = table.t_comm
     compiled, comm_plans = [], []
     for ops in program.ranks:
-        steps, plan = _compile(ops, table)
+        steps, plan = _compile(ops, table, schedule)
         compiled.append(steps)
         comm_plans.append(plan)
     p = len(compiled)
+    lengths = [len(c[0]) for c in compiled]
     cursor = [0] * p
     clock = [0.0] * p
     mem = [0.0] * p
     peak = [0.0] * p
     events: list[list[Event]] = [[] for _ in range(p)]
     traces: list[list[tuple[float, float]]] = [[(0.0, 0.0)] for _ in range(p)]
-    arrival: dict[tuple, float] = {}
-    parked: dict[tuple, int] = {}
+    # a transfer's arrival time, from its send until its one receive reads (and drops) it
+    arrival: dict[int, float] = {}
+    parked: dict[int, int] = {}
     ready = list(range(p))
     streams = [_CommStream(plan, events[r]) for r, plan in enumerate(comm_plans)]
     new_event = tuple.__new__  # Event(...) without the Python-level NamedTuple __new__: hot loop
     while ready:
         r = ready.pop()
-        steps = compiled[r]
+        receives, actions, durations, allocs, releases, sends, gates = compiled[r]
         pos, now, held, top = cursor[r], clock[r], mem[r], peak[r]
         evs, trace = events[r], traces[r]
-        n = len(steps)
+        n = lengths[r]
         while pos < n:
-            receives, action, duration, alloc, release, sends, gate = steps[pos]
-            if receives:
-                blocked = False
-                for key in receives:
-                    t = arrival.get(key)
+            key = receives[pos]
+            if key is not None:
+                if type(key) is int:
+                    t = arrival.pop(key, None)
                     if t is None:
                         parked[key] = r
-                        blocked = True
                         break
                     if t > now:
                         now = t
-                if blocked:
-                    break
+                else:  # several receives before one action
+                    missing = next((k for k in key if k not in arrival), None)
+                    if missing is not None:
+                        parked[missing] = r
+                        break
+                    for k in key:
+                        t = arrival.pop(k)
+                        if t > now:
+                            now = t
+            gate = gates[pos]
             if gate is not None:
                 now = streams[r].wait(gate, now)
-            end = now + duration
-            evs.append(new_event(Event, (action, now, end)))
+            end = now + durations[pos]
+            evs.append(new_event(Event, (actions[pos], now, end)))
+            alloc = allocs[pos]
             if alloc:
                 held += alloc
                 trace.append((now, held))
                 if held > top:
                     top = held
+            release = releases[pos]
             if release:
                 held += release
                 trace.append((end, held))
             now = end
-            for key in sends:
-                arrival[key] = now + t_comm
-                woken = parked.pop(key, None)
-                if woken is not None:
-                    ready.append(woken)
+            key = sends[pos]
+            if key is not None:
+                for k in (key,) if type(key) is int else key:
+                    arrival[k] = now + t_comm
+                    woken = parked.pop(k, None)
+                    if woken is not None:
+                        ready.append(woken)
             pos += 1
         cursor[r], clock[r], mem[r], peak[r] = pos, now, held, top
-    if any(cursor[r] < len(compiled[r]) for r in range(p)):
+    if any(cursor[r] < lengths[r] for r in range(p)):
         check_deadlock(program)  # raises with the blocked ranks named
         raise DeadlockError(f"schedule {schedule.name!r} did not finish in simulation")
     placement = schedule.placement
@@ -224,18 +236,26 @@ class _CommStream:
         return end
 
 
-def _compile(ops, table) -> tuple[list[tuple], list[tuple[int, str, float]]]:
-    """One entry per compute op (action or optimizer step): (receive keys before it, op, duration, memory
-    allocated at its start, memory released at its end, send keys after it, gate). A send
-    belongs to the action before it, a receive to the action after it. Keys are
-    `Comm.key`, unpacked inline because this loop runs once per op of the program. `gate`
-    is None, or the index in the DP plan of the gather the action waits for (the first
-    pass of a stage after its UNSHARD). The plan: per DP collective, (index of the compute
+def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list[tuple[int, str, float]]]:
+    """Per compute op (action or optimizer step), in seven parallel lists (a few pointers per action, not a tuple
+    and lists each): the receive key(s) before it, the action, its duration, the memory
+    allocated at its start, the memory released at its end, the send key(s) after it
+    (None, one int, or a tuple of ints), and its gate. A send belongs to the action before
+    it, a receive to the action after it. A key is `Comm.key` as one int:
+    ((microbatch * k + chunk) * S + producing stage) * 2 + (1 for a gradient). `gate` is
+    None, or the index in the DP plan of the gather the action waits for (the first pass
+    of a stage after its UNSHARD). The plan: per DP collective, (index of the compute
     action it is issued before, its text, its duration)."""
-    out: list[tuple] = []
+    stages, chunks = schedule.num_stages, schedule.seq_chunks
+    receives: list = []
+    actions: list = []
+    durations: list = []
+    allocs: list = []
+    releases: list = []
+    sends: list = []
+    gates: list = []
     cost_of: dict[tuple, tuple[float, float, float]] = {}
-    receives: list[tuple] = []
-    sends: list[tuple] = []
+    waiting = None  # receive key(s) for the next action
     plan: list[tuple[int, str, float]] = []
     pending: dict[int, int] = {}  # stage -> plan index of its UNSHARD, until its first pass
     policies = None
@@ -243,19 +263,36 @@ def _compile(ops, table) -> tuple[list[tuple], list[tuple[int, str, float]]]:
         kind = type(op)
         if kind is Comm:
             payload, send, stage, mb, chunk, _peer = op
+            grad = payload != "F"
+            producer = stage if send else (stage + 1 if grad else stage - 1)
+            key = ((mb * chunks + (chunk or 0)) * stages + producer) * 2 + grad
             if send:
-                sends.append((payload, stage, mb, chunk or 0))
+                before = sends[-1]
+                sends[-1] = key if before is None else (*((before,) if type(before) is int else before), key)
             else:
-                receives.append((payload, stage - 1 if payload == "F" else stage + 1, mb, chunk or 0))
+                waiting = key if waiting is None else (*((waiting,) if type(waiting) is int else waiting), key)
         elif kind is Action:
-            key = (op.kind, op.stage, op.seq_chunk or 0)
-            cost = cost_of.get(key)
+            ckey = (op.kind, op.stage, op.seq_chunk or 0)
+            cost = cost_of.get(ckey)
             if cost is None:
-                cost = cost_of[key] = (table.duration(*key), *table.memory(*key))
-            sends = []
-            gate = pending.pop(op.stage, None) if pending else None
-            out.append((tuple(receives) if receives else (), op, cost[0], cost[1], cost[2], sends, gate))
-            receives.clear()
+                cost = cost_of[ckey] = (table.duration(*ckey), *table.memory(*ckey))
+            receives.append(waiting)
+            waiting = None
+            actions.append(op)
+            durations.append(cost[0])
+            allocs.append(cost[1])
+            releases.append(cost[2])
+            sends.append(None)
+            gates.append(pending.pop(op.stage, None) if pending else None)
+        elif kind is OptimizerStep:  # compute stream, no activation memory
+            receives.append(waiting)
+            waiting = None
+            actions.append(op)
+            durations.append(table.step[op.stage])
+            allocs.append(0.0)
+            releases.append(0.0)
+            sends.append(None)
+            gates.append(None)
         elif kind is DPOp:
             if op.kind == "RESHARD":
                 continue  # frees memory only: nothing on the link
@@ -264,11 +301,7 @@ def _compile(ops, table) -> tuple[list[tuple], list[tuple[int, str, float]]]:
                 policies = dp.policies(len(table.params))
             if op.kind == "UNSHARD":
                 pending[op.stage] = len(plan)
-            plan.append((len(out), str(op), dp.op_time(op.kind, table.params[op.stage], policies[op.stage])))
-        elif kind is OptimizerStep:  # compute stream, no activation memory
-            sends = []
-            out.append((tuple(receives) if receives else (), op, table.step[op.stage], 0.0, 0.0, sends, None))
-            receives.clear()
+            plan.append((len(actions), str(op), dp.op_time(op.kind, table.params[op.stage], policies[op.stage])))
         else:
             raise unsupported(op, "the simulator", (ACTION, P2P, DP, STEP))
-    return out, plan
+    return (receives, actions, durations, allocs, releases, sends, gates), plan
