@@ -99,3 +99,17 @@ def test_uniform_costs_keep_the_pattern():
         assert get(name)(p=4, m=8, costs=scaled).ranks == get(name)(p=4, m=8).ranks
     for costs in (Costs(t_comm=0.1), Costs(mem_w_ratio=0.5), Costs(1, 1, 0.5)):
         assert dict(get("v-half")(p=4, m=8, costs=costs, search=0).options)["cost_aware"] is True
+
+
+@pytest.mark.parametrize("name", ["zb-v", "v-zb", "v-half", "v-min"])
+def test_never_worse_than_the_pattern_with_unequal_stage_activations(name):
+    p, m = 4, 8
+    costs = Costs(t_f=3, t_b=4, t_w=2, mem_b=(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.5))  # a heavy last stage
+    fixed = simulate(get(name)(p=p, m=m, costs=costs, cost_aware=False), costs)
+    schedule = get(name)(p=p, m=m, costs=costs, search=20)
+    ours = simulate(schedule, costs)
+    assert ours.bubble_ratio_span <= fixed.bubble_ratio_span + 1e-12
+    limit = dict(schedule.options)["memory_limit"]
+    assert max(ours.peak_activation) <= limit + 1e-9
+    # the pattern's own peak, or for zb-v 1F1B's (p times rank 0's 1 + 2.5), whichever is higher
+    assert limit == max(max(fixed.peak_activation), p * 3.5 if name == "zb-v" else 0.0)

@@ -6,7 +6,7 @@
 
 Two builders behind one name. The handcrafted order of the ZB paper ignores costs; the
 cost-aware build schedules from the pass costs under a memory limit (default 1F1B's peak,
-p*M_B). `cost_aware` defaults to the cost-aware build exactly when the given costs are not
+p*M_B, or the handcrafted order's peak where unequal stage activations lift it above that). `cost_aware` defaults to the cost-aware build exactly when the given costs are not
 uniform (unequal F/B/W times, communication time, per-stage differences or M_W < M_B;
 `_cost_aware.uniform`); `cost_aware=False` keeps the handcrafted order. Cost-aware,
 `mode="reference"` is the ZB paper's V greedy (`_zbv_reference`), `mode="best"` (default)
@@ -23,6 +23,7 @@ from ..core.schedule import Schedule
 from ..core.costs import Costs
 from ._build import B, F, W
 from ._cost_aware import wants_cost_aware
+from ._reorder import peaks_of
 from ._zb_search import refill_weights
 from ._zb_select import select
 from ._zb_timing import Unplaceable, check_limit, memory_floor, stage_costs
@@ -106,14 +107,19 @@ def zb_v(
         return Schedule("zb-v", p, m, Placement.v_shape(p), zbv_handcrafted(p, m))
     placement = Placement.v_shape(p)
     table = stage_costs(placement, m, costs)
-    limit = p * memory_floor(placement, table) if memory_limit is None else memory_limit
+    handcrafted = zbv_handcrafted(p, m)
+    if memory_limit is None:
+        # 1F1B's peak; where stages hold unequal activations the handcrafted order can peak
+        # above it, and the cost-aware build may then use as much as the order it replaces
+        limit = max(p * memory_floor(placement, table), max(peaks_of(handcrafted, table)))
+    else:
+        limit = memory_limit
     check_limit("zb-v", limit, placement, table)
     options = (("cost_aware", True), ("memory_limit", limit), ("mode", mode), ("search", search))
 
     def schedule_of(ranks) -> Schedule:
         return Schedule("zb-v", p, m, placement, ranks, options=options)
 
-    handcrafted = zbv_handcrafted(p, m)
     extra = [("handcrafted", handcrafted)]
     if mode == "best":
         for partial in (False, True):
