@@ -260,9 +260,19 @@ def build_orders(
     largest rank peak and the rank's lifespan bound, so reordering never raises the
     peak; an explicit `memory_cap` (one value, or one per rank) replaces it.
     """
+    if not isinstance(m, int) or m < 1:
+        raise ScheduleError(f"m must be an integer >= 1, got {m!r}")
     placement = block.placement
     table = cost_table(placement, costs)
-    tiled = tuple(tuple(a for _, a in row) for row in tile(block, m))
+    # (slot, length, action) per rank for m copies, in block order; each action made once
+    timed: list[list[tuple[int, int, Action]]] = [[] for _ in range(block.p)]
+    owners = [block.rank_of(bp) for bp in block.passes]
+    for j in range(m):
+        shift = j * block.interval
+        for bp, rank in zip(block.passes, owners):
+            timed[rank].append((bp.start + shift, bp.length, bp.action(j)))
+    # as `tile` orders them: by slot, stable
+    tiled = tuple(tuple(a for _, _, a in sorted(row, key=_slot)) for row in timed)
     tiled_peaks = peaks_of(tiled, table)
     if memory_cap is None:
         bound = block.lifespan_bound(table.mem_b)
@@ -272,10 +282,6 @@ def build_orders(
         caps = tuple(float(c) for c in memory_cap)
     else:
         caps = (float(memory_cap),) * block.p
-    timed: list[list[tuple[int, int, Action]]] = [[] for _ in range(block.p)]
-    for j in range(m):
-        for bp in block.passes:
-            timed[block.rank_of(bp)].append((bp.start + j * block.interval, bp.length, bp.action(j)))
     best = None
     progress = Progress(f"block build p={block.p} m={m}")
     # compaction never raises a rank above its cap, but it cannot bring a tiled peak under it
@@ -294,6 +300,10 @@ def build_orders(
             f"{max(tiled_peaks):g}): raise the cap or choose a block with shorter lifespans"
         )
     return best[1], best[0], best[2]
+
+
+def _slot(item: tuple) -> int:
+    return item[0]
 
 
 def build(
