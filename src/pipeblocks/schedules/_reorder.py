@@ -86,23 +86,27 @@ def _templates(table: StageCosts):
     return out
 
 
-def replay(orders: Orders, table: StageCosts) -> tuple[float, float]:
+def replay(orders: Orders, table: StageCosts, m: int | None = None) -> tuple[float, float]:
     """(makespan, longest rank span) of the orders under the table; a rank's span runs
     from the start of its first pass to the end of its last. Infinite if they cannot
-    complete."""
-    spans = replay_spans(orders, table)
+    complete. `m`, the microbatch count, saves a scan when known."""
+    spans = replay_spans(orders, table, m)
     if spans is None:
         return (float("inf"), float("inf"))
     return spans[0], max(spans[1])
 
 
-def replay_spans(orders: Orders, table: StageCosts) -> tuple[float, tuple[float, ...]] | None:
+def replay_spans(
+    orders: Orders, table: StageCosts, m: int | None = None
+) -> tuple[float, tuple[float, ...]] | None:
     """(makespan, per-rank spans) of the orders under the table, or None if they cannot
-    complete (a cross-rank deadlock, or a pass before its own rank's input)."""
+    complete (a cross-rank deadlock, or a pass before its own rank's input). `m` (more
+    than the largest microbatch index) saves a scan when known."""
     p = len(orders)
     templates = _templates(table)
     width = 3 * table.placement.num_stages
-    m = 1 + max((a.microbatch for row in orders for a in row), default=0)
+    if m is None:
+        m = 1 + max((a.microbatch for row in orders for a in row), default=0)
     done: list[float | None] = [None] * (m * width)
     parked: dict[int, list[int]] = {}
     cursor, clock = [0] * p, [0.0] * p
@@ -260,22 +264,22 @@ class _Grid:
     def _visit_order(self) -> list[tuple[int, Kind, int]]:
         """The passes by (start, length, stage, kind, microbatch), as sorting the
         ((start, length), key) pairs would give: bucketed by start slot, then each slot's
-        few passes sorted (kinds in text order, as `Kind` compares)."""
-        rank = {kind: i for i, kind in enumerate(sorted(Kind, key=lambda k: k.value))}
+        passes sorted by (length, stage), which is unique there (a stage lives on one rank
+        and a rank starts one pass per slot)."""
+        stages = self.last + 1
         buckets: list[list | None] = [None] * (2 * self.horizon + 1)
         for key, (s, n) in self.where.items():
             bucket = buckets[s]
-            entry = (n, key[0], rank[key[1]], key[2], key)
             if bucket is None:
-                buckets[s] = [entry]
+                buckets[s] = [(n * stages + key[0], key)]
             else:
-                bucket.append(entry)
+                bucket.append((n * stages + key[0], key))
         out = []
         for bucket in buckets:
             if bucket is not None:
                 if len(bucket) > 1:
                     bucket.sort()
-                out.extend(entry[4] for entry in bucket)
+                out.extend(key for _, key in bucket)
         return out
 
     def compact(self, caps: Sequence[float]) -> None:

@@ -188,13 +188,13 @@ def _producer(a: Action, last: int) -> tuple[Kind, int, int]:
     return (B_, a.stage + 1, a.microbatch) if a.stage < last else (F_, a.stage, a.microbatch)
 
 
-def _score(ranks, table: StageCosts, limit: float):
+def _score(ranks, table: StageCosts, limit: float, m: int):
     """((longest span, sum of spans), spans) of a swapped order, or None when it cannot
     run (a swap that puts a pass before its own rank's input deadlocks the replay) or
     breaks the memory limit. Same numbers as the simulator, without lowering."""
     if max(peaks_of(ranks, table)) > limit + _EPS:
         return None
-    replayed = replay_spans(ranks, table)
+    replayed = replay_spans(ranks, table, m)
     if replayed is None:
         return None
     spans = replayed[1]
@@ -206,7 +206,7 @@ def hill_climb(schedule: Schedule, costs: Costs | None, limit: float, budget: in
     table = (costs or Costs()).for_schedule(schedule)
     # replays cost time in proportion to the actions: bound the work, not only the count
     budget = min(budget, max(1, _SEARCH_WORK // max(1, sum(map(len, schedule.ranks)))))
-    scored = _score(schedule.ranks, table, limit)
+    scored = _score(schedule.ranks, table, limit, schedule.m)
     if scored is None or budget <= 0:
         return schedule
     best_key, spans = scored
@@ -223,7 +223,7 @@ def hill_climb(schedule: Schedule, costs: Costs | None, limit: float, budget: in
                     continue  # same unit: order is forced; two Ws: no timing effect
                 actions[k], actions[k + 1] = b, a
                 used += 1
-                result = _score(ranks, table, limit)
+                result = _score(ranks, table, limit, schedule.m)
                 if result is not None and result[0] < best_key:
                     best_key, spans = result
                     schedule = Schedule(schedule.name, schedule.p, schedule.m, schedule.placement,

@@ -179,7 +179,7 @@ def evaluate(origin: str, schedule: Schedule, costs: Costs | None) -> Candidate:
     model, without lowering it or keeping events) and summarise it."""
     check_structure(schedule)
     table = (costs or Costs()).for_schedule(schedule)
-    replayed = replay_spans(schedule.ranks, table)
+    replayed = replay_spans(schedule.ranks, table, schedule.m)
     if replayed is None:
         raise DeadlockError(f"{origin}: schedule {schedule.name!r} deadlocks")  # a generator bug
     makespan, spans = replayed

@@ -291,7 +291,7 @@ def build_orders(
         peaks = peaks_of(orders, table)
         if any(x > c + 1e-9 for x, c in zip(peaks, caps)):
             continue
-        candidate = (replay(orders, table), orders, peaks)
+        candidate = (replay(orders, table, m), orders, peaks)
         if best is None or candidate[0] < best[0]:
             best = candidate
     if best is None:
