@@ -33,27 +33,19 @@ def _duration(table: StageCosts, a: Action) -> float:
     return table.duration(a.kind, a.stage)
 
 
-def _memory_of(table: StageCosts):
-    """(allocated, released) per (stage, kind), looked up once per pair."""
-    cache: dict[tuple[int, Kind], tuple[float, float]] = {}
-
-    def memory(stage: int, kind: Kind) -> tuple[float, float]:
-        got = cache.get((stage, kind))
-        if got is None:
-            got = cache[(stage, kind)] = table.memory(kind, stage)
-        return got
-
-    return memory
+def _memory_table(table: StageCosts) -> dict[tuple[int, Kind], tuple[float, float]]:
+    """(allocated, released) per (stage, kind)."""
+    return {(s, k): table.memory(k, s) for s in range(table.placement.num_stages) for k in Kind}
 
 
 def peaks_of(orders: Orders, table: StageCosts) -> tuple[float, ...]:
     """Peak activation per rank; it depends on the order alone."""
-    memory = _memory_of(table)
+    memory = _memory_table(table)
     out = []
     for row in orders:
         held = top = 0.0
         for a in row:
-            alloc, release = memory(a.stage, a.kind)
+            alloc, release = memory[(a.stage, a.kind)]
             held += alloc
             if held > top:
                 top = held
@@ -199,8 +191,7 @@ class _Grid:
         self.table = table
         self.rank_of = table.placement.stage_to_rank
         self.last = table.placement.num_stages - 1
-        memory = _memory_of(table)
-        self.mem_of = {(s, k): memory(s, k) for s in range(self.last + 1) for k in Kind}
+        self.mem_of = _memory_table(table)
         self.horizon = max((s + n for row in timed for s, n, _ in row), default=0) + 1
         p = len(timed)
         size = self.horizon * 2
