@@ -84,8 +84,10 @@ class Mailbox:
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._timeout_s = timeout_s
         self._rank = rank
-        # (recv key or None for a send, tensor, peer's group rank, tag, label)
-        self._queue: list[tuple[tuple | None, torch.Tensor, int, int, str]] = []
+        # sends and receives queued since the last flush: (tensor, peer's group rank, tag, label)
+        # and (recv key, buffer, peer's group rank, tag); sends are issued first
+        self._send_queue: list[tuple[torch.Tensor, int, int, str]] = []
+        self._recv_queue: list[tuple[tuple, torch.Tensor, int, int]] = []
         self._pending_recv: dict[tuple, tuple[dist.Work, torch.Tensor]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor, str]] = []
         self._direct = dist.get_backend(group) == "gloo"
@@ -97,31 +99,33 @@ class Mailbox:
         return dist.get_global_rank(self._group, peer)
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int, label: str) -> None:
-        self._queue.append((None, tensor, peer, tag, label))
+        self._send_queue.append((tensor, peer, tag, label))
 
     def recv(self, key: tuple, buffer: torch.Tensor, peer: int, tag: int) -> None:
-        self._queue.append((key, buffer, peer, tag, ""))
+        self._recv_queue.append((key, buffer, peer, tag))
 
     def flush(self) -> None:
-        """Issue everything queued; drop sends that have completed."""
-        if self._queue:
-            queue, self._queue = self._queue, []
-            if self._pg is not None:
-                queue.sort(key=lambda item: item[0] is not None)  # stable: sends first, each in order
-                works = [
-                    self._pg.send([tensor], peer, tag) if key is None else self._pg.recv([tensor], peer, tag)
-                    for key, tensor, peer, tag, _label in queue
-                ]
+        """Issue everything queued, sends first; drop sends that have completed."""
+        sends, recvs = self._send_queue, self._recv_queue
+        if sends or recvs:
+            self._send_queue, self._recv_queue = [], []
+            pg = self._pg
+            if pg is not None:
+                for tensor, peer, tag, label in sends:
+                    self._sends.append((pg.send([tensor], peer, tag), tensor, label))
+                for key, buffer, peer, tag in recvs:
+                    self._pending_recv[key] = (pg.recv([buffer], peer, tag), buffer)
             else:
-                works = dist.batch_isend_irecv([
-                    dist.P2POp(dist.isend if key is None else dist.irecv, tensor, self._global(peer), self._group, tag)
-                    for key, tensor, peer, tag, _label in queue
-                ])
-            for work, (key, tensor, _peer, _tag, label) in zip(works, queue):
-                if key is None:
+                works = dist.batch_isend_irecv(
+                    [dist.P2POp(dist.isend, tensor, self._global(peer), self._group, tag)
+                     for tensor, peer, tag, _label in sends]
+                    + [dist.P2POp(dist.irecv, buffer, self._global(peer), self._group, tag)
+                       for _key, buffer, peer, tag in recvs]
+                )
+                for work, (tensor, _peer, _tag, label) in zip(works, sends):
                     self._sends.append((work, tensor, label))
-                else:
-                    self._pending_recv[key] = (work, tensor)
+                for work, (key, buffer, _peer, _tag) in zip(works[len(sends):], recvs):
+                    self._pending_recv[key] = (work, buffer)
         if self._sends and self._sends[0][0].is_completed():
             self._sends = [s for s in self._sends if not s[0].is_completed()]
 

@@ -8,9 +8,12 @@ of the input's spec, W sleeps `w_ms` per layer, and a fused BW sleeps B + W. Com
 measured Timeline with `simulate(schedule, costs.sim_costs(schedule))` shows the runtime's
 own overhead and bubbles on a machine far smaller than the model.
 
-Sleeps are precise (`precise_sleep`): `time.sleep` alone overshoots by a few hundred
-microseconds on a loaded or virtual machine, and every overshoot on the critical path
-would be charged to the runtime as bubble.
+Sleeps are precise (`precise_sleep`): `time.sleep` alone overshoots by 0.1-0.2 ms (the
+timer's slack and wake-up), and every overshoot on the critical path would be charged to
+the runtime as bubble, so the last 0.3 ms are spun. No longer: a spin burns a core, and
+with p ranks on a machine of fewer cores the spinning ranks take the CPU from the ones
+whose transfers and wake-ups are on the critical path (a 1 ms spin at 5 ms per pass kept
+0.8 of the 2 cores of a 4-rank run busy).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from .shapes import TensorSpec, infer_output_spec
 
 __all__ = ["EmulatedCosts", "EmulatedCompute", "precise_sleep"]
 
-_SPIN_S = 0.001  # the last millisecond is spun, not slept: timer wake-ups come late
+_SPIN_S = 0.0003  # the tail that is spun, not slept: timer wake-ups come 0.1-0.2 ms late
 
 
 def precise_sleep(seconds: float) -> None:

@@ -182,8 +182,9 @@ class PipelineRunner:
             self._executor = self._build_executor(xs)
             if ys is not None and self._executor.chunks is not None:
                 self._check_target_chunks(ys)
-        self.tracker.exclude([*(p for mod in self.stages.values() for p in mod.parameters()),
-                              *(b for mod in self.stages.values() for b in mod.buffers())])
+        if self.tracker.enabled:
+            self.tracker.exclude([*(p for mod in self.stages.values() for p in mod.parameters()),
+                                  *(b for mod in self.stages.values() for b in mod.buffers())])
         origin = time.perf_counter()
         self.tracker.reset_peak()
         record = self._executor.run(xs, ys)

@@ -40,6 +40,7 @@ from ..core.schedule import Schedule
 from ..core.costs import Costs
 from ..core.simulate import simulate
 from ..core.timeline import Timeline
+from ..sim.overhead import handover_gaps
 
 __all__ = ["RankResult", "RunReport", "profiled_costs", "iteration_times", "build_report", "format_report",
            "write_timeline_plot"]
@@ -106,35 +107,10 @@ def profiled_costs(schedule: Schedule, timelines: Sequence[Timeline], m_b: Seque
     t_w = tuple(median(s, Kind.W) if s in split else 0.0 for s in range(S))
     total = sum(m_b)
     ratio = min(1.0, sum(m_w) / total) if schedule.has_split_backward and total > 0 else 1.0
-    gaps = [gap for timeline in timelines for gap in _handover_gaps(timeline)]
+    gaps = [gap for timeline in timelines for gap in handover_gaps(timeline)]
     return Costs(t_f=t_f, t_b=t_b, t_w=t_w, mem_b=tuple(float(x) for x in m_b), mem_w_ratio=ratio,
                  t_comm=statistics.median(gaps) if gaps else 0.0, seq_time=seq_time,
                  seq_mem=tuple(seq_mem) if seq_mem is not None and k > 1 else None)
-
-
-def _handover_gaps(timeline: Timeline) -> list[float]:
-    """Delays from a producer's end to its consumer's start on another rank, where the consumer
-    was idle waiting for it: what a hop between ranks costs (the simulator's t_comm)."""
-    schedule = timeline.schedule
-    rank_of = schedule.placement.rank_of
-    done: dict[tuple[int, int, int, bool], float] = {}  # (stage, microbatch, chunk, backward) -> end
-    for events in timeline.events:
-        for e in events:
-            a = e.action
-            if a.kind is not Kind.W:
-                done[(a.stage, a.microbatch, a.seq_chunk or 0, a.kind.is_backward)] = e.end
-    gaps = []
-    for rank, events in enumerate(timeline.events):
-        previous_end = None
-        for e in events:
-            a = e.action
-            source = a.stage - 1 if a.kind is Kind.F else a.stage + 1
-            if a.kind is not Kind.W and 0 <= source < schedule.num_stages and rank_of(source) != rank:
-                ready = done.get((source, a.microbatch, a.seq_chunk or 0, a.kind.is_backward))
-                if ready is not None and (previous_end is None or previous_end <= ready):
-                    gaps.append(max(0.0, e.start - ready))
-            previous_end = e.end
-    return gaps
 
 
 def iteration_times(results: Sequence[RankResult]) -> list[tuple[int, float]]:
