@@ -87,6 +87,9 @@ class _Loopback:
     def flush(self) -> None:
         pass
 
+    def arrived(self, key) -> bool:
+        return True
+
     def wait(self, key, label):
         return self._posted.pop(key)
 

@@ -129,6 +129,11 @@ class Mailbox:
         if self._sends and self._sends[0][0].is_completed():
             self._sends = [s for s in self._sends if not s[0].is_completed()]
 
+    def arrived(self, key: tuple) -> bool:
+        """Whether the receive of `key` has completed (issues what is queued first)."""
+        self.flush()
+        return self._pending_recv[key][0].is_completed()
+
     def is_posted(self, key: tuple) -> bool:
         return key in self._pending_recv
 

@@ -89,19 +89,24 @@ class RankExecutor:
 
     def _compile(self) -> list[tuple]:
         """Per op, everything the step loop needs that does not change between steps: the
-        receives to post (key, spec, peer, tag), and the op's keys, tag and error label.
-        At a few milliseconds per pass every microsecond between two passes is bubble, so
-        the loop looks nothing up and formats no text."""
+        receives to post (key, spec, peer, tag), the op's key, peer, tag (for a receive: the
+        index of the pass after it) and error label. At a few milliseconds per pass every
+        microsecond between two passes is bubble, so the loop looks nothing up and formats
+        no text."""
         plan = []
-        for index, op in enumerate(self.ops):
+        next_compute = len(self.ops) - 1
+        for index in reversed(range(len(self.ops))):
+            op = self.ops[index]
             posts = tuple((r.key, self.specs[r.key], r.peer, self.tags.data(r.key)) for r in self.posts.get(index, ()))
             if isinstance(op, Action):
+                next_compute = index
                 plan.append((posts, _COMPUTE, op, None, 0, 0, None))
             elif op.send:
                 expected = self.out_specs[(op.stage, op.microbatch, op.seq_chunk or 0)] if op.payload == "F" else None
                 plan.append((posts, _SEND, op, op.key, op.peer, self.tags.data(op.key), (str(op), expected)))
             else:
-                plan.append((posts, _RECV, op, op.key, op.peer, 0, f"{op} from rank {op.peer}"))
+                plan.append((posts, _RECV, op, op.key, op.peer, next_compute, f"{op} from rank {op.peer}"))
+        plan.reverse()
         return plan
 
     def run(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None) -> RankRecord:
@@ -110,10 +115,13 @@ class RankExecutor:
         losses: dict[int, float] = {}
         events: list[tuple[Action, float, float]] = []
         wait_s = 0.0
-        mailbox, clock, device = self.mailbox, self.clock, self.device
-        for posts, code, op, key, peer, tag, extra in self._plan:
-            for recv_key, spec, recv_peer, recv_tag in posts:
-                mailbox.recv(recv_key, spec.empty(device), recv_peer, recv_tag)
+        mailbox, clock, device, plan = self.mailbox, self.clock, self.device, self._plan
+        posted = -1  # the receives of every op up to this index are posted
+        for index, (posts, code, op, key, peer, tag, extra) in enumerate(plan):
+            if index > posted:
+                for recv_key, spec, recv_peer, recv_tag in posts:
+                    mailbox.recv(recv_key, spec.empty(device), recv_peer, recv_tag)
+                posted = index
             if code is _SEND:
                 tensor = ready.pop(key)
                 label, expected = extra
@@ -122,6 +130,13 @@ class RankExecutor:
                 mailbox.send(tensor, peer, tag, label)
                 continue
             if code is _RECV:
+                if not mailbox.arrived(key):
+                    # Idle until the transfer lands: post the receives due before the next pass
+                    # now, so that their cost is not paid between the hand-over and that pass.
+                    for ahead in range(posted + 1, tag + 1):
+                        for recv_key, spec, recv_peer, recv_tag in plan[ahead][0]:
+                            mailbox.recv(recv_key, spec.empty(device), recv_peer, recv_tag)
+                    posted = max(posted, tag)
                 start = clock()
                 ready[key] = mailbox.wait(key, extra)
                 wait_s += clock() - start
