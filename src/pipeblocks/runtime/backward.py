@@ -34,11 +34,13 @@ __all__ = ["WeightGradWork", "fused_backward", "input_backward"]
 
 @dataclass
 class _Group:
-    """Parameters whose gradients flow through the same join nodes."""
+    """Parameters whose gradients flow through the same join nodes; `edges` are the
+    parameters' gradient edges, found once in B (each lookup makes a view: about 10 µs)."""
 
     params: list[torch.nn.Parameter]
     nodes: list[Node]
     grads: list[tuple[torch.Tensor | None, ...] | None] = field(default_factory=list)
+    edges: list[GradientEdge] = field(default_factory=list)
 
 
 @dataclass
@@ -73,8 +75,8 @@ class WeightGradWork:
                     if captured is not None:
                         pins.append(node.register_prehook(_pin(captured)))
             try:
-                params = [p for p in group.params]
-                targets = [get_gradient_edge(p) for p in params]
+                params = group.params
+                targets = group.edges
                 # Groups can share nodes below their joins when the input path is sparse (stage 0
                 # with sequence chunks: only the K/V leaves need a gradient), so every engine call
                 # but the last keeps the graph; it is freed when this work drops its nodes.
@@ -217,7 +219,8 @@ def _param_groups(children: dict[Node, list[Node]], on_input_path: set[Node], pa
     group_of: dict[Node, _Group] = {}
     groups: list[_Group] = []
     for param in params:
-        acc = get_gradient_edge(param).node
+        edge = get_gradient_edge(param)
+        acc = edge.node
         if acc not in children:
             continue  # this parameter did not take part in the forward
         joins: list[Node] = []
@@ -243,12 +246,14 @@ def _param_groups(children: dict[Node, list[Node]], on_input_path: set[Node], pa
             groups.append(group)
         for other in merged[1:]:
             group.params.extend(other.params)
+            group.edges.extend(other.edges)
             for node in other.nodes:
                 if node not in group.nodes:
                     group.nodes.append(node)
                 group_of[node] = group
             groups.remove(other)
         group.params.append(param)
+        group.edges.append(edge)
         for node in joins:
             if node not in group.nodes:
                 group.nodes.append(node)
