@@ -6,7 +6,12 @@ import pytest
 
 from pipeblocks import Costs, schedules, simulate
 from pipeblocks.core.timeline import Event, Timeline
-from pipeblocks.sim.overhead import handover_gaps, local_gaps, measured_costs, overhead_breakdown
+from pipeblocks.sim.overhead import (
+    handover_gaps,
+    local_gaps,
+    measured_costs,
+    overhead_breakdown,
+)
 
 approx = pytest.approx
 MS = 1e-3
