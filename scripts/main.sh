@@ -3,10 +3,10 @@
 # text that ships with Python, with the memory-efficient V-Half schedule over 4 local
 # processes, and report loss, predicted against measured activation memory per rank, and
 # measured against simulated iteration time; then compare every schedule at p=4, m=8.
-# Everything lands in out/.
+# Everything lands in out/. pipeblocks runs from the checkout's own .venv (scripts/setup.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 mkdir -p out
-pipeblocks train --schedule v-half -p 4 -m 8 --steps 30 --report out/train.json
-pipeblocks compare -p 4 -m 8 --plot out/compare.png
+.venv/bin/pipeblocks train --schedule v-half -p 4 -m 8 --steps 30 --report out/train.json
+.venv/bin/pipeblocks compare -p 4 -m 8 --plot out/compare.png

@@ -73,8 +73,8 @@ def test_model_costs(capsys):
     "argv, message",
     [
         (["simulate", "nope"], "unknown schedule 'nope'; choose one of"),
-        (["simulate", "1f1b", "-p", "0"], "p must be an integer >= 1, got 0"),
-        (["simulate", "1f1b", "-m", "0"], "m must be an integer >= 1, got 0"),
+        (["simulate", "1f1b", "-p", "0"], "argument -p: expected a whole number >= 1, got '0'"),
+        (["simulate", "1f1b", "-m", "0"], "argument -m: expected a whole number >= 1, got '0'"),
         (["simulate", "1f1b", "--costs", "1,-1,1"], "costs must be >= 0"),
         (["simulate", "1f1b", "-v", "2"], "does not take -v"),
         (["simulate", "x", "--file", "/nonexistent/s.json"], "cannot read schedule file"),
@@ -88,6 +88,7 @@ def test_user_errors_exit_2_with_message(capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.spawn
 def test_malformed_schedule_file_subprocess(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_text("0: 0F0 0QQ1\n")

@@ -6,6 +6,8 @@ import torch
 
 from pipeblocks.data import ByteTokenizer, TokenWindows, default_corpus
 
+pytestmark = pytest.mark.torch
+
 
 def test_byte_tokenizer_round_trips_unicode():
     text = "héllo, wörld → ok"

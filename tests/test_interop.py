@@ -20,6 +20,8 @@ from pipeblocks.schedules import get
 torch = pytest.importorskip("torch")
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime  # noqa: E402
 
+pytestmark = pytest.mark.spawn
+
 EXPORTED = [
     ("zb-h1", {}), ("zb-h2", {}), ("zb", {}), ("zb-1p", {}), ("zb-2p", {}), ("zb-v", {}),
     ("zb-v", {"cost_aware": True}), ("1f1b", {}), ("gpipe", {}), ("interleaved-1f1b", {}),

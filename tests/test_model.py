@@ -7,6 +7,8 @@ import torch
 from pipeblocks.core import Placement
 from pipeblocks.models import GPT, GPTConfig, build_stages, causal_attention, cross_entropy, layer_counts, split_gpt
 
+pytestmark = pytest.mark.torch
+
 CFG = GPTConfig(layers=6, hidden=32, heads=4, seq=16, vocab=64, dtype="float64")
 
 

@@ -2,11 +2,15 @@
 and the measured Timeline is a sim Timeline that follows the schedule's order."""
 from __future__ import annotations
 
+import pytest
+
 from pipeblocks.runtime import spawn
 from pipeblocks.runtime.emulate import EmulatedCosts
 from pipeblocks.sim import simulate
 
 from _runtime_cases import build, emulate_worker
+
+pytestmark = pytest.mark.spawn
 
 MS = 20.0
 

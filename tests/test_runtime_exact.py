@@ -13,6 +13,8 @@ from pipeblocks.runtime import spawn
 
 from _runtime_cases import EXTRA, exact_worker, reference, try_build
 
+pytestmark = pytest.mark.spawn
+
 SIZES = [(2, 4), (3, 5), (4, 4)]  # (p, m): m below, at and not a multiple of p
 CASES = schedules.names() + EXTRA
 RTOL = 1e-10

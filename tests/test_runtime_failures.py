@@ -12,6 +12,8 @@ from pipeblocks.runtime import RankFailedError, spawn
 
 from _runtime_cases import bad_input_worker, dying_worker, mismatch_worker, raising_worker, silent_peer_worker
 
+pytestmark = pytest.mark.spawn
+
 
 def test_raising_rank_stops_all_ranks_with_its_error():
     start = time.monotonic()

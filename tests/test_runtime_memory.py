@@ -19,6 +19,8 @@ from pipeblocks.sim import Costs, simulate
 
 from _runtime_cases import EXTRA, MICROBATCH, build, memory_config, memory_worker, try_build
 
+pytestmark = pytest.mark.spawn
+
 P, M, BLOCKS = 3, 6, 6
 CASES = schedules.names() + EXTRA
 TOLERANCE = 0.10

@@ -25,6 +25,8 @@ from pipeblocks.runtime import spawn
 
 from _sequence_cases import build, errors_worker, exact_and_memory_worker, kv_ratio, predicted_peaks, reference
 
+pytestmark = pytest.mark.spawn
+
 CASES = ["seq1f1b", "seq1f1b-i", "seq1f1b+split", "split:zb-h1", "split:v-half", "split:1f1b"]
 SIZES = [2, 4]
 CHUNKS = [2, 4]

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.spawn
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torchrun_gpt.py"
 
 

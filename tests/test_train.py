@@ -1,12 +1,22 @@
 """Checkpoints, the single-process reference, and `pipeblocks train` end to end."""
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from pipeblocks.cli.main import main
 from pipeblocks.models import GPT, GPTConfig, build_stages, cross_entropy
 from pipeblocks.train.checkpoint import check_meta, latest_step, load_rank, restore_rank, save_rank
 from pipeblocks.train.reference import compare_grads, reference_step
+
+pytestmark = pytest.mark.spawn
 
 TINY = GPTConfig(layers=2, hidden=16, heads=2, seq=8, vocab=32, dtype="float64")
 
@@ -88,14 +98,6 @@ def test_reference_step_matches_a_whole_batch_step_and_compare_finds_the_worst()
 
 
 # ---- `pipeblocks train` end to end (2 local processes each; every run bounded by timeouts) ----
-import json
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
-from pipeblocks.cli.main import main
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 SMALL = ["-p", "2", "-m", "2", "--layers", "2", "--hidden", "16", "--heads", "2", "--seq", "16",
@@ -166,6 +168,7 @@ def test_emulated_run_times_the_schedule_without_computing(tmp_path):
 def test_verify_matches_one_process(schedule, dtype):
     proc = _train("--schedule", schedule, *SMALL, "--layers", "4", "--dtype", dtype, "--verify")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"verify: starting 2 processes for one {schedule} step" in proc.stderr  # not silent while it works
     match = re.search(r"largest relative difference ([\d.e+-]+), tolerance ([\d.e+-]+): OK", proc.stdout)
     assert match and float(match.group(1)) <= float(match.group(2))
 
@@ -207,7 +210,7 @@ def test_sequence_chunk_report_predicts_memory_from_chunk_shares(tmp_path):
         (["--schedule", "1f1b", "--seq-chunks", "2", "--emulate", "1,1,1"], "does not run sequence chunks"),
         (["--seq", "16", "--data", "TINY"], "has 9 tokens but a sequence of 16 needs at least 17"),
         (["--data", "MISSING"], "does not exist"),
-        (["-m", "0"], "m must be an integer >= 1"),
+        (["-m", "0"], "argument -m: expected a whole number >= 1"),
         (["--schedule", "v-adaptive", "--memory-limit", "0.1"], "below what any V schedule needs"),
         (["--schedule", "1f1b", "-v", "2"], "does not take -v"),
         (["--resume"], "--resume needs --checkpoint"),

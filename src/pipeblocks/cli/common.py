@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import math
 import sys
 
 from ..core.errors import ScheduleError
+from ..core.jsontext import json_text
 from ..core.request import CostSpec, Mesh, ScheduleRequest
 from ..core.sharding import parse_sharding
 from ..sim.analytic import HARDWARE, MODELS
 from ..sim.build import Built, build
 from ..sim.sequence_split import SPLITS
+from .argtypes import costs_text, nonneg_float, positive_float, positive_int, setting_text, unit_float
 
 __all__ = [
     "add_generator_options", "add_mesh_options", "add_cost_options", "add_schedule_options", "request_from_args", "build", "Built",
-    "print_json", "progress",
+    "json_text", "print_json", "progress",
 ]
 
 # generator keyword <- CLI option (argparse dest)
@@ -37,19 +39,19 @@ def add_generator_options(
     (--schedule NAME, for `train`, whose default is chosen later) or None (`compare`)."""
     group = parser.add_argument_group("schedule")
     if name == "positional":
-        group.add_argument("name", help=name_help)
+        group.add_argument("name", nargs="?", default=None, help=f"{name_help}; not needed with --file")
     elif name == "option":
         group.add_argument("--schedule", dest="name", default=None, help=name_help)
-    group.add_argument("-p", type=int, default=p, help=f"pipeline ranks (default {p})")
-    group.add_argument("-m", type=int, default=m, help=f"microbatches per step (default {m})")
-    group.add_argument("-v", type=int, default=None, help="chunks per rank, for looped schedules (default 2)")
-    group.add_argument("--group-size", type=int, default=None, help="interleaved-1f1b: microbatches per group (p..m)")
+    group.add_argument("-p", type=positive_int, default=p, help=f"pipeline ranks (default {p})")
+    group.add_argument("-m", type=positive_int, default=m, help=f"microbatches per step (default {m})")
+    group.add_argument("-v", type=positive_int, default=None, help="chunks per rank, for looped schedules (default 2)")
+    group.add_argument("--group-size", type=positive_int, default=None, help="interleaved-1f1b: microbatches per group (p..m)")
     group.add_argument(
-        "--memory-limit", type=float, default=None,
+        "--memory-limit", type=positive_float, default=None,
         help="activation budget per rank, in peak_activation units (1F1B's peak is p)",
     )
     group.add_argument(
-        "--seq-chunks", type=int, default=None, metavar="K",
+        "--seq-chunks", type=positive_int, default=None, metavar="K",
         help="split every microbatch into K sequence chunks (Seq1F1B; composes with any schedule)",
     )
     group.add_argument(
@@ -57,7 +59,7 @@ def add_generator_options(
         help="sequence chunk boundaries: equal FLOPs under causal attention, or equal tokens (default balanced)",
     )
     group.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE",
+        "--set", action="append", default=[], type=setting_text, metavar="KEY=VALUE",
         help="any other generator option, e.g. --set cost_aware=true (repeatable; see the schedule's docstring)",
     )
     group.add_argument(
@@ -70,22 +72,22 @@ def add_generator_options(
 def add_mesh_options(parser: argparse.ArgumentParser) -> None:
     """Data parallelism: replicas of the pipeline, sharding per chunk, the DP link."""
     group = parser.add_argument_group("data parallel")
-    group.add_argument("--dp", type=int, default=1, metavar="D", help="data-parallel replicas of the pipeline (default 1)")
+    group.add_argument("--dp", type=positive_int, default=1, metavar="D", help="data-parallel replicas of the pipeline (default 1)")
     group.add_argument(
         "--sharding", default="replicate", metavar="POLICY[,POLICY...]",
         help="per chunk (global stage), or one for all: replicate, zero1, zero2, zero3; or auto "
         "(the simulator picks per chunk: least step time, then least static memory, within --gpu-memory)",
     )
     group.add_argument(
-        "--dp-bandwidth", type=float, default=None, metavar="GB/s",
+        "--dp-bandwidth", type=positive_float, default=None, metavar="GB/s",
         help="DP link bandwidth (default: the --hardware profile's; under unit costs, size units per time unit)",
     )
     group.add_argument(
-        "--dp-latency", type=float, default=None, metavar="us",
+        "--dp-latency", type=nonneg_float, default=None, metavar="us",
         help="DP latency per ring step (default: the profile's; under unit costs, time units)",
     )
     group.add_argument(
-        "--gpu-memory", type=float, default=None, metavar="GB",
+        "--gpu-memory", type=positive_float, default=None, metavar="GB",
         help="--sharding auto: memory per device for static memory plus peak activation "
         "(GB under --model; memory units under unit costs)",
     )
@@ -99,11 +101,11 @@ def add_cost_options(parser: argparse.ArgumentParser) -> None:
     """Where the simulated costs come from: unit costs, --costs, or the analytic --model."""
     group = parser.add_argument_group("costs")
     group.add_argument(
-        "--costs", default=None, metavar="TF,TB,TW[,TCOMM]",
+        "--costs", type=costs_text, default=None, metavar="TF,TB,TW[,TCOMM]",
         help="pass times per full stage (default 1,1,1,0); fused BW takes TB+TW",
     )
     group.add_argument(
-        "--mem-w-ratio", type=float, default=None, help="M_W/M_B: share of activation B keeps until W (default 1)"
+        "--mem-w-ratio", type=unit_float, default=None, help="M_W/M_B: share of activation B keeps until W (default 1)"
     )
     group.add_argument(
         "--model", default=None, metavar="PRESET|L,H,A,S[,V[,B]]",
@@ -164,15 +166,18 @@ def _parse_setting(item: str) -> tuple[str, object]:
         return key.strip(), None
     for kind in (int, float):
         try:
-            return key.strip(), kind(text)
+            value = kind(text)
         except ValueError:
-            pass
+            continue
+        if not math.isfinite(value):
+            raise ScheduleError(f"--set {item!r}: {key.strip()} must be a finite number, not {text.strip()!r}")
+        return key.strip(), value
     return key.strip(), text.strip()
 
 
 def print_json(data: object) -> None:
-    json.dump(data, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    """JSON without NaN or Infinity (see core.jsontext), so other tools can read it."""
+    sys.stdout.write(json_text(data) + "\n")
 
 
 def progress(message: str) -> None:

@@ -9,6 +9,7 @@ from ..schedules import names
 from ..sim.plots import ParetoPoint, plot_pareto
 from ..core.simulate import simulate
 from ..core.request import ScheduleRequest
+from .argtypes import plot_file
 from .common import add_schedule_options, build, print_json, progress, request_from_args
 
 
@@ -16,7 +17,7 @@ def register(sub) -> None:
     parser = sub.add_parser("compare", help="compare schedules: bubble ratio, makespan, peak activation vs 1F1B")
     add_schedule_options(parser, name=False)
     parser.add_argument("--schedules", default=None, help="comma-separated names (default: every registered schedule)")
-    parser.add_argument("--plot", default=None, metavar="FILE", help="write the memory-against-bubble picture (.png/.svg)")
+    parser.add_argument("--plot", default=None, type=plot_file, metavar="FILE", help="write the memory-against-bubble picture (.png/.svg)")
     parser.add_argument(
         "--no-curve", action="store_true",
         help="with --plot: leave out the v-adaptive memory-to-bubble curve (one simulation per budget)",
@@ -46,14 +47,18 @@ def run(args: argparse.Namespace) -> int:
                      "exposed_comm_max": max(summary["exposed_comm"]), "static_max": max(summary["static_memory"])})
         if time.monotonic() - started > 2:
             progress(f"compare: simulated {name} ({len(rows)}/{len(chosen)})")
-    reference = next(r["peak_max"] for r in rows if r["schedule"] == "1f1b")
+    reference = next((r["peak_max"] for r in rows if r["schedule"] == "1f1b"), None)
+    if reference is None:
+        why = next(w for n, w in skipped if n == "1f1b")
+        raise ScheduleError(f"compare measures memory against 1f1b, which these options rule out: {why}")
     for row in rows:
         row["peak_vs_1f1b"] = row["peak_max"] / reference if reference else float("nan")
     if args.plot:
         points = [ParetoPoint(r["schedule"], r["peak_max"], r["bubble_ratio"]) for r in rows]
         if not args.no_curve and "v-adaptive" in chosen:
             points += _adaptive_curve(base)
-        plot_pareto(points, args.plot, title=f"p={args.p}, m={args.m}: peak activation against bubble ratio")
+        plot_pareto(points, args.plot, title=f"p={args.p}, m={args.m}: peak activation against bubble ratio",
+                    memory_unit="bytes" if args.model else "units")
     if args.json:
         print_json({"p": args.p, "m": args.m, "dp": args.dp, "sharding": args.sharding, "schedules": rows, "skipped": [{"name": n, "reason": w} for n, w in skipped]})
         return 0

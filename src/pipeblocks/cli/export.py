@@ -5,7 +5,7 @@ sends, receives and the DP ops UNSHARD, RESHARD, REDUCE_GRAD), JSON, or the text
     pipeblocks export zb-v -p 4 -m 8 -o zbv.csv       # torch: _load_csv("zbv.csv", format="compute_only")
     pipeblocks export zb-v -p 4 -m 8 --dp 2 --sharding zero3 --format torch-comms-csv -o zbv_lowered.csv
                                                       # torch: _load_csv(..., format="compute_comms")
-    pipeblocks simulate x --file zbv.csv              # and back: CSV, JSON and text files load alike
+    pipeblocks simulate --file zbv.csv                # and back: CSV, JSON and text files load alike
 """
 from __future__ import annotations
 

@@ -2,23 +2,37 @@
 
 Each command is a module in this package with `register(subparsers)` (which adds its
 parser and sets `run`) and `run(args) -> int`. User errors (ValueError, OSError on a
-named file) print one line and exit 2, with no traceback.
+named file) print one line and exit 2, with no traceback. Output cut short by its reader
+(`pipeblocks show ... | head`) ends quietly with the status of a process killed by
+SIGPIPE, as other command-line tools do.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+from .. import __version__
 
 __all__ = ["main", "COMMANDS"]
 
 COMMANDS = ("list_cmd", "show", "simulate_cmd", "compare", "plot", "export", "train")
+BROKEN_PIPE_STATUS = 128 + 13  # 128 + SIGPIPE
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line, like every other user error, instead of the whole usage text."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pipeblocks", description="Pipeline-parallel schedules: list, show, simulate, compare, plot, train."
     )
+    parser.add_argument("--version", action="version", version=f"pipeblocks {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"{__package__}.{name}").register(sub)
@@ -27,15 +41,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help, --version, or a bad option: a status, as for any other end
+        return done.code if isinstance(done.code, int) else 2
     try:
         return int(args.run(args) or 0)
+    except BrokenPipeError:
+        _silence_stdout()
+        return BROKEN_PIPE_STATUS
     except (ValueError, OSError) as err:
         print(f"pipeblocks {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """The reader is gone: point stdout at /dev/null so the interpreter's final flush of
+    what is still buffered does not fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout without a file descriptor (captured in tests)
+        pass
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ from ..core.request import CostSpec
 from ..models.config import GPTConfig
 from ..train.config import TrainConfig
 from ..train.run import DEFAULT_SCHEDULE, FALLBACK_SCHEDULE, default_schedule
+from .argtypes import nonneg_int, plot_file, positive_float, positive_int
 from .common import add_generator_options, request_from_args
 
 __all__ = ["register", "run", "DEFAULT_SCHEDULE"]
@@ -73,38 +74,38 @@ def register(sub) -> None:
                           name_help=f"schedule name (default {DEFAULT_SCHEDULE}, or {FALLBACK_SCHEDULE} if absent)")
     model = parser.add_argument_group("model and data")
     # defaults come from GPTConfig and TrainConfig, the one place they are set
-    model.add_argument("--layers", type=int, default=GPTConfig.layers,
+    model.add_argument("--layers", type=positive_int, default=GPTConfig.layers,
                        help=f"transformer blocks (default {GPTConfig.layers}: enough for V schedules up to p=4)")
-    model.add_argument("--hidden", type=int, default=GPTConfig.hidden, help=f"model width (default {GPTConfig.hidden})")
-    model.add_argument("--heads", type=int, default=GPTConfig.heads,
+    model.add_argument("--hidden", type=positive_int, default=GPTConfig.hidden, help=f"model width (default {GPTConfig.hidden})")
+    model.add_argument("--heads", type=positive_int, default=GPTConfig.heads,
                        help=f"attention heads (default {GPTConfig.heads})")
-    model.add_argument("--seq", type=int, default=GPTConfig.seq, help=f"tokens per sequence (default {GPTConfig.seq})")
+    model.add_argument("--seq", type=positive_int, default=GPTConfig.seq, help=f"tokens per sequence (default {GPTConfig.seq})")
     model.add_argument("--dtype", default=GPTConfig.dtype, choices=("float32", "float64"),
                        help=f"default {GPTConfig.dtype}")
     model.add_argument("--data", default=None, metavar="FILE",
                        help="a text file to train on (default: Python's own pydoc topics, no download)")
     train = parser.add_argument_group("training")
-    train.add_argument("--microbatch-size", type=int, default=TrainConfig.microbatch_size,
+    train.add_argument("--microbatch-size", type=positive_int, default=TrainConfig.microbatch_size,
                        help=f"sequences per microbatch (default {TrainConfig.microbatch_size})")
-    train.add_argument("--steps", type=int, default=TrainConfig.steps,
+    train.add_argument("--steps", type=positive_int, default=TrainConfig.steps,
                        help=f"optimizer steps in all (default {TrainConfig.steps})")
-    train.add_argument("--lr", type=float, default=TrainConfig.lr,
+    train.add_argument("--lr", type=positive_float, default=TrainConfig.lr,
                        help=f"AdamW learning rate (default {TrainConfig.lr:g})")
-    train.add_argument("--seed", type=int, default=TrainConfig.seed, help="weights and data order (default 0)")
+    train.add_argument("--seed", type=nonneg_int, default=TrainConfig.seed, help="weights and data order (default 0)")
     train.add_argument("--checkpoint", default=None, metavar="DIR", help="save per-rank checkpoints here")
-    train.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps")
+    train.add_argument("--save-every", type=nonneg_int, default=0, metavar="N", help="also save every N steps")
     train.add_argument("--resume", action="store_true",
                        help="continue from the newest checkpoint intact on every rank in --checkpoint")
     train.add_argument("--overwrite", action="store_true",
                        help="a new run replaces the checkpoints already in --checkpoint (without it, it refuses)")
-    train.add_argument("--clip-grad", type=_positive_finite, default=None, metavar="X",
+    train.add_argument("--clip-grad", type=positive_float, default=None, metavar="X",
                        help="clip gradients to global norm X over all ranks (default: no clipping; "
                        "non-finite steps are skipped either way)")
     train.add_argument("--step-barrier", action="store_true",
                        help="wait for the global norm check before the optimizer step instead of stepping "
                        "optimistically (no spare copy of the parameters and AdamW moments)")
     train.add_argument("--inject-nonfinite", type=int, default=None, metavar="STEP", help=argparse.SUPPRESS)
-    train.add_argument("--timeout", type=float, default=300.0, metavar="S",
+    train.add_argument("--timeout", type=positive_float, default=300.0, metavar="S",
                        help="stop the run when a wait makes no progress for S seconds: a receive, a collective, "
                        "or one step of a rank (start-up gets at least 60 s); a run that keeps completing steps "
                        "is never stopped (default 300). SIGTERM, SIGINT or SIGHUP stop every rank after one "
@@ -116,10 +117,10 @@ def register(sub) -> None:
     out.add_argument("--dry-run", action="store_true",
                      help="print the schedule, predicted memory per rank (activations, static) and predicted time; "
                      "launch nothing")
-    out.add_argument("--emulate", default=None, metavar="F_MS,B_MS,W_MS",
+    out.add_argument("--emulate", default=None, type=_emulate_arg, metavar="F_MS,B_MS,W_MS",
                      help="sleep F/B/W milliseconds per layer and microbatch instead of computing (times only)")
     out.add_argument("--report", default=None, metavar="FILE", help="write the measured-vs-simulated report as JSON")
-    out.add_argument("--plot", default=None, metavar="FILE",
+    out.add_argument("--plot", default=None, type=plot_file, metavar="FILE",
                      help="timeline plot, .png or .svg (default: beside --report, same name, .png)")
     parser.set_defaults(run=run)
 
@@ -148,14 +149,13 @@ def run(args: argparse.Namespace) -> int:
     return training.train(cfg, data, report=args.report, plot=args.plot)
 
 
-def _positive_finite(text: str) -> float:
+def _emulate_arg(text: str) -> str:
+    """--emulate checked at parse time, kept as text."""
     try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
+        _parse_emulate(text)
+    except ValueError as err:  # argparse names the option already
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--emulate ")) from None
+    return text
 
 
 def _parse_emulate(text: str | None) -> tuple[float, float, float] | None:
@@ -165,6 +165,6 @@ def _parse_emulate(text: str | None) -> tuple[float, float, float] | None:
         values = [float(x) for x in text.split(",")]
     except ValueError:
         values = []
-    if len(values) != 3 or any(v < 0 for v in values):
+    if len(values) != 3 or any(not math.isfinite(v) or v < 0 for v in values):
         raise ValueError(f"--emulate {text!r}: expected three milliseconds F_MS,B_MS,W_MS >= 0, e.g. 20,20,10")
     return (values[0], values[1], values[2])

@@ -10,6 +10,7 @@ until W (the default ratio 1 keeps everything); W or a fused BW frees the rest.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -59,10 +60,22 @@ class Costs:
         for name in ("t_f", "t_b", "t_w", "t_comm", "mem_b", "mem_w_ratio", "params", "t_step"):
             value = getattr(self, name)
             values = value if isinstance(value, tuple) else (value,)
-            if any(not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 for x in values):
+            if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in values):
+                raise ScheduleError(f"cost {name} must be a number or a tuple of numbers, got {value!r}")
+            if not all(math.isfinite(x) for x in values):
                 raise ScheduleError(
-                    f"cost {name} must be >= 0 and finite, got {value!r}: costs are durations and sizes"
+                    f"cost {name} must be finite, got {value!r}: NaN or infinity would make every time and "
+                    "memory figure meaningless"
                 )
+            if any(x < 0 for x in values):
+                raise ScheduleError(f"cost {name} must be >= 0, got {value!r}: costs are durations and sizes")
+        for name in ("seq_time", "seq_mem"):
+            shares = getattr(self, name)
+            if shares is not None and any(
+                isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x < 0
+                for x in shares
+            ):
+                raise ScheduleError(f"{name} must be finite shares >= 0, got {shares!r}")
         ratios = self.mem_w_ratio if isinstance(self.mem_w_ratio, tuple) else (self.mem_w_ratio,)
         if any(r > 1 for r in ratios):
             raise ScheduleError(f"mem_w_ratio must be in [0, 1] (M_W <= M_B), got {self.mem_w_ratio}")
@@ -155,6 +168,8 @@ def parse_costs(text: str) -> Costs:
         raise ScheduleError(f"--costs {text!r}: expected numbers TF,TB,TW[,TCOMM], e.g. 1,1,1 or 3,4,2,0.1") from None
     if len(values) not in (3, 4):
         raise ScheduleError(f"--costs {text!r}: expected 3 or 4 numbers TF,TB,TW[,TCOMM], got {len(values)}")
+    if not all(math.isfinite(v) for v in values):
+        raise ScheduleError(f"--costs {text!r}: costs must be finite numbers (no nan or inf), e.g. 1,1,1")
     if any(v < 0 for v in values):
         raise ScheduleError(f"--costs {text!r}: costs must be >= 0")
     return Costs(t_f=values[0], t_b=values[1], t_w=values[2], t_comm=values[3] if len(values) == 4 else 0.0)

@@ -86,7 +86,16 @@ class Placement:
 
     @staticmethod
     def from_json(data: dict) -> Placement:
-        return Placement(tuple(int(r) for r in data["stage_to_rank"]), str(data.get("shape", "explicit")))
+        ranks = data.get("stage_to_rank") if isinstance(data, dict) else None
+        # bool is an int subclass, and a float rank would be truncated silently: both are errors
+        if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+            raise ScheduleError(
+                f"placement must be an object with \"stage_to_rank\": a list of whole rank numbers, got {data!r}"
+            )
+        shape = data.get("shape", "explicit")
+        if not isinstance(shape, str):
+            raise ScheduleError(f"placement \"shape\" must be a string such as \"loop\" or \"v\", got {shape!r}")
+        return Placement(tuple(ranks), shape)
 
 
 def _check_positive(**values: int) -> None:

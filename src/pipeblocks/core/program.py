@@ -25,7 +25,7 @@ Each op type has an entry in the op table (`ops.py`), which every consumer dispa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 from .actions import Action
 from .schedule import Schedule
@@ -95,7 +95,7 @@ class OptimizerStep(NamedTuple):
         return f"{self.stage}STEP{self.step}"
 
 
-Op = Union[Action, Comm, DPOp, OptimizerStep]
+Op = Action | Comm | DPOp | OptimizerStep
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from .actions import Action, parse_actions
 from .errors import ScheduleError
 from .placement import Placement
 
-__all__ = ["Schedule", "stage_owners", "write_atomically"]
+__all__ = ["Schedule", "read_text_file", "stage_owners", "write_atomically"]
 
 _FORMAT = "pipeblocks-schedule/1"
 
@@ -114,8 +114,10 @@ class Schedule:
             raise ScheduleError(f"schedule text lacks rank(s) {missing} (ranks 0..{p - 1} must all appear)")
         ranks = tuple(rows[r] for r in range(p))
         placement = _placement_from_header(header, ranks, p)
-        m = int(header["m"]) if "m" in header else 1 + max(a.microbatch for acts in ranks for a in acts)
-        seq = int(header.get("seq_chunks", 0)) or 1 + max((a.seq_chunk or 0) for acts in ranks for a in acts)
+        m = _header_int(header, "m", header["m"]) if "m" in header else 1 + max(
+            a.microbatch for acts in ranks for a in acts)
+        seq = (_header_int(header, "seq_chunks", header["seq_chunks"]) if "seq_chunks" in header else 0) or 1 + max(
+            (a.seq_chunk or 0) for acts in ranks for a in acts)
         return Schedule(name, p, m, placement, ranks, seq_chunks=seq)
 
     # ---- JSON -----------------------------------------------------------------
@@ -135,33 +137,40 @@ class Schedule:
     def from_json(data: dict) -> Schedule:
         if not isinstance(data, dict) or data.get("format") != _FORMAT:
             raise ScheduleError(f"not a pipeblocks schedule: expected a JSON object with \"format\": \"{_FORMAT}\"")
-        try:
-            return Schedule(
-                name=str(data["name"]),
-                p=int(data["p"]),
-                m=int(data["m"]),
-                seq_chunks=int(data.get("seq_chunks", 1)),
-                placement=Placement.from_json(data["placement"]),
-                ranks=tuple(parse_actions(row) for row in data["ranks"]),
-                options=tuple(sorted(dict(data.get("options", {})).items())),
+        missing = [key for key in ("name", "p", "m", "placement", "ranks") if key not in data]
+        if missing:
+            raise ScheduleError(f"malformed schedule JSON: missing field(s) {', '.join(map(repr, missing))}")
+        name, ranks, options = data["name"], data["ranks"], data.get("options", {})
+        if not isinstance(name, str):
+            raise ScheduleError(f"malformed schedule JSON: \"name\" must be a string, got {name!r}")
+        if not isinstance(ranks, list) or not all(isinstance(row, str) for row in ranks):
+            raise ScheduleError(
+                "malformed schedule JSON: \"ranks\" must be a list of strings, one per rank, such as "
+                f"\"0F0 0F1 0BW0\"; got {ranks!r}"
             )
-        except (KeyError, TypeError) as err:
-            raise ScheduleError(f"malformed schedule JSON: missing or wrong field {err}") from None
+        if not isinstance(options, dict):
+            raise ScheduleError(f"malformed schedule JSON: \"options\" must be an object, got {options!r}")
+        return Schedule(
+            name=name,
+            p=_whole(data, "p"),
+            m=_whole(data, "m"),
+            seq_chunks=_whole(data, "seq_chunks", 1),
+            placement=Placement.from_json(data["placement"]),
+            ranks=tuple(parse_actions(row) for row in ranks),
+            options=tuple(sorted(options.items())),
+        )
 
     def save(self, path: str | os.PathLike) -> None:
         """Write JSON (`.json`) or the text form (any other suffix), atomically."""
         path = Path(path)
-        body = json.dumps(self.to_json(), indent=1) if path.suffix == ".json" else self.to_text()
+        body = json.dumps(self.to_json(), indent=1) if path.suffix.lower() == ".json" else self.to_text()
         write_atomically(path, body)
 
     @staticmethod
     def load(path: str | os.PathLike) -> Schedule:
         path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as err:
-            raise ScheduleError(f"cannot read schedule file {str(path)!r}: {err.strerror}") from None
-        if path.suffix == ".json":
+        text = read_text_file(path, "schedule file")
+        if path.suffix.lower() == ".json":
             try:
                 data = json.loads(text)
             except json.JSONDecodeError as err:
@@ -170,9 +179,25 @@ class Schedule:
         return Schedule.from_text(text)
 
 
+def _whole(data: dict, key: str, default: int | None = None) -> int:
+    value = data.get(key, default)
+    # bool is an int subclass, and int(2.7) would truncate silently: both are errors
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ScheduleError(f"malformed schedule JSON: {key!r} must be a whole number, got {value!r}")
+    return value
+
+
+def _header_int(header: dict[str, str], key: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ScheduleError(f"schedule header {key}={header[key]}: expected whole numbers, e.g. {key}=4") from None
+
+
 def _placement_from_header(header: dict[str, str], ranks: tuple[tuple[Action, ...], ...], p: int) -> Placement:
     if "stages" in header:
-        return Placement(tuple(int(r) for r in header["stages"].split(",")), header.get("placement", "explicit"))
+        owners = tuple(_header_int(header, "stages", r) for r in header["stages"].split(","))
+        return Placement(owners, header.get("placement", "explicit"))
     return Placement(stage_owners(ranks, hint="add a 'stages=' header to state the placement"))
 
 
@@ -195,6 +220,19 @@ def stage_owners(ranks, *, num_stages: int | None = None, hint: str = "") -> tup
             "numbered from 0"
         )
     return tuple(owner[s] for s in range(count))
+
+
+def read_text_file(path: str | os.PathLike, what: str) -> str:
+    """A text file as written by hand or by other tools: UTF-8 with or without a byte-order
+    mark, any line ends (universal newlines turn CRLF into LF)."""
+    try:
+        return Path(path).read_text(encoding="utf-8-sig")
+    except OSError as err:
+        raise ScheduleError(f"cannot read {what} {str(path)!r}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise ScheduleError(
+            f"{what} {str(path)!r} is not UTF-8 text (byte {err.start}: {err.reason}): save it as UTF-8"
+        ) from None
 
 
 def write_atomically(path: Path, body: str) -> None:

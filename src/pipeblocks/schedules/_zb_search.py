@@ -55,7 +55,7 @@ def list_schedule(
 
     def reserve(rank: int) -> float:
         held = 0.0
-        for mb, done in open_mbs[rank].items():
+        for done in open_mbs[rank].values():
             held += sum(timer.delta(F_, s) for s in stages[rank][done:])
         return held
 

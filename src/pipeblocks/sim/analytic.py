@@ -27,6 +27,7 @@ runs at the inter-node link (`dp_link`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -102,9 +103,14 @@ class Hardware:
     inter_latency: float = 10e-6
 
     def __post_init__(self) -> None:
-        if self.flops <= 0 or self.bandwidth <= 0 or self.latency < 0 or not 0 < self.efficiency <= 1:
+        values = (self.flops, self.efficiency, self.bandwidth, self.latency)
+        # NaN fails no comparison, so finiteness is checked on its own
+        if (not all(math.isfinite(x) for x in values) or self.flops <= 0 or self.bandwidth <= 0 or self.latency < 0
+                or not 0 < self.efficiency <= 1):
             raise ScheduleError(
-                f"hardware {self.name!r}: need flops > 0, bandwidth > 0, latency >= 0 and 0 < efficiency <= 1"
+                f"hardware {self.name!r}: need finite flops > 0, bandwidth > 0, latency >= 0 and 0 < efficiency <= 1, "
+                f"got flops={self.flops}, efficiency={self.efficiency}, bandwidth={self.bandwidth}, "
+                f"latency={self.latency}"
             )
         if self.gpus_per_node < 1 or min(self.intra_bandwidth, self.inter_bandwidth) <= 0 or min(
             self.intra_latency, self.inter_latency

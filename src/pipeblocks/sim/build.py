@@ -17,7 +17,7 @@ from ..core.costs import Costs, parse_costs
 from ..core.dp_model import UNIT_LINK, DataParallel, Link
 from ..core.errors import ScheduleError
 from ..core.request import CostSpec, ScheduleRequest
-from ..core.schedule import Schedule
+from ..core.schedule import Schedule, read_text_file
 from ..interop import from_torch_csv, program_from_torch_csv
 from ..schedules import get
 from ..schedules.sequence import split_sequence
@@ -131,10 +131,7 @@ def resolve_costs(spec: CostSpec, num_stages: int, seq_chunks: int = 1) -> Costs
 
 def _load(file: str) -> Schedule:
     if Path(file).suffix.lower() == ".csv":
-        try:
-            text = Path(file).read_text()
-        except OSError as err:
-            raise ScheduleError(f"cannot read schedule file {file!r}: {err.strerror}") from None
+        text = read_text_file(file, "schedule file")
         if _LOWERED_CELL.search(text):  # torch's lowered format: the compute order is the schedule
             return program_from_torch_csv(text).schedule
         return from_torch_csv(text, m=None)

@@ -5,6 +5,10 @@ compute row (gathers, gradient reductions, the parameter gather after the step).
 
 The file suffix picks the format (.png or .svg). matplotlib is imported here only, with
 the non-interactive Agg backend, so the rest of the simulator never needs it.
+
+Axes carry units: the simulator's cost units and the unit memory model by default, or
+seconds and bytes (`time_unit="s"`, `memory_unit="bytes"`: analytic or profiled costs, a
+measured run), drawn in ms/s and KiB/MiB/GiB as the figures' size suggests.
 """
 from __future__ import annotations
 
@@ -18,13 +22,18 @@ from ..core.errors import ScheduleError
 from ..core.program import OptimizerStep
 from ..core.timeline import Timeline
 
-__all__ = ["plot_timeline", "plot_pareto", "ParetoPoint", "KIND_COLOURS", "DP_COLOURS"]
+__all__ = [
+    "plot_timeline", "plot_pareto", "ParetoPoint", "KIND_COLOURS", "DP_COLOURS", "check_plot_suffix", "rank_colours",
+    "timeline_figure",
+]
 
 # Paper-like palette: forward blue, input-grad teal/green, weight-grad orange, fused purple.
 KIND_COLOURS = {Kind.F: "#4C72B0", Kind.B: "#55A868", Kind.W: "#DD8452", Kind.BW: "#8172B3"}
 _SUFFIXES = (".png", ".svg", ".pdf")
 # Communication stream: parameter gather grey, gradient reduction red, gather after the step brown.
 DP_COLOURS = {"UNSHARD": "#8C8C8C", "REDUCE_GRAD": "#C44E52", "OPTIMIZER_GATHER": "#937860"}
+TIME_UNITS = ("units", "s")
+MEMORY_UNITS = ("units", "bytes")
 
 
 def _pyplot():
@@ -36,70 +45,143 @@ def _pyplot():
     return plt
 
 
-def _check_path(path: str | os.PathLike) -> Path:
+def check_plot_suffix(path: str | os.PathLike) -> Path:
+    """`path` as a Path; an error unless its suffix names a format we write."""
     path = Path(path)
     if path.suffix.lower() not in _SUFFIXES:
         raise ScheduleError(f"plot file {str(path)!r}: use a {', '.join(_SUFFIXES)} suffix to choose the format")
+    return path
+
+
+def _check_path(path: str | os.PathLike) -> Path:
+    path = check_plot_suffix(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def plot_timeline(
+def plot_timeline(timeline: Timeline, path: str | os.PathLike, **options) -> Path:
+    """Draw the timeline (and, with `memory`, activation memory over time) to `path`; the
+    options are `timeline_figure`'s."""
+    path = _check_path(path)
+    fig = timeline_figure(timeline, **options)
+    fig.savefig(path, dpi=130)
+    _pyplot().close(fig)
+    return path
+
+
+def timeline_figure(
     timeline: Timeline,
-    path: str | os.PathLike,
     *,
     title: str | None = None,
     memory: bool = True,
     compare: Timeline | None = None,
     compare_label: str = "simulated",
-) -> Path:
-    """Draw the timeline (and, with `memory`, activation memory over time) to `path`.
+    time_unit: str = "units",
+    memory_unit: str = "units",
+):
+    """The matplotlib Figure of `plot_timeline` (the caller saves and closes it).
 
     `compare`: a second timeline drawn above the first on the same time axis, e.g. the
     simulated schedule above the measured run.
+    `time_unit`: "units" (the cost model's) or "s"; `memory_unit`: "units" (1 = one
+    microbatch's activation of one full stage) or "bytes".
     """
+    _check_units(time_unit, memory_unit)
     plt = _pyplot()
-    path = _check_path(path)
     panels = [(compare, compare_label)] if compare is not None else []
-    panels.append((timeline, title or _default_title(timeline)))
+    panels.append((timeline, title or _default_title(timeline, memory_unit)))
     rows = len(panels) + (1 if memory else 0)
     p = timeline.schedule.p
+    # one time scale for every panel, so a simulated and a measured run compare by eye
+    span = max(max(tl.makespan for tl, _ in panels), 1e-12)
+    t_scale, t_label = _time_axis(span, time_unit)
     fig, axes = plt.subplots(
         rows, 1, figsize=(max(8.0, min(24.0, 0.45 * _slots(timeline))), 0.55 * p * len(panels) + 2.6 * memory + 0.8),
-        squeeze=False, gridspec_kw={"height_ratios": [p] * len(panels) + ([max(2, p * 0.8)] if memory else [])},
+        squeeze=False, sharex=True,
+        gridspec_kw={"height_ratios": [p] * len(panels) + ([max(2, p * 0.8)] if memory else [])},
     )
     for ax, (tl, label) in zip(axes[:, 0], panels):
-        _draw_ranks(ax, tl, label)
+        _draw_ranks(ax, tl, label, t_scale)
+    colours = rank_colours(p)
     if memory:
         ax = axes[-1, 0]
+        peak = max((v for trace in timeline.memory for _, v in trace), default=0.0)
+        m_scale, m_label = _memory_axis(peak, memory_unit)
         for r, trace in enumerate(timeline.memory):
-            times = [t - timeline.start for t, _ in trace] + [timeline.makespan]
-            values = [v for _, v in trace] + [trace[-1][1]]
-            ax.step(times, values, where="post", label=f"rank {r}", linewidth=1.2)
-        ax.set_xlim(0, timeline.makespan)
-        ax.set_xlabel("time")
-        ax.set_ylabel("activation")
+            times = [(t - timeline.start) / t_scale for t, _ in trace] + [timeline.makespan / t_scale]
+            values = [v / m_scale for _, v in trace] + [trace[-1][1] / m_scale]
+            ax.step(times, values, where="post", label=f"rank {r}", linewidth=1.2, color=colours[r])
+        ax.set_ylabel(m_label, fontsize=8)
         ax.set_title("activation memory over time", fontsize=9)
         if p <= 16:
             ax.legend(fontsize=7, ncol=min(p, 8), loc="upper right")
+    axes[-1, 0].set_xlim(0, span / t_scale)
+    axes[-1, 0].set_xlabel(t_label)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLOURS.values()]
     labels = ["F", "B (input grad)", "W (weight grad)", "BW (fused)"]
+    most = max(tl.schedule.v for tl, _ in panels)
+    if most > 1:
+        handles += [plt.Rectangle((0, 0), 1, 1, facecolor="#999999", edgecolor="white"),
+                    plt.Rectangle((0, 0), 1, 1, facecolor="#999999", edgecolor="white", hatch="//", alpha=0.8)]
+        labels += (["1st chunk on a rank", "2nd chunk (hatched)"] if most == 2
+                   else ["even chunks on a rank", "odd chunks (hatched)"])
     if any(tl.comm_events for tl, _ in panels):
         handles += [plt.Rectangle((0, 0), 1, 1, color=c) for c in DP_COLOURS.values()]
         labels += ["UNSHARD", "REDUCE_GRAD", "param gather after step"]
     fig.legend(handles, labels, loc="upper right", ncol=min(len(labels), 7), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return fig
 
 
-def _default_title(timeline: Timeline) -> str:
+def rank_colours(n: int) -> list:
+    """n colours that stay apart: matplotlib's ten-colour cycle, then tab20, then evenly
+    spaced hues of a perceptual map (beyond 20 ranks no palette keeps every pair apart, but
+    neighbours differ)."""
+    import matplotlib
+
+    if n <= 10:
+        return [matplotlib.colormaps["tab10"](i) for i in range(n)]
+    if n <= 20:
+        tab20 = matplotlib.colormaps["tab20"]
+        return [tab20(2 * i) for i in range(10)] + [tab20(2 * i + 1) for i in range(n - 10)]
+    turbo = matplotlib.colormaps["turbo"]
+    order = [i // 2 if i % 2 == 0 else (n + i) // 2 for i in range(n)]  # interleave so neighbours differ
+    return [turbo(0.05 + 0.9 * k / (n - 1)) for k in order]
+
+
+def _check_units(time_unit: str, memory_unit: str) -> None:
+    if time_unit not in TIME_UNITS:
+        raise ScheduleError(f"time_unit must be one of {TIME_UNITS}, got {time_unit!r}")
+    if memory_unit not in MEMORY_UNITS:
+        raise ScheduleError(f"memory_unit must be one of {MEMORY_UNITS}, got {memory_unit!r}")
+
+
+def _time_axis(span: float, unit: str) -> tuple[float, str]:
+    """(divisor, axis label) for times up to `span`."""
+    if unit == "units":
+        return 1.0, "time (cost units)"
+    return (1e-3, "time (ms)") if span < 2.0 else (1.0, "time (s)")
+
+
+def _memory_axis(peak: float, unit: str) -> tuple[float, str]:
+    """(divisor, axis label) for activation memory up to `peak`."""
+    if unit == "units":
+        return 1.0, "activation (1 = one microbatch\nthrough one stage)"
+    for divisor, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if peak >= divisor:
+            return float(divisor), f"activation ({name})"
+    return 1.0, "activation (bytes)"
+
+
+def _default_title(timeline: Timeline, memory_unit: str = "units") -> str:
     s = timeline.schedule
     dp = f"   exposed DP comm (max rank) {max(timeline.exposed_comm):.3g}" if timeline.exposed_comm else ""
+    peak = max(timeline.peak_activation)
+    scale, label = _memory_axis(peak, memory_unit)
+    unit = "" if memory_unit == "units" else " " + label.split("(")[1].rstrip(")")
     return (
         f"{s.name}  p={s.p} m={s.m} v={s.v}   bubble {timeline.bubble_ratio:.3f}   "
-        f"peak {max(timeline.peak_activation):.3g}{dp}"
+        f"peak {peak / scale:.3g}{unit}{dp}"
     )
 
 
@@ -108,7 +190,7 @@ def _slots(timeline: Timeline) -> float:
     return timeline.makespan / shortest
 
 
-def _draw_ranks(ax, timeline: Timeline, title: str) -> None:
+def _draw_ranks(ax, timeline: Timeline, title: str, scale: float = 1.0) -> None:
     schedule = timeline.schedule
     local_chunk = {s: i for r in range(schedule.p) for i, s in enumerate(schedule.placement.stages_of(r))}
     origin = timeline.start
@@ -117,7 +199,7 @@ def _draw_ranks(ax, timeline: Timeline, title: str) -> None:
     for r, comm in enumerate(timeline.comm_events):
         for e in comm:
             kind = e.op.lstrip("0123456789")
-            ax.broken_barh([(e.start - origin, e.end - e.start)], (r + 0.18, 0.24),
+            ax.broken_barh([((e.start - origin) / scale, (e.end - e.start) / scale)], (r + 0.18, 0.24),
                            facecolors=DP_COLOURS.get(kind, "#333333"), edgecolor="white", linewidth=0.4)
     for r, events in enumerate(timeline.events):
         for e in events:
@@ -129,17 +211,16 @@ def _draw_ranks(ax, timeline: Timeline, title: str) -> None:
                 continue
             chunk = local_chunk[a.stage]
             ax.broken_barh(
-                [(e.start - origin, e.end - e.start)], (r + top, height),
+                [((e.start - origin) / scale, (e.end - e.start) / scale)], (r + top, height),
                 facecolors=KIND_COLOURS[a.kind], edgecolor="white", linewidth=0.6,
                 hatch="//" if chunk % 2 else None, alpha=1.0 if chunk % 2 == 0 else 0.8,
             )
             text = str(a.microbatch) if a.seq_chunk is None else f"{a.microbatch}.{a.seq_chunk}"
-            ax.text(e.start - origin + (e.end - e.start) / 2, r + top + height / 2, text,
+            ax.text((e.start - origin + (e.end - e.start) / 2) / scale, r + top + height / 2, text,
                     ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(range(schedule.p))
     ax.set_yticklabels([f"rank {r}" for r in range(schedule.p)], fontsize=7)
     ax.set_ylim(schedule.p - 0.5, -0.5)
-    ax.set_xlim(0, max(timeline.makespan, 1e-9))
     ax.set_title(title, fontsize=9)
 
 
@@ -153,9 +234,16 @@ class ParetoPoint:
     series: str = ""
 
 
-def plot_pareto(points: Sequence[ParetoPoint], path: str | os.PathLike, *, title: str = "") -> Path:
+def plot_pareto(
+    points: Sequence[ParetoPoint], path: str | os.PathLike, *, title: str = "", memory_unit: str = "units",
+) -> Path:
     """Scatter of peak activation (x) against bubble ratio (y); points sharing a `series`
-    are joined by a line (for example, v-adaptive over memory limits)."""
+    are joined by a line (for example, v-adaptive over memory limits). `memory_unit`:
+    "units" (1F1B's peak is p) or "bytes" (analytic costs)."""
+    _check_units("units", memory_unit)
+    peak = max((q.peak_activation for q in points), default=0.0)
+    scale, label = _memory_axis(peak, memory_unit)
+    points = [ParetoPoint(q.label, q.peak_activation / scale, q.bubble_ratio, q.series) for q in points]
     plt = _pyplot()
     path = _check_path(path)
     fig, ax = plt.subplots(figsize=(7.5, 5))
@@ -167,15 +255,16 @@ def plot_pareto(points: Sequence[ParetoPoint], path: str | os.PathLike, *, title
         else:
             spot = (round(point.peak_activation, 9), round(point.bubble_ratio, 9))
             spots.setdefault(spot, []).append(point.label)
-    for (x, y), labels in spots.items():
-        ax.scatter([x], [y], s=40, zorder=3)
+    for ((x, y), labels), colour in zip(spots.items(), rank_colours(len(spots))):
+        ax.scatter([x], [y], s=40, zorder=3, color=colour)
         ax.annotate(", ".join(labels), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
     for name, pts in series.items():
         pts = sorted(pts, key=lambda q: q.peak_activation)
         ax.plot([q.peak_activation for q in pts], [q.bubble_ratio for q in pts], marker=".", label=name)
     if series:
         ax.legend(fontsize=8)
-    ax.set_xlabel("peak activation per rank (1F1B = p)")
+    ax.set_xlabel("peak activation per rank (1 = one microbatch through one stage; 1F1B = p)"
+                  if memory_unit == "units" else f"peak {label.replace(chr(10), ' ')} per rank")
     ax.set_ylabel("bubble ratio")
     ax.set_title(title or "memory against bubble", fontsize=10)
     ax.grid(alpha=0.3)

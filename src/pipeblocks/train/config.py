@@ -64,9 +64,11 @@ class TrainConfig:
     """Test hook: make one gradient of the last rank infinite in this step (1-based)."""
 
     def __post_init__(self) -> None:
-        for name in ("microbatch_size", "steps", "timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("microbatch_size", "steps", "timeout_s", "lr"):
+            value = getattr(self, name)
+            # `not value > 0` also rejects NaN, which compares false with everything
+            if not value > 0 or value == math.inf:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if self.clip_grad is not None and not (math.isfinite(self.clip_grad) and self.clip_grad > 0):
             raise ValueError(f"clip_grad must be a finite number > 0, got {self.clip_grad!r}")
         if self.inject_nonfinite is not None and not 1 <= self.inject_nonfinite <= self.steps:

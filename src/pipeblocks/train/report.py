@@ -208,6 +208,7 @@ def write_timeline_plot(measured: Timeline, simulated: Timeline, path: str | os.
     return plot_timeline(
         measured, path, title=f"measured (last timed step)  bubble {measured.bubble_ratio:.3f}", compare=simulated,
         compare_label=f"simulated with profiled costs  bubble {simulated.bubble_ratio:.3f}",
+        time_unit="s", memory_unit="bytes",
     )
 
 

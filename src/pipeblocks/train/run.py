@@ -10,12 +10,13 @@ The CLI (`pipeblocks.cli.train`) only parses options into these arguments.
 """
 from __future__ import annotations
 
-import json
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from ..core.request import ScheduleRequest
+from ..core.jsontext import json_text
 from ..core.schedule import write_atomically
 from ..core.validate import validate
 from ..models.config import GPTConfig
@@ -230,7 +231,7 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
         else:
             print(f"skipped steps per rank {skipped} (non-finite gradient): the ranks disagree")
     if report:
-        write_atomically(Path(report), json.dumps(built.data, indent=1) + "\n")
+        write_atomically(Path(report), json_text(built.data, indent=1) + "\n")
         print(f"report   {report}")
     plot = plot or (str(Path(report).with_suffix(".png")) if report else None)
     if plot:
@@ -254,11 +255,16 @@ def verify(cfg: TrainConfig, data: TokenWindows) -> int:
         relative_difference,
     )
 
+    # Starting p processes that each import torch takes seconds to a minute on a small
+    # machine: say what is happening (on stderr, so stdout keeps only the verdict).
+    started = time.monotonic()
+    _progress(f"verify: starting {cfg.schedule.p} processes for one {cfg.schedule.name} step ...")
     results = _launch(cfg)
     if results is None:
         return 1
+    _progress(f"verify: pipeline step done ({time.monotonic() - started:.0f} s); one-process reference step ...")
     grads = {name: g for r in results for name, g in (r.grads or {}).items()}
-    loss = next(l for r in results for _, l in r.losses)
+    loss = next(value for r in results for _, value in r.losses)
     inputs, targets = data.batch(0, cfg.batch_size, seed=cfg.seed)  # the step the ranks ran
     clipped = ""
     if cfg.clip_grad is None:
@@ -287,6 +293,10 @@ def verify(cfg: TrainConfig, data: TokenWindows) -> int:
           f"{len(ref_grads)} {what}, largest relative difference {worst.relative:.3g} ({worst.name})")
     print(f"largest relative difference {largest:.3g}, tolerance {tolerance:g}: {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _bytes(n: float) -> str:

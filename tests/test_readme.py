@@ -1,0 +1,55 @@
+"""README.md shows what its commands print (scripts/readme_outputs.py)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    if "readme_outputs" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("readme_outputs", ROOT / "scripts" / "readme_outputs.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclass looks its module up by name
+        spec.loader.exec_module(module)
+    return sys.modules["readme_outputs"]
+
+
+def test_readme_outputs_agree_with_their_commands():
+    """list, show, simulate --json, compare and the Python API lines; train needs --train."""
+    script = _script()
+    text = (ROOT / "README.md").read_text()
+    kinds = {b.command.split()[1] for b in script.find_blocks(text) if b.command}
+    assert {"list", "show", "simulate", "compare", "train"} <= kinds
+    _, problems = script.check(text)
+    assert problems == []
+
+
+def test_a_wrong_output_is_found_and_rewritten(tmp_path):
+    script = _script()
+    text = "intro\n```text\n$ pipeblocks show gpipe -p 2 -m 1 --actions\n# wrong\n0: 0F0 0BW0\n```\n" \
+           "```python\nimport pipeblocks as pb\nprint(pb.simulate(pb.schedules.get('1f1b')(p=2, m=2)).makespan)\n# 99\n```\n"
+    fixed, problems = script.check(text, write=True, root=tmp_path)
+    assert len(problems) == 2
+    assert "0: 0F0 0BW0\n1: 1F0 1BW0\n" in fixed and "# 9.0\n" in fixed and fixed.startswith("intro\n")
+    assert script.check(fixed, root=tmp_path)[1] == []
+
+
+def test_train_blocks_compare_losses_and_memory_but_not_times():
+    script = _script()
+    shown = ("$ pipeblocks train -p 2\ntraining 2-layer GPT: schedule 1f1b\nstep     1/3  loss 5.5457 ...\n"
+             "step     3/3  loss 3.4022      3,568 tokens/s    573.9 ms\n"
+             "iteration time  measured    704.9 ms   simulated    209.3 ms\n"
+             "   0  0,7                        6.4 MiB     6.4 MiB                1.000\n")
+    block = script.find_blocks(f"```text\n{shown}```\n")[0]
+    run = ("training 2-layer GPT: schedule 1f1b\nstep     1/3  loss 5.5457      1,000 tokens/s    1.0 ms\n"
+           "step     2/3  loss 4.0000      1,000 tokens/s    1.0 ms\nstep     3/3  loss 3.4022      9,999 tokens/s    9.9 ms\n"
+           "iteration time  measured    1.0 ms   simulated    2.0 ms\n"
+           "   0  0,7                        6.4 MiB     6.4 MiB                1.000\n")
+    assert script._same(block, run)
+    assert not script._same(block, run.replace("3.4022", "3.4023"))
+    assert not script._same(block, run.replace("6.4 MiB     6.4", "6.5 MiB     6.4"))
+    assert script._train_block(run).splitlines()[1:3] == ["step     1/3  loss 5.5457 ...",
+                                                          "step     3/3  loss 3.4022      9,999 tokens/s    9.9 ms"]
