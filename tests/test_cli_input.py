@@ -150,7 +150,7 @@ def test_file_replaces_the_schedule_name(capsys, tmp_path):
     code, out, err = run_cli(capsys, "simulate", "--file", str(saved), "--json")
     assert code == 0 and json.loads(out)["peak_activation"] == [3, 2, 1], err
     code, out, err = run_cli(capsys, "show")
-    assert code == 2 and "give a schedule name" in err and "--file" in err
+    assert code == 2 and "needs a schedule name or a file" in err and "--file F" in err
 
 
 def _good_json() -> dict:

@@ -117,7 +117,10 @@ class ScheduleRequest:
 
     def __post_init__(self) -> None:
         if self.name is None and self.file is None:
-            raise ValueError("give a schedule name (see `pipeblocks list`) or --file F (a saved schedule)")
+            raise ValueError(
+                "a schedule request needs a schedule name or a file: give a NAME (see `pipeblocks list`) "
+                "or --file F (a saved schedule)"
+            )
         _positive("m", self.m, "give -m 1 or more (microbatches per step)")
         if self.seq_chunks is not None:
             _positive("--seq-chunks", self.seq_chunks, "give 1 or more sequence chunks")
