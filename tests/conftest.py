@@ -1,13 +1,14 @@
 """Test tiers, so a change can be checked in seconds and the whole suite still runs in CI.
 
     pytest -m fast      pure Python: no torch run, no process started (under a minute)
+    pytest -m sweep     pure Python bulk checks: every schedule over a wide range of p and m
     pytest -m torch     runs torch in this process (models, data), starts no process
     pytest -m spawn     starts processes: torch.distributed ranks, `pipeblocks train`, torchrun
     pytest              everything (what CI runs)
 
 A module states a slower tier with a module-level `pytestmark = pytest.mark.spawn` (or
-`torch`), a single test with the decorator; every test without either is `fast`. A fast
-test that starts a process fails, so a test cannot slip into the fast tier by mistake.
+`torch`), a single test with the decorator; every test without one is `fast`. A fast or
+sweep test that starts a process fails, so a test cannot slip into them by mistake.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import subprocess
 
 import pytest
 
-SLOW_TIERS = ("torch", "spawn")
+SLOW_TIERS = ("sweep", "torch", "spawn")
+PROCESS_FREE = ("fast", "sweep")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -31,12 +33,12 @@ class FastTestStartedAProcess(RuntimeError):
 
 def _refuse(*_args, **_kwargs):
     raise FastTestStartedAProcess(
-        "a fast test started a process: mark it (or its module, with pytestmark) pytest.mark.spawn"
+        "a fast or sweep test started a process: mark it (or its module, with pytestmark) pytest.mark.spawn"
     )
 
 
 @pytest.fixture(autouse=True)
 def _fast_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    if request.node.get_closest_marker("fast") is not None:
+    if any(request.node.get_closest_marker(tier) is not None for tier in PROCESS_FREE):
         monkeypatch.setattr(subprocess.Popen, "__init__", _refuse)
         monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse)

@@ -122,6 +122,7 @@ def _blocks(p: int):
     yield "1f1b", one_f_one_b_block(p)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("p", range(2, 17))
 def test_lifespan_bound_holds_for_every_block_built_schedule(p):
     for name, blk in _blocks(p):

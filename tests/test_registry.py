@@ -32,6 +32,7 @@ def test_docstring_shows_the_generated_schedule(name):
     assert [line.strip() for _, line in shown] == actual
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("name", NAMES)
 def test_validates_over_a_range(name):
     spec = schedules.get(name)

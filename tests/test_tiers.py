@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_tiers_are_registered_and_unknown_markers_are_errors():
     options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     names = {line.split(":")[0] for line in options["markers"]}
-    assert {"fast", "torch", "spawn"} <= names
+    assert {"fast", "sweep", "torch", "spawn"} <= names
     assert "--strict-markers" in options["addopts"]
 
 

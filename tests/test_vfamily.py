@@ -39,6 +39,7 @@ def lower_bound(p: int, peak: float) -> float:
     return max(0.0, 6 * p - 1 - 3 * (2 * peak))
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("name", FIXED)
 def test_valid_for_every_p_and_m(name):
     for p in range(2, 17):
@@ -94,6 +95,7 @@ def test_m_below_p_and_a_single_microbatch():
             assert len(tl.events[0]) == m * (4 if name == "1f1b-v" else 6)
 
 
+@pytest.mark.sweep
 def test_v_adaptive_curve_follows_the_bound():
     p, m = 6, 13
     previous = None
@@ -150,6 +152,7 @@ def test_v_adaptive_valid_for_small_and_uneven_m(p):
 # (3, 5) and (4, 7), while 6p-3k is reached (by v-adaptive, below). So 6p-3k is the target
 # at odd k; v-adaptive meets it for p <= 12 (above, the looser-turn candidates would take
 # a call past ~2 s and it stays at 6p-3k+1).
+@pytest.mark.sweep
 @pytest.mark.parametrize("p, k", [(3, 5), (4, 5), (4, 7), (8, 9), (8, 13), (8, 15)])
 def test_v_adaptive_at_odd_k_is_one_slot_above_the_bound(p, k):
     s = get("v-adaptive")(p=p, m=3 * p, memory_limit=k / 2)

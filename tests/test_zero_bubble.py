@@ -97,6 +97,7 @@ def test_zb_v_rejects_a_memory_limit_without_cost_aware():
 UNEQUAL = (Costs(t_f=3, t_b=4, t_w=2), Costs(t_f=1, t_b=1, t_w=1, t_comm=0.1), Costs(t_f=2, t_b=3, t_w=1, mem_w_ratio=0.5))
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("p", PS)
 def test_greedy_valid_within_limit_for_all_m(p):
     for m in sorted({1, max(1, p - 1), p + 1, 2 * p + 3}):
