@@ -24,6 +24,8 @@ from pipeblocks.runtime.sequence import (
     reversed_causal_mask,
 )
 
+pytestmark = pytest.mark.torch
+
 
 def _saved_bytes(module: torch.nn.Module, x: torch.Tensor, **kwargs) -> int:
     tracker = SavedTensorTracker()
