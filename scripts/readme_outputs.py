@@ -34,6 +34,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,8 +190,10 @@ def check(text: str, *, train: bool = False, write: bool = False, root: Path = R
                         problems.append(f"README's python block: {line} prints {real!r}, README shows {shown!r}")
                         replacement = (replacement or block.body).replace(f"{line}\n# {shown}", f"{line}\n# {real}")
         if write and replacement is not None and block.kind == "json":
-            # keep README's compact rendering of JSON
-            replacement = f"$ {block.command}\n" + json.dumps(json.loads(replacement.split("\n", 1)[1])) + "\n"
+            # README shows JSON compact, wrapped to the page (JSON ignores the line breaks)
+            compact = json.dumps(json.loads(replacement.split("\n", 1)[1]))
+            wrapped = textwrap.fill(compact, 92, subsequent_indent=" ", break_long_words=False, break_on_hyphens=False)
+            replacement = f"$ {block.command}\n{wrapped}\n"
         pieces.append(text[cursor:block.start])
         pieces.append(replacement if (write and replacement is not None) else block.body)
         cursor = block.end
