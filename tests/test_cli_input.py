@@ -50,12 +50,11 @@ SCHEDULE_COMMANDS = ("show", "simulate", "compare", "plot", "export")
         ("--seq-chunks", "0", ">= 1"),
         ("--set", "memory_limit=nan", "must be a finite number"),
         ("--set", "memory_limit=inf", "must be a finite number"),
-        ("--dp", "0", ">= 1"),
-        ("--dp-bandwidth", "nan", "finite number"),
-        ("--dp-bandwidth", "0", "> 0"),
-        ("--dp-latency", "inf", "finite number"),
-        ("--dp-latency", "-1", ">= 0"),
-        ("--gpu-memory", "nan", "finite number"),
+        # the data-parallel options are checked by the request (core), before anything runs
+        ("--dp", "0", "dp must be an integer >= 1"),
+        ("--dp-bandwidth", "nan", "--dp-bandwidth must be a finite number > 0"),
+        ("--dp-latency", "inf", "--dp-latency must be a finite number >= 0"),
+        ("--gpu-memory", "nan", "--gpu-memory must be a finite number > 0"),
     ],
 )
 def test_every_numeric_schedule_option_rejects_bad_numbers(capsys, tmp_path, command, option, value, message):
@@ -107,9 +106,9 @@ def test_bad_plot_suffix_is_caught_before_the_work(capsys, tmp_path):
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("field", ["t_f", "t_b", "t_w", "t_comm", "mem_b", "mem_w_ratio"])
 def test_costs_reject_non_finite_values_in_the_python_api(field, bad):
-    with pytest.raises(ScheduleError, match=f"cost {field} must be finite"):
+    with pytest.raises(ScheduleError, match=f"cost {field} must be >= 0 and finite"):
         Costs(**{field: bad})
-    with pytest.raises(ScheduleError, match=f"cost {field} must be finite"):
+    with pytest.raises(ScheduleError, match=f"cost {field} must be >= 0 and finite"):
         Costs(**{field: (1.0, bad)})
 
 

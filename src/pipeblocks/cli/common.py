@@ -20,7 +20,7 @@ from ..core.sharding import parse_sharding
 from ..sim.analytic import HARDWARE, MODELS
 from ..sim.build import Built, build
 from ..sim.sequence_split import SPLITS
-from .argtypes import costs_text, nonneg_float, positive_float, positive_int, setting_text, unit_float
+from .argtypes import costs_text, positive_float, positive_int, setting_text, unit_float
 
 __all__ = [
     "add_generator_options", "add_mesh_options", "add_cost_options", "add_schedule_options", "request_from_args", "build", "Built",
@@ -72,22 +72,22 @@ def add_generator_options(
 def add_mesh_options(parser: argparse.ArgumentParser) -> None:
     """Data parallelism: replicas of the pipeline, sharding per chunk, the DP link."""
     group = parser.add_argument_group("data parallel")
-    group.add_argument("--dp", type=positive_int, default=1, metavar="D", help="data-parallel replicas of the pipeline (default 1)")
+    group.add_argument("--dp", type=int, default=1, metavar="D", help="data-parallel replicas of the pipeline (default 1)")
     group.add_argument(
         "--sharding", default="replicate", metavar="POLICY[,POLICY...]",
         help="per chunk (global stage), or one for all: replicate, zero1, zero2, zero3; or auto "
         "(the simulator picks per chunk: least step time, then least static memory, within --gpu-memory)",
     )
     group.add_argument(
-        "--dp-bandwidth", type=positive_float, default=None, metavar="GB/s",
+        "--dp-bandwidth", type=float, default=None, metavar="GB/s",
         help="DP link bandwidth (default: the --hardware profile's; under unit costs, size units per time unit)",
     )
     group.add_argument(
-        "--dp-latency", type=nonneg_float, default=None, metavar="us",
+        "--dp-latency", type=float, default=None, metavar="us",
         help="DP latency per ring step (default: the profile's; under unit costs, time units)",
     )
     group.add_argument(
-        "--gpu-memory", type=positive_float, default=None, metavar="GB",
+        "--gpu-memory", type=float, default=None, metavar="GB",
         help="--sharding auto: memory per device for static memory plus peak activation "
         "(GB under --model; memory units under unit costs)",
     )

@@ -64,8 +64,8 @@ class Costs:
                 raise ScheduleError(f"cost {name} must be a number or a tuple of numbers, got {value!r}")
             if not all(math.isfinite(x) for x in values):
                 raise ScheduleError(
-                    f"cost {name} must be finite, got {value!r}: NaN or infinity would make every time and "
-                    "memory figure meaningless"
+                    f"cost {name} must be >= 0 and finite, got {value!r}: NaN or infinity would make every "
+                    "time and memory figure meaningless"
                 )
             if any(x < 0 for x in values):
                 raise ScheduleError(f"cost {name} must be >= 0, got {value!r}: costs are durations and sizes")
