@@ -10,6 +10,9 @@ import torch
 from pipeblocks.cli.main import main
 from pipeblocks.models import GPTConfig, build_stages
 from pipeblocks.train import checkpoint as ckpt
+from test_train import SMALL, _train
+
+pytestmark = pytest.mark.spawn
 
 TINY = GPTConfig(layers=2, hidden=16, heads=2, seq=8, vocab=32, dtype="float64")
 
@@ -102,7 +105,6 @@ def test_temporaries_of_an_interrupted_save_are_removed_and_an_error_mid_save_le
 
 
 # ---- through `pipeblocks train` ---------------------------------------------------------
-from test_train import SMALL, _train
 
 
 def test_resume_skips_a_damaged_newest_checkpoint_with_a_warning(tmp_path):

@@ -22,6 +22,9 @@ from _post_validation_cases import (
 
 from pipeblocks.runtime import spawn
 from pipeblocks.train.post_validation import PostValidator, clip_coefficient
+from test_train import SMALL, _train
+
+pytestmark = pytest.mark.spawn
 
 
 def _one_process() -> list[list[torch.Tensor]]:
@@ -83,7 +86,6 @@ def test_clip_coefficient_and_bad_max_norm():
 
 
 # ---- through `pipeblocks train` ---------------------------------------------------------
-from test_train import SMALL, _train
 
 
 def test_verify_with_clipping_matches_synchronous_clipping_after_an_undone_step():
