@@ -23,7 +23,10 @@ from _processes import cmdline, descendants, kill_all, survivors
 from pipeblocks.runtime import spawn
 from pipeblocks.train.checkpoint import latest_step
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
+pytestmark = [
+    pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc"),
+    pytest.mark.spawn,
+]
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = ["--schedule", "1f1b", "-p", "2", "-m", "2", "--layers", "2", "--hidden", "16", "--heads", "2", "--seq", "16",

@@ -44,4 +44,6 @@ def test_modules_that_run_torch_are_not_fast(module):
     text = (ROOT / "tests" / module).read_text()
     top = text.split("\ndef ", 1)[0]
     if "import torch" in top or 'importorskip("torch")' in top or "from _runtime_cases" in top:
-        assert "pytestmark = pytest.mark.torch" in top or "pytestmark = pytest.mark.spawn" in top, module
+        assert "pytest.mark.torch" in top or "pytest.mark.spawn" in top, module
+    if "from pipeblocks.runtime import spawn" in top or "from test_train import" in top:
+        assert "pytest.mark.spawn" in top, module
