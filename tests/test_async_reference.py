@@ -16,6 +16,8 @@ from pipeblocks.schedules.asynchronous import async_1f1b
 from pipeblocks.train.async_mode import MODES, AsyncMode, t1_multiplier, weight_memory
 from pipeblocks.train.async_reference import replay
 
+pytestmark = pytest.mark.torch
+
 CONFIG = ToyConfig(vocab=11, hidden=8, blocks_per_stage=1, seq=5)
 
 

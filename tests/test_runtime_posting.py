@@ -16,6 +16,8 @@ from pipeblocks.runtime.compute import Unit
 from pipeblocks.runtime.executor import RankExecutor
 from pipeblocks.runtime.shapes import TensorSpec
 
+pytestmark = pytest.mark.torch
+
 
 class RecordingMailbox:
     """Receives complete when waited for; `log` holds ("post", key), ("wait", key) and ("compute", None)."""
