@@ -76,6 +76,8 @@ def main() -> None:
             break
     if args.checkpoint:
         ckpt.save_rank(args.checkpoint, rank=ctx.rank, step=done, stages=mine, optimizer=optimizer, meta=meta)
+    # every rank leaves its last collective before any rank tears the group down
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
