@@ -243,3 +243,21 @@ def test_hardware_profiles_reject_non_finite_numbers(field):
     values = {"flops": 312e12, "efficiency": 0.5, "bandwidth": 25e9, "latency": 1e-5, field: math.nan}
     with pytest.raises(ScheduleError, match="need finite"):
         type(HARDWARE["a100"])("x", **values)
+
+
+def test_long_builds_report_progress_on_stderr(capsys):
+    """A generator build past its threshold logs its steps; the CLI shows them on stderr only."""
+    import logging
+
+    from pipeblocks.cli.main import _show_progress
+    from pipeblocks.schedules._progress import Progress
+
+    _show_progress()
+    progress = Progress("v-half", after=0.0)
+    progress.step("compacting the block")
+    err = capsys.readouterr()
+    logger = logging.getLogger("pipeblocks")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    assert "v-half: compacting the block" in err.err
+    assert err.out == ""

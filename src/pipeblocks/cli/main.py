@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as done:  # --help, --version, or a bad option: a status, as for any other end
         return done.code if isinstance(done.code, int) else 2
+    _show_progress()
     try:
         return int(args.run(args) or 0)
     except BrokenPipeError:
@@ -56,6 +58,29 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time of the message (it may be replaced)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def _show_progress() -> None:
+    """Long builds report progress through the `pipeblocks` loggers; the command line shows
+    it on stderr, so stdout stays clean for tables and JSON."""
+    logger = logging.getLogger("pipeblocks")
+    if not logger.handlers:
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def _silence_stdout() -> None:
