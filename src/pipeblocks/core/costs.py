@@ -42,6 +42,10 @@ class Costs:
         replica by default, which adds no op and no time.
     t_step: time of one stage's optimizer step (asynchronous programs hold step ops; a
         synchronous one steps after its flush, outside the simulated step).
+    recompute_input_ratio: for a (stage, microbatch) whose forward is recomputed, the share
+        of M_B its forward keeps (the stage's input); the recomputation adds the other
+        1 - ratio back until the backward frees it. Scalar or one per stage; the analytic
+        model sets input bytes over activation bytes (about 2h / (layers * (34h + 5as))).
     """
 
     t_f: Value = 1.0
@@ -55,9 +59,10 @@ class Costs:
     params: Value = 1.0
     data_parallel: DataParallel = DataParallel()
     t_step: Value = 0.0
+    recompute_input_ratio: Value = 0.05
 
     def __post_init__(self) -> None:
-        for name in ("t_f", "t_b", "t_w", "t_comm", "mem_b", "mem_w_ratio", "params", "t_step"):
+        for name in ("t_f", "t_b", "t_w", "t_comm", "mem_b", "mem_w_ratio", "params", "t_step", "recompute_input_ratio"):
             value = getattr(self, name)
             values = value if isinstance(value, tuple) else (value,)
             if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in values):
@@ -79,6 +84,11 @@ class Costs:
         ratios = self.mem_w_ratio if isinstance(self.mem_w_ratio, tuple) else (self.mem_w_ratio,)
         if any(r > 1 for r in ratios):
             raise ScheduleError(f"mem_w_ratio must be in [0, 1] (M_W <= M_B), got {self.mem_w_ratio}")
+        kept = self.recompute_input_ratio
+        if any(r > 1 for r in (kept if isinstance(kept, tuple) else (kept,))):
+            raise ScheduleError(
+                f"recompute_input_ratio must be in [0, 1] (the input is part of the activation), got {kept}"
+            )
 
     def for_schedule(self, schedule: Schedule) -> StageCosts:
         """Resolve to per-global-stage tables for this schedule."""
@@ -108,6 +118,7 @@ class Costs:
             seq_mem=_shares(self.seq_mem, seq_chunks, "seq_mem"),
             params=per_stage("params", frac), data_parallel=self.data_parallel,
             step=per_stage("t_step", frac),
+            recompute_input_ratio=per_stage("recompute_input_ratio", 1.0),
         )
 
 
@@ -128,6 +139,7 @@ class StageCosts:
     data_parallel: DataParallel = DataParallel()
     step: tuple[float, ...] = ()
     """per stage, the time of its optimizer step"""
+    recompute_input_ratio: tuple[float, ...] = ()
 
     def duration(self, kind: Kind, stage: int, seq_chunk: int = 0) -> float:
         share = self.seq_time[seq_chunk]
@@ -149,6 +161,10 @@ class StageCosts:
         if kind is Kind.W:
             return (0.0, -m_b * self.mem_w_ratio[stage])
         return (0.0, -m_b)
+
+    def recomputed_share(self, stage: int, seq_chunk: int = 0) -> float:
+        """The activation a recomputation adds back: M_B minus the kept input."""
+        return self.mem_b[stage] * self.seq_mem[seq_chunk] * (1.0 - self.recompute_input_ratio[stage])
 
 
 def _shares(value: Sequence[float] | None, k: int, name: str) -> tuple[float, ...]:

@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 
 from .actions import Action, Kind
 from .errors import DeadlockError
-from .ops import ACTION, DP, P2P, STEP, unsupported
-from .program import Comm, DPOp, Op, OptimizerStep, Program
+from .ops import ACTION, DP, P2P, RECOMPUTE, STEP, unsupported
+from .program import Comm, DPOp, Op, OptimizerStep, Program, Recompute
 from .schedule import Schedule
 
 __all__ = ["Pass", "PASSES", "lower", "add_p2p", "check_deadlock"]
@@ -98,10 +98,10 @@ def check_deadlock(program: Program) -> None:
                 elif key not in sent:
                     waiting[key] = rank
                     break
-            elif kind is not Action and kind is not DPOp and kind is not OptimizerStep:
+            elif kind is not Action and kind is not DPOp and kind is not OptimizerStep and kind is not Recompute:
                 # DP ops never wait on a pipeline peer: every replica runs this same Program;
-                # an optimizer step waits on its own rank only
-                raise unsupported(op, "the deadlock check", (ACTION, P2P, DP, STEP))
+                # an optimizer step and a recomputation wait on their own rank only
+                raise unsupported(op, "the deadlock check", (ACTION, P2P, DP, STEP, RECOMPUTE))
             pos += 1
         cursor[rank] = pos
     blocked = [r for r in range(len(ranks)) if cursor[r] < len(ranks[r])]

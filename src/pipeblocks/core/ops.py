@@ -19,10 +19,10 @@ from typing import Callable, Iterable, Mapping
 
 from .actions import Action
 from .errors import ScheduleError
-from .program import Comm, DPOp, Op, OptimizerStep
+from .program import Comm, DPOp, Op, OptimizerStep, Recompute
 from .schedule import Schedule
 
-__all__ = ["Stream", "OpType", "OP_TYPES", "ACTION", "P2P", "DP", "STEP", "UnknownOpError", "op_type", "format_op", "parse_op", "require_known"]
+__all__ = ["Stream", "OpType", "OP_TYPES", "ACTION", "P2P", "DP", "STEP", "RECOMPUTE", "UnknownOpError", "op_type", "format_op", "parse_op", "require_known"]
 
 
 class Stream(str, Enum):
@@ -105,8 +105,23 @@ def _parse_step(match: re.Match[str], schedule: Schedule) -> OptimizerStep:
 # A stage's optimizer step in an asynchronous program: compute stream, waits on its own rank only.
 STEP = OpType("optimizer step", OptimizerStep, Stream.COMPUTE, re.compile(r"(\d+)STEP(\d+)"), _parse_step)
 
+
+def _parse_recompute(match: re.Match[str], schedule: Schedule) -> Recompute:
+    stage, mb, chunk = match.groups()
+    if int(stage) >= schedule.num_stages:
+        raise ScheduleError(
+            f"op {match.group(0)!r}: stage {stage} does not exist (stages 0..{schedule.num_stages - 1})"
+        )
+    return Recompute(int(stage), int(mb), None if chunk is None else int(chunk))
+
+
+# Re-run a forward before its backward: `2R5` reads like an action (stage, letter, microbatch).
+RECOMPUTE = OpType(
+    "recompute", Recompute, Stream.COMPUTE, re.compile(r"(\d+)R(\d+)(?:\.(\d+))?"), _parse_recompute
+)
+
 # One entry per op type, in the order parsing tries them.
-OP_TYPES: tuple[OpType, ...] = (ACTION, P2P, DP, STEP)
+OP_TYPES: tuple[OpType, ...] = (ACTION, P2P, DP, STEP, RECOMPUTE)
 _BY_CLASS: Mapping[type, OpType] = MappingProxyType({t.cls: t for t in OP_TYPES})
 
 
@@ -152,6 +167,6 @@ def parse_op(text: str, schedule: Schedule) -> Op:
         if match is not None:
             return entry.parse(match, schedule)
     raise UnknownOpError(
-        f"cannot parse op {text!r}: expected an action (2F5, 0BW2, 0B3.1), a transfer (2SEND_F5, 3RECV_B5.1) "
-        "a data-parallel op (2UNSHARD, 2RESHARD, 2REDUCE_GRAD) or an optimizer step (3STEP0)"
+        f"cannot parse op {text!r}: expected an action (2F5, 0BW2, 0B3.1), a transfer (2SEND_F5, 3RECV_B5.1), "
+        "a data-parallel op (2UNSHARD, 2RESHARD, 2REDUCE_GRAD), an optimizer step (3STEP0) or a recomputation (2R5, 0R3.1)"
     )

@@ -20,6 +20,11 @@ flush) reads `<stage>STEP<step>`::
     3STEP0        stage 3 applies its optimizer step 0 (its first), after the backwards
                   of that step's microbatches
 
+Recomputation (`Recompute`, added by `recompute.add_recompute`) re-runs one forward just
+before its backward; the forward marked for it keeps only the chunk's input::
+
+    2R5           re-run stage 2's forward for microbatch 5 (2R5.1: sequence chunk 1)
+
 Each op type has an entry in the op table (`ops.py`), which every consumer dispatches on.
 """
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import NamedTuple
 from .actions import Action
 from .schedule import Schedule
 
-__all__ = ["Comm", "DPOp", "DP_KINDS", "OptimizerStep", "Op", "Program"]
+__all__ = ["Comm", "DPOp", "DP_KINDS", "OptimizerStep", "Op", "Program", "Recompute"]
 
 
 class Comm(NamedTuple):
@@ -95,7 +100,27 @@ class OptimizerStep(NamedTuple):
         return f"{self.stage}STEP{self.step}"
 
 
-Op = Action | Comm | DPOp | OptimizerStep
+
+class Recompute(NamedTuple):
+    """Re-run `stage`'s forward for `microbatch` (and `seq_chunk`) on the compute stream,
+    rebuilding the activation its backward needs. Its forward then stores only the
+    stage's input; the recomputation adds the rest back until B/W frees it."""
+
+    stage: int
+    microbatch: int
+    seq_chunk: int | None = None
+
+    @property
+    def unit(self) -> tuple[int, int, int]:
+        """The (stage, microbatch, sequence chunk) it rebuilds, as `Action.unit`."""
+        return (self.stage, self.microbatch, self.seq_chunk or 0)
+
+    def __str__(self) -> str:
+        text = f"{self.stage}R{self.microbatch}"
+        return text if self.seq_chunk is None else f"{text}.{self.seq_chunk}"
+
+
+Op = Action | Comm | DPOp | OptimizerStep | Recompute
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,23 @@ their own model (t_comm after the send) and do not occupy the DP stream.
 
 An optimizer step (`OptimizerStep`, asynchronous programs) occupies the compute stream for
 its cost `t_step` and shows in the timeline as an event of its own.
+
+A `Recompute` op (`recompute.add_recompute`) runs on the compute stream for its stage's
+forward time; the forward it re-runs allocates only the kept input
+(`Costs.recompute_input_ratio` of M_B) and the recomputation allocates the rest, which
+the backward frees as usual.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 
-from .actions import Action
+from .actions import Action, Kind
 from .errors import DeadlockError
 from .lower import PASSES, check_deadlock, lower
-from .ops import ACTION, DP, P2P, STEP, unsupported
-from .program import Comm, DPOp, OptimizerStep, Program
+from .ops import ACTION, DP, P2P, RECOMPUTE, STEP, unsupported
+from .program import Comm, DPOp, OptimizerStep, Program, Recompute
+from .recompute import add_recompute, check_recompute
 from .schedule import Schedule
 from .validate import check_structure
 from .costs import Costs, StageCosts
@@ -38,17 +44,25 @@ from .timeline import CommEvent, Event, Timeline
 __all__ = ["simulate", "simulate_program"]
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
+def simulate(schedule: Schedule, costs: Costs | None = None, *, recompute=()) -> Timeline:
     """Validate, lower and simulate a schedule (a deadlock is found by the simulation itself).
-    The costs' data-parallel side decides which DP passes lowering runs."""
+    The costs' data-parallel side decides which DP passes lowering runs. `recompute`:
+    (stage, microbatch) pairs whose forward is recomputed before the backward
+    (`recompute.add_recompute`); a schedule whose options say recompute="all" (`1f1b-r`)
+    recomputes every pair."""
     costs = costs or Costs()
     data_parallel = costs.data_parallel
     with _collector_paused():
         check_structure(schedule)
         dp_passes = data_parallel.passes(schedule.num_stages)
-        program = lower(schedule, PASSES + dp_passes)
+        if not recompute and schedule.options and schedule.option("recompute") == "all":
+            recompute = [(s, mb) for s in range(schedule.num_stages) for mb in range(schedule.m)]
+        passes = PASSES + dp_passes + ((add_recompute(recompute),) if recompute else ())
+        program = lower(schedule, passes)
         if dp_passes:
             check_dp_ops(program, data_parallel.policies(schedule.num_stages))
+        if recompute:
+            check_recompute(program)
         return simulate_program(program, costs)
 
 
@@ -259,6 +273,9 @@ def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list[tup
     plan: list[tuple[int, str, float]] = []
     pending: dict[int, int] = {}  # stage -> plan index of its UNSHARD, until its first pass
     policies = None
+    # which forwards keep only their input: a set-of-types test first, so a program
+    # without recomputation pays no Python-level scan
+    recomputed = {op.unit for op in ops if type(op) is Recompute} if Recompute in set(map(type, ops)) else None
     for op in ops:
         kind = type(op)
         if kind is Comm:
@@ -273,7 +290,16 @@ def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list[tup
                 waiting = key if waiting is None else (*((waiting,) if type(waiting) is int else waiting), key)
         elif kind is Action:
             ckey = (op.kind, op.stage, op.seq_chunk or 0)
-            cost = cost_of.get(ckey)
+            if recomputed and op.kind is Kind.F and op.unit in recomputed:
+                ckey = ("kept", op.stage, ckey[2])
+                cost = cost_of.get(ckey)
+                if cost is None:
+                    full = table.memory(Kind.F, op.stage, ckey[2])[0]
+                    cost = cost_of[ckey] = (
+                        table.duration(Kind.F, op.stage, ckey[2]), full - table.recomputed_share(op.stage, ckey[2]), 0.0
+                    )
+            else:
+                cost = cost_of.get(ckey)
             if cost is None:
                 cost = cost_of[ckey] = (table.duration(*ckey), *table.memory(*ckey))
             receives.append(waiting)
@@ -293,6 +319,16 @@ def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list[tup
             releases.append(0.0)
             sends.append(None)
             gates.append(None)
+        elif kind is Recompute:  # compute stream: the forward's time, the rest of its activation
+            chunk = op.seq_chunk or 0
+            receives.append(waiting)
+            waiting = None
+            actions.append(op)
+            durations.append(table.duration(Kind.F, op.stage, chunk))
+            allocs.append(table.recomputed_share(op.stage, chunk))
+            releases.append(0.0)
+            sends.append(None)
+            gates.append(pending.pop(op.stage, None) if pending else None)
         elif kind is DPOp:
             if op.kind == "RESHARD":
                 continue  # frees memory only: nothing on the link
@@ -303,5 +339,5 @@ def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list[tup
                 pending[op.stage] = len(plan)
             plan.append((len(actions), str(op), dp.op_time(op.kind, table.params[op.stage], policies[op.stage])))
         else:
-            raise unsupported(op, "the simulator", (ACTION, P2P, DP, STEP))
+            raise unsupported(op, "the simulator", (ACTION, P2P, DP, STEP, RECOMPUTE))
     return (receives, actions, durations, allocs, releases, sends, gates), plan

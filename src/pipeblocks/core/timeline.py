@@ -22,6 +22,8 @@ ops, which run on a communication stream per rank beside the compute stream:
                   then runs to the last rank's step end
     static_memory[r]  parameter, gradient and optimizer-state bytes by policy, between steps
                   (the ZeRO closed forms)
+    recompute_time[r]  compute time rank r spends re-running forwards (`Recompute` events,
+                  counted in busy(r) too)
     static_memory_peak[r]  the same at the step's peak: gradients at full size before their
                   reduction, ZeRO-3 parameters gathered (`dp_model.static_peak_bytes`)
 """
@@ -31,17 +33,17 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .actions import Action
-from .program import OptimizerStep
+from .program import OptimizerStep, Recompute
 from .schedule import Schedule
 
 __all__ = ["CommEvent", "Event", "Timeline"]
 
 
 class Event(NamedTuple):
-    """One compute op's run on its rank: an action, or an optimizer step (`OptimizerStep`,
-    in asynchronous programs only)."""
+    """One compute op's run on its rank: an action, an optimizer step (`OptimizerStep`,
+    in asynchronous programs only) or a recomputation (`Recompute`)."""
 
-    action: Action | OptimizerStep
+    action: Action | OptimizerStep | Recompute
     start: float
     end: float
 
@@ -94,6 +96,12 @@ class Timeline:
     def makespan(self) -> float:
         return self.end - self.start
 
+    @property
+    def recompute_time(self) -> tuple[float, ...]:
+        return tuple(
+            sum(e.end - e.start for e in evs if type(e.action) is Recompute) for evs in self.events
+        )
+
     def busy(self, rank: int) -> float:
         return sum(e.end - e.start for e in self.events[rank])
 
@@ -131,6 +139,7 @@ class Timeline:
             "peak_activation": list(self.peak_activation),
             "comm_time": list(self.comm_time),
             "exposed_comm": list(self.exposed_comm) or [0.0] * s.p,
+            "recompute_time": list(self.recompute_time),
             **({"static_memory": list(self.static_memory)} if self.static_memory else {}),
             **({"static_memory_peak": list(self.static_memory_peak)} if self.static_memory_peak else {}),
         }
