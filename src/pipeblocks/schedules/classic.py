@@ -6,7 +6,7 @@ from ..core.schedule import Schedule
 from ._build import BW, F
 from .registry import register
 
-__all__ = ["gpipe", "one_f_one_b"]
+__all__ = ["gpipe", "one_f_one_b", "one_f_one_b_recompute"]
 
 
 @register("gpipe", "all forwards, then all backwards; peak m on every rank")
@@ -48,3 +48,20 @@ def one_f_one_b(*, p: int, m: int) -> Schedule:
         actions += [BW(r, i) for i in range(m - warmup, m)]
         ranks.append(tuple(actions))
     return Schedule("1f1b", p, m, Placement.loop(p), tuple(ranks))
+
+
+@register("1f1b-r", "1F1B with full recomputation: every forward keeps its input only; peak ~ p inputs + one activation")
+def one_f_one_b_recompute(*, p: int, m: int) -> Schedule:
+    """1F1B with full recomputation, the classic memory-saving baseline: the order of
+    `1f1b`, and lowering adds a RECOMPUTE before every backward (the schedule's option
+    recompute="all"), so each forward keeps only its stage input (a share r of M_B,
+    `Costs.recompute_input_ratio`) and the recomputation rebuilds the rest just before
+    the backward. Rank r peaks at min(m, p-r)*r*M_B + (1-r)*M_B, about r*p + 1 stage
+    activations on rank 0, for one extra forward per (stage, microbatch).
+    p=2, m=2, lowered::
+
+        0: 0F0 0SEND_F0 0F1 0SEND_F1 0R0 0RECV_B0 0BW0 0R1 0RECV_B1 0BW1
+        1: 1RECV_F0 1F0 1R0 1BW0 1SEND_B0 1RECV_F1 1F1 1R1 1BW1 1SEND_B1
+    """
+    base = one_f_one_b(p=p, m=m)
+    return Schedule("1f1b-r", p, m, base.placement, base.ranks, options=(("recompute", "all"),))
