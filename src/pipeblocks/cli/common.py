@@ -15,7 +15,7 @@ import sys
 
 from ..core.errors import ScheduleError
 from ..core.jsontext import json_text
-from ..core.request import CostSpec, Mesh, ScheduleRequest
+from ..core.request import RECOMPUTE_MODES, CostSpec, Mesh, ScheduleRequest
 from ..core.sharding import parse_sharding
 from ..sim.analytic import HARDWARE, MODELS
 from ..sim.build import Built, build
@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 # generator keyword <- CLI option (argparse dest)
-_OPTIONS = ("v", "group_size", "memory_limit")
+_OPTIONS = ("v", "group_size", "memory_limit", "forward_groups", "backward_groups")
 
 
 def add_generator_options(
@@ -46,6 +46,19 @@ def add_generator_options(
     group.add_argument("-m", type=positive_int, default=m, help=f"microbatches per step (default {m})")
     group.add_argument("-v", type=positive_int, default=None, help="chunks per rank, for looped schedules (default 2)")
     group.add_argument("--group-size", type=positive_int, default=None, help="interleaved-1f1b: microbatches per group (p..m)")
+    group.add_argument(
+        "--forward-groups", default=None, metavar="G1,G2,...",
+        help="elastic: microbatches per forward group, summing to m (e.g. 8,4; default: from the costs)",
+    )
+    group.add_argument(
+        "--backward-groups", default=None, metavar="G1,G2,...",
+        help="elastic: microbatches per backward group, summing to m (e.g. 6,6; default: as --forward-groups)",
+    )
+    group.add_argument(
+        "--recompute", default="none", choices=RECOMPUTE_MODES,
+        help="recompute forwards before their backward: none, all (every stage and microbatch) or auto "
+        "(the simulator picks pairs so static + activation memory fits --gpu-memory)",
+    )
     group.add_argument(
         "--memory-limit", type=positive_float, default=None,
         help="activation budget per rank, in peak_activation units (1F1B's peak is p)",
@@ -88,7 +101,7 @@ def add_mesh_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--gpu-memory", type=float, default=None, metavar="GB",
-        help="--sharding auto: memory per device for static memory plus peak activation "
+        help="--sharding auto, --recompute auto, elastic: memory per device for static memory plus peak activation "
         "(GB under --model; memory units under unit costs)",
     )
     group.add_argument(
@@ -145,6 +158,7 @@ def request_from_args(
     return ScheduleRequest(
         name=name or getattr(args, "name", None), m=args.m, mesh=Mesh(pp=args.p, dp=args.dp), options=tuple(options),
         seq_chunks=args.seq_chunks, costs=costs, file=args.file, gpu_memory=args.gpu_memory,
+        recompute=getattr(args, "recompute", "none"),
         **_sharding(args.sharding),
     )
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 
 from ..core.simulate import simulate
+from ..sim.build import memory_budget
+from ..sim.recompute_auto import fits_memory
 from .async_sim import add_async_options, run_async
 from .common import add_schedule_options, build, request_from_args, print_json
 
@@ -21,8 +23,9 @@ def run(args: argparse.Namespace) -> int:
     if args.async_mode:
         return run_async(args, built)
     schedule = built.schedule
-    timeline = simulate(schedule, built.costs)
+    timeline = simulate(schedule, built.costs, recompute=built.recompute)
     summary = timeline.summary()
+    summary["fits_memory"] = fits_memory(timeline, memory_budget(built.request))
     if args.json:
         print_json(summary)
         return 0
@@ -38,5 +41,10 @@ def run(args: argparse.Namespace) -> int:
               f"{summary['static_memory'][r]:<13.6g}  {summary['static_memory_peak'][r]:<12.6g}  "
               f"{summary['comm_time'][r]:<8.4g}  {summary['exposed_comm'][r]:.4g}")
     unit = "bytes" if args.model else "units: a full stage holds 1 parameter, 16 per parameter in fp32 AdamW"
+    if any(summary["recompute_time"]):
+        print(f"recompute     {len(built.recompute)} (stage, microbatch) pairs; time per rank "
+              + " ".join(f"{t:.4g}" for t in summary["recompute_time"]))
+    if summary["fits_memory"] is not None:
+        print(f"fits memory   {'yes' if summary['fits_memory'] else 'no'} (--gpu-memory {args.gpu_memory:g})")
     print(f"(static memory: parameters, gradients and optimizer state between steps, and at the step's peak; {unit})")
     return 0

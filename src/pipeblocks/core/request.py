@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 from .sharding import ShardingPolicy, parse_sharding
 
-__all__ = ["Mesh", "CostSpec", "ScheduleRequest"]
+__all__ = ["Mesh", "CostSpec", "ScheduleRequest", "RECOMPUTE_MODES"]
+
+RECOMPUTE_MODES = ("none", "all", "auto")
 
 
 def _positive(name: str, value: object, fix: str) -> None:
@@ -114,8 +116,13 @@ class ScheduleRequest:
     gpu_memory: float | None = None
     """memory per device for `auto_sharding` (static + activation): GB under the analytic
     model, memory units under unit costs (None: no limit)"""
+    recompute: str = "none"
+    """which forwards to recompute before their backward: "none", "all" (every stage and
+    microbatch) or "auto" (the simulator picks pairs so memory fits `gpu_memory`)"""
 
     def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"--recompute {self.recompute!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
         if self.name is None and self.file is None:
             raise ValueError(
                 "a schedule request needs a schedule name or a file: give a NAME (see `pipeblocks list`) "

@@ -22,15 +22,20 @@ from ..interop import from_torch_csv, program_from_torch_csv
 from ..schedules import get
 from ..schedules.sequence import split_sequence
 from .analytic import HARDWARE, dp_link, parse_model, transformer_costs
+from ..core.recompute import all_pairs
 from .auto_sharding import choose_sharding
+from .recompute_auto import choose_recompute
 from .sequence_split import chunk_shares, split_lengths
 
-__all__ = ["Built", "build", "data_parallel", "resolve_costs"]
+__all__ = ["Built", "build", "data_parallel", "memory_budget", "resolve_costs"]
 
 _LOWERED_CELL = re.compile(r"\d(?:SEND_|RECV_|UNSHARD|RESHARD|REDUCE_GRAD)")
 
 # generator keyword -> the flag that sets it, for messages
-_FLAGS = {"v": "-v", "group_size": "--group-size", "memory_limit": "--memory-limit"}
+_FLAGS = {
+    "v": "-v", "group_size": "--group-size", "memory_limit": "--memory-limit",
+    "forward_groups": "--forward-groups", "backward_groups": "--backward-groups",
+}
 
 
 @dataclass(frozen=True)
@@ -40,23 +45,37 @@ class Built:
     request: ScheduleRequest
     schedule: Schedule
     costs: Costs
+    recompute: frozenset[tuple[int, int]] = frozenset()
+    """(stage, microbatch) pairs to recompute (`--recompute`); pass to `simulate(..., recompute=)`"""
 
 
 def build(request: ScheduleRequest) -> Built:
     """The schedule the request describes (generated once) and its resolved costs; with
-    `auto_sharding`, the policies the simulator chose are in the returned request and costs."""
+    `auto_sharding`, the policies the simulator chose are in the returned request and costs;
+    with `recompute`, the pairs to recompute (auto: chosen after the sharding)."""
     built = _build(request)
-    if not request.auto_sharding:
-        return built
+    if request.auto_sharding:
+        budget = memory_budget(request)
+        chosen = choose_sharding(built.schedule, built.costs, memory_budget=budget)
+        dp = dataclasses.replace(built.costs.data_parallel, sharding=chosen)
+        built = Built(
+            dataclasses.replace(request, sharding=chosen), built.schedule,
+            dataclasses.replace(built.costs, data_parallel=dp),
+        )
+    if request.recompute == "all":
+        return dataclasses.replace(built, recompute=all_pairs(built.schedule))
+    if request.recompute == "auto":
+        pairs = choose_recompute(built.schedule, built.costs, memory_budget(request))
+        return dataclasses.replace(built, recompute=pairs)
+    return built
+
+
+def memory_budget(request: ScheduleRequest) -> float | None:
+    """--gpu-memory in the costs' memory units: bytes under the analytic model."""
     budget = request.gpu_memory
     if budget is not None and request.costs.model:
         budget *= 1e9
-    chosen = choose_sharding(built.schedule, built.costs, memory_budget=budget)
-    dp = dataclasses.replace(built.costs.data_parallel, sharding=chosen)
-    return Built(
-        dataclasses.replace(request, sharding=chosen), built.schedule,
-        dataclasses.replace(built.costs, data_parallel=dp),
-    )
+    return budget
 
 
 def _build(request: ScheduleRequest) -> Built:
@@ -74,6 +93,8 @@ def _build(request: ScheduleRequest) -> Built:
         kwargs[key] = value
     k = request.seq_chunks
     generate = spec if k is None else functools.partial(split_sequence, spec.name, seq_chunks=k)
+    if spec.accepts("gpu_memory") and "gpu_memory" not in kwargs and request.gpu_memory is not None:
+        kwargs["gpu_memory"] = memory_budget(request)
     if spec.accepts("costs") and "costs" not in kwargs:
         stages = spec.num_stages(**kwargs)
         costs = _with_dp(request, resolve_costs(request.costs, stages, k or 1), stages)
