@@ -58,7 +58,12 @@ def one_f_one_b_recompute(*, p: int, m: int) -> Schedule:
     `Costs.recompute_input_ratio`) and the recomputation rebuilds the rest just before
     the backward. Rank r peaks at min(m, p-r)*r*M_B + (1-r)*M_B, about r*p + 1 stage
     activations on rank 0, for one extra forward per (stage, microbatch).
-    p=2, m=2, lowered::
+    p=2, m=2::
+
+        0: 0F0 0F1 0BW0 0BW1
+        1: 1F0 1BW0 1F1 1BW1
+
+    lowered (`2R5` re-runs stage 2's forward of microbatch 5)::
 
         0: 0F0 0SEND_F0 0F1 0SEND_F1 0R0 0RECV_B0 0BW0 0R1 0RECV_B1 0BW1
         1: 1RECV_F0 1F0 1R0 1BW0 1SEND_B0 1RECV_F1 1F1 1R1 1BW1 1SEND_B1

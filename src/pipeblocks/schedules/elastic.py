@@ -204,7 +204,7 @@ def elastic(
     `gpu_memory`, in the costs' memory units) gives a first forward group of G, the rest
     in groups of G, and the backward balanced over as many groups; with `search` (the
     default, and when costs are given) the simulator then tries group sequences around
-    it and keeps the fastest that fits. p=2, m=6, v=2, forward 4,2, backward 3,3::
+    it and keeps the fastest that fits. p=2, m=6, v=2, forward_groups=4,2, backward_groups=3,3::
 
         0: 0F0 0F1 0F2 0F3 2F0 2F1 2F2 2BW0 2F3 2BW1 0F4 2BW2 0F5 0BW0 2F4 0BW1 2F5 0BW2 2BW3 2BW4 2BW5 0BW3 0BW4 0BW5
         1: 1F0 1F1 1F2 1F3 3F0 3BW0 3F1 3BW1 3F2 3BW2 3F3 1BW0 1F4 1BW1 1F5 1BW2 3F4 3BW3 3F5 3BW4 3BW5 1BW3 1BW4 1BW5
