@@ -19,9 +19,8 @@ the fastest that fits `gpu_memory`.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..core.costs import Costs
 from ..core.errors import ScheduleError
@@ -30,7 +29,7 @@ from ..core.schedule import Schedule
 from ._build import BW, F, require
 from .registry import register
 
-__all__ = ["elastic", "elastic_order", "parse_groups", "rule_groups", "search_groups", "balanced"]
+__all__ = ["balanced", "elastic", "elastic_order", "parse_groups", "rule_groups", "search_groups"]
 
 
 def parse_groups(value: object, p: int, m: int, name: str) -> tuple[int, ...]:
@@ -165,7 +164,9 @@ def search_groups(
     (the rule) and sequences around it: first forward group f1 and later groups g from
     {p, 2p, ..., m} (and the rule's sizes), backward balanced over 1 .. ceil(m/p) groups.
     Score: (memory over the budget, step time); the start wins ties."""
-    from ..core.simulate import simulate  # the simulator is core; imported here to keep the module light
+    from ..core.simulate import (
+        simulate,  # the simulator is core; imported here to keep the module light
+    )
 
     sizes = sorted({min(m, k * p) for k in range(1, -(-m // p) + 1)} | {start[0][0], m, min(p, m)})
     counts = sorted({len(start[1])} | set(range(1, -(-m // max(1, min(p, m))) + 1)))
@@ -191,7 +192,7 @@ def search_groups(
     return best
 
 
-@register("elastic", "elastic groups (PipeMesh): microbatches per chunk visit from p (depth-first) to m (breadth-first)")
+@register("elastic", "elastic groups (PipeMesh): microbatches through a chunk together, p (depth-first) to m (breadth-first)")
 def elastic(
     *, p: int, m: int, v: int = 2, forward_groups: object = None, backward_groups: object = None,
     costs: Costs | None = None, gpu_memory: float | None = None, search: bool = True,

@@ -201,7 +201,10 @@ def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stag
     t_w = tuple((n * layer_w + (head if i == last else 0)) / rate for i, n in enumerate(counts))
     mem_b = tuple(n * layer_mem_b + (4 * s * b * V if i == last else 0) for i, n in enumerate(counts))
     t_comm = hardware.latency + s * b * h * config.dtype_bytes / hardware.bandwidth
+    # a recomputed stage keeps only its input, one hidden state per token
+    kept = tuple(min(1.0, s * b * h * config.dtype_bytes / m) if m > 0 else 1.0 for m in mem_b)
     return Costs(
+        recompute_input_ratio=kept,
         t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, mem_b=mem_b, mem_w_ratio=layer_mem_w / layer_mem_b,
         params=tuple(float(n) for n in stage_params(config, num_stages)),
     )

@@ -20,7 +20,7 @@ from ..core.schedule import Schedule
 from ..core.simulate import simulate
 from ..core.timeline import Timeline
 
-__all__ = ["choose_recompute", "memory_need", "fits_memory"]
+__all__ = ["choose_recompute", "fits_memory", "memory_need"]
 
 
 def memory_need(timeline: Timeline) -> tuple[float, ...]:
