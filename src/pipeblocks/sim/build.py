@@ -65,7 +65,8 @@ def build(request: ScheduleRequest) -> Built:
     if request.recompute == "all":
         return dataclasses.replace(built, recompute=all_pairs(built.schedule))
     if request.recompute == "auto":
-        pairs = choose_recompute(built.schedule, built.costs, memory_budget(request))
+        unit = 1e9 if request.costs.model else 1.0
+        pairs = choose_recompute(built.schedule, built.costs, memory_budget(request), unit=unit)
         return dataclasses.replace(built, recompute=pairs)
     return built
 

@@ -59,10 +59,12 @@ def _candidates(timeline: Timeline, rank: int, chosen: set) -> list[tuple[float,
 
 
 def choose_recompute(
-    schedule: Schedule, costs: Costs, budget: float | None, *, rounds: int = 64,
+    schedule: Schedule, costs: Costs, budget: float | None, *, rounds: int = 64, unit: float = 1.0,
 ) -> frozenset[tuple[int, int]]:
     """The pairs to recompute for `schedule` under `costs` within `budget` per rank (the
-    costs' memory units); none without a budget or when it already fits."""
+    costs' memory units); none without a budget or when it already fits. `unit`: the
+    costs' memory units per --gpu-memory unit (1e9 bytes under the analytic model), for
+    the error message."""
     if budget is None:
         return frozenset()
     chosen: set[tuple[int, int]] = set()
@@ -87,9 +89,9 @@ def choose_recompute(
     full = memory_need(simulate(schedule, costs, recompute=all_pairs(schedule)))
     if max(full) > budget:
         raise ScheduleError(
-            f"--gpu-memory is too small for {schedule.name!r}: it allows {budget:.4g} per rank, but even full "
-            f"recomputation needs {max(full):.4g} (static memory at the step's peak + activation): raise "
-            f"--gpu-memory to at least {max(full):.4g}, add replicas with sharding (--dp, --sharding zero3) "
+            f"--gpu-memory {budget / unit:.4g} is too small for {schedule.name!r}: even full recomputation needs "
+            f"{max(full) / unit:.4g} per rank (static memory at the step's peak + activation): raise "
+            f"--gpu-memory to at least {max(full) / unit:.4g}, add replicas with sharding (--dp, --sharding zero3) "
             "or use more pipeline ranks"
         )
     return frozenset(all_pairs(schedule))
