@@ -95,3 +95,30 @@ def test_cli_json(capsys):
     assert main(["simulate", "1f1b", "-p", "2", "-m", "4", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["recompute_time"] == [0.0, 0.0] and data["fits_memory"] is None
+
+
+def test_show_and_plot_draw_recomputation(capsys, tmp_path):
+    assert main(["show", "1f1b-r", "-p", "2", "-m", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "R recompute" in out and "R0" in out.splitlines()[1]
+    assert main(["show", "1f1b-r", "-p", "2", "-m", "2", "--program"]) == 0
+    assert "0R0 0RECV_B0 0BW0" in capsys.readouterr().out
+    assert main(["plot", "1f1b", "-p", "2", "-m", "2", "--recompute", "all", "-o", str(tmp_path / "r.png")]) == 0
+    assert (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_analytic_input_share():
+    from pipeblocks.sim.analytic import HARDWARE, parse_model, transformer_costs
+
+    config = parse_model("6.2b")
+    costs = transformer_costs(config, HARDWARE["cloud"], num_stages=4)
+    hidden_state = config.seq * config.microbatch_size * config.hidden * config.dtype_bytes
+    assert costs.recompute_input_ratio == pytest.approx(tuple(hidden_state / m for m in costs.mem_b))
+    assert all(0 < r < 0.05 for r in costs.recompute_input_ratio)
+
+
+def test_bad_recompute_mode():
+    from pipeblocks.core.request import Mesh, ScheduleRequest
+
+    with pytest.raises(ValueError, match="--recompute 'some'"):
+        ScheduleRequest(name="1f1b", m=4, mesh=Mesh(pp=2), recompute="some")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ..core.lower import PASSES, lower
+from ..core.recompute import add_recompute, all_pairs
 from ..core.simulate import simulate
 from ..sim.text_timeline import render_text_timeline
 from .common import add_schedule_options, build, request_from_args
@@ -32,9 +33,12 @@ def run(args: argparse.Namespace) -> int:
     if args.program:
         data_parallel = built.costs.data_parallel
         passes = PASSES + data_parallel.passes(schedule.num_stages)
+        pairs = built.recompute or (all_pairs(schedule) if schedule.option("recompute") == "all" else ())
+        if pairs:
+            passes += (add_recompute(pairs),)
         print(lower(schedule, passes).to_text(), end="")
         return 0
-    timeline = simulate(schedule, built.costs)
+    timeline = simulate(schedule, built.costs, recompute=built.recompute)
     print(render_text_timeline(timeline), end="")
     print(f"makespan {timeline.makespan:.6g}   bubble ratio {timeline.bubble_ratio:.4f}   "
           f"peak activation per rank {[round(x, 4) for x in timeline.peak_activation]}")

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from ..core.actions import Kind
 from ..core.errors import ScheduleError
-from ..core.program import OptimizerStep
+from ..core.program import OptimizerStep, Recompute
 from ..core.timeline import Timeline
 
 __all__ = [
@@ -31,6 +31,8 @@ __all__ = [
 KIND_COLOURS = {Kind.F: "#4C72B0", Kind.B: "#55A868", Kind.W: "#DD8452", Kind.BW: "#8172B3"}
 _SUFFIXES = (".png", ".svg", ".pdf")
 # Communication stream: parameter gather grey, gradient reduction red, gather after the step brown.
+# A recomputation (RECOMPUTE): a forward run again, in a lighter blue.
+RECOMPUTE_COLOUR = "#9DB4D8"
 DP_COLOURS = {"UNSHARD": "#8C8C8C", "REDUCE_GRAD": "#C44E52", "OPTIMIZER_GATHER": "#937860"}
 TIME_UNITS = ("units", "s")
 MEMORY_UNITS = ("units", "bytes")
@@ -125,6 +127,9 @@ def timeline_figure(
                     plt.Rectangle((0, 0), 1, 1, facecolor="#999999", edgecolor="white", hatch="//", alpha=0.8)]
         labels += (["1st chunk on a rank", "2nd chunk (hatched)"] if most == 2
                    else ["even chunks on a rank", "odd chunks (hatched)"])
+    if any(type(e.action) is Recompute for tl, _ in panels for evs in tl.events for e in evs):
+        handles.append(plt.Rectangle((0, 0), 1, 1, color=RECOMPUTE_COLOUR))
+        labels.append("R (recompute)")
     if any(tl.comm_events for tl, _ in panels):
         handles += [plt.Rectangle((0, 0), 1, 1, color=c) for c in DP_COLOURS.values()]
         labels += ["UNSHARD", "REDUCE_GRAD", "param gather after step"]
@@ -212,7 +217,7 @@ def _draw_ranks(ax, timeline: Timeline, title: str, scale: float = 1.0) -> None:
             chunk = local_chunk[a.stage]
             ax.broken_barh(
                 [((e.start - origin) / scale, (e.end - e.start) / scale)], (r + top, height),
-                facecolors=KIND_COLOURS[a.kind], edgecolor="white", linewidth=0.6,
+                facecolors=RECOMPUTE_COLOUR if type(a) is Recompute else KIND_COLOURS[a.kind], edgecolor="white", linewidth=0.6,
                 hatch="//" if chunk % 2 else None, alpha=1.0 if chunk % 2 == 0 else 0.8,
             )
             text = str(a.microbatch) if a.seq_chunk is None else f"{a.microbatch}.{a.seq_chunk}"

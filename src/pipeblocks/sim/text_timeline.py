@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-from ..core.program import OptimizerStep
+from ..core.program import OptimizerStep, Recompute
 from ..core.timeline import Event, Timeline
 
 __all__ = ["render_text_timeline"]
@@ -33,7 +33,7 @@ def render_text_timeline(timeline: Timeline, *, max_cells: int = _MAX_CELLS) -> 
         if type(a) is OptimizerStep:
             text = f"S{a.step}"
             return f"{local_chunk[a.stage]}{text}" if schedule.v > 1 else text
-        text = f"{a.kind.value}{a.microbatch}"
+        text = f"{'R' if type(a) is Recompute else a.kind.value}{a.microbatch}"
         if schedule.v > 1:
             text = f"{local_chunk[a.stage]}{text}"
         if a.seq_chunk is not None:
@@ -55,6 +55,7 @@ def render_text_timeline(timeline: Timeline, *, max_cells: int = _MAX_CELLS) -> 
     legend = (
         f"# {schedule.name} p={schedule.p} m={schedule.m} v={schedule.v}: one cell = {quantum:.4g} time units; "
         "F forward, B input-grad, W weight-grad, BW fused backward"
+        + (", R recompute" if any(type(e.action) is Recompute for evs in timeline.events for e in evs) else "")
         + ("; leading digit = chunk on the rank" if schedule.v > 1 else "")
         + "; '-' continues, '.' idle"
     )
