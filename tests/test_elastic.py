@@ -39,6 +39,7 @@ def _compositions(m: int):
         yield tuple(groups + [size])
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 def test_every_accepted_group_sequence_simulates(p):
     checked = 0

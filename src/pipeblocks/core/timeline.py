@@ -99,7 +99,7 @@ class Timeline:
     @property
     def recompute_time(self) -> tuple[float, ...]:
         return tuple(
-            sum(e.end - e.start for e in evs if type(e.action) is Recompute) for evs in self.events
+            sum((e.end - e.start for e in evs if type(e.action) is Recompute), 0.0) for evs in self.events
         )
 
     def busy(self, rank: int) -> float:
