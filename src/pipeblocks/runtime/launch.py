@@ -31,7 +31,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import socket
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -103,16 +102,19 @@ def init_from_env(*, timeout_s: float = 300.0, backend: str | None = None, stop_
 
 
 def _init(
-    rank: int, world: int, local_rank: int, timeout_s: float, backend: str | None, control: RunControl | None = None
+    rank: int, world: int, local_rank: int, timeout_s: float, backend: str | None, control: RunControl | None = None,
+    store: dist.Store | None = None,
 ) -> DistContext:
     device = default_device(local_rank)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), init_method="env://"
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if store is None:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, init_method="env://")
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=store)
     return DistContext(rank, world, local_rank, device, backend, control or RunControl())
 
 
@@ -149,7 +151,13 @@ def spawn(
     ctx = mp.get_context(start_method)
     results_queue = ctx.Queue()
     state = RunState.create(ctx, nprocs)
-    port = _free_port()
+    # The launcher holds the rendezvous store for the whole run: a port chosen here and
+    # listened on later by rank 0 could be taken by another process in between.
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=max(timeout_s, STARTUP_S)),
+    )
+    port = store.port
     procs = [
         ctx.Process(
             target=_child,
@@ -172,12 +180,6 @@ def spawn(
     return results
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _child(rank, world, port, backend, timeout_s, threads, fn, args, results_queue, state, launcher_pid) -> None:
     control = RankControl(state, rank, launcher_pid)
     control.start()
@@ -188,7 +190,11 @@ def _child(rank, world, port, backend, timeout_s, threads, fn, args, results_que
         torch.set_num_threads(threads)
     try:
         # rendezvous waits for the slowest process to start, which is not a stuck wait
-        ctx = _init(rank, world, rank, max(timeout_s, STARTUP_S), backend, control)
+        startup = max(timeout_s, STARTUP_S)
+        store = dist.TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=startup)
+        )
+        ctx = _init(rank, world, rank, startup, backend, control, store=store)
         # pickled here, by value: torch's queue reductions would pass tensors through
         # shared memory that dies with this process
         result = pickle.dumps(fn(ctx, *args))
