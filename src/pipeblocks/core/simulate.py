@@ -155,6 +155,7 @@ def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
                         ready.append(woken)
             pos += 1
         cursor[r], clock[r], mem[r], peak[r] = pos, now, held, top
+    compiled.clear()  # seven lists per rank, no longer needed: not alive beside the Timeline's tuples
     if any(cursor[r] < lengths[r] for r in range(p)):
         check_deadlock(program_of())  # raises with the blocked ranks named
         raise DeadlockError(f"schedule {schedule.name!r} did not finish in simulation")
