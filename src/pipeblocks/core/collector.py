@@ -20,4 +20,12 @@ def collector_paused() -> Iterator[None]:
         yield
     finally:
         if was_enabled:
+            if not gc.get_freeze_count():
+                # Re-enabled as is, the collector would walk every object made meanwhile
+                # (millions) at the next allocation, and again as they age. Freezing and
+                # unfreezing moves them to the oldest generation without walking them and
+                # resets the young count; they stay collectable (at the next full collection).
+                # Skipped when the caller froze objects of its own: unfreeze would release them.
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
