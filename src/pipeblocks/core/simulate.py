@@ -26,10 +26,10 @@ the backward frees as usual.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
+from collections.abc import Callable
 
 from .actions import Action, Kind
+from .collector import collector_paused
 from .errors import DeadlockError
 from .lower import PASSES, check_deadlock, lower
 from .ops import ACTION, DP, P2P, RECOMPUTE, STEP, unsupported
@@ -52,7 +52,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, recompute=()) ->
     recomputes every pair."""
     costs = costs or Costs()
     data_parallel = costs.data_parallel
-    with _collector_paused():
+    with collector_paused():
         check_structure(schedule)
         dp_passes = data_parallel.passes(schedule.num_stages)
         if not recompute and schedule.options and schedule.option("recompute") == "all":
@@ -63,32 +63,34 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, recompute=()) ->
             check_dp_ops(program, data_parallel.policies(schedule.num_stages))
         if recompute:
             check_recompute(program)
-        return simulate_program(program, costs)
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Simulation allocates hundreds of thousands of small tuples and makes no reference
-    cycles; the cyclic collector, triggered by those allocations, would walk the caller's
-    whole heap again and again (twice the run time after a large generator)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
+        compiled = _compile_program(program, costs)
+        # the compiled lists hold all the loop needs: free the ops (a transfer object per
+        # send and per receive) before the events are made; a deadlock lowers again to name it
+        del program
+        return _run(compiled, lambda: lower(schedule, passes))
 
 
 def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
+    return _run(_compile_program(program, costs), lambda: program)
+
+
+def _compile_program(program: Program, costs: Costs | None):
+    """The schedule, the cost table, and per rank `_compile`'s lists and DP plan."""
     schedule = program.schedule
     table = (costs or Costs()).for_schedule(schedule)
-    t_comm = table.t_comm
     compiled, comm_plans = [], []
     for ops in program.ranks:
         steps, plan = _compile(ops, table, schedule)
         compiled.append(steps)
         comm_plans.append(plan)
+    return schedule, table, compiled, comm_plans
+
+
+def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
+    """The event loop over `_compile_program`'s result; `program_of` gives the Program
+    again, only to name a deadlock."""
+    schedule, table, compiled, comm_plans = compiled_program
+    t_comm = table.t_comm
     p = len(compiled)
     lengths = [len(c[0]) for c in compiled]
     cursor = [0] * p
@@ -153,8 +155,9 @@ def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
                         ready.append(woken)
             pos += 1
         cursor[r], clock[r], mem[r], peak[r] = pos, now, held, top
+    compiled.clear()  # seven lists per rank, no longer needed: not alive beside the Timeline's tuples
     if any(cursor[r] < lengths[r] for r in range(p)):
-        check_deadlock(program)  # raises with the blocked ranks named
+        check_deadlock(program_of())  # raises with the blocked ranks named
         raise DeadlockError(f"schedule {schedule.name!r} did not finish in simulation")
     placement = schedule.placement
     static = tuple(

@@ -118,30 +118,40 @@ def _diagnose_completeness(schedule: Schedule) -> None:
 
 
 def _check_local_order(schedule: Schedule) -> None:
-    S, k = schedule.num_stages, schedule.seq_chunks
+    S, m, k = schedule.num_stages, schedule.m, schedule.seq_chunks
     owner_of = schedule.placement.stage_to_rank
+    # Completed phases, one byte per (phase, stage, microbatch, chunk), at
+    # phase_base + (stage * m + microbatch) * k + chunk: an index, not a tuple in a set,
+    # per action. One array serves every rank: a rank marks only its own stages' phases
+    # and checks only needs on its own stages. Assumes the ranges were checked.
+    units = S * m * k
+    phase_base = {"F": 0, "B": units, "W": 2 * units}
+    done = bytearray(3 * units)
     # requirements() and phase_of() pass the microbatch through unchanged: resolve them once
-    # per (kind, stage, chunk), keeping only the needs that live on the action's own rank
-    templates: dict[tuple, tuple[tuple, tuple]] = {}
+    # per (kind, stage, chunk), keeping only the needs that live on the action's own rank,
+    # as offsets to which microbatch * k is added
+    templates: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for rank, actions in enumerate(schedule.ranks):
-        done: set[tuple] = set()
         for pos, action in enumerate(actions):
-            mb = action.microbatch
             key = (action.kind, action.stage, action.seq_chunk)
             template = templates.get(key)
             if template is None:
                 probe = Action(action.stage, action.kind, 0, action.seq_chunk)
-                local = tuple((ph, st, ch) for ph, st, _, ch in requirements(probe, S, k) if owner_of[st] == rank)
-                template = templates[key] = (local, tuple((ph, st, ch) for ph, st, _, ch in phase_of(probe)))
-            for ph, st, ch in template[0]:
-                if (ph, st, mb, ch) not in done:
-                    later = _finisher(actions, (ph, st, mb, ch), pos)
+                template = templates[key] = (
+                    tuple(phase_base[ph] + st * m * k + ch for ph, st, _, ch in requirements(probe, S, k) if owner_of[st] == rank),
+                    tuple(phase_base[ph] + st * m * k + ch for ph, st, _, ch in phase_of(probe)),
+                )
+            offset = action.microbatch * k
+            for base in template[0]:
+                if not done[base + offset]:
+                    need = next(n for n in requirements(action, S, k) if phase_base[n[0]] + n[1] * m * k + n[3] == base)
+                    later = _finisher(actions, need, pos)
                     raise ScheduleError(
                         f"rank {rank}, action {pos} ({action}) runs before {later}, which it depends on; "
                         f"move {action} after {later}"
                     )
-            for ph, st, ch in template[1]:
-                done.add((ph, st, mb, ch))
+            for base in template[1]:
+                done[base + offset] = 1
 
 
 def _finisher(actions: tuple[Action, ...], need: tuple, after: int) -> str:

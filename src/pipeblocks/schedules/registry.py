@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping
 
+from ..core.collector import collector_paused
 from ..core.errors import ScheduleError
 from ..core.schedule import Schedule
 
@@ -50,7 +51,8 @@ class ScheduleSpec:
             value = kwargs.get(key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ScheduleError(f"{key} must be an integer >= 1, got {value!r}")
-        return self.build(**kwargs)
+        with collector_paused():
+            return self.build(**kwargs)
 
     @property
     def parameters(self) -> frozenset[str]:
