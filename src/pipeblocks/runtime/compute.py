@@ -59,6 +59,11 @@ class ModuleCompute:
         self._params = {s: [p for p in mod.parameters() if p.requires_grad] for s, mod in modules.items()}
         self.kv_cache = KVCache()
 
+    def use_parameters(self, stage: int, params: list[torch.nn.Parameter]) -> None:
+        """The parameters B differentiates for `stage` from now on (FSDP2 swaps in the gathered
+        ones when a sharded chunk is unsharded)."""
+        self._params[stage] = params
+
     def forward(
         self, stage: int, x: torch.Tensor, target: torch.Tensor | None, chunk: SequenceChunk | None = None
     ) -> tuple[torch.Tensor | None, Unit]:

@@ -10,6 +10,9 @@ The executor walks `program.ranks[rank]` in order and knows nothing about schedu
     Action BW   fused backward
     Comm RECV   wait for the receive (posted earlier by the plan in comm.py)
     Comm SEND   queue an isend of the tensor the previous action produced
+    DPOp        UNSHARD / RESHARD / REDUCE_GRAD, handed to the rank's `DataParallel`
+                (data_parallel.py), which launches them without waiting; every compute
+                action first lets it wait for what the action's stage needs
 
 With sequence chunks (schedule.seq_chunks = k > 1) the step's inputs and targets come cut
 into m*k units (index microbatch*k + chunk) and each forward gets the unit's
@@ -27,8 +30,8 @@ from typing import Callable
 import torch
 
 from ..core.actions import Action, Kind
-from ..core.ops import ACTION, P2P, require_known
-from ..core.program import Comm, Program
+from ..core.ops import ACTION, DP, P2P, require_known
+from ..core.program import Comm, DPOp, Program
 from .comm import Mailbox, Tags, receive_posts
 from .compute import Unit
 from .sequence import SequenceChunk
@@ -36,7 +39,7 @@ from .shapes import SpecMismatchError, TensorSpec
 
 __all__ = ["RankExecutor", "RankRecord", "ActionError"]
 
-_COMPUTE, _SEND, _RECV = "compute", "send", "recv"  # op codes of the compiled plan
+_COMPUTE, _SEND, _RECV, _DP = "compute", "send", "recv", "dp"  # op codes of the compiled plan
 
 
 class ActionError(RuntimeError):
@@ -68,6 +71,7 @@ class RankExecutor:
         out_specs: dict[tuple[int, int, int], TensorSpec],
         clock: Callable[[], float] = time.perf_counter,
         chunks: dict[tuple[int, int, int], SequenceChunk] | None = None,
+        data_parallel=None,
     ) -> None:
         schedule = program.schedule
         self.ops = program.ranks[rank]
@@ -84,7 +88,8 @@ class RankExecutor:
         self.k = schedule.seq_chunks
         self.tags = Tags(schedule.num_stages, schedule.m, schedule.seq_chunks)
         self.posts = receive_posts(program, rank)
-        require_known(self.ops, f"the runtime (rank {rank})", (ACTION, P2P))
+        self.dp = data_parallel
+        require_known(self.ops, f"the runtime (rank {rank})", (ACTION, P2P, DP) if data_parallel else (ACTION, P2P))
         self._plan = self._compile()
 
     def _compile(self) -> list[tuple]:
@@ -101,6 +106,8 @@ class RankExecutor:
             if isinstance(op, Action):
                 next_compute = index
                 plan.append((posts, _COMPUTE, op, None, 0, 0, None))
+            elif type(op) is DPOp:
+                plan.append((posts, _DP, op, None, 0, 0, None))
             elif op.send:
                 expected = self.out_specs[(op.stage, op.microbatch, op.seq_chunk or 0)] if op.payload == "F" else None
                 plan.append((posts, _SEND, op, op.key, op.peer, self.tags.data(op.key), (str(op), expected)))
@@ -141,7 +148,13 @@ class RankExecutor:
                 ready[key] = mailbox.wait(key, extra)
                 wait_s += clock() - start
                 continue
+            if code is _DP:
+                mailbox.flush()  # a collective may block: the pipeline peers get their tensors first
+                self.dp.run(op)
+                continue
             mailbox.flush()
+            if self.dp is not None:
+                self.dp.before_compute(op.stage)
             start = clock()
             try:
                 self._compute(op, ready, units, losses, inputs, targets)

@@ -59,6 +59,10 @@ class SavedTensorTracker:
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         self._excluded = {_storage_key(t) for t in tensors}
 
+    def also_exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Exclude more storages (parameters gathered during the step: they are not activations)."""
+        self._excluded |= {_storage_key(t) for t in tensors}
+
     def reset_peak(self) -> None:
         self.peak = self.current
         self.trace = [(self._clock(), self.current)]
@@ -105,6 +109,7 @@ def _unpack(packed):
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:
+    tensor = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard
     storage = tensor.untyped_storage()
     return (tensor.device.type, tensor.device.index, storage.data_ptr(), storage.nbytes())
 

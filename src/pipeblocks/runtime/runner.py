@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,9 @@ from .memory import SavedTensorTracker
 from .sequence import SequenceChunk, chunk_bounds
 from .shapes import MAX_DIMS, SpecMismatchError, TensorSpec, decode_specs, encode_specs, infer_output_spec
 from .timeline import gather_timeline
+
+if TYPE_CHECKING:
+    from .data_parallel import DataParallel
 
 __all__ = ["PipelineRunner", "StepResult"]
 
@@ -84,6 +87,10 @@ class PipelineRunner:
         extra token). `pipeblocks.sim.sequence_split.split_lengths` gives balanced ones.
     measure_memory: count saved-activation bytes (a hook on every saved tensor, a few
         percent of a small stage's step time); off, `peak_saved_bytes` is None.
+    data_parallel: this rank's `data_parallel.DataParallel` when the pipeline is one replica
+        of several (`group` is then the mesh's pp group): the Program is lowered with its
+        DP ops (REDUCE_GRAD, and UNSHARD/RESHARD for zero3 chunks), which it runs; the step
+        ends when every reduction is done, so the optimizer may step.
     """
 
     def __init__(
@@ -101,6 +108,7 @@ class PipelineRunner:
         compute: object | None = None,
         seq_lengths: Sequence[int] | None = None,
         measure_memory: bool = True,
+        data_parallel: DataParallel | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -117,7 +125,8 @@ class PipelineRunner:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.schedule = schedule
-        self.program = validate(schedule)
+        self.data_parallel = data_parallel
+        self.program = validate(schedule) if data_parallel is None else _lower_with_dp(schedule, data_parallel)
         self.rank = dist.get_rank(group) if rank is None else rank
         if self.rank != dist.get_rank(group):
             raise ValueError(f"rank={rank} but this process is rank {dist.get_rank(group)} of the group")
@@ -141,6 +150,11 @@ class PipelineRunner:
             self.stages, loss_fn, schedule.num_stages - 1, schedule.m, self.tracker
         )
         self.mailbox = Mailbox(group, self.timeout_s, self.rank)
+        if data_parallel is not None:
+            if compute is not None:
+                raise ValueError("data_parallel runs real modules: drop compute= (emulated compute) or data_parallel")
+            data_parallel.compute = self.compute
+            data_parallel.tracker = self.tracker
         self._executor: RankExecutor | None = None
         self._input_specs: list[TensorSpec] | None = None
 
@@ -178,8 +192,11 @@ class PipelineRunner:
             self._input_specs = specs
         if ys is not None:
             ys = self._cut([y.to(self.device) for y in ys], "targets")
+        dp = self.data_parallel
         if self._executor is None:
             self._executor = self._build_executor(xs)
+            if dp is not None:
+                dp.after_shape_pass()
             if ys is not None and self._executor.chunks is not None:
                 self._check_target_chunks(ys)
         if self.tracker.enabled:
@@ -187,7 +204,11 @@ class PipelineRunner:
                                   *(b for mod in self.stages.values() for b in mod.buffers())])
         origin = time.perf_counter()
         self.tracker.reset_peak()
+        if dp is not None:
+            dp.reset_step()
         record = self._executor.run(xs, ys)
+        if dp is not None:
+            dp.finish()
         duration = time.perf_counter() - origin
         kv_cache = getattr(self.compute, "kv_cache", None)
         if kv_cache is not None and len(kv_cache):
@@ -197,6 +218,8 @@ class PipelineRunner:
             )
         if self.optimizer is not None:
             self.optimizer.step()
+            if dp is not None:
+                dp.sample_static()
             self.optimizer.zero_grad(set_to_none=True)
         trace = tuple((t - origin, b) for t, b in self.tracker.trace)
         timeline = None
@@ -285,7 +308,7 @@ class PipelineRunner:
         sent = {(s, mb, c): out_specs[s][mb * k + c] for s in out_specs for mb in range(m) for c in range(k)}
         chunks = self._chunks(in_specs) if k > 1 else None
         return RankExecutor(self.program, self.rank, self.compute, self.mailbox, self.device, recv_specs, sent,
-                            chunks=chunks)
+                            chunks=chunks, data_parallel=self.data_parallel)
 
     def _chunks(self, in_specs: dict[int, list[TensorSpec]]) -> dict[tuple[int, int, int], SequenceChunk]:
         """Every unit's SequenceChunk, from the lengths of its stage input (dim 1)."""
@@ -305,6 +328,8 @@ class PipelineRunner:
         return out
 
     def _infer(self, stage: int, specs: list[TensorSpec]) -> list[TensorSpec]:
+        if self.data_parallel is not None:
+            self.data_parallel.before_compute(stage)  # a sharded chunk runs gathered (every replica alike)
         cache: dict[TensorSpec, TensorSpec] = {}
         out = []
         for mb, spec in enumerate(specs):
@@ -319,6 +344,21 @@ class PipelineRunner:
                     ) from err.__cause__
             out.append(cache[spec])
         return out
+
+
+def _lower_with_dp(schedule: Schedule, dp: DataParallel):
+    """The Program with the DP ops the policies need, proved free of deadlock and well placed."""
+    from ..core.lower import PASSES, check_deadlock, lower
+    from ..core.passes_dp import check_dp_ops, dp_passes
+    from ..core.sharding import per_stage
+    from ..core.validate import check_structure
+
+    check_structure(schedule)
+    policies = per_stage(dp.policies, schedule.num_stages)
+    program = lower(schedule, PASSES + dp_passes(policies, dp.d))
+    check_deadlock(program)
+    check_dp_ops(program, policies)
+    return program
 
 
 def _even(seq: int, k: int) -> tuple[int, ...]:
