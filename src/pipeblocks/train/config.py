@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ..core.schedule import Schedule
+from ..core.sharding import ShardingPolicy, per_stage
 from ..models.config import GPTConfig
 
 __all__ = ["TrainConfig"]
@@ -62,6 +63,10 @@ class TrainConfig:
     parameters and both moments for it); False: wait for the norm first (a barrier)."""
     inject_nonfinite: int | None = None
     """Test hook: make one gradient of the last rank infinite in this step (1-based)."""
+    dp: int = 1
+    """Data-parallel replicas of the pipeline: p x dp processes; a step trains on dp x m microbatches."""
+    sharding: tuple[ShardingPolicy, ...] = (ShardingPolicy.REPLICATE,)
+    """Sharding policy for every chunk (one) or per chunk (one per stage, in stage order)."""
 
     def __post_init__(self) -> None:
         for name in ("microbatch_size", "steps", "timeout_s", "lr"):
@@ -79,6 +84,19 @@ class TrainConfig:
             raise ValueError("--resume needs --checkpoint DIR: the directory to resume from")
         if self.schedule.seq_chunks > 1:
             self.seq_lengths()  # k larger than the sequence, or an empty chunk, fails here
+        if not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1:
+            raise ValueError(f"--dp must be an integer >= 1, got {self.dp!r}")
+        object.__setattr__(self, "sharding", per_stage(self.sharding, self.schedule.num_stages))
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether ranks run with a mesh and per-chunk sharding (more than one replica, or a
+        policy other than replicate)."""
+        return self.dp > 1 or any(p is not ShardingPolicy.REPLICATE for p in self.sharding)
+
+    @property
+    def world_size(self) -> int:
+        return self.schedule.p * self.dp
 
     def seq_lengths(self) -> tuple[int, ...] | None:
         """Tokens per sequence chunk (None without sequence chunks), from `seq_split`."""
@@ -104,11 +122,18 @@ class TrainConfig:
 
     @property
     def batch_size(self) -> int:
+        """Sequences per step of one pipeline replica (m microbatches)."""
         return self.schedule.m * self.microbatch_size
 
     @property
+    def global_batch_size(self) -> int:
+        """Sequences per step over all replicas: dp x m microbatches; replica r trains on the
+        r-th slice of `batch_size` sequences."""
+        return self.dp * self.batch_size
+
+    @property
     def tokens_per_step(self) -> int:
-        return self.batch_size * self.model.seq
+        return self.global_batch_size * self.model.seq
 
     def meta(self, data_source: str) -> dict:
         """What a checkpoint must agree on to be resumed by this run."""
@@ -118,4 +143,5 @@ class TrainConfig:
             "placement": list(s.placement.stage_to_rank), "microbatch_size": self.microbatch_size,
             "lr": self.lr, "seed": self.seed, "data": data_source, "clip_grad": self.clip_grad,
             "seq_chunks": s.seq_chunks, "seq_lengths": list(self.seq_lengths() or ()),
+            **({"dp": self.dp, "sharding": [str(p) for p in self.sharding]} if self.data_parallel else {}),
         }

@@ -49,18 +49,21 @@ KEEP_TIMELINES = 32
 
 
 def launch(cfg: TrainConfig) -> list[RankResult]:
-    """Run `cfg` in p local processes (gloo on CPU); a failure on any rank raises here."""
+    """Run `cfg` in p x dp local processes (gloo on CPU); a failure on any rank raises here."""
     from ..runtime.launch import spawn
+    from ..runtime.mesh import check_world_size
 
     if cfg.checkpoint and not cfg.resume and not cfg.verify:
         removed = ckpt.claim_directory(cfg.checkpoint, overwrite=cfg.overwrite)
         if removed:
             print(f"--overwrite: removed {len(removed)} checkpoint file(s) of an earlier run from "
                   f"{cfg.checkpoint!r}", file=sys.stderr, flush=True)
-    threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.schedule.p)
+    world = cfg.world_size
+    check_world_size(cfg.schedule.p, cfg.dp, world)
+    threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
     return spawn(
-        train_rank, cfg.schedule.p, args=(cfg,), timeout_s=cfg.timeout_s, threads_per_rank=threads,
-        schedule=cfg.schedule,
+        train_rank, world, args=(cfg,), timeout_s=cfg.timeout_s, threads_per_rank=threads,
+        schedule=None if cfg.data_parallel else cfg.schedule,
     )
 
 
@@ -77,12 +80,26 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
 def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
     from ..runtime import PipelineRunner
 
-    schedule, rank = cfg.schedule, ctx.rank
+    schedule = cfg.schedule
+    mesh = dp = None
+    if cfg.data_parallel:
+        from ..runtime.data_parallel import DataParallel
+        from ..runtime.mesh import init_mesh
+
+        mesh = init_mesh(schedule.p, cfg.dp, ctx.device)
+    rank, replica = (mesh.pp_rank, mesh.dp_rank) if mesh is not None else (ctx.rank, 0)
     mine = schedule.placement.stages_of(rank)
     built = build_stages(cfg.model, seed=cfg.seed, num_stages=schedule.num_stages, stages=mine, device=ctx.device)
     stages = {stage.index: stage for stage in built}
+    shapes = {stage.index: [tuple(p.shape) for p in stage.parameters() if p.requires_grad] for stage in built}
+    element_size = next(p.element_size() for stage in built for p in stage.parameters())
+    if mesh is not None:
+        # FSDP2 replaces the parameters by their shards: the optimizer is built over those
+        dp = DataParallel(stages, cfg.sharding, mesh.dp_mesh, timeout_s=cfg.timeout_s)
+        optimizer = dp.optimizer(torch.optim.AdamW, lr=cfg.lr)
+    else:
+        optimizer = torch.optim.AdamW([p for stage in built for p in stage.parameters()], lr=cfg.lr)
     params = [p for stage in built for p in stage.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr)
     data = TokenWindows.load(cfg.data, seq=cfg.model.seq)
     torch.manual_seed(cfg.seed)
 
@@ -91,53 +108,73 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
         ckpt.remove_temporaries(cfg.checkpoint, ranks=[rank])  # no save of this rank is under way yet
     if cfg.resume:
         start = _resume(cfg, ctx, stages, optimizer, data.source)
-    validator = PostValidator(optimizer, max_norm=cfg.clip_grad, optimistic=cfg.optimistic_step,
-                              timeout_s=cfg.timeout_s)
+    # with data parallelism the optimizer steps directly (prepare refuses --clip-grad there)
+    validator = None if dp is not None else PostValidator(
+        optimizer, max_norm=cfg.clip_grad, optimistic=cfg.optimistic_step, timeout_s=cfg.timeout_s)
 
     compute = _emulated_compute(cfg, stages, ctx.device) if cfg.emulate is not None else None
     runner = PipelineRunner(
         schedule, stages, cross_entropy, rank=rank, device=ctx.device, timeout_s=cfg.timeout_s,
-        record_timeline=not cfg.verify, compute=compute, seq_lengths=cfg.seq_lengths(),
+        record_timeline=not cfg.verify and replica == 0, compute=compute, seq_lengths=cfg.seq_lengths(),
+        group=mesh.pp_group if mesh is not None else None, data_parallel=dp,
     )
+    static_predicted = _predict_static(cfg, runner.program, rank, replica, shapes, element_size)
+    link = None
+    if mesh is not None and cfg.dp > 1 and not cfg.verify:
+        from ..runtime.data_parallel import measure_link
+
+        link = measure_link(mesh.dp_group)
     control = ctx.control
     last_good.track(rank, stages, optimizer, cfg.meta(data.source), start)
     control.step_done(start)
     last = start + 1 if cfg.verify else cfg.steps
-    losses, spans, peak, skipped = [], [], 0, []
+    losses, spans, peak, skipped, static, dp_waits = [], [], 0, [], 0, []
     timelines: deque = deque(maxlen=KEEP_TIMELINES)
     for step in range(start, last):
-        inputs, targets = data.batch(step, cfg.batch_size, seed=cfg.seed)
+        inputs, targets = _replica_batch(cfg, data, step, replica)
         optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         result = runner.step(inputs if runner.holds_first_stage else None, targets if runner.holds_last_stage else None)
         if cfg.inject_nonfinite == step + 1 and rank == schedule.p - 1:
             next(p.grad for p in params if p.grad is not None).view(-1)[0] = float("inf")
-        if cfg.verify:
-            # with clipping, the step is taken and the gradients it used are compared
-            check = validator.step() if cfg.clip_grad is not None else None
-            grads = {n: None if p.grad is None else p.grad.detach().cpu().clone()
-                     for s in built for n, p in s.named_parameters()}
-            updated = None if check is None else {n: p.detach().cpu().clone()
-                                                  for s in built for n, p in s.named_parameters()}
-            return RankResult(rank, tuple(mine), ((step, result.loss),) if result.loss is not None else (),
-                              grads=grads, params=updated, checks=() if check is None else ((step, check),))
+        grads = _full_grads(built) if cfg.verify and cfg.clip_grad is None else None
         with control.critical():  # an interrupt must not leave half the parameters stepped
-            check = validator.step()
+            if validator is not None:
+                check = validator.step()
+            else:
+                optimizer.step()
+                check = None
             last_good.stepped(step + 1)
-        if check.outcome == "skipped":
+        if dp is not None:
+            dp.sample_static()  # after the optimizer step: its state is there, gradients not yet freed
+            static = max(static, dp.peak_static)
+        else:
+            static = max(static, _static_now(built, optimizer))
+        loss = _replica_mean(result.loss, mesh) if result.loss is not None else None
+        if cfg.verify:
+            # the step is taken; with clipping, the gradients it used (clipped) are compared
+            grads = grads if grads is not None else _full_grads(built)
+            return RankResult(rank, tuple(mine), ((step, loss),) if loss is not None else (),
+                              grads=grads, params=_full_params(built),
+                              checks=() if check is None or cfg.clip_grad is None else ((step, check),),
+                              dp_rank=replica, static_bytes_measured=static,
+                              static_bytes_predicted=static_predicted[0])
+        if check is not None and check.outcome == "skipped":
             skipped.append(step)
+        if dp is not None:
+            dp_waits.append(dp.wait_s)
         t1 = time.perf_counter()
         spans.append((step, t0, t1))
         peak = max(peak, result.peak_saved_bytes)
         if result.timeline is not None:
             timelines.append((step, result.timeline))
-        if result.loss is not None:
-            losses.append((step, result.loss))
-            if not cfg.quiet:
-                loss = "emulated" if cfg.emulate else f"{result.loss:.4f}"
-                print(f"step {step + 1:>5}/{cfg.steps}  loss {loss}  "
+        if loss is not None:
+            losses.append((step, loss))
+            if not cfg.quiet and replica == 0:
+                shown = "emulated" if cfg.emulate else f"{loss:.4f}"
+                print(f"step {step + 1:>5}/{cfg.steps}  loss {shown}  "
                       f"{cfg.tokens_per_step / (t1 - t0):>9,.0f} tokens/s  {(t1 - t0) * 1e3:7.1f} ms"
-                      + _check_note(check, cfg.clip_grad), flush=True)
+                      + ("" if check is None else _check_note(check, cfg.clip_grad)), flush=True)
         done = step + 1
         stop = control.step_done(done)  # True on every rank after the same step
         if cfg.checkpoint and (stop or done == last or (cfg.save_every and done % cfg.save_every == 0)):
@@ -149,8 +186,65 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
         if stop:
             break
     sys.stdout.flush()
+    # the optimizer state exists from the second step on: the steady-state peak
+    predicted = static_predicted[1] if len(spans) > 1 else static_predicted[0]
     return RankResult(rank, tuple(mine), tuple(losses), tuple(spans), peak, tuple(timelines),
-                      skipped_steps=tuple(skipped))
+                      skipped_steps=tuple(skipped), dp_rank=replica, static_bytes_measured=static,
+                      static_bytes_predicted=predicted, dp_wait_s=tuple(dp_waits), dp_link=link)
+
+
+def _replica_batch(cfg: TrainConfig, data: TokenWindows, step: int, replica: int):
+    """This replica's slice of the step's global batch (dp x m microbatches)."""
+    inputs, targets = data.batch(step, cfg.global_batch_size, seed=cfg.seed)
+    if cfg.dp == 1:
+        return inputs, targets
+    n = cfg.batch_size
+    return inputs[replica * n:(replica + 1) * n], targets[replica * n:(replica + 1) * n]
+
+
+def _replica_mean(loss: float, mesh) -> float:
+    """The step's loss over all replicas (the mean of their means: equal microbatches)."""
+    if mesh is None or mesh.dp == 1:
+        return loss
+    import torch.distributed as dist
+
+    total = torch.tensor([loss], dtype=torch.float64)
+    dist.all_reduce(total, group=mesh.dp_group)
+    return float(total.item()) / mesh.dp
+
+
+def _full(tensor):
+    """A DTensor (an FSDP2 shard) gathered over its replicas; a plain tensor as is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _full_grads(built) -> dict:
+    return {n: None if p.grad is None else _full(p.grad).detach().cpu().clone()
+            for s in built for n, p in s.named_parameters()}
+
+
+def _full_params(built) -> dict:
+    return {n: _full(p).detach().cpu().clone() for s in built for n, p in s.named_parameters()}
+
+
+def _static_now(built, optimizer) -> int:
+    """Parameter, gradient and optimizer-state bytes this rank holds now (after the step)."""
+    from ..runtime.data_parallel import static_bytes
+
+    tensors = [t for s in built for p in s.parameters() for t in (p, p.grad)]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return static_bytes(tensors)
+
+
+def _predict_static(cfg: TrainConfig, program, rank: int, replica: int, shapes, element_size: int) -> tuple[int, int]:
+    """(first step, later steps) predicted peak static bytes of this rank."""
+    from ..runtime.static_memory import predict_static_peak
+
+    return tuple(
+        predict_static_peak(program, rank, shapes, cfg.sharding, dp=cfg.dp, dp_rank=replica,
+                            element_size=element_size, optimizer_state=held)
+        for held in (False, True)
+    )
 
 
 def _resume(cfg: TrainConfig, ctx, stages, optimizer, data_source: str) -> int:

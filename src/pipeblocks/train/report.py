@@ -63,11 +63,19 @@ class RankResult:
     grads: dict | None = None
     """Gradients by parameter name after one step (--verify)."""
     params: dict | None = None
-    """Parameters by name after one clipped step (--verify with clipping)."""
+    """Parameters by name after the step's optimizer step (--verify)."""
     checks: tuple = ()
     """(step, post_validation.StepCheck) of the steps --verify took."""
     skipped_steps: tuple[int, ...] = ()
     """Steps (0-based) skipped for a non-finite gradient."""
+    dp_rank: int = 0
+    """The data-parallel replica this pipeline rank belongs to."""
+    static_bytes_measured: int = 0
+    """The largest parameter + gradient + optimizer-state bytes held (sampled at the step's peak)."""
+    static_bytes_predicted: int = 0
+    """What runtime.static_memory predicts for it."""
+    dp_wait_s: tuple[float, ...] = ()
+    """Per step: time the rank waited on data-parallel communication (exposed)."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +133,7 @@ def iteration_times(results: Sequence[RankResult]) -> list[tuple[int, float]]:
 
 def build_report(
     schedule: Schedule, results: Sequence[RankResult], memory: Sequence, *, warmup: int, emulated: bool = False,
-    seq_mem: Sequence[float] | None = None,
+    seq_mem: Sequence[float] | None = None, dp: int = 1, sharding: Sequence[str] = ("replicate",),
 ) -> RunReport:
     """Compare the run with the simulator's replay of it; `memory[s]` has .m_b and .m_w of stage s.
 
@@ -134,8 +142,15 @@ def build_report(
 
     emulated: the run slept instead of computing, so it saved no activations and learned
     nothing: measured peaks and losses are reported as null / empty.
+
+    dp, sharding: the mesh's replicas and the per-chunk policies. Rows are per process
+    (pipeline rank, replica); the static bytes (parameters, gradients, optimizer state)
+    are measured at the step's peak and predicted by `runtime.static_memory`;
+    `dp_comm_exposed_s_measured` is the median over the timed steps of the time the rank
+    waited on data-parallel communication. The simulator's figure for it is not computed
+    here (null).
     """
-    by_rank = sorted(results, key=lambda r: r.rank)
+    by_rank = sorted(results, key=lambda r: (r.dp_rank, r.rank))
     timelines = next((r.timelines for r in by_rank if r.timelines), ())
     if not timelines:
         raise ValueError("no measured timeline came back: rank 0 records one per step")
@@ -152,6 +167,8 @@ def build_report(
         "m": schedule.m,
         "v": schedule.v,
         "seq_chunks": schedule.seq_chunks,
+        "dp": dp,
+        "sharding": list(sharding),
         "seq_mem": list(costs.seq_mem) if costs.seq_mem is not None else None,
         "emulated": emulated,
         "steps_timed": len(timed),
@@ -170,9 +187,15 @@ def build_report(
         "ranks": [
             {
                 "rank": r.rank,
+                "dp_rank": r.dp_rank,
                 "stages": list(r.stages),
                 "peak_activation_bytes_measured": None if emulated else r.peak_activation_bytes,
                 "peak_activation_bytes_predicted": simulated.peak_activation[r.rank],
+                "static_bytes_measured": r.static_bytes_measured,
+                "static_bytes_predicted": r.static_bytes_predicted,
+                "dp_comm_exposed_s_measured": statistics.median(r.dp_wait_s[warmup:] or r.dp_wait_s)
+                if r.dp_wait_s else (0.0 if dp == 1 else None),
+                "dp_comm_exposed_s_simulated": None,
             }
             for r in by_rank
         ],
@@ -190,14 +213,22 @@ def format_report(data: dict) -> str:
         f"whole step {data['step_time_s'] * 1e3:.1f} ms)",
         f"bubble ratio    measured {data['bubble_ratio_measured']:8.3f}      "
         f"simulated {data['bubble_ratio_simulated']:8.3f}",
-        "rank  stages   peak activation: measured   predicted   measured/predicted",
+        f"data parallel   dp={data.get('dp', 1)}  sharding {','.join(data.get('sharding', ['replicate']))}",
+        "rank  dp  stages   peak activation: measured   predicted   measured/predicted"
+        "   static: measured   predicted   DP comm exposed",
     ]
     for row in data["ranks"]:
         measured, predicted = row["peak_activation_bytes_measured"], row["peak_activation_bytes_predicted"]
         ratio = f"{measured / predicted:.3f}" if predicted and measured is not None else "-"
         shown = "n/a (emulated)" if measured is None else _bytes(measured)
         stages = ",".join(map(str, row["stages"]))
-        lines.append(f"{row['rank']:>4}  {stages:<7}  {shown:>25}   {_bytes(predicted):>9}   {ratio:>18}")
+        exposed = row.get("dp_comm_exposed_s_measured")
+        lines.append(
+            f"{row['rank']:>4}  {row.get('dp_rank', 0):>2}  {stages:<7}  {shown:>25}   {_bytes(predicted):>9}   "
+            f"{ratio:>18}   {_bytes(row.get('static_bytes_measured', 0)):>16}   "
+            f"{_bytes(row.get('static_bytes_predicted', 0)):>9}   "
+            + ("-" if exposed is None else f"{exposed * 1e3:.2f} ms")
+        )
     return "\n".join(lines)
 
 

@@ -51,8 +51,23 @@ def prepare(
     from ..data import TokenWindows
     from ..models.split import layer_counts
 
-    if request.mesh.dp != 1:
-        raise ValueError(f"data parallelism is not supported yet (dp={request.mesh.dp}): use dp=1")
+    dp = request.mesh.dp
+    sharded = dp > 1 or any(str(p) != "replicate" for p in request.sharding)
+    if sharded and emulate is not None:
+        raise ValueError(
+            f"--emulate does not run data parallelism yet (--dp {dp}, --sharding "
+            f"{','.join(map(str, request.sharding))}): drop --emulate, or use --dp 1 --sharding replicate"
+        )
+    if sharded and (train_options.get("checkpoint") or train_options.get("resume")):
+        raise ValueError(
+            "checkpoints of a data-parallel or sharded run are not supported yet: drop --checkpoint/--resume, "
+            "or use --dp 1 --sharding replicate"
+        )
+    if sharded and train_options.get("clip_grad") is not None:
+        raise ValueError(
+            "--clip-grad is not supported with data parallelism or sharding yet (the global norm over sharded "
+            "and replicated gradients): drop --clip-grad, or use --dp 1 --sharding replicate"
+        )
     if train_options.get("resume") and train_options.get("overwrite"):
         raise ValueError("--resume continues the checkpoints that --overwrite would replace: choose one")
     if train_options.get("verify") and (emulate is not None or train_options.get("checkpoint")
@@ -68,7 +83,13 @@ def prepare(
     layer_counts(model.layers, schedule.num_stages)
     data = TokenWindows.load(train_options.get("data"), seq=model.seq)
     cfg = TrainConfig(schedule=schedule, model=model, emulate=emulate, seq_split=request.costs.seq_split,
-                      **train_options)
+                      dp=dp, sharding=request.sharding, **train_options)
+    if dp > 1 and cfg.global_batch_size > data.num_windows:
+        raise ValueError(
+            f"--dp {dp}: a step takes dp x m x microbatch = {dp} x {schedule.m} x {cfg.microbatch_size} = "
+            f"{cfg.global_batch_size} sequences but the data ({data.source}) holds only {data.num_windows} windows "
+            f"of {model.seq + 1} tokens: lower --dp, -m or --microbatch-size, or give more data (--data)"
+        )
     if cfg.resume:
         _check_resume(cfg, data)
     elif cfg.checkpoint:
@@ -105,7 +126,9 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) 
     Activation bytes per stage are measured on this process's copy of the stage modules
     (one microbatch, the runtime's own forward and split backward); static bytes are the
     stage modules' parameters times (parameter + gradient + AdamW's two moments, and the
-    optimistic step's spare parameter and moments unless `optimistic_step` is off). Pass
+    optimistic step's spare parameter and moments unless `optimistic_step` is off; with data
+    parallelism, what the sharding policies hold at the step's peak, replica 0:
+    `runtime.static_memory`). Pass
     times are those --emulate sleeps, or measured here on one microbatch otherwise, with
     the torch threads one rank of the run would have. The timeline is drawn at unit costs
     (as `show` draws it) unless the times are emulated.
@@ -121,14 +144,18 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) 
     timeline = simulate(s, costs)
     # shown as `show` shows it: measured times are not multiples of one cell, emulated ones are
     shown = timeline if cfg.emulate is not None else simulate(s, Costs())
-    static = [0] * s.p
-    for stage in stages:
-        copies = STATIC_COPIES + (SPARE_COPIES if cfg.optimistic_step else 0)
-        static[s.placement.rank_of(stage.index)] += copies * sum(
-            p.numel() * p.element_size() for p in stage.parameters()
-        )
+    if cfg.data_parallel:
+        static = _static_predicted(cfg, stages)
+    else:
+        static = [0] * s.p
+        for stage in stages:
+            copies = STATIC_COPIES + (SPARE_COPIES if cfg.optimistic_step else 0)
+            static[s.placement.rank_of(stage.index)] += copies * sum(
+                p.numel() * p.element_size() for p in stage.parameters()
+            )
     figures = {
         "schedule": s.name, "p": s.p, "m": s.m, "v": s.v, "seq_chunks": s.seq_chunks,
+        "dp": cfg.dp, "sharding": [str(p) for p in cfg.sharding],
         "iteration_time_predicted_s": timeline.makespan,
         "bubble_ratio_predicted": timeline.bubble_ratio,
         "times_from": "emulate" if cfg.emulate is not None else "profiled in this process",
@@ -140,7 +167,9 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) 
     }
     print(render_text_timeline(shown), end="", file=out)
     print(f"dry run: {cfg.model.layers}-layer GPT (hidden {cfg.model.hidden}, {cfg.model.dtype}), schedule {s.name} "
-          f"p={s.p} m={s.m} v={s.v}, microbatch {cfg.microbatch_size}x{cfg.model.seq} tokens", file=out)
+          f"p={s.p} m={s.m} v={s.v}, microbatch {cfg.microbatch_size}x{cfg.model.seq} tokens"
+          + (f", dp={cfg.dp} sharding {','.join(map(str, cfg.sharding))} ({cfg.world_size} processes)"
+             if cfg.data_parallel else ""), file=out)
     print(f"predicted iteration time {timeline.makespan * 1e3:.1f} ms   bubble ratio {timeline.bubble_ratio:.4f}   "
           f"(pass times {figures['times_from']})", file=out)
     print("rank  stages   activation (peak)   static (params+grads+AdamW)   total", file=out)
@@ -151,6 +180,24 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) 
               file=out)
     print("nothing launched (drop --dry-run to train)", file=out)
     return figures
+
+
+def _static_predicted(cfg: TrainConfig, stages) -> list[int]:
+    """Peak static bytes per pipeline rank (replica 0) in a steady-state step: parameters,
+    gradients and AdamW state as the mesh's policies hold them (runtime.static_memory)."""
+    from ..core.lower import PASSES, lower
+    from ..core.passes_dp import dp_passes
+    from ..runtime.static_memory import predict_static_peak
+
+    s = cfg.schedule
+    program = lower(s, PASSES + dp_passes(cfg.sharding, cfg.dp))
+    shapes = {st.index: [tuple(p.shape) for p in st.parameters() if p.requires_grad] for st in stages}
+    element_size = next(p.element_size() for st in stages for p in st.parameters())
+    return [
+        predict_static_peak(program, r, {i: shapes[i] for i in s.placement.stages_of(r)}, cfg.sharding, dp=cfg.dp,
+                            dp_rank=0, element_size=element_size)
+        for r in range(s.p)
+    ]
 
 
 def _stage_costs(cfg: TrainConfig, data: TokenWindows):
@@ -221,7 +268,10 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
     memory = profile_stage_memory(stages, x, cross_entropy, y)
     seq_mem = profile_chunk_memory(stages, x, cross_entropy, y, cfg.seq_lengths()) if s.seq_chunks > 1 else None
     warmup = min(WARMUP_STEPS, max(0, len(results[0].step_spans) - 1))
-    built = build_report(s, results, memory, warmup=warmup, emulated=cfg.emulate is not None, seq_mem=seq_mem)
+    built = build_report(s, results, memory, warmup=warmup, emulated=cfg.emulate is not None, seq_mem=seq_mem,
+                         dp=cfg.dp, sharding=[str(p) for p in cfg.sharding],
+                         stage_param_bytes=[sum(q.numel() * q.element_size() for q in st.parameters())
+                                            for st in stages])
     skipped = [[step + 1 for step in r.skipped_steps] for r in results]
     built.data["skipped_steps"] = skipped  # 1-based, per rank
     print(format_report(built.data))
@@ -242,55 +292,56 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
 
 
 def verify(cfg: TrainConfig, data: TokenWindows) -> int:
-    """One step on the ranks against one process on the whole model; 0 within tolerance.
+    """One step on the ranks against one process on the whole model and the whole (global)
+    batch; 0 within tolerance.
 
-    With clipping the ranks take the (post-validated) step, and the clipped gradients and
-    the weights after it are compared with synchronous clipping in one process."""
-    from .reference import (
-        TOLERANCE,
-        GradDiff,
-        compare_grads,
-        reference_step,
-        reference_update,
-        relative_difference,
-    )
+    The ranks take the optimizer step; the loss, every gradient and every parameter after
+    the step (on every replica) are compared with one process. With clipping the ranks'
+    step is post-validated, and the one process clips synchronously."""
+    from .reference import TOLERANCE, GradDiff, compare_grads, reference_update, relative_difference
 
     # Starting p processes that each import torch takes seconds to a minute on a small
     # machine: say what is happening (on stderr, so stdout keeps only the verdict).
     started = time.monotonic()
-    _progress(f"verify: starting {cfg.schedule.p} processes for one {cfg.schedule.name} step ...")
+    _progress(f"verify: starting {cfg.world_size} processes for one {cfg.schedule.name} step ...")
     results = _launch(cfg)
     if results is None:
         return 1
     _progress(f"verify: pipeline step done ({time.monotonic() - started:.0f} s); one-process reference step ...")
-    grads = {name: g for r in results for name, g in (r.grads or {}).items()}
     loss = next(value for r in results for _, value in r.losses)
-    inputs, targets = data.batch(0, cfg.batch_size, seed=cfg.seed)  # the step the ranks ran
+    inputs, targets = data.batch(0, cfg.global_batch_size, seed=cfg.seed)  # the step the ranks ran
+    ref_loss, ref_grads, ref_params, ref_norm = reference_update(
+        cfg.model, seed=cfg.seed, inputs=inputs, targets=targets, microbatches=cfg.dp * cfg.schedule.m, lr=cfg.lr,
+        max_norm=cfg.clip_grad)
+    worst = GradDiff("", 0.0)
+    for replica in range(cfg.dp):
+        mine = [r for r in results if r.dp_rank == replica]
+        grads = {name: g for r in mine for name, g in (r.grads or {}).items()}
+        params = {name: t for r in mine for name, t in (r.params or {}).items()}
+        worst = max(worst, compare_grads(grads, ref_grads), compare_grads(params, ref_params),
+                    key=lambda d: d.relative)
     clipped = ""
-    if cfg.clip_grad is None:
-        ref_loss, ref_grads = reference_step(cfg.model, seed=cfg.seed, inputs=inputs, targets=targets,
-                                             microbatches=cfg.schedule.m)
-        worst = compare_grads(grads, ref_grads)
-    else:
-        ref_loss, ref_grads, ref_params, ref_norm = reference_update(
-            cfg.model, seed=cfg.seed, inputs=inputs, targets=targets, microbatches=cfg.schedule.m, lr=cfg.lr,
-            max_norm=cfg.clip_grad)
-        params = {n: p for r in results for n, p in (r.params or {}).items()}
+    if cfg.clip_grad is not None:
         check = results[0].checks[0][1]
         undone = sum(1 for r in results if r.checks and r.checks[0][1].rolled_back)
-        worst = max(compare_grads(grads, ref_grads), compare_grads(params, ref_params),
-                    GradDiff("global norm", relative_difference(check.norm, ref_norm)), key=lambda d: d.relative)
+        worst = max(worst, GradDiff("global norm", relative_difference(check.norm, ref_norm)), key=lambda d: d.relative)
         clipped = (f" clip-grad {cfg.clip_grad:g}: global norm {check.norm:.6g} vs one process {ref_norm:.6g}, "
                    f"{check.outcome}, {undone} rank(s) undid an optimistic step;")
     loss_diff = relative_difference(loss, ref_loss)
     tolerance = TOLERANCE[cfg.model.dtype]
     largest = max(worst.relative, loss_diff)
     ok = largest <= tolerance
-    chunks = f" seq_chunks={cfg.schedule.seq_chunks} {list(cfg.seq_lengths())}" if cfg.schedule.seq_chunks > 1 else ""
-    what = "gradients and weights after the clipped step" if cfg.clip_grad is not None else "gradients"
-    print(f"verify {cfg.schedule.name} p={cfg.schedule.p} m={cfg.schedule.m}{chunks} {cfg.model.dtype}:{clipped} "
+    s = cfg.schedule
+    chunks = f" seq_chunks={s.seq_chunks} {list(cfg.seq_lengths())}" if s.seq_chunks > 1 else ""
+    mesh = f" dp={cfg.dp} sharding={','.join(map(str, cfg.sharding))}" if cfg.data_parallel else ""
+    what = "gradients and weights after the " + ("clipped step" if cfg.clip_grad is not None else "optimizer step")
+    print(f"verify {s.name} p={s.p} m={s.m}{chunks}{mesh} {cfg.model.dtype}:{clipped} "
           f"loss {loss:.10g} vs one process {ref_loss:.10g} (relative difference {loss_diff:.3g}); "
           f"{len(ref_grads)} {what}, largest relative difference {worst.relative:.3g} ({worst.name})")
+    if cfg.data_parallel:
+        for r in sorted(results, key=lambda r: (r.dp_rank, r.rank)):
+            print(f"rank {r.rank} replica {r.dp_rank}: static bytes measured {r.static_bytes_measured}, "
+                  f"predicted {r.static_bytes_predicted}")
     print(f"largest relative difference {largest:.3g}, tolerance {tolerance:g}: {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
 
