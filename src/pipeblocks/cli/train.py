@@ -11,6 +11,7 @@
     pipeblocks train --checkpoint ckpt --steps 40 --resume
     pipeblocks train --clip-grad 1.0                         # global-norm clipping, no barrier before the step
     pipeblocks train --schedule zb-v -p 4 -m 8 --layers 8 --dry-run   # predicted memory and time, no launch
+    pipeblocks train --schedule zb-v -p 2 -m 4 --dp 2 --sharding zero3 --dtype float64 --verify   # 2 x 2 mesh
 
 Each step prints `step, loss, tokens/s`. At the end it prints, per rank, the measured peak
 saved-activation bytes beside the simulator's prediction, and the measured iteration time
@@ -40,8 +41,13 @@ chunks; the report's predicted memory uses each chunk's measured share.
 
 `--dry-run` prints the schedule as a text timeline, the predicted activation memory and
 static memory (parameters, gradients and AdamW state: 16 bytes per float32 parameter, 28 with the
-optimistic step's spare copies; 16 with --step-barrier) per
-rank and the predicted iteration time, then exits without starting a process.
+optimistic step's spare copies; 16 with --step-barrier; with --dp or --sharding, what the
+sharding policies hold at the step's peak) per rank and the predicted iteration time, then
+exits without starting a process.
+
+`--dp D` runs D replicas of the pipeline (p x D processes on a ("pp", "dp") device mesh;
+a step trains on D x m microbatches) and `--sharding` shards each chunk over them:
+replicate, zero1, zero2, zero3, or one policy per chunk (docs/mesh.md).
 
 The schedule options are those of `pipeblocks simulate` (-v, --group-size, --memory-limit,
 --seq-chunks, --set, --file); the run itself lives in `pipeblocks.train.run`.
