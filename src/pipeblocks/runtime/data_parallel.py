@@ -59,7 +59,7 @@ from ..core.program import DPOp
 from ..core.sharding import ShardingPolicy
 from .comm import PeerTimeoutError
 
-__all__ = ["DataParallel", "ChunkOptimizers", "static_bytes", "zero1_partition"]
+__all__ = ["DataParallel", "ChunkOptimizers", "measure_link", "static_bytes", "zero1_partition"]
 
 _FSDP = (ShardingPolicy.ZERO2, ShardingPolicy.ZERO3)
 
@@ -74,6 +74,31 @@ def zero1_partition(numels: Sequence[int], world: int) -> list[list[int]]:
         owned[rank].append(index)
         sizes[rank] += numels[index]
     return owned
+
+
+def measure_link(group: dist.ProcessGroup, *, large_bytes: int = 1 << 21, repeats: int = 5) -> tuple[float, float]:
+    """(bandwidth in bytes/s, latency per ring step in s) of the dp group, fitted to the ring
+    all-reduce model 2(d-1)/d * n/bw + 2(d-1)*a from the median time of a one-element and a
+    `large_bytes` all-reduce (a collective: every replica calls it)."""
+    d = dist.get_world_size(group)
+    if d == 1:
+        return float("inf"), 0.0
+
+    def timed(numel: int) -> float:
+        tensor = torch.zeros(numel, dtype=torch.float64)
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            dist.all_reduce(tensor, group=group)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    small, large = timed(1), timed(max(2, large_bytes // 8))
+    latency = small / (2 * (d - 1))
+    moved = 2 * (d - 1) / d * (large_bytes - 8)
+    bandwidth = moved / max(large - small, 1e-9)
+    return bandwidth, latency
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ compute, over makespan) on the measured events, the median over the timed steps.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 from collections import defaultdict
@@ -76,6 +77,8 @@ class RankResult:
     """What runtime.static_memory predicts for it."""
     dp_wait_s: tuple[float, ...] = ()
     """Per step: time the rank waited on data-parallel communication (exposed)."""
+    dp_link: tuple[float, float] | None = None
+    """The dp group's measured (bytes/s, latency s per ring step), for the simulator."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ def iteration_times(results: Sequence[RankResult]) -> list[tuple[int, float]]:
 def build_report(
     schedule: Schedule, results: Sequence[RankResult], memory: Sequence, *, warmup: int, emulated: bool = False,
     seq_mem: Sequence[float] | None = None, dp: int = 1, sharding: Sequence[str] = ("replicate",),
+    stage_param_bytes: Sequence[float] | None = None,
 ) -> RunReport:
     """Compare the run with the simulator's replay of it; `memory[s]` has .m_b and .m_w of stage s.
 
@@ -147,8 +151,10 @@ def build_report(
     (pipeline rank, replica); the static bytes (parameters, gradients, optimizer state)
     are measured at the step's peak and predicted by `runtime.static_memory`;
     `dp_comm_exposed_s_measured` is the median over the timed steps of the time the rank
-    waited on data-parallel communication. The simulator's figure for it is not computed
-    here (null).
+    waited on data-parallel communication. With dp > 1 the simulator replays the step
+    with its DP ops on the link the run measured (`dp_link`, a ring all-reduce fit) and
+    the stages' parameter bytes (`stage_param_bytes`, in fp32-parameter units of 4 bytes),
+    which gives `dp_comm_exposed_s_simulated` and the simulated iteration time.
     """
     by_rank = sorted(results, key=lambda r: (r.dp_rank, r.rank))
     timelines = next((r.timelines for r in by_rank if r.timelines), ())
@@ -157,7 +163,18 @@ def build_report(
     first = min(step for r in by_rank for step, _, _ in r.step_spans) + warmup
     timed = [t for step, t in timelines if step >= first] or [timelines[-1][1]]
     costs = profiled_costs(schedule, timed, [x.m_b for x in memory], [x.m_w for x in memory], seq_mem)
+    link = next((r.dp_link for r in by_rank if r.dp_link is not None), None)
+    if dp > 1 and link is not None and stage_param_bytes is not None:
+        from ..core.dp_model import DataParallel, Link
+        from ..core.sharding import parse_sharding
+
+        costs = dataclasses.replace(
+            costs, params=tuple(b / 4 for b in stage_param_bytes),
+            data_parallel=DataParallel(dp=dp, sharding=parse_sharding(list(sharding)),
+                                       link=Link(bandwidth=link[0], latency=link[1])),
+        )
     simulated = simulate(schedule, costs)
+    exposed = list(simulated.exposed_comm) or [0.0] * schedule.p
     walls = [t for _, t in iteration_times(results)]
     walls = walls[warmup:] or walls[-1:]
     losses = () if emulated else next((r.losses for r in by_rank if r.losses), ())
@@ -195,7 +212,7 @@ def build_report(
                 "static_bytes_predicted": r.static_bytes_predicted,
                 "dp_comm_exposed_s_measured": statistics.median(r.dp_wait_s[warmup:] or r.dp_wait_s)
                 if r.dp_wait_s else (0.0 if dp == 1 else None),
-                "dp_comm_exposed_s_simulated": None,
+                "dp_comm_exposed_s_simulated": exposed[r.rank] if dp == 1 or link is not None else None,
             }
             for r in by_rank
         ],
@@ -215,19 +232,20 @@ def format_report(data: dict) -> str:
         f"simulated {data['bubble_ratio_simulated']:8.3f}",
         f"data parallel   dp={data.get('dp', 1)}  sharding {','.join(data.get('sharding', ['replicate']))}",
         "rank  dp  stages   peak activation: measured   predicted   measured/predicted"
-        "   static: measured   predicted   DP comm exposed",
+        "   static: measured   predicted   DP comm exposed: measured / simulated",
     ]
     for row in data["ranks"]:
         measured, predicted = row["peak_activation_bytes_measured"], row["peak_activation_bytes_predicted"]
         ratio = f"{measured / predicted:.3f}" if predicted and measured is not None else "-"
         shown = "n/a (emulated)" if measured is None else _bytes(measured)
         stages = ",".join(map(str, row["stages"]))
-        exposed = row.get("dp_comm_exposed_s_measured")
+        exposed, exposed_sim = row.get("dp_comm_exposed_s_measured"), row.get("dp_comm_exposed_s_simulated")
         lines.append(
             f"{row['rank']:>4}  {row.get('dp_rank', 0):>2}  {stages:<7}  {shown:>25}   {_bytes(predicted):>9}   "
             f"{ratio:>18}   {_bytes(row.get('static_bytes_measured', 0)):>16}   "
             f"{_bytes(row.get('static_bytes_predicted', 0)):>9}   "
-            + ("-" if exposed is None else f"{exposed * 1e3:.2f} ms")
+            + ("-" if exposed is None else f"{exposed * 1e3:.2f} ms") + " / "
+            + ("-" if exposed_sim is None else f"{exposed_sim * 1e3:.2f} ms")
         )
     return "\n".join(lines)
 
