@@ -18,7 +18,7 @@ from pipeblocks.runtime import RankFailedError, spawn
 from pipeblocks.runtime.mesh import check_world_size
 from pipeblocks.runtime.static_memory import chunk_bytes
 from pipeblocks.train import run as training
-from pipeblocks.train.reference import reference_train_step, relative_difference
+from pipeblocks.train.reference import reference_update, relative_difference
 
 from _mesh_cases import LR, M, MODEL, SCHEDULES, failing_collective_worker, global_batch, matrix_worker
 
@@ -33,8 +33,9 @@ def matrix():
     cases.append(("interleaved-1f1b", "zero3,replicate,zero1,zero2"))  # a policy per chunk
     per_rank = spawn(matrix_worker, P * D, args=(P, D, cases), timeout_s=300, threads_per_rank=1)
     x, y = global_batch(D, 0)
-    reference = reference_train_step(MODEL, seed=0, inputs=x, targets=y, microbatches=D * M, lr=LR)
-    return cases, per_rank, reference
+    loss, grads, params, _ = reference_update(MODEL, seed=0, inputs=x, targets=y, microbatches=D * M, lr=LR,
+                                              max_norm=None)
+    return cases, per_rank, (loss, grads, params)
 
 
 def _largest(got: dict, expected: dict) -> float:
