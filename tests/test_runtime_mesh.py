@@ -134,6 +134,22 @@ def test_more_replicas_than_the_data_allows_is_a_clear_error(tmp_path):
         _prepare(tmp_path, mesh=Mesh(pp=2, dp=8))
 
 
+def test_clip_grad_with_data_parallelism_is_refused_before_launch():
+    with pytest.raises(ValueError, match="--clip-grad is not supported with data parallelism"):
+        training.prepare(ScheduleRequest(name="zb-v", m=2, mesh=Mesh(pp=2, dp=2)),
+                         model=GPTConfig(layers=4, hidden=8, heads=2, seq=8), clip_grad=1.0)
+
+
+def test_auto_sharding_trains_with_the_policies_the_simulator_chose():
+    from pipeblocks.core.sharding import per_stage
+    from pipeblocks.sim.build import build
+
+    request = ScheduleRequest(name="zb-v", m=2, mesh=Mesh(pp=2, dp=2), auto_sharding=True)
+    cfg, _ = training.prepare(request, model=GPTConfig(layers=4, hidden=8, heads=2, seq=8), verify=True)
+    chosen = build(request).request.sharding
+    assert cfg.sharding == per_stage(chosen, 4)
+
+
 def test_world_size_not_p_times_d_is_a_clear_error():
     with pytest.raises(ValueError, match=r"the mesh needs p x d = 2 x 2 = 4 processes but the world has 3"):
         check_world_size(2, 2, 3)

@@ -51,6 +51,8 @@ def prepare(
     from ..data import TokenWindows
     from ..models.split import layer_counts
 
+    built = build(request)  # with --sharding auto, the policies the simulator chose are in built.request
+    request, schedule = built.request, built.schedule
     dp = request.mesh.dp
     sharded = dp > 1 or any(str(p) != "replicate" for p in request.sharding)
     if sharded and emulate is not None:
@@ -73,7 +75,6 @@ def prepare(
     if train_options.get("verify") and (emulate is not None or train_options.get("checkpoint")
                                         or train_options.get("resume")):
         raise ValueError("--verify runs one real step from the seed: drop --emulate, --checkpoint and --resume")
-    schedule = build(request).schedule
     validate(schedule)
     if schedule.seq_chunks > 1 and emulate is not None:
         raise ValueError(
