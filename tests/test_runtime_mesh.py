@@ -107,6 +107,19 @@ def test_a_replica_failing_inside_a_collective_stops_every_rank_with_its_error()
     assert "replica 1 failed inside its all-reduce on purpose" in str(info.value)
 
 
+def test_the_executor_refuses_dp_ops_without_data_parallelism():
+    from pipeblocks import schedules
+    from pipeblocks.core.lower import PASSES, lower
+    from pipeblocks.core.ops import UnknownOpError
+    from pipeblocks.core.passes_dp import dp_passes
+    from pipeblocks.runtime.executor import RankExecutor
+
+    schedule = schedules.get("1f1b")(p=2, m=2)
+    program = lower(schedule, PASSES + dp_passes([ShardingPolicy.ZERO3], 2))
+    with pytest.raises(UnknownOpError, match=r"cannot run op 0UNSHARD \(type dp\)"):
+        RankExecutor(program, 0, None, None, None, {}, {})
+
+
 # ---- bad input, before anything is launched ------------------------------------------------
 def _prepare(tmp_path=None, **request):
     options = {"name": "zb-v", "m": 2, "mesh": Mesh(pp=2, dp=2), **request}
