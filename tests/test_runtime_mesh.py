@@ -22,6 +22,8 @@ from pipeblocks.train.reference import reference_update, relative_difference
 
 from _mesh_cases import LR, M, MODEL, SCHEDULES, failing_collective_worker, global_batch, matrix_worker
 
+pytestmark = pytest.mark.spawn
+
 POLICIES = ("replicate", "zero1", "zero2", "zero3")
 P, D = 2, 2
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torchrun_gpt.py"
