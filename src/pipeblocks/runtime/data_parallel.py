@@ -58,22 +58,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from ..core.program import DPOp
 from ..core.sharding import ShardingPolicy
 from .comm import PeerTimeoutError
+from .static_memory import zero1_partition
 
 __all__ = ["DataParallel", "ChunkOptimizers", "measure_link", "static_bytes", "zero1_partition"]
 
 _FSDP = (ShardingPolicy.ZERO2, ShardingPolicy.ZERO3)
-
-
-def zero1_partition(numels: Sequence[int], world: int) -> list[list[int]]:
-    """Indices of the tensors each replica owns under ZeroRedundancyOptimizer's rule: largest
-    first, each to the replica with the fewest elements so far (ties: the lowest rank)."""
-    owned: list[list[int]] = [[] for _ in range(world)]
-    sizes = [0] * world
-    for index in sorted(range(len(numels)), key=lambda i: numels[i], reverse=True):
-        rank = sizes.index(min(sizes))
-        owned[rank].append(index)
-        sizes[rank] += numels[index]
-    return owned
 
 
 def measure_link(group: dist.ProcessGroup, *, large_bytes: int = 1 << 21, repeats: int = 5) -> tuple[float, float]:

@@ -44,7 +44,9 @@ def _rows(n0: int, d: int, rank: int) -> int:
     return max(0, min(size, n0 - size * rank)) if size else 0
 
 
-def _greedy(numels: Sequence[int], world: int) -> list[list[int]]:
+def zero1_partition(numels: Sequence[int], world: int) -> list[list[int]]:
+    """Indices of the tensors each replica owns under ZeroRedundancyOptimizer's rule: largest
+    first, each to the replica with the fewest elements so far (ties: the lowest rank)."""
     owned: list[list[int]] = [[] for _ in range(world)]
     sizes = [0] * world
     for index in sorted(range(len(numels)), key=lambda i: numels[i], reverse=True):
@@ -86,7 +88,7 @@ def chunk_bytes(shapes: Sequence[tuple[int, ...]], element_size: int, policy: Sh
         shard = padded * element_size
         return ChunkBytes(shard, shard * d, full, shard, ADAM_MOMENTS * local * element_size)
     if policy is ShardingPolicy.ZERO1:
-        owned = sum(numels[i] for i in _greedy(numels, d)[dp_rank]) * element_size
+        owned = sum(numels[i] for i in zero1_partition(numels, d)[dp_rank]) * element_size
         return ChunkBytes(full, 0, full, full, ADAM_MOMENTS * owned)
     return ChunkBytes(full, 0, full, full, ADAM_MOMENTS * full)
 

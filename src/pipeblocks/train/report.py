@@ -43,7 +43,7 @@ from ..core.simulate import simulate
 from ..core.timeline import Timeline
 from ..sim.overhead import handover_gaps
 
-__all__ = ["RankResult", "RunReport", "profiled_costs", "iteration_times", "build_report", "format_report",
+__all__ = ["RankResult", "format_bytes", "RunReport", "profiled_costs", "iteration_times", "build_report", "format_report",
            "write_timeline_plot"]
 
 
@@ -237,13 +237,13 @@ def format_report(data: dict) -> str:
     for row in data["ranks"]:
         measured, predicted = row["peak_activation_bytes_measured"], row["peak_activation_bytes_predicted"]
         ratio = f"{measured / predicted:.3f}" if predicted and measured is not None else "-"
-        shown = "n/a (emulated)" if measured is None else _bytes(measured)
+        shown = "n/a (emulated)" if measured is None else format_bytes(measured)
         stages = ",".join(map(str, row["stages"]))
         exposed, exposed_sim = row.get("dp_comm_exposed_s_measured"), row.get("dp_comm_exposed_s_simulated")
         lines.append(
-            f"{row['rank']:>4}  {row.get('dp_rank', 0):>2}  {stages:<7}  {shown:>25}   {_bytes(predicted):>9}   "
-            f"{ratio:>18}   {_bytes(row.get('static_bytes_measured', 0)):>16}   "
-            f"{_bytes(row.get('static_bytes_predicted', 0)):>9}   "
+            f"{row['rank']:>4}  {row.get('dp_rank', 0):>2}  {stages:<7}  {shown:>25}   {format_bytes(predicted):>9}   "
+            f"{ratio:>18}   {format_bytes(row.get('static_bytes_measured', 0)):>16}   "
+            f"{format_bytes(row.get('static_bytes_predicted', 0)):>9}   "
             + ("-" if exposed is None else f"{exposed * 1e3:.2f} ms") + " / "
             + ("-" if exposed_sim is None else f"{exposed_sim * 1e3:.2f} ms")
         )
@@ -261,7 +261,7 @@ def write_timeline_plot(measured: Timeline, simulated: Timeline, path: str | os.
     )
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB"):
         if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -23,6 +23,7 @@ from ..models.config import GPTConfig
 from ..schedules import names
 from ..sim.build import build
 from .config import TrainConfig
+from .report import format_bytes
 
 if TYPE_CHECKING:  # torch enters only when a run starts, so `pipeblocks list` stays fast
     from ..data import TokenWindows
@@ -177,7 +178,7 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) 
     for row in figures["ranks"]:
         act, stat = row["activation_bytes_predicted"], row["static_bytes_predicted"]
         stages_text = ",".join(map(str, row["stages"]))
-        print(f"{row['rank']:>4}  {stages_text:<7}  {_bytes(act):>17}   {_bytes(stat):>27}   {_bytes(act + stat):>9}",
+        print(f"{row['rank']:>4}  {stages_text:<7}  {format_bytes(act):>17}   {format_bytes(stat):>27}   {format_bytes(act + stat):>9}",
               file=out)
     print("nothing launched (drop --dry-run to train)", file=out)
     return figures
@@ -349,11 +350,3 @@ def verify(cfg: TrainConfig, data: TokenWindows) -> int:
 
 def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
