@@ -38,6 +38,7 @@ from ..data import TokenWindows
 from ..models.gpt import cross_entropy
 from ..models.split import build_stages, layer_counts
 from . import checkpoint as ckpt
+from . import sharded_checkpoint as sharded
 from .config import TrainConfig
 from .post_validation import PostValidator
 from .report import RankResult
@@ -55,6 +56,7 @@ def launch(cfg: TrainConfig) -> list[RankResult]:
 
     if cfg.checkpoint and not cfg.resume and not cfg.verify:
         removed = ckpt.claim_directory(cfg.checkpoint, overwrite=cfg.overwrite)
+        removed += sharded.claim_sharded(cfg.checkpoint, overwrite=cfg.overwrite)
         if removed:
             print(f"--overwrite: removed {len(removed)} checkpoint file(s) of an earlier run from "
                   f"{cfg.checkpoint!r}", file=sys.stderr, flush=True)
@@ -104,9 +106,12 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
     torch.manual_seed(cfg.seed)
 
     start = 0
-    if cfg.checkpoint:
+    use_dcp = uses_sharded_checkpoints(cfg)
+    if cfg.checkpoint and not use_dcp:
         ckpt.remove_temporaries(cfg.checkpoint, ranks=[rank])  # no save of this rank is under way yet
-    if cfg.resume:
+    if cfg.resume and use_dcp:
+        start = _resume_sharded(cfg, stages, optimizer)
+    elif cfg.resume:
         start = _resume(cfg, ctx, stages, optimizer, data.source)
     # with data parallelism the optimizer steps directly (prepare refuses --clip-grad there)
     validator = None if dp is not None else PostValidator(
@@ -125,7 +130,8 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
 
         link = measure_link(mesh.dp_group)
     control = ctx.control
-    last_good.track(rank, stages, optimizer, cfg.meta(data.source), start)
+    # a DCP save is a collective: a failing rank cannot take part, so none is saved on the way out
+    last_good.track(rank, None if use_dcp else stages, optimizer, cfg.meta(data.source), start)
     control.step_done(start)
     last = start + 1 if cfg.verify else cfg.steps
     losses, spans, peak, skipped, static, dp_waits = [], [], 0, [], 0, []
@@ -179,8 +185,12 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
         stop = control.step_done(done)  # True on every rank after the same step
         if cfg.checkpoint and (stop or done == last or (cfg.save_every and done % cfg.save_every == 0)):
             with control.critical():
-                ckpt.save_rank(cfg.checkpoint, rank=rank, step=done, stages=stages, optimizer=optimizer,
-                               meta=cfg.meta(data.source))
+                if use_dcp:
+                    sharded.save_sharded(cfg.checkpoint, step=done, stages=stages,
+                                         optimizers=_chunk_optimizers(optimizer), meta=cfg.meta(data.source))
+                else:
+                    ckpt.save_rank(cfg.checkpoint, rank=rank, step=done, stages=stages, optimizer=optimizer,
+                                   meta=cfg.meta(data.source))
                 last_good.saved = done
             control.beat()
         if stop:
@@ -263,6 +273,32 @@ def _resume(cfg: TrainConfig, ctx, stages, optimizer, data_source: str) -> int:
     return ckpt.restore_rank(state, stages, optimizer)
 
 
+def uses_sharded_checkpoints(cfg: TrainConfig) -> bool:
+    """Whether the run's checkpoints go through torch.distributed.checkpoint: always with data
+    parallelism or sharding, and when resuming such a checkpoint (at any dp size)."""
+    if not cfg.checkpoint:
+        return False
+    return cfg.data_parallel or (cfg.resume and sharded.has_sharded(cfg.checkpoint))
+
+
+def _chunk_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers whose state is saved: one per chunk (ZeRO-1: its local partition's)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    found = getattr(optimizer, "by_stage", None)
+    if found is None:
+        return [optimizer]
+    return [o.optim if isinstance(o, ZeroRedundancyOptimizer) else o for o in found.values()]
+
+
+def _resume_sharded(cfg: TrainConfig, stages, optimizer) -> int:
+    """Restore the newest complete DCP checkpoint (prepare checked it and its run description)."""
+    step = sharded.latest_sharded_step(cfg.checkpoint)
+    if step is None:
+        raise ValueError(f"--resume: no complete checkpoint in {cfg.checkpoint!r}: drop --resume to start from step 0")
+    return sharded.load_sharded(cfg.checkpoint, step=step, stages=stages, optimizers=_chunk_optimizers(optimizer))
+
+
 def _check_note(check, clip_grad: float | None) -> str:
     if check.outcome == "skipped":
         return "  skipped (non-finite gradient)"
@@ -309,6 +345,11 @@ def checkpoint_note(cfg: TrainConfig) -> str:
     """One line for a run that ended early: what its checkpoint directory now resumes from."""
     if not cfg.checkpoint:
         return "no checkpoint was written: give --checkpoint DIR to save when a run stops"
+    if uses_sharded_checkpoints(cfg):
+        step = sharded.latest_sharded_step(cfg.checkpoint)
+        if step is None:
+            return f"no complete data-parallel checkpoint in {cfg.checkpoint}"
+        return f"checkpoint: step {step} is complete in {cfg.checkpoint}: continue with --resume"
     step = ckpt.latest_step(cfg.checkpoint, cfg.schedule.p)
     if step is None:
         return f"no step was saved by every rank in {cfg.checkpoint}"

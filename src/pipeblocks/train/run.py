@@ -61,11 +61,6 @@ def prepare(
             f"--emulate does not run data parallelism yet (--dp {dp}, --sharding "
             f"{','.join(map(str, request.sharding))}): drop --emulate, or use --dp 1 --sharding replicate"
         )
-    if sharded and (train_options.get("checkpoint") or train_options.get("resume")):
-        raise ValueError(
-            "checkpoints of a data-parallel or sharded run are not supported yet: drop --checkpoint/--resume, "
-            "or use --dp 1 --sharding replicate"
-        )
     if sharded and train_options.get("clip_grad") is not None:
         raise ValueError(
             "--clip-grad is not supported with data parallelism or sharding yet (the global norm over sharded "
@@ -96,14 +91,20 @@ def prepare(
         _check_resume(cfg, data)
     elif cfg.checkpoint:
         from . import checkpoint as ckpt
+        from . import sharded_checkpoint as sharded_ckpt
 
         ckpt.claim_directory(cfg.checkpoint, overwrite=cfg.overwrite, dry_run=True)
+        sharded_ckpt.claim_sharded(cfg.checkpoint, overwrite=cfg.overwrite, dry_run=True)
     return cfg, data
 
 
 def _check_resume(cfg: TrainConfig, data: TokenWindows) -> None:
     from . import checkpoint as ckpt
+    from .loop import uses_sharded_checkpoints
 
+    if uses_sharded_checkpoints(cfg):
+        _check_sharded_resume(cfg, data)
+        return
     # the ranks verify and agree again themselves (and warn about damaged files); this is
     # here so that a resume that cannot work fails before anything is launched
     checks = [ckpt.verify_rank(cfg.checkpoint, r) for r in range(cfg.schedule.p)]
@@ -116,6 +117,22 @@ def _check_resume(cfg: TrainConfig, data: TokenWindows) -> None:
             )
         raise ValueError(f"--resume: {ckpt.no_intact_message(cfg.checkpoint, checks)}")
     ckpt.check_meta(ckpt.load_rank(cfg.checkpoint, rank=0, step=step)["meta"], cfg.meta(data.source), cfg.checkpoint)
+    if step >= cfg.steps:
+        raise ValueError(f"--resume: the checkpoint is at step {step} already: raise --steps above {step}")
+
+
+def _check_sharded_resume(cfg: TrainConfig, data: TokenWindows) -> None:
+    from . import checkpoint as ckpt
+    from . import sharded_checkpoint as sharded_ckpt
+
+    step = sharded_ckpt.latest_sharded_step(cfg.checkpoint)
+    if step is None:
+        raise ValueError(
+            f"--resume: no complete data-parallel checkpoint (a dcp-step directory with "
+            f"{sharded_ckpt.MARKER}) in {cfg.checkpoint!r}: drop --resume to start from step 0"
+        )
+    saved = sharded_ckpt.read_marker(cfg.checkpoint, step)["meta"]
+    ckpt.check_meta(saved, sharded_ckpt.portable_meta(cfg.meta(data.source)), cfg.checkpoint)
     if step >= cfg.steps:
         raise ValueError(f"--resume: the checkpoint is at step {step} already: raise --steps above {step}")
 
