@@ -13,8 +13,10 @@ stage prints one progress line per step. The optimizer steps through a `PostVali
 gradient is non-finite on any rank is skipped on every rank, with no barrier before the
 step. Checkpoints go to `cfg.checkpoint` every `save_every` steps and after the last one
 (see checkpoint.py); `resume` continues from the newest step intact on every rank (each
-rank verifies its own files, then the ranks agree). `launch` refuses a directory holding
-another run's checkpoints unless `overwrite`.
+rank verifies its own files, then the ranks agree). With data parallelism or sharding
+they go through torch.distributed.checkpoint instead (sharded_checkpoint.py), loadable at
+another dp size. `launch` refuses a directory holding another run's checkpoints unless
+`overwrite`.
 
 A run that stops early saves too: on a stop request (SIGTERM, SIGINT or SIGHUP, see
 pipeblocks.runtime.lifecycle) every rank stops after the same step and saves it; a rank
