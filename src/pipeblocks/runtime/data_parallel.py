@@ -58,6 +58,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from ..core.program import DPOp
 from ..core.sharding import ShardingPolicy
 from .comm import PeerTimeoutError
+from .emulated_link import EmulatedLink
 from .static_memory import zero1_partition
 
 __all__ = ["DataParallel", "ChunkOptimizers", "measure_link", "static_bytes", "zero1_partition"]
@@ -151,6 +152,9 @@ class DataParallel:
     stages: global stage -> module (this rank's). policies: one per global stage
     (`core.sharding.per_stage`). dp_mesh: the mesh's "dp" DeviceMesh; dp_group its group.
     Build it before the optimizer: FSDP2 replaces the parameters by their shards.
+    link: an `emulated_link.EmulatedLink` under emulated compute (replicate and zero1): each
+    DP op also takes its modelled link time. reduce_at_end: lower every REDUCE_GRAD to the
+    end of the rank's step instead of right after its stage's last weight gradient.
     """
 
     def __init__(
@@ -160,11 +164,15 @@ class DataParallel:
         dp_mesh,
         *,
         timeout_s: float = 300.0,
+        link: EmulatedLink | None = None,
+        reduce_at_end: bool = False,
     ) -> None:
         self.dp_mesh = dp_mesh
         self.group = dp_mesh.get_group()
         self.d = dist.get_world_size(self.group)
         self.timeout_s = float(timeout_s)
+        self.link = link
+        self.reduce_at_end = bool(reduce_at_end)  # the no-overlap baseline: every REDUCE_GRAD at the end
         self.chunks: dict[int, _Chunk] = {}
         for stage, module in sorted(stages.items()):
             if not 0 <= stage < len(policies):
@@ -175,6 +183,13 @@ class DataParallel:
                 _accumulate_only(module)
             self.chunks[stage] = _Chunk(stage, policy, module, list(module.parameters()))
         self.policies = tuple(ShardingPolicy(p) for p in policies)
+        if link is not None:
+            unsupported = sorted({str(self.chunks[s].policy) for s in self.chunks} - {str(p) for p in link.supported})
+            if unsupported:
+                raise ValueError(
+                    f"an emulated link runs {', '.join(map(str, link.supported))} only (emulated compute makes no "
+                    f"gradients for FSDP2 to shard), got {', '.join(unsupported)}: use --sharding replicate or zero1"
+                )
         self.compute = None  # set by the runner: its compute object learns the gathered parameters
         self.tracker = None  # set by the runner: gathered parameters are not activations
         self.optimizers: ChunkOptimizers | None = None
@@ -213,6 +228,8 @@ class DataParallel:
             self._reduce(chunk)
         else:
             raise ValueError(f"the runtime does not run DP op kind {op.kind!r} ({op})")
+        if self.link is not None:
+            self.link.issue(op.kind, op.stage)
 
     def before_compute(self, stage: int) -> None:
         """Called before every pass of `stage`: the parameters must be gathered (zero3 waits
@@ -247,11 +264,15 @@ class DataParallel:
                     raise
                 grad.div_(self.d)
             chunk.reductions = []
+            if self.link is not None:
+                self.link.wait_stage(chunk.stage)
             chunk.reducing = False
             if chunk.unshard_handle is not None:
                 raise RuntimeError(f"stage {chunk.stage}: the step ended with an UNSHARD never used; add its passes")
             if chunk.gathered and chunk.policy in _FSDP:
                 raise RuntimeError(f"stage {chunk.stage}: the step ended with its parameters gathered; RESHARD it")
+        if self.link is not None:
+            self.link.finish(sorted(self.chunks))
         self.wait_s += time.perf_counter() - start
 
     def after_shape_pass(self) -> None:

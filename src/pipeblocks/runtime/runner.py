@@ -151,8 +151,11 @@ class PipelineRunner:
         )
         self.mailbox = Mailbox(group, self.timeout_s, self.rank)
         if data_parallel is not None:
-            if compute is not None:
-                raise ValueError("data_parallel runs real modules: drop compute= (emulated compute) or data_parallel")
+            if compute is not None and data_parallel.link is None:
+                raise ValueError(
+                    "data_parallel with emulated compute needs an emulated link: give DataParallel(..., link="
+                    "EmulatedLink(...)), or drop compute="
+                )
             data_parallel.compute = self.compute
             data_parallel.tracker = self.tracker
         self._executor: RankExecutor | None = None
@@ -349,13 +352,14 @@ class PipelineRunner:
 def _lower_with_dp(schedule: Schedule, dp: DataParallel):
     """The Program with the DP ops the policies need, proved free of deadlock and well placed."""
     from ..core.lower import PASSES, check_deadlock, lower
-    from ..core.passes_dp import check_dp_ops, dp_passes
+    from ..core.passes_dp import check_dp_ops, dp_passes, dp_passes_at_end
     from ..core.sharding import per_stage
     from ..core.validate import check_structure
 
     check_structure(schedule)
     policies = per_stage(dp.policies, schedule.num_stages)
-    program = lower(schedule, PASSES + dp_passes(policies, dp.d))
+    passes = (dp_passes_at_end if dp.reduce_at_end else dp_passes)(policies, dp.d)
+    program = lower(schedule, PASSES + passes)
     check_deadlock(program)
     check_dp_ops(program, policies)
     return program

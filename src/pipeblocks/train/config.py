@@ -44,6 +44,9 @@ class TrainConfig:
     """A new run may replace the checkpoints of another run in `checkpoint` (else it refuses)."""
     emulate: tuple[float, float, float] | None = None
     """(F, B, W) milliseconds per layer per microbatch: sleep instead of computing (no learning)."""
+    emulated_link: tuple[float, float] | None = None
+    """Under `emulate` with dp > 1: the DP link (bytes per second, seconds per ring step) whose
+    modelled time each DP collective also takes."""
     verify: bool = False
     """Run one step and return every gradient, for comparison with one process."""
     timeout_s: float = 300.0

@@ -99,7 +99,8 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
     element_size = next(p.element_size() for stage in built for p in stage.parameters())
     if mesh is not None:
         # FSDP2 replaces the parameters by their shards: the optimizer is built over those
-        dp = DataParallel(stages, cfg.sharding, mesh.dp_mesh, timeout_s=cfg.timeout_s)
+        dp = DataParallel(stages, cfg.sharding, mesh.dp_mesh, timeout_s=cfg.timeout_s,
+                          link=_emulated_link(cfg, stages))
         optimizer = dp.optimizer(torch.optim.AdamW, lr=cfg.lr)
     else:
         optimizer = torch.optim.AdamW([p for stage in built for p in stage.parameters()], lr=cfg.lr)
@@ -127,7 +128,9 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
     )
     static_predicted = _predict_static(cfg, runner.program, rank, replica, shapes, element_size)
     link = None
-    if mesh is not None and cfg.dp > 1 and not cfg.verify:
+    if cfg.emulated_link is not None:
+        link = cfg.emulated_link  # the simulated column models the link the collectives emulate
+    elif mesh is not None and cfg.dp > 1 and not cfg.verify:
         from ..runtime.data_parallel import measure_link
 
         link = measure_link(mesh.dp_group)
@@ -356,6 +359,22 @@ def checkpoint_note(cfg: TrainConfig) -> str:
     if step is None:
         return f"no step was saved by every rank in {cfg.checkpoint}"
     return f"checkpoint: every rank has step {step} in {cfg.checkpoint}: continue with --resume"
+
+
+def _emulated_link(cfg: TrainConfig, stages):
+    """Under --emulate with dp > 1: each DP collective also takes its modelled time on the
+    run's link, sized by the parameters of this rank's stages (other stages: never issued)."""
+    if cfg.emulate is None or cfg.emulated_link is None:
+        return None
+    from ..core.dp_model import DataParallel as DPModel
+    from ..core.dp_model import Link
+    from ..runtime.emulated_link import EmulatedLink
+
+    params = [0.0] * cfg.schedule.num_stages
+    for index, module in stages.items():
+        params[index] = float(sum(q.numel() for q in module.parameters()))
+    model = DPModel(dp=cfg.dp, sharding=tuple(cfg.sharding), link=Link(*cfg.emulated_link))
+    return EmulatedLink(model, params)
 
 
 def _emulated_compute(cfg: TrainConfig, stages, device):

@@ -56,11 +56,9 @@ def prepare(
     request, schedule = built.request, built.schedule
     dp = request.mesh.dp
     sharded = dp > 1 or any(str(p) != "replicate" for p in request.sharding)
+    emulated_link = None
     if sharded and emulate is not None:
-        raise ValueError(
-            f"--emulate does not run data parallelism yet (--dp {dp}, --sharding "
-            f"{','.join(map(str, request.sharding))}): drop --emulate, or use --dp 1 --sharding replicate"
-        )
+        emulated_link = _emulated_link(request)
     if sharded and train_options.get("clip_grad") is not None:
         raise ValueError(
             "--clip-grad is not supported with data parallelism or sharding yet (the global norm over sharded "
@@ -79,7 +77,7 @@ def prepare(
         )
     layer_counts(model.layers, schedule.num_stages)
     data = TokenWindows.load(train_options.get("data"), seq=model.seq)
-    cfg = TrainConfig(schedule=schedule, model=model, emulate=emulate, seq_split=request.costs.seq_split,
+    cfg = TrainConfig(schedule=schedule, model=model, emulate=emulate, emulated_link=emulated_link, seq_split=request.costs.seq_split,
                       dp=dp, sharding=request.sharding, **train_options)
     if dp > 1 and cfg.global_batch_size > data.num_windows:
         raise ValueError(
@@ -96,6 +94,27 @@ def prepare(
         ckpt.claim_directory(cfg.checkpoint, overwrite=cfg.overwrite, dry_run=True)
         sharded_ckpt.claim_sharded(cfg.checkpoint, overwrite=cfg.overwrite, dry_run=True)
     return cfg, data
+
+
+def _emulated_link(request: ScheduleRequest) -> tuple[float, float]:
+    """The DP link an emulated run's collectives take (bytes/s, s per ring step): --dp-bandwidth
+    (GB/s) and --dp-latency (us), else the --hardware preset's link for d replicas. Emulated
+    compute makes no gradients, so only the policies whose collectives need none run."""
+    from ..core.sharding import ShardingPolicy
+    from ..sim.analytic import HARDWARE, dp_link
+
+    supported = (ShardingPolicy.REPLICATE, ShardingPolicy.ZERO1)
+    others = sorted({str(p) for p in request.sharding if ShardingPolicy(p) not in supported})
+    if others:
+        raise ValueError(
+            f"--emulate with data parallelism runs --sharding replicate or zero1 (emulated compute makes no "
+            f"gradients for FSDP2 to shard), got {','.join(others)}: use replicate or zero1, or drop --emulate"
+        )
+    spec = request.costs
+    base = dp_link(HARDWARE[spec.hardware], request.mesh.dp)
+    bandwidth = base.bandwidth if spec.dp_bandwidth is None else spec.dp_bandwidth * 1e9
+    latency = base.latency if spec.dp_latency is None else spec.dp_latency * 1e-6
+    return bandwidth, latency
 
 
 def _check_resume(cfg: TrainConfig, data: TokenWindows) -> None:

@@ -1,0 +1,123 @@
+"""Exposed DP communication measured on an emulated mesh, beside the simulator's prediction.
+
+Every pass sleeps its modelled time (`runtime.emulate`) and every DP collective takes its
+modelled link time (`runtime.emulated_link`), on a real p x d mesh of local processes, so
+the measured step time and exposed communication can be set against `simulate_program` of
+the same Program with the same costs. The model that runs is tiny (it only gives the
+activations their shapes); `stage_params` is the size the link model moves per stage.
+
+    case = EmulatedMeshCase("zb-v", p=2, dp=2, m=4, f_ms=4, b_ms=4, w_ms=4,
+                            stage_params=(2e6,) * 4, bandwidth=1e9)
+    measured = measure_emulated_mesh(case)      # spawns p x d processes
+    predicted = predict_emulated_mesh(case)
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from ..core.costs import Costs
+from ..core.dp_model import DataParallel as DPModel
+from ..core.dp_model import Link
+from ..core.lower import PASSES, lower
+from ..core.passes_dp import dp_passes, dp_passes_at_end
+from ..core.sharding import parse_sharding
+from ..core.simulate import simulate_program
+
+__all__ = ["EmulatedMeshCase", "measure_emulated_mesh", "predict_emulated_mesh"]
+
+
+@dataclass(frozen=True)
+class EmulatedMeshCase:
+    """One emulated run: schedule, mesh, per-pass times (ms per stage), the link (bytes per
+    second, seconds per ring step), the parameters per global stage, the policy, and
+    whether every reduction waits for the end of the step."""
+
+    schedule: str
+    p: int
+    dp: int
+    m: int
+    f_ms: float
+    b_ms: float
+    w_ms: float
+    stage_params: tuple[float, ...]
+    bandwidth: float
+    latency: float = 0.0
+    sharding: str = "replicate"
+    reduce_at_end: bool = False
+    steps: int = 4
+    warmup: int = 1
+
+    def __post_init__(self) -> None:
+        if self.steps <= self.warmup:
+            raise ValueError(f"steps ({self.steps}) must exceed warmup ({self.warmup}): some steps must be timed")
+
+    def build_schedule(self):
+        from .. import schedules
+
+        return schedules.get(self.schedule)(p=self.p, m=self.m)
+
+    def dp_model(self, num_stages: int) -> DPModel:
+        if len(self.stage_params) != num_stages:
+            raise ValueError(f"stage_params has {len(self.stage_params)} entries for {num_stages} stages")
+        return DPModel(dp=self.dp, sharding=parse_sharding(self.sharding),
+                       link=Link(bandwidth=self.bandwidth, latency=self.latency))
+
+
+def predict_emulated_mesh(case: EmulatedMeshCase) -> dict:
+    """The simulator's step time and exposed DP communication (seconds, largest over ranks)."""
+    schedule = case.build_schedule()
+    S = schedule.num_stages
+    model = case.dp_model(S)
+    passes = (dp_passes_at_end if case.reduce_at_end else dp_passes)(model.policies(S), case.dp)
+    costs = Costs(t_f=case.f_ms / 1e3, t_b=case.b_ms / 1e3, t_w=case.w_ms / 1e3, params=case.stage_params,
+                  data_parallel=model)
+    timeline = simulate_program(lower(schedule, PASSES + passes), costs)
+    return {"step_s": timeline.makespan, "exposed_s": max(timeline.exposed_comm), "comm_s": max(timeline.comm_time)}
+
+
+def _worker(ctx, case: EmulatedMeshCase) -> list[tuple[float, float]]:
+    import torch
+
+    from ..core.sharding import per_stage
+    from ..models import GPTConfig, cross_entropy
+    from ..models.split import build_stages
+    from ..runtime import PipelineRunner
+    from ..runtime.data_parallel import DataParallel
+    from ..runtime.emulate import EmulatedCompute, EmulatedCosts
+    from ..runtime.emulated_link import EmulatedLink
+    from ..runtime.mesh import init_mesh
+
+    schedule = case.build_schedule()
+    S = schedule.num_stages
+    model = GPTConfig(layers=S, hidden=8, heads=2, seq=8, vocab=16, dtype="float32")
+    mesh = init_mesh(case.p, case.dp, ctx.device)
+    mine = schedule.placement.stages_of(mesh.pp_rank)
+    built = build_stages(model, seed=0, num_stages=S, stages=mine, device=ctx.device)
+    stages = {s.index: s for s in built}
+    link = EmulatedLink(case.dp_model(S), case.stage_params)
+    dp = DataParallel(stages, per_stage(parse_sharding(case.sharding), S), mesh.dp_mesh, timeout_s=60,
+                      link=link, reduce_at_end=case.reduce_at_end)
+    compute = EmulatedCompute(EmulatedCosts(case.f_ms, case.b_ms, case.w_ms), stages, S, ctx.device)
+    runner = PipelineRunner(schedule, stages, cross_entropy, group=mesh.pp_group, timeout_s=60,
+                            compute=compute, data_parallel=dp)
+    x = torch.randint(0, model.vocab, (case.m, model.seq))
+    out = []
+    for _ in range(case.steps):
+        torch.distributed.barrier()  # every step starts together on every rank, as the simulator's
+        result = runner.step(x if runner.holds_first_stage else None, x if runner.holds_last_stage else None)
+        out.append((result.duration_s, dp.wait_s))
+        ctx.control.beat()
+    return out
+
+
+def measure_emulated_mesh(case: EmulatedMeshCase, *, timeout_s: float = 120.0) -> dict:
+    """Measured step time and exposed DP communication (seconds): per step the largest over
+    the p x d ranks, then the median over the steps after the warm-up."""
+    from ..runtime import spawn
+
+    per_rank = spawn(_worker, case.p * case.dp, args=(case,), timeout_s=timeout_s, threads_per_rank=1)
+    steps = range(case.warmup, case.steps)
+    step = [max(r[i][0] for r in per_rank) for i in steps]
+    exposed = [max(r[i][1] for r in per_rank) for i in steps]
+    return {"step_s": statistics.median(step), "exposed_s": statistics.median(exposed)}
