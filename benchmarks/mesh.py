@@ -15,6 +15,16 @@ communication stream; "step" is the makespan including it):
     end: step / exposed      every REDUCE_GRAD at the end of the rank's step
     overlap: step / exposed  each REDUCE_GRAD right after its stage's last W or BW (lowering)
     saved       step time saved by overlapping, in percent of the end-of-step step
+
+With --emulated, p x d local processes run each schedule with emulated compute (every
+pass sleeps --emulate-ms) and emulated links (every DP collective takes its modelled
+time on the link, --dp-bandwidth GB/s, --stage-params parameters per stage, fp32
+gradients), reduction at the end and overlapped, and the table sets the measured step
+time and exposed communication (per step the largest over ranks, median over the steps
+after the first) beside the simulator's for the same Program and costs:
+
+    python benchmarks/mesh.py --emulated [-p 2] [--dp 2] [-m 4] [--schedules 1f1b,bfs,zb-v]
+                              [--emulate-ms 4] [--dp-bandwidth 0.2] [--stage-params 1e6] [--json]
 """
 from __future__ import annotations
 
@@ -50,6 +60,53 @@ def measure(request: ScheduleRequest) -> dict:
     return row
 
 
+EMULATED_SCHEDULES = ("1f1b", "bfs", "zb-v")
+
+
+def measure_emulated(name: str, args: argparse.Namespace) -> dict:
+    from pipeblocks.train.emulated_mesh import EmulatedMeshCase, measure_emulated_mesh, predict_emulated_mesh
+    from pipeblocks.schedules import get
+
+    stages = get(name)(p=args.p, m=args.m).num_stages
+    row = {"schedule": name, "v": stages // args.p}
+    for label, at_end in (("end", True), ("overlap", False)):
+        case = EmulatedMeshCase(name, p=args.p, dp=args.dp, m=args.m, f_ms=args.emulate_ms, b_ms=args.emulate_ms,
+                                w_ms=args.emulate_ms, stage_params=(args.stage_params,) * stages,
+                                bandwidth=args.dp_bandwidth * 1e9, sharding=args.sharding, reduce_at_end=at_end,
+                                steps=args.steps)
+        sim, got = predict_emulated_mesh(case), measure_emulated_mesh(case)
+        row["comm_s"] = sim["comm_s"]
+        row[f"{label}_step_sim_s"], row[f"{label}_exposed_sim_s"] = sim["step_s"], sim["exposed_s"]
+        row[f"{label}_step_meas_s"], row[f"{label}_exposed_meas_s"] = got["step_s"], got["exposed_s"]
+    return row
+
+
+def main_emulated(args: argparse.Namespace) -> int:
+    if args.p * args.dp > 8:
+        raise SystemExit(f"--emulated runs p x d = {args.p * args.dp} local processes: keep it at 8 or fewer")
+    rows = []
+    for name in args.schedules.split(","):
+        try:
+            rows.append(measure_emulated(name, args))
+        except ScheduleError as err:
+            print(f"skipped {name}: {str(err).splitlines()[0]}", file=sys.stderr)
+    if args.json:
+        json.dump({"emulated": True, "p": args.p, "m": args.m, "dp": args.dp, "sharding": args.sharding,
+                   "emulate_ms": args.emulate_ms, "dp_bandwidth_gbs": args.dp_bandwidth,
+                   "stage_params": args.stage_params, "rows": rows}, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"emulated: p={args.p} m={args.m} dp={args.dp} sharding={args.sharding}, F=B=W={args.emulate_ms} ms per "
+          f"stage, {args.stage_params:g} parameters per stage on a {args.dp_bandwidth} GB/s link (ms; sim / measured)")
+    print(f"{'schedule':<17} {'v':>2} {'comm':>6} {'end step':>15} {'end exposed':>15} "
+          f"{'ovl step':>15} {'ovl exposed':>15}")
+    for r in rows:
+        cells = [f"{1e3 * r[f'{k}_sim_s']:6.1f} /{1e3 * r[f'{k}_meas_s']:6.1f}"
+                 for k in ("end_step", "end_exposed", "overlap_step", "overlap_exposed")]
+        print(f"{r['schedule']:<17} {r['v']:>2} {1e3 * r['comm_s']:>6.1f} " + " ".join(f"{c:>15}" for c in cells))
+    return 0
+
+
 def _check(costs: Costs) -> None:
     if costs.data_parallel.dp < 2:
         raise ScheduleError("--dp must be at least 2 to have data-parallel communication to place")
@@ -57,9 +114,9 @@ def _check(costs: Costs) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-p", type=int, default=4)
-    parser.add_argument("-m", type=int, default=8)
-    parser.add_argument("--dp", type=int, default=16)
+    parser.add_argument("-p", type=int, default=None, help="pipeline ranks (default 4; emulated 2)")
+    parser.add_argument("-m", type=int, default=None, help="microbatches (default 8; emulated 4)")
+    parser.add_argument("--dp", type=int, default=None, help="replicas (default 16; emulated 2)")
     parser.add_argument("--sharding", default="replicate")
     parser.add_argument("--model", default="6.2b")
     parser.add_argument("--hardware", default="cloud")
@@ -67,7 +124,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed-precision", action="store_true", help="bf16 gradients and parameters on the wire")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--emulated", action="store_true",
+                        help="also run each schedule on p x d local processes with emulated compute and links")
+    parser.add_argument("--emulate-ms", type=float, default=4.0, help="emulated F, B and W per stage (ms)")
+    parser.add_argument("--stage-params", type=float, default=1e6, help="emulated parameters per stage")
+    parser.add_argument("--steps", type=int, default=5, help="emulated steps (the first is not timed)")
     args = parser.parse_args(argv)
+    if args.emulated:
+        args.p, args.m, args.dp = args.p or 2, args.m or 4, args.dp or 2
+        args.dp_bandwidth = 0.2 if args.dp_bandwidth is None else args.dp_bandwidth
+        if args.schedules == ",".join(SCHEDULES):
+            args.schedules = ",".join(EMULATED_SCHEDULES)
+        return main_emulated(args)
+    args.p, args.m, args.dp = args.p or 4, args.m or 8, args.dp or 16
     spec = CostSpec(model=args.model, hardware=args.hardware, dp_bandwidth=args.dp_bandwidth,
                     mixed_precision=args.mixed_precision)
     base = ScheduleRequest(name="1f1b", m=args.m, mesh=Mesh(pp=args.p, dp=args.dp), costs=spec,

@@ -61,7 +61,7 @@ def test_emulate_with_zero1_takes_the_given_link():
 @pytest.mark.spawn
 def test_measured_exposed_communication_follows_the_simulator():
     """bfs (p=2, v=2, m=4): rank 0's stage 2 finishes its backward early, so launching its
-    reduction there hides 16 ms of the 40 ms the end-of-step reduction exposes.
+    reduction there hides 20 ms of the 40 ms the end-of-step reduction exposes.
 
     Tolerance: at the end of the step the exposed time is the link's modelled time after
     the last pass, which the stream sleeps to within ~0.1 ms; overlapped, a reduction is
@@ -76,7 +76,7 @@ def test_measured_exposed_communication_follows_the_simulator():
         want[at_end] = predict_emulated_mesh(case)
         got[at_end] = measure_emulated_mesh(case)
     assert want[True]["exposed_s"] == pytest.approx(0.040)
-    assert want[False]["exposed_s"] == pytest.approx(0.024)
+    assert want[False]["exposed_s"] == pytest.approx(0.020)
     for at_end in (True, False):
         tolerance = max(0.006, 0.25 * want[at_end]["exposed_s"])
         assert abs(got[at_end]["exposed_s"] - want[at_end]["exposed_s"]) <= tolerance, (at_end, got, want)

@@ -70,8 +70,9 @@ def predict_emulated_mesh(case: EmulatedMeshCase) -> dict:
     S = schedule.num_stages
     model = case.dp_model(S)
     passes = (dp_passes_at_end if case.reduce_at_end else dp_passes)(model.policies(S), case.dp)
-    costs = Costs(t_f=case.f_ms / 1e3, t_b=case.b_ms / 1e3, t_w=case.w_ms / 1e3, params=case.stage_params,
-                  data_parallel=model)
+    # one time per global stage: a scalar would be a full stage's, split among its v chunks
+    costs = Costs(t_f=(case.f_ms / 1e3,) * S, t_b=(case.b_ms / 1e3,) * S, t_w=(case.w_ms / 1e3,) * S,
+                  params=case.stage_params, data_parallel=model)
     timeline = simulate_program(lower(schedule, PASSES + passes), costs)
     return {"step_s": timeline.makespan, "exposed_s": max(timeline.exposed_comm), "comm_s": max(timeline.comm_time)}
 
