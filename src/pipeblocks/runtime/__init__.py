@@ -51,6 +51,7 @@ Entry points:
     launch.init_from_env(*, timeout_s=300.0, stop_signals=False) -> DistContext   # under torchrun
     ctx.control.step_done(k) -> bool      # after each step: True on every rank when the run is to stop
     emulate.EmulatedCompute(costs, ...)                                 # sleep instead of compute
+    emulated_link.EmulatedLink(dp_model, stage_params)                 # DataParallel(link=...): modelled link times
     profile.profile_stage_memory(stages, inputs, loss_fn, target)       # M_B, M_W per stage
     profile.profile_stage_times(stages, inputs, loss_fn, target)        # F, B, W seconds per stage
 """

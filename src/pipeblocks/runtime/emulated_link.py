@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from ..core.dp_model import DataParallel as DPModel
 from ..core.sharding import ShardingPolicy
 from .emulate import precise_sleep
 
-__all__ = ["EmulatedLink"]
+__all__ = ["EMULATED_POLICIES", "EmulatedLink"]
+
+# emulated passes make no gradients: these policies' collectives need none to run
+EMULATED_POLICIES = (ShardingPolicy.REPLICATE, ShardingPolicy.ZERO1)
 
 
-@dataclass
 class EmulatedLink:
     """The modelled communication stream of one rank (times in seconds).
 
@@ -31,16 +32,16 @@ class EmulatedLink:
         seconds per ring step). stage_params: parameters of every global stage.
     """
 
-    model: DPModel
-    stage_params: Sequence[float]
-    _free: float = field(default=0.0, init=False)
-    _pending: dict[int, float] = field(default_factory=dict, init=False)
+    supported = EMULATED_POLICIES
 
-    def __post_init__(self) -> None:
-        self.stage_params = tuple(float(n) for n in self.stage_params)
-        if any(n < 0 for n in self.stage_params):
+    def __init__(self, model: DPModel, stage_params: Sequence[float]) -> None:
+        self.model = model
+        self.stage_params = tuple(float(n) for n in stage_params)
+        if any(not n >= 0 for n in self.stage_params):
             raise ValueError(f"stage_params must be >= 0 parameters per stage, got {self.stage_params}")
-        self.policies = self.model.policies(len(self.stage_params))
+        self.policies = model.policies(len(self.stage_params))
+        self._free = 0.0  # when the stream is next idle (perf_counter seconds)
+        self._pending: dict[int, float] = {}  # stage -> deadline of its last op
 
     def issue(self, kind: str, stage: int) -> float:
         """Issue `kind` (UNSHARD, RESHARD, REDUCE_GRAD) of `stage` now; returns its deadline."""
@@ -68,8 +69,3 @@ class EmulatedLink:
         precise_sleep(end - time.perf_counter())
         self._free = 0.0
         self._pending.clear()
-
-    @property
-    def supported(self) -> tuple[ShardingPolicy, ...]:
-        """Policies the emulated runtime runs: their collectives need no real gradient."""
-        return (ShardingPolicy.REPLICATE, ShardingPolicy.ZERO1)

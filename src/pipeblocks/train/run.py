@@ -101,10 +101,10 @@ def _emulated_link(request: ScheduleRequest) -> tuple[float, float]:
     (GB/s) and --dp-latency (us), else the --hardware preset's link for d replicas. Emulated
     compute makes no gradients, so only the policies whose collectives need none run."""
     from ..core.sharding import ShardingPolicy
+    from ..runtime.emulated_link import EMULATED_POLICIES
     from ..sim.analytic import HARDWARE, dp_link
 
-    supported = (ShardingPolicy.REPLICATE, ShardingPolicy.ZERO1)
-    others = sorted({str(p) for p in request.sharding if ShardingPolicy(p) not in supported})
+    others = sorted({str(p) for p in request.sharding if ShardingPolicy(p) not in EMULATED_POLICIES})
     if others:
         raise ValueError(
             f"--emulate with data parallelism runs --sharding replicate or zero1 (emulated compute makes no "
