@@ -23,7 +23,7 @@ Modes:
   Torch's I (input-gradient) pass reaches only the input-path node and its W pass only the
   weight-path node, so B and W time land where torch's split puts them; a fused backward
   (GPipe, 1F1B) runs both. One asymmetry is torch's own: its stage 0 skips I and does the
-  whole backward in W (ALGORITHMS.md 8.5), so there stage 0 sleeps B + W at W, which is
+  whole backward in W (a known limit of torch.distributed.pipelining's runtime), so there stage 0 sleeps B + W at W, which is
   what torch does with real modules too. This is the fair test of runtime overhead.
 * real: the real GPT stage modules and cross-entropy loss on both sides. The step losses
   of the two runs are compared (same weights and data, so they must agree). With p

@@ -5,7 +5,7 @@
 For each configuration: makespan, bubble ratio and rank-0 peak activation of 1F1B and of
 Seq1F1B with k chunks cut evenly (equal tokens) or balanced (equal FLOPs under causal
 attention), with flash-attention memory (the s x s scores are not stored). The memory
-ratio against 1F1B is compared with (k+p-1)/(kp) (ALGORITHMS.md §5.5).
+ratio against 1F1B is compared with (k+p-1)/(kp) (the Seq1F1B paper's memory algebra; docs/seq1f1b-memory.md).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ against the reference greedy on unequal costs.
     PYTHONPATH=src python benchmarks/zero_bubble.py [--quick] [--json out.json]
 
 Table 1, equal costs (T_F = T_B = T_W = 1 per full stage, a V chunk pass 1/2), m = 3p:
-peak activation (1F1B's is p), the span bubble ratio (ALGORITHMS §1.4: idle time inside the
+peak activation (1F1B's is p), the span bubble ratio (the papers' bubble rate: idle time inside the
 longest rank span over that span, the ZB paper's measure) and the simulator's global
 bubble ratio (against the makespan, which on any loop schedule also counts rank p-1's
 (p-1)*T_F late start).

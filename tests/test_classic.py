@@ -1,4 +1,4 @@
-"""Closed forms for the classic schedules (ALGORITHMS.md §2.1), unit and general costs."""
+"""Closed forms for the classic schedules (GPipe, 1F1B, interleaved 1F1B, BFPP), unit and general costs."""
 import pytest
 
 from pipeblocks import Costs, schedules, simulate

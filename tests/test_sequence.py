@@ -1,5 +1,5 @@
 """Sequence-level pipelining: Seq1F1B, its interleaved variant, composition with other
-schedules, the balanced split and per-chunk costs (ALGORITHMS.md §5)."""
+schedules, the balanced split and per-chunk costs (Seq1F1B, Sun et al. 2024)."""
 import pytest
 
 from pipeblocks import Costs, ScheduleError, schedules, simulate, validate

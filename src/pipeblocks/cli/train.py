@@ -34,7 +34,7 @@ Checkpoints are verified (size and sha256) before a resume: a damaged newest che
 is reported and the newest step intact on every rank is used. A new run refuses a
 `--checkpoint` directory that holds checkpoints unless given `--overwrite`.
 
-`--seq-chunks K` cuts every microbatch into K sequence chunks (Seq1F1B, ALGORITHMS.md §5):
+`--seq-chunks K` cuts every microbatch into K sequence chunks (Seq1F1B, Sun et al. 2024):
 seq1f1b and seq1f1b-i take it directly (default 2), any other schedule is composed with
 `split_sequence`. `--seq-split` chooses equal-FLOP ("balanced", the default) or equal-token
 chunks; the report's predicted memory uses each chunk's measured share.

@@ -6,7 +6,7 @@ Definitions (the JSON of `pipeblocks simulate` follows them):
     bubble_ratio  (makespan - max_r busy(r)) / makespan
     span(r)       rank r's last end minus its first start
     bubble_ratio_span  (max_r span(r) - max_r busy(r)) / max_r span(r): the papers' bubble
-                  rate (ALGORITHMS.md §1.4), which leaves out each rank's wait for its first
+                  rate (the papers' definition; README, Definitions), which leaves out each rank's wait for its first
                   input; "zero bubble" schedules reach 0 here, while bubble_ratio keeps the
                   unavoidable fill, (p-1)*T_F for the last rank
     peak_activation[r]  the largest activation memory rank r holds at any time

@@ -1,4 +1,4 @@
-"""torch.distributed.pipelining's compute-only schedule format (ALGORITHMS §8), both ways.
+"""torch.distributed.pipelining's compute-only schedule format, both ways.
 
     from pipeblocks.interop import to_torch_csv, from_torch_csv
     text = to_torch_csv(get("zb-v")(p=4, m=8))        # one CSV row per rank

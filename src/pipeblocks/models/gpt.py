@@ -26,7 +26,7 @@ Attention. `torch.nn.functional.scaled_dot_product_attention` (SDPA): on CPU it 
 flash kernel for float32 and float64 alike, which saves q, k, v, the output and one
 log-sum-exp per query and head for the backward, not the s x s probabilities.
 
-Attention seam for sequence-chunked schedules (Seq1F1B, ALGORITHMS.md §5.3): the embedding
+Attention seam for sequence-chunked schedules (Seq1F1B, Sun et al. 2024): the embedding
 takes a position `offset`, and `CausalSelfAttention.forward` takes an optional `kv` object
 whose `extend(k, v)` returns the keys and values to attend over (this chunk's and earlier
 chunks', in the extender's order) with the causal mask for that order. The runtime's K/V

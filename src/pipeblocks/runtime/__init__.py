@@ -14,7 +14,7 @@ Stage module contract (what `PipelineRunner` expects of the modules it is given)
   their forward on the "meta" device once to infer output shapes.
 
 Sequence chunks (a schedule with `seq_chunks` = k > 1: seq1f1b, seq1f1b-i,
-`split_sequence(name, ...)`; ALGORITHMS.md §5.3):
+`split_sequence(name, ...)`; Seq1F1B, Sun et al. 2024):
 
 * The runner cuts every microbatch's inputs and targets along dim 1 into k chunks of
   `seq_lengths` tokens (a runner argument: k lengths >= 1 summing to the sequence; default

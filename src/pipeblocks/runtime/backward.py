@@ -13,7 +13,7 @@ The split works on the autograd graph of the stage, so any stage module works un
   a group has several join nodes (a parameter used twice), a pre-hook pins each join node
   to its captured gradient so that nothing is counted twice.
 
-Memory consequence (ALGORITHMS.md §1.3, caveat of the graph split): after B this module
+Memory consequence (README, Definitions; a caveat of the graph split): after B this module
 keeps only the join nodes, so every saved tensor reachable from them stays alive until W:
 in practice all of the stage's activations except the region above the topmost join
 node (on the last stage: the loss, e.g. cross-entropy's log-softmax). B therefore frees

@@ -8,7 +8,7 @@ backward, after W, or when the graph is dropped). Parameters and buffers are not
 activations and are not counted. Tensors the executor holds outside the graph (the
 stage output until its backward, received gradients, send buffers) are not counted
 either: the number is autograd's saved-activation footprint, the quantity the
-simulator's memory model (ALGORITHMS.md §1.3) predicts.
+simulator's memory model (README, Definitions) predicts.
 
 Profiling one microbatch through stage modules with this tracker (M_B, M_W per stage, a
 sequence chunk's share) lives in `profile.py`, which builds on the compute passes.

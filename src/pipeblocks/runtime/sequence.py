@@ -1,4 +1,4 @@
-"""Sequence chunks (Seq1F1B, ALGORITHMS.md §5.3): what a stage is told, and the K/V cache.
+"""Sequence chunks (Seq1F1B, Sun et al. 2024): what a stage is told, and the K/V cache.
 
 When a schedule cuts every microbatch into k sequence chunks, the runner calls a stage
 once per (microbatch, chunk) as `module(x, chunk=SequenceChunk(...))`. The chunk says

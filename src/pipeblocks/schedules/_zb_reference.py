@@ -1,4 +1,4 @@
-"""The reference ZB greedy (ALGORITHMS §3.4), restated here as the baseline to beat.
+"""The reference ZB greedy (Zero Bubble Pipeline Parallelism, Qi et al. 2024), restated here as the baseline to beat.
 
 This is the heuristic of the Zero Bubble paper's code, re-expressed on `Timer`, one stage
 per rank (loop placement). It is kept as its own mode so that the cost-aware generator in

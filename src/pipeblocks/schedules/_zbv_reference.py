@@ -1,4 +1,4 @@
-"""The reference cost-aware ZB-V greedy (ALGORITHMS §3.5), restated as the baseline to beat.
+"""The reference cost-aware ZB-V greedy (Zero Bubble Pipeline Parallelism, Qi et al. 2024), restated as the baseline to beat.
 
 The Zero Bubble paper's V scheduler re-expressed on `Timer`. Rank i holds the down chunk
 a = stage i and the up chunk z = stage 2p-1-i. Warm-up: chunk-a forwards while memory (with

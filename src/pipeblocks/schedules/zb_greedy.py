@@ -6,7 +6,7 @@
 Loop placement, one stage per rank, split backward. The memory limit is per rank, in the
 simulator's units (1F1B's peak is p). Two modes:
 
-    "reference"  the ZB paper's greedy (ALGORITHMS §3.4) over its 2^3 knob grid, kept
+    "reference"  the ZB paper's greedy over its 2^3 knob grid, kept
                  as the baseline (`_zb_reference`)
     "best"       (default) the best, by simulation, of: the reference greedy's knob grid,
                  ZB-H1/ZB-H2 and their memory-capped variants, our memory-safe list

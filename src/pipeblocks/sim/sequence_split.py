@@ -2,7 +2,7 @@
 
 Causal attention makes later tokens dearer: the tokens [a, e) attend to e keys on average
 more than earlier ones. FLOPs of the tokens [a, e), s = e - a, for L layers, hidden H,
-h heads of size d = H/h, FFN size F_ff and vocabulary V (ALGORITHMS.md §5.4)::
+h heads of size d = H/h, FFN size F_ff and vocabulary V (Seq1F1B's compute-balanced split)::
 
     C(a, e) = 4sHV + L * [(4d+3) h (s e - s^2/2) + 8 s H^2 + 4 s H F_ff]
 
