@@ -2,17 +2,23 @@
 model config and a hardware profile.
 
 Per transformer layer, with s = sequence, b = microbatch size, h = hidden, a = heads
-(FLOPs from the Zero Bubble paper, Table 1; activation bytes for 16-bit activations)::
+(FLOPs from the Zero Bubble paper, Table 1)::
 
     F = s*b*h*(24h + 4s)    B = s*b*h*(24h + 8s)    W = 24*s*b*h^2        (so B + W = 2F)
-    M_B = s*b*(34h + 5*a*s) bytes     M_W = 32*s*b*h bytes
-    (flash attention, as torch's scaled_dot_product_attention: the s x s scores are not
-    stored, the softmax's log-sum-exp is, one fp32 per query and head: M_B = 34*s*b*h + 4*a*s*b)
 
-The LM head (on the last stage; layers per stage follow `core.split.layer_counts`, which
-gives the end stages the lighter share of an uneven split) adds 2*s*b*h*V FLOPs to each of F, B and W and keeps the
-fp32 logits (4*s*b*V bytes). Time = FLOPs / (peak FLOP/s * achievable fraction); one hop
-between ranks takes latency + s*b*h*dtype_bytes / bandwidth.
+Activation bytes (what autograd saves for the backward; `layer_activation_bytes`, the
+terms are listed there and in docs/memory.md) are, with dropout and 16-bit activations,
+M_B = s*b*(34h + 5*a*s) as in Megatron's accounting (Korthikanti et al. 2022), plus the
+LayerNorm statistics; with flash attention the s x s scores are not stored and a
+log-sum-exp per query and head is (M_B = 34*s*b*h + 4*a*s*b + 16*s*b). M_W = 32*s*b*h.
+
+Each layer also costs stage-level terms (`stage_activation_bytes`): the LM head on the last
+stage (layers per stage follow `core.split.layer_counts`, which gives the end stages the
+lighter share of an uneven split) adds 2*s*b*h*V FLOPs to each of F, B and W and saves the
+final LayerNorm's input and output and the loss's log-probabilities (fp32, s*b*V*4 bytes);
+the embedding on the first stage saves the token and position ids. Time = FLOPs / (peak
+FLOP/s * achievable fraction); one hop between ranks takes latency + s*b*h*dtype_bytes /
+bandwidth.
 
 Parameters per stage (they size the data-parallel collectives and the static memory), as
 the reference GPT has them: 12h^2 + 13h per layer, the embeddings (V + s)*h on the first
@@ -38,7 +44,7 @@ from ..core.split import layer_counts
 
 __all__ = [
     "TransformerConfig", "Hardware", "MODELS", "HARDWARE", "layer_split", "layer_activation_bytes", "transformer_costs",
-    "parse_model", "stage_params", "dp_link",
+    "parse_model", "stage_params", "dp_link", "stage_activation_bytes", "loss_activation_bytes",
 ]
 
 _DTYPE_BYTES = MappingProxyType({"fp32": 4, "float32": 4, "bf16": 2, "fp16": 2, "float16": 2, "float64": 8})
@@ -54,6 +60,10 @@ class TransformerConfig:
     flash_attention: attention that does not store the s x s scores (drops the 5*a*s term
         of M_B and keeps a log-sum-exp per query and head instead), as long-sequence
         training and torch's scaled_dot_product_attention do.
+    dropout: the model trains with dropout, whose masks are saved for the backward (one
+        byte per element: after attention, after the MLP, on the embedding, and on the
+        attention probabilities unless flash attention). Megatron's accounting has it; the
+        reference GPT of `pipeblocks train` has no dropout.
     """
 
     layers: int
@@ -64,6 +74,7 @@ class TransformerConfig:
     microbatch_size: int = 1
     dtype: str = "bf16"
     flash_attention: bool = False
+    dropout: bool = True
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq", "vocab", "microbatch_size"):
@@ -173,33 +184,73 @@ def layer_split(layers: int, num_stages: int) -> tuple[int, ...]:
 
 def layer_activation_bytes(config: TransformerConfig, tokens: int, keys: int, *, kv: bool = True) -> float:
     """Bytes one layer's forward saves for `tokens` queries attending over `keys` keys, per
-    microbatch: 34*h per token (of which K and V are 4*h), plus 5*a*keys per token for
-    the scores, or with flash attention a 4-byte log-sum-exp per token and head.
-    kv=False leaves K and V out (a sequence chunk's K/V live in a buffer of the whole sequence)."""
+    microbatch. Per token, with e the activation element size and f = max(4, e) the size of
+    the statistics kept in fp32 at least (a pre-norm block, MLP 4h, GELU)::
+
+        16*h*e   the block input, LayerNorm 1's output (the QKV GEMM's input), Q, K and V
+                 (one 3h tensor), the attention output (the projection's input), the
+                 residual after attention, LayerNorm 2's output, the MLP's 4h GEMM output
+                 (GELU's input) and GELU's 4h output (the second GEMM's input)
+        4*f      mean and reciprocal deviation of both LayerNorms
+        a*f      flash attention: one log-sum-exp per head;  else  a*keys*e  probabilities
+        dropout: 2*h (masks after attention and after the MLP, a byte each), and without
+                 flash attention a*keys*(1 + e) (the probabilities' mask and dropped copy)
+
+    With dropout and 16-bit activations this is Megatron's 34*h + 5*a*s (plus 16 bytes).
+    kv=False leaves K and V out (2*h*e: a sequence chunk's K/V live in a buffer of the
+    whole sequence)."""
     b, h, a = config.microbatch_size, config.hidden, config.heads
-    scale = config.dtype_bytes / 2  # the formulas count 16-bit bytes
-    per_token = (34 if kv else 30) * h * scale
-    attention = 4 * a if config.flash_attention else 5 * a * keys * scale
-    return tokens * b * (per_token + attention)
+    e = config.dtype_bytes
+    f = max(4, e)
+    per_token = (16 if kv else 14) * h * e + 4 * f
+    per_token += a * f if config.flash_attention else a * keys * e
+    if config.dropout:
+        per_token += 2 * h + (0 if config.flash_attention else a * keys * (1 + e))
+    return tokens * b * per_token
+
+
+def loss_activation_bytes(config: TransformerConfig) -> float:
+    """What the loss saves on the last stage per microbatch, freed by its backward (B):
+    the log-probabilities (fp32 at least, s*b*V*f), the int64 targets and one scalar."""
+    tokens = config.seq * config.microbatch_size
+    return tokens * (config.vocab * max(4, config.dtype_bytes) + 8) + config.dtype_bytes
+
+
+def stage_activation_bytes(config: TransformerConfig, num_stages: int) -> tuple[float, ...]:
+    """M_B per global stage for one microbatch: its layers, and the end stages' extras.
+
+    First stage: the int64 token ids (8 bytes per token) and position ids (8 per position),
+    and with dropout the embedding's mask (h bytes per token). Last stage: the final
+    LayerNorm's input, statistics and output (the head GEMM's input), 2*h*e + 2*f per
+    token, and the loss (`loss_activation_bytes`)."""
+    s, b, h = config.seq, config.microbatch_size, config.hidden
+    e, f = config.dtype_bytes, max(4, config.dtype_bytes)
+    layer = layer_activation_bytes(config, s, s)
+    embed = 8 * s * b + 8 * s + (s * b * h if config.dropout else 0)
+    head = s * b * (2 * h * e + 2 * f) + loss_activation_bytes(config)
+    last = num_stages - 1
+    return tuple(
+        n * layer + (embed if i == 0 else 0) + (head if i == last else 0)
+        for i, n in enumerate(layer_split(config.layers, num_stages))
+    )
 
 
 def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stages: int) -> Costs:
     """Per-stage costs (seconds, bytes) for `num_stages` global stages of `config`."""
     s, b, h, V = config.seq, config.microbatch_size, config.hidden, config.vocab
     rate = hardware.flops * hardware.efficiency
-    scale = config.dtype_bytes / 2  # the activation formulas count 16-bit bytes
     layer_f = s * b * h * (24 * h + 4 * s)
     layer_b = s * b * h * (24 * h + 8 * s)
     layer_w = 24 * s * b * h * h
     layer_mem_b = layer_activation_bytes(config, s, s)
-    layer_mem_w = 32 * s * b * h * scale
+    layer_mem_w = 16 * s * b * h * config.dtype_bytes  # W's GEMM inputs and output gradients (ZB paper)
     head = 2 * s * b * h * V
     counts = layer_split(config.layers, num_stages)
     last = num_stages - 1
     t_f = tuple((n * layer_f + (head if i == last else 0)) / rate for i, n in enumerate(counts))
     t_b = tuple((n * layer_b + (head if i == last else 0)) / rate for i, n in enumerate(counts))
     t_w = tuple((n * layer_w + (head if i == last else 0)) / rate for i, n in enumerate(counts))
-    mem_b = tuple(n * layer_mem_b + (4 * s * b * V if i == last else 0) for i, n in enumerate(counts))
+    mem_b = stage_activation_bytes(config, num_stages)
     t_comm = hardware.latency + s * b * h * config.dtype_bytes / hardware.bandwidth
     # a recomputed stage keeps only its input, one hidden state per token
     kept = tuple(min(1.0, s * b * h * config.dtype_bytes / m) if m > 0 else 1.0 for m in mem_b)

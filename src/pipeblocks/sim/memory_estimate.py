@@ -1,0 +1,176 @@
+"""Per-rank memory of a pipeline run, estimated from a model config alone: nothing is run
+or profiled.
+
+    >>> from pipeblocks.schedules import get
+    >>> from pipeblocks.sim.analytic import TransformerConfig
+    >>> from pipeblocks.sim.memory_estimate import estimate_memory
+    >>> config = TransformerConfig(layers=8, hidden=64, heads=4, seq=64, vocab=256, microbatch_size=2,
+    ...                            dtype="fp32", flash_attention=True, dropout=False)
+    >>> estimate = estimate_memory(config, get("1f1b")(p=4, m=8), dp=2, sharding=("zero1",))
+    >>> [round(r.total / 2**20, 1) for r in estimate.ranks]  # MiB per (pipeline rank, replica)
+    [5.8, 5.8, 4.8, 4.8, 3.8, 3.8, 3.1, 3.1]
+
+Per process (pipeline rank r, replica d) it gives:
+
+* static bytes: parameters, gradients and AdamW state at the step's peak, as the sharding
+  policies hold them (`core.static_memory.predict_static_peak` over the lowered Program,
+  with the reference GPT's parameter shapes per stage: FSDP2's padded shards, the zero1
+  partition of whole tensors). With mixed precision (which the runtime does not run) the
+  closed form of `core.dp_model.static_peak_bytes` (2 + 2 + 12 bytes per parameter) instead;
+* activation bytes: the simulator's peak of saved activations for the schedule, fed the
+  analytic M_B per stage (`analytic.stage_activation_bytes`: layers, embedding ids on the
+  first stage, final LayerNorm and loss on the last) and M_W as the runtime keeps it (B
+  frees only the loss: the split backward keeps the rest of the graph for W). Sequence
+  chunks take their share from `sequence_split.chunk_shares`;
+* total = static + activation: the sum of the two peaks, as `pipeblocks train` reports
+  them (measured apart), so an upper bound of the joint peak.
+
+What is left out: allocator granularity and caching, the executor's buffers outside the
+autograd graph (stage outputs until their backward, received gradients, send buffers),
+FSDP2's communication buffers, AdamW's step counters (4 bytes per tensor), the optimistic
+step's spare copies, and recomputation (the runtime does not recompute).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..core.costs import Costs
+from ..core.dp_model import PRECISIONS, static_peak_bytes
+from ..core.lower import PASSES, lower
+from ..core.passes_dp import dp_passes
+from ..core.schedule import Schedule
+from ..core.sharding import ShardingPolicy, parse_sharding, per_stage
+from ..core.simulate import simulate
+from ..core.static_memory import predict_static_peak
+from .analytic import TransformerConfig, layer_split, loss_activation_bytes, stage_activation_bytes
+from .sequence_split import SPLITS, chunk_shares, split_lengths
+
+__all__ = ["RankMemory", "MemoryEstimate", "estimate_memory", "stage_param_shapes", "PRECISION_CHOICES"]
+
+PRECISION_CHOICES = ("auto", "fp32", "float64", "mixed")
+_MLP_RATIO = 4
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One process's estimate, in bytes."""
+
+    rank: int
+    """pipeline rank"""
+    dp_rank: int
+    """data-parallel replica"""
+    stages: tuple[int, ...]
+    static_bytes: float
+    """parameters, gradients and optimizer state at the step's peak"""
+    activation_bytes: float
+    """peak saved activations over the step"""
+
+    @property
+    def total(self) -> float:
+        return self.static_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-process estimates (pipeline rank major, replica minor) and the per-stage inputs."""
+
+    ranks: tuple[RankMemory, ...]
+    stage_activation: tuple[float, ...]
+    """M_B: what one microbatch's forward saves, per global stage"""
+    stage_params: tuple[int, ...]
+    """parameters per global stage"""
+
+    @property
+    def peak(self) -> float:
+        """The largest total over the processes: what must fit on one device."""
+        return max(r.total for r in self.ranks)
+
+    def rank(self, rank: int, dp_rank: int = 0) -> RankMemory:
+        return next(r for r in self.ranks if r.rank == rank and r.dp_rank == dp_rank)
+
+
+def stage_param_shapes(config: TransformerConfig, num_stages: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """The trainable parameters' shapes per global stage, in module order, as the reference
+    GPT has them: token and position embeddings on the first stage; per layer two
+    LayerNorms, the fused QKV and output projections and the 4h MLP, with biases; the final
+    LayerNorm and the untied head (no bias) on the last."""
+    h, V, s = config.hidden, config.vocab, config.seq
+    inner = _MLP_RATIO * h
+    layer = ((h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,), (inner, h), (inner,), (h, inner), (h,))
+    last = num_stages - 1
+    return tuple(
+        (((V, h), (s, h)) if i == 0 else ()) + layer * n + (((h,), (h,), (V, h)) if i == last else ())
+        for i, n in enumerate(layer_split(config.layers, num_stages))
+    )
+
+
+def _precision(config: TransformerConfig, precision: str) -> str:
+    if precision not in PRECISION_CHOICES:
+        raise ValueError(f"precision {precision!r}: choose one of {', '.join(PRECISION_CHOICES)}")
+    if precision != "auto":
+        return precision
+    return {4: "fp32", 8: "float64"}.get(config.dtype_bytes, "mixed")
+
+
+def _activation_costs(config: TransformerConfig, schedule: Schedule, seq_split: str) -> Costs:
+    S = schedule.num_stages
+    mem_b = stage_activation_bytes(config, S)
+    # the runtime's split backward frees only the loss in B; W keeps the rest of the graph
+    kept = tuple(1.0 - (loss_activation_bytes(config) / m if s == S - 1 else 0.0) for s, m in enumerate(mem_b))
+    seq_mem = None
+    k = schedule.seq_chunks
+    if k > 1:
+        if k > config.seq:
+            raise ValueError(f"{k} sequence chunks of a {config.seq}-token sequence: use at most {config.seq} chunks")
+        if seq_split not in SPLITS:
+            raise ValueError(f"seq_split {seq_split!r}: choose one of {', '.join(SPLITS)}")
+        seq_mem = chunk_shares(split_lengths(config.seq, k, seq_split, config), config)[1]
+    return Costs(mem_b=mem_b, mem_w_ratio=kept, seq_mem=seq_mem)
+
+
+def estimate_memory(
+    config: TransformerConfig,
+    schedule: Schedule,
+    *,
+    dp: int = 1,
+    sharding: Sequence[str | ShardingPolicy] = ("replicate",),
+    precision: str = "auto",
+    seq_split: str = "balanced",
+) -> MemoryEstimate:
+    """Static, peak activation and total bytes of every process of `schedule` (p pipeline
+    ranks, each on `dp` replicas) training `config` with AdamW.
+
+    schedule: a built schedule (`pipeblocks.schedules.get(name)(p=..., m=..., **options)`);
+        its stage count, placement, B/W split and sequence chunks are what count.
+    sharding: one policy for every stage or one per stage (replicate, zero1, zero2, zero3).
+    precision: "auto" (the activation dtype: fp32 or float64 AdamW in that dtype, 16-bit
+        dtypes mixed), "fp32", "float64", or "mixed" (2 + 2 + 12 bytes per parameter).
+    seq_split: sequence-chunk boundaries ("balanced" or "even"), as `train --seq-split`.
+    """
+    if not isinstance(config, TransformerConfig):
+        raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a built Schedule (schedules.get(name)(p=, m=)), got {type(schedule).__name__}")
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp must be an integer >= 1, got {dp!r}: give 1 or more replicas")
+    S = schedule.num_stages
+    policies = per_stage(parse_sharding(list(sharding)), S)
+    precision = _precision(config, precision)
+    shapes = stage_param_shapes(config, S)
+    params = tuple(sum(math.prod(shape) for shape in stage) for stage in shapes)
+    activation = simulate(schedule, _activation_costs(config, schedule, seq_split)).peak_activation
+    program = lower(schedule, PASSES + dp_passes(policies, dp))
+    ranks = []
+    for r in range(schedule.p):
+        mine = schedule.placement.stages_of(r)
+        for d in range(dp):
+            if precision == "mixed":
+                static = sum(static_peak_bytes(params[s], ShardingPolicy(policies[s]), dp, PRECISIONS["mixed"])
+                             for s in mine)
+            else:
+                static = predict_static_peak(program, r, {s: shapes[s] for s in mine}, policies, dp=dp, dp_rank=d,
+                                             element_size=4 if precision == "fp32" else 8)
+            ranks.append(RankMemory(r, d, tuple(mine), float(static), float(activation[r])))
+    return MemoryEstimate(tuple(ranks), tuple(float(x) for x in stage_activation_bytes(config, S)), params)
