@@ -93,8 +93,15 @@ def test_analytic_formulas():
     assert costs.t_b[0] == approx(s * b * h * (24 * h + 8 * s) / rate)
     assert costs.t_w[0] == approx(24 * s * b * h * h / rate)
     assert costs.t_b[0] + costs.t_w[0] == approx(2 * costs.t_f[0])
-    assert costs.mem_b[0] == approx(s * b * (34 * h + 5 * a * s))
-    assert costs.mem_w_ratio == approx(32 * h / (34 * h + 5 * a * s))
+    # Megatron's 34h + 5as per token (dropout, 16-bit), the LayerNorms' fp32 statistics (16
+    # bytes per token), and the embedding's int64 ids and dropout mask on the first stage
+    layer = s * b * (34 * h + 5 * a * s + 16)
+    assert costs.mem_b[0] == approx(layer + 8 * s * b + 8 * s + s * b * h)
+    assert costs.mem_b[1] == approx(layer)
+    assert costs.mem_w_ratio == approx(32 * s * b * h / layer)
+    # the last stage: the final LayerNorm (input, output, statistics) and the loss's fp32
+    # log-probabilities, int64 targets and one scalar
+    assert costs.mem_b[3] == approx(layer + s * b * (2 * 2 * h + 8) + s * b * (4 * V + 8) + 2)
     # the last stage also runs the LM head: 2*s*b*h*V FLOPs more in each of F, B and W
     assert costs.t_f[3] == approx((s * b * h * (24 * h + 4 * s) + 2 * s * b * h * V) / rate)
     assert costs.t_w[3] == approx((24 * s * b * h * h + 2 * s * b * h * V) / rate)
