@@ -37,6 +37,7 @@ CASES = {  # name -> (schedule, p, m, generator options, dp, sharding)
     "1f1b p=2 dp=2": ("1f1b", 2, 4, {}, 2, "replicate"),
     "1f1b p=2 dp=2 zero1": ("1f1b", 2, 4, {}, 2, "zero1"),
     "1f1b p=2 dp=2 zero3": ("1f1b", 2, 4, {}, 2, "zero3"),
+    "v-half p=2 dp=2 zero2": ("v-half", 2, 4, {}, 2, "zero2"),
 }
 
 

@@ -8,7 +8,7 @@ or profiled.
     ...                            dtype="fp32", flash_attention=True, dropout=False)
     >>> estimate = estimate_memory(config, get("1f1b")(p=4, m=8), dp=2, sharding=("zero1",))
     >>> [round(r.total / 2**20, 1) for r in estimate.ranks]  # MiB per (pipeline rank, replica)
-    [5.8, 5.8, 4.8, 4.8, 3.8, 3.8, 3.1, 3.1]
+    [5.4, 5.4, 4.2, 4.2, 3.2, 3.2, 2.5, 2.5]
 
 Per process (pipeline rank r, replica d) it gives:
 
