@@ -3,6 +3,8 @@ memory of the reference GPT: static plus peak activation within 5% for every pro
 every configuration, and the per-stage activation terms against the runtime's profile."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pipeblocks import schedules
@@ -79,12 +81,32 @@ def test_estimate_shards_static_memory_and_keeps_activations():
     assert mixed.rank(0).static_bytes == pytest.approx(plain.stage_params[0] * 16)  # 2 + 2 + 12 bytes
 
 
+def test_estimate_recompute_and_what_w_keeps():
+    plain = estimate_memory(ANALYTIC, schedules.get("1f1b")(p=2, m=4))
+    recomputed = estimate_memory(ANALYTIC, schedules.get("1f1b-r")(p=2, m=4))
+    # rank 0 keeps the token ids of 1 + 2 waiting microbatches, then one stage's whole
+    # activation while its forward is rebuilt
+    tokens = ANALYTIC.seq * ANALYTIC.microbatch_size
+    assert recomputed.rank(0).activation_bytes <= plain.stage_activation[0] + 2 * 8 * tokens
+    assert recomputed.rank(0).activation_bytes >= plain.stage_activation[0]
+    assert recomputed.rank(0).static_bytes == plain.rank(0).static_bytes
+    # with stored attention probabilities W needs a smaller share of what F saved, so a
+    # middle rank of ZB-H1 (whose W passes wait) holds less when B frees the rest
+    megatron = dataclasses.replace(ANALYTIC, flash_attention=False, dropout=True)
+    zb = schedules.get("zb-h1")(p=4, m=8)
+    graph, weights = estimate_memory(megatron, zb), estimate_memory(megatron, zb, w_keeps="weights")
+    assert weights.rank(1).activation_bytes < 0.95 * graph.rank(1).activation_bytes
+    assert weights.rank(1).activation_bytes > 0.5 * graph.rank(1).activation_bytes
+
+
 def test_estimate_rejects_bad_input():
     schedule = schedules.get("1f1b")(p=2, m=4)
     with pytest.raises(ValueError, match="dp must be an integer >= 1"):
         estimate_memory(ANALYTIC, schedule, dp=0)
     with pytest.raises(ValueError, match="precision 'bf32'"):
         estimate_memory(ANALYTIC, schedule, precision="bf32")
+    with pytest.raises(ValueError, match="w_keeps 'all'"):
+        estimate_memory(ANALYTIC, schedule, w_keeps="all")
     with pytest.raises(TypeError, match="built Schedule"):
         estimate_memory(ANALYTIC, "1f1b")
     with pytest.raises(ValueError, match="--sharding"):

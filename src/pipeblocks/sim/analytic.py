@@ -45,6 +45,7 @@ from ..core.split import layer_counts
 __all__ = [
     "TransformerConfig", "Hardware", "MODELS", "HARDWARE", "layer_split", "layer_activation_bytes", "transformer_costs",
     "parse_model", "stage_params", "dp_link", "stage_activation_bytes", "loss_activation_bytes",
+    "transformer_w_ratio",
 ]
 
 _DTYPE_BYTES = MappingProxyType({"fp32": 4, "float32": 4, "bf16": 2, "fp16": 2, "float16": 2, "float64": 8})
@@ -235,6 +236,13 @@ def stage_activation_bytes(config: TransformerConfig, num_stages: int) -> tuple[
     )
 
 
+def transformer_w_ratio(config: TransformerConfig) -> float:
+    """M_W / M_B of a layer: what W needs kept after B, its GEMMs' inputs and output
+    gradients (16*h*e per token, the Zero Bubble paper's 32*s*b*h in 16-bit bytes)."""
+    s = config.seq
+    return 16 * s * config.microbatch_size * config.hidden * config.dtype_bytes / layer_activation_bytes(config, s, s)
+
+
 def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stages: int) -> Costs:
     """Per-stage costs (seconds, bytes) for `num_stages` global stages of `config`."""
     s, b, h, V = config.seq, config.microbatch_size, config.hidden, config.vocab
@@ -242,8 +250,6 @@ def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stag
     layer_f = s * b * h * (24 * h + 4 * s)
     layer_b = s * b * h * (24 * h + 8 * s)
     layer_w = 24 * s * b * h * h
-    layer_mem_b = layer_activation_bytes(config, s, s)
-    layer_mem_w = 16 * s * b * h * config.dtype_bytes  # W's GEMM inputs and output gradients (ZB paper)
     head = 2 * s * b * h * V
     counts = layer_split(config.layers, num_stages)
     last = num_stages - 1
@@ -256,7 +262,7 @@ def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stag
     kept = tuple(min(1.0, s * b * h * config.dtype_bytes / m) if m > 0 else 1.0 for m in mem_b)
     return Costs(
         recompute_input_ratio=kept,
-        t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, mem_b=mem_b, mem_w_ratio=layer_mem_w / layer_mem_b,
+        t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, mem_b=mem_b, mem_w_ratio=transformer_w_ratio(config),
         params=tuple(float(n) for n in stage_params(config, num_stages)),
     )
 

@@ -20,15 +20,16 @@ Per process (pipeline rank r, replica d) it gives:
 * activation bytes: the simulator's peak of saved activations for the schedule, fed the
   analytic M_B per stage (`analytic.stage_activation_bytes`: layers, embedding ids on the
   first stage, final LayerNorm and loss on the last) and M_W as the runtime keeps it (B
-  frees only the loss: the split backward keeps the rest of the graph for W). Sequence
-  chunks take their share from `sequence_split.chunk_shares`;
+  frees only the loss: the split backward keeps the rest of the graph for W; `w_keeps`
+  "weights" takes the Zero Bubble paper's M_W instead). Sequence chunks take their share
+  from `sequence_split.chunk_shares`; a recomputed forward (`1f1b-r`) keeps its input;
 * total = static + activation: the sum of the two peaks, as `pipeblocks train` reports
   them (measured apart), so an upper bound of the joint peak.
 
 What is left out: allocator granularity and caching, the executor's buffers outside the
 autograd graph (stage outputs until their backward, received gradients, send buffers),
 FSDP2's communication buffers, AdamW's step counters (4 bytes per tensor), the optimistic
-step's spare copies, and recomputation (the runtime does not recompute).
+step's spare copies.
 """
 from __future__ import annotations
 
@@ -44,12 +45,16 @@ from ..core.schedule import Schedule
 from ..core.sharding import ShardingPolicy, parse_sharding, per_stage
 from ..core.simulate import simulate
 from ..core.static_memory import predict_static_peak
-from .analytic import TransformerConfig, layer_split, loss_activation_bytes, stage_activation_bytes
+from .analytic import (
+    TransformerConfig, layer_activation_bytes, layer_split, loss_activation_bytes, stage_activation_bytes,
+    transformer_w_ratio,
+)
 from .sequence_split import SPLITS, chunk_shares, split_lengths
 
-__all__ = ["RankMemory", "MemoryEstimate", "estimate_memory", "stage_param_shapes", "PRECISION_CHOICES"]
+__all__ = ["RankMemory", "MemoryEstimate", "estimate_memory", "stage_param_shapes", "PRECISION_CHOICES", "W_KEEPS"]
 
 PRECISION_CHOICES = ("auto", "fp32", "float64", "mixed")
+W_KEEPS = ("graph", "weights")
 _MLP_RATIO = 4
 
 
@@ -114,11 +119,25 @@ def _precision(config: TransformerConfig, precision: str) -> str:
     return {4: "fp32", 8: "float64"}.get(config.dtype_bytes, "mixed")
 
 
-def _activation_costs(config: TransformerConfig, schedule: Schedule, seq_split: str) -> Costs:
+def _activation_costs(config: TransformerConfig, schedule: Schedule, seq_split: str, w_keeps: str) -> Costs:
     S = schedule.num_stages
     mem_b = stage_activation_bytes(config, S)
-    # the runtime's split backward frees only the loss in B; W keeps the rest of the graph
-    kept = tuple(1.0 - (loss_activation_bytes(config) / m if s == S - 1 else 0.0) for s, m in enumerate(mem_b))
+    if w_keeps == "graph":
+        # the runtime's split backward frees only the loss in B; W keeps the rest of the graph
+        kept = tuple(1.0 - (loss_activation_bytes(config) / m if s == S - 1 else 0.0) for s, m in enumerate(mem_b))
+    else:
+        # W's GEMM inputs and output gradients per layer; the head's input and logit
+        # gradients on the last stage; the token ids the embedding's gradient scatters by
+        tokens = config.seq * config.microbatch_size
+        e = config.dtype_bytes
+        layer = transformer_w_ratio(config) * layer_activation_bytes(config, config.seq, config.seq)
+        needed = [n * layer + (8 * tokens if s == 0 else 0) + (tokens * (config.hidden + config.vocab) * e if s == S - 1 else 0)
+                  for s, n in enumerate(layer_split(config.layers, S))]
+        kept = tuple(min(1.0, x / m) for x, m in zip(needed, mem_b))
+    # a recomputed forward keeps its input: the token ids on the first stage, a hidden state elsewhere
+    tokens = config.seq * config.microbatch_size
+    inputs = [8 * tokens] + [tokens * config.hidden * config.dtype_bytes] * (S - 1)
+    recompute = tuple(min(1.0, x / m) for x, m in zip(inputs, mem_b))
     seq_mem = None
     k = schedule.seq_chunks
     if k > 1:
@@ -127,7 +146,7 @@ def _activation_costs(config: TransformerConfig, schedule: Schedule, seq_split: 
         if seq_split not in SPLITS:
             raise ValueError(f"seq_split {seq_split!r}: choose one of {', '.join(SPLITS)}")
         seq_mem = chunk_shares(split_lengths(config.seq, k, seq_split, config), config)[1]
-    return Costs(mem_b=mem_b, mem_w_ratio=kept, seq_mem=seq_mem)
+    return Costs(mem_b=mem_b, mem_w_ratio=kept, seq_mem=seq_mem, recompute_input_ratio=recompute)
 
 
 def estimate_memory(
@@ -138,6 +157,7 @@ def estimate_memory(
     sharding: Sequence[str | ShardingPolicy] = ("replicate",),
     precision: str = "auto",
     seq_split: str = "balanced",
+    w_keeps: str = "graph",
 ) -> MemoryEstimate:
     """Static, peak activation and total bytes of every process of `schedule` (p pipeline
     ranks, each on `dp` replicas) training `config` with AdamW.
@@ -148,11 +168,18 @@ def estimate_memory(
     precision: "auto" (the activation dtype: fp32 or float64 AdamW in that dtype, 16-bit
         dtypes mixed), "fp32", "float64", or "mixed" (2 + 2 + 12 bytes per parameter).
     seq_split: sequence-chunk boundaries ("balanced" or "even"), as `train --seq-split`.
+    w_keeps: what a split backward keeps from B until W: "graph" (pipeblocks' runtime: all
+        the forward saved but the loss) or "weights" (only W's GEMM inputs and output
+        gradients: 16*h*e per token and layer, the Zero Bubble paper's M_W, which
+        `analytic.transformer_costs` applies to every stage; here the head's input and
+        logit gradients on the last stage and the token ids on the first).
     """
     if not isinstance(config, TransformerConfig):
         raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a built Schedule (schedules.get(name)(p=, m=)), got {type(schedule).__name__}")
+    if w_keeps not in W_KEEPS:
+        raise ValueError(f"w_keeps {w_keeps!r}: choose one of {', '.join(W_KEEPS)}")
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dp must be an integer >= 1, got {dp!r}: give 1 or more replicas")
     S = schedule.num_stages
@@ -160,7 +187,7 @@ def estimate_memory(
     precision = _precision(config, precision)
     shapes = stage_param_shapes(config, S)
     params = tuple(sum(math.prod(shape) for shape in stage) for stage in shapes)
-    activation = simulate(schedule, _activation_costs(config, schedule, seq_split)).peak_activation
+    activation = simulate(schedule, _activation_costs(config, schedule, seq_split, w_keeps)).peak_activation
     program = lower(schedule, PASSES + dp_passes(policies, dp))
     ranks = []
     for r in range(schedule.p):
