@@ -79,6 +79,11 @@ def test_estimate_shards_static_memory_and_keeps_activations():
     assert plain.peak == max(r.total for r in plain.ranks)
     mixed = estimate_memory(ANALYTIC, schedule, precision="mixed")
     assert mixed.rank(0).static_bytes == pytest.approx(plain.stage_params[0] * 16)  # 2 + 2 + 12 bytes
+    # mixed zero2 at the peak: bf16 parameters, their shard, bf16 gradients, half the fp32 state
+    mixed2 = estimate_memory(ANALYTIC, schedule, dp=2, sharding=("zero2",), precision="mixed")
+    assert mixed2.rank(1, dp_rank=1).static_bytes == pytest.approx(plain.stage_params[1] * (2 + 1 + 2 + 6))
+    with pytest.raises(ValueError, match=r"no process \(rank 2, replica 0\): ranks are 0..1, replicas 0..1"):
+        mixed2.rank(2)
 
 
 def test_estimate_recompute_and_what_w_keeps():

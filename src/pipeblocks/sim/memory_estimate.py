@@ -16,7 +16,7 @@ Per process (pipeline rank r, replica d) it gives:
   policies hold them (`core.static_memory.predict_static_peak` over the lowered Program,
   with the reference GPT's parameter shapes per stage: FSDP2's padded shards, the zero1
   partition of whole tensors). With mixed precision (which the runtime does not run) the
-  closed form of `core.dp_model.static_peak_bytes` (2 + 2 + 12 bytes per parameter) instead;
+  same holdings at 2 + 2 + 12 bytes per parameter, without the padding;
 * activation bytes: the simulator's peak of saved activations for the schedule, fed the
   analytic M_B per stage (`analytic.stage_activation_bytes`: layers, embedding ids on the
   first stage, final LayerNorm and loss on the last) and M_W as the runtime keeps it (B
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.costs import Costs
-from ..core.dp_model import PRECISIONS, static_peak_bytes
+from ..core.dp_model import PRECISIONS
 from ..core.lower import PASSES, lower
 from ..core.passes_dp import dp_passes
 from ..core.schedule import Schedule
@@ -93,7 +93,12 @@ class MemoryEstimate:
         return max(r.total for r in self.ranks)
 
     def rank(self, rank: int, dp_rank: int = 0) -> RankMemory:
-        return next(r for r in self.ranks if r.rank == rank and r.dp_rank == dp_rank)
+        """The estimate of pipeline rank `rank`, replica `dp_rank`."""
+        for r in self.ranks:
+            if r.rank == rank and r.dp_rank == dp_rank:
+                return r
+        p, dp = max(r.rank for r in self.ranks) + 1, max(r.dp_rank for r in self.ranks) + 1
+        raise ValueError(f"no process (rank {rank}, replica {dp_rank}): ranks are 0..{p - 1}, replicas 0..{dp - 1}")
 
 
 def stage_param_shapes(config: TransformerConfig, num_stages: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
@@ -119,21 +124,25 @@ def _precision(config: TransformerConfig, precision: str) -> str:
     return {4: "fp32", 8: "float64"}.get(config.dtype_bytes, "mixed")
 
 
+def _w_ratios(config: TransformerConfig, mem_b: tuple[float, ...], w_keeps: str) -> tuple[float, ...]:
+    """M_W / M_B per stage: what B leaves for W."""
+    S = len(mem_b)
+    if w_keeps == "graph":
+        # the runtime's split backward frees only the loss in B; W keeps the rest of the graph
+        return tuple(1.0 - (loss_activation_bytes(config) / m if s == S - 1 else 0.0) for s, m in enumerate(mem_b))
+    # W's GEMM inputs and output gradients per layer; the head's input and logit gradients
+    # on the last stage; the token ids the embedding's gradient scatters by on the first
+    tokens = config.seq * config.microbatch_size
+    layer = transformer_w_ratio(config) * layer_activation_bytes(config, config.seq, config.seq)
+    head = tokens * (config.hidden + config.vocab) * config.dtype_bytes
+    needed = [n * layer + (8 * tokens if s == 0 else 0) + (head if s == S - 1 else 0)
+              for s, n in enumerate(layer_split(config.layers, S))]
+    return tuple(min(1.0, x / m) for x, m in zip(needed, mem_b))
+
+
 def _activation_costs(config: TransformerConfig, schedule: Schedule, seq_split: str, w_keeps: str) -> Costs:
     S = schedule.num_stages
     mem_b = stage_activation_bytes(config, S)
-    if w_keeps == "graph":
-        # the runtime's split backward frees only the loss in B; W keeps the rest of the graph
-        kept = tuple(1.0 - (loss_activation_bytes(config) / m if s == S - 1 else 0.0) for s, m in enumerate(mem_b))
-    else:
-        # W's GEMM inputs and output gradients per layer; the head's input and logit
-        # gradients on the last stage; the token ids the embedding's gradient scatters by
-        tokens = config.seq * config.microbatch_size
-        e = config.dtype_bytes
-        layer = transformer_w_ratio(config) * layer_activation_bytes(config, config.seq, config.seq)
-        needed = [n * layer + (8 * tokens if s == 0 else 0) + (tokens * (config.hidden + config.vocab) * e if s == S - 1 else 0)
-                  for s, n in enumerate(layer_split(config.layers, S))]
-        kept = tuple(min(1.0, x / m) for x, m in zip(needed, mem_b))
     # a recomputed forward keeps its input: the token ids on the first stage, a hidden state elsewhere
     tokens = config.seq * config.microbatch_size
     inputs = [8 * tokens] + [tokens * config.hidden * config.dtype_bytes] * (S - 1)
@@ -146,7 +155,19 @@ def _activation_costs(config: TransformerConfig, schedule: Schedule, seq_split: 
         if seq_split not in SPLITS:
             raise ValueError(f"seq_split {seq_split!r}: choose one of {', '.join(SPLITS)}")
         seq_mem = chunk_shares(split_lengths(config.seq, k, seq_split, config), config)[1]
-    return Costs(mem_b=mem_b, mem_w_ratio=kept, seq_mem=seq_mem, recompute_input_ratio=recompute)
+    return Costs(mem_b=mem_b, mem_w_ratio=_w_ratios(config, mem_b, w_keeps), seq_mem=seq_mem,
+                 recompute_input_ratio=recompute)
+
+
+def _mixed_static_peak(params: int, policy: ShardingPolicy, d: int) -> float:
+    """Mixed precision (2 + 2 + 12 bytes per parameter) at the step's peak, as FSDP2 and
+    ZeroRedundancyOptimizer hold it: full gradients until the reduction, FSDP2's shards
+    beside the gathered parameters (zero2 and zero3), the state sharded (all but replicate)."""
+    b = PRECISIONS["mixed"]
+    if policy is ShardingPolicy.REPLICATE:
+        return params * b.total
+    shard = b.param / d if policy in (ShardingPolicy.ZERO2, ShardingPolicy.ZERO3) else 0.0
+    return params * (b.param + shard + b.grad + b.optim / d)
 
 
 def estimate_memory(
@@ -194,8 +215,7 @@ def estimate_memory(
         mine = schedule.placement.stages_of(r)
         for d in range(dp):
             if precision == "mixed":
-                static = sum(static_peak_bytes(params[s], ShardingPolicy(policies[s]), dp, PRECISIONS["mixed"])
-                             for s in mine)
+                static = sum(_mixed_static_peak(params[s], ShardingPolicy(policies[s]), dp) for s in mine)
             else:
                 static = predict_static_peak(program, r, {s: shapes[s] for s in mine}, policies, dp=dp, dp_rank=d,
                                              element_size=4 if precision == "fp32" else 8)
