@@ -27,10 +27,10 @@ def test_collectives_run_one_at_a_time_on_the_stream():
     first = link.issue("REDUCE_GRAD", 0)
     second = link.issue("REDUCE_GRAD", 1)
     assert second - first == pytest.approx(0.004, abs=1e-9)  # queued behind the first, not beside it
-    start = time.perf_counter()
     link.wait_stage(1)
+    # the wait ends at the second collective's deadline, never before; how long it took from
+    # here depends on the machine's load, so only the deadline is checked
     assert time.perf_counter() >= second
-    assert time.perf_counter() - start >= 0.007
 
 
 def test_the_end_of_the_step_adds_the_gathers_after_the_optimizer_step():
