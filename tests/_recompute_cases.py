@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from pipeblocks import schedules
+from pipeblocks.core.program import Recompute
 from pipeblocks.core.recompute import all_pairs
 from pipeblocks.models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
 from pipeblocks.runtime import PipelineRunner
@@ -78,13 +79,15 @@ def recompute_worker(ctx, cases: list[str]) -> dict:
             "grads": {s: [p.grad.clone() for p in mod.parameters()] for s, mod in mine.items()},
             "peak": result.peak_saved_bytes,
             "left": runner.tracker.current,
-            "recomputes": sum(1 for op in runner.program.ranks[ctx.rank] if type(op).__name__ == "Recompute"),
+            "recomputes": sum(1 for op in runner.program.ranks[ctx.rank] if type(op) is Recompute),
         }
+    out["dropout"] = {flag: dropout_run(ctx, flag) for flag in (False, True)}
     return out
 
 
-def dropout_worker(ctx, recompute: bool) -> dict:
-    """1F1B on a model with dropout, every pair recomputed or none: the gradients per stage."""
+def dropout_run(ctx, recompute: bool) -> dict:
+    """1F1B on a model with dropout, every pair recomputed or none: loss, gradients and the
+    next random number (the generator must end where a run without recomputation leaves it)."""
     schedule = schedules.get("1f1b")(p=P, m=M)
     stages = [Dropped(s) for s in toy_stages(schedule.num_stages, config_of("1f1b"))]
     mine = {s: stages[s] for s in schedule.placement.stages_of(ctx.rank)}
@@ -94,4 +97,4 @@ def dropout_worker(ctx, recompute: bool) -> dict:
     x, y = toy_batch(MICROBATCH * M, config_of("1f1b"), seed=3)
     result = runner.step(x, y)
     return {"loss": result.loss, "grads": {s: [p.grad.clone() for p in mod.parameters()] for s, mod in mine.items()},
-            "after": torch.rand(()).item()}  # the generator must be where a run without recomputation leaves it
+            "after": torch.rand(()).item()}

@@ -129,10 +129,17 @@ class StageMemory:
     """Saved-activation bytes of one microbatch on one stage.
 
     m_b: saved by F (held until B).  m_w: still held after B until W (split backward).
+    m_in: the stage input's bytes, what a recomputed F keeps in place of m_b
+        (`Costs(recompute_input_ratio=m_in / m_b)`).
     """
 
     m_b: int
     m_w: int
+    m_in: int = 0
+
+    @property
+    def input_ratio(self) -> float:
+        return min(1.0, self.m_in / self.m_b) if self.m_b else 1.0
 
     @property
     def w_ratio(self) -> float:
