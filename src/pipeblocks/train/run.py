@@ -78,7 +78,7 @@ def prepare(
     layer_counts(model.layers, schedule.num_stages)
     data = TokenWindows.load(train_options.get("data"), seq=model.seq)
     cfg = TrainConfig(schedule=schedule, model=model, emulate=emulate, emulated_link=emulated_link, seq_split=request.costs.seq_split,
-                      dp=dp, sharding=request.sharding, **train_options)
+                      dp=dp, sharding=request.sharding, recompute=tuple(built.recompute), **train_options)
     if dp > 1 and cfg.global_batch_size > data.num_windows:
         raise ValueError(
             f"--dp {dp}: a step takes dp x m x microbatch = {dp} x {schedule.m} x {cfg.microbatch_size} = "
@@ -179,9 +179,10 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) 
     out = out or sys.stdout
     s = cfg.schedule
     stages, costs = _stage_costs(cfg, data)
-    timeline = simulate(s, costs)
+    pairs = cfg.recompute_pairs
+    timeline = simulate(s, costs, recompute=pairs)
     # shown as `show` shows it: measured times are not multiples of one cell, emulated ones are
-    shown = timeline if cfg.emulate is not None else simulate(s, Costs())
+    shown = timeline if cfg.emulate is not None else simulate(s, Costs(), recompute=pairs)
     if cfg.data_parallel:
         static = _static_predicted(cfg, stages)
     else:
@@ -268,7 +269,8 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows):
     total = sum(x.m_b for x in memory)
     ratio = min(1.0, sum(x.m_w for x in memory) / total) if s.has_split_backward and total > 0 else 1.0
     costs = Costs(t_f=f, t_b=b, t_w=w, mem_b=tuple(float(x.m_b) for x in memory), mem_w_ratio=ratio,
-                  seq_mem=tuple(seq_mem) if seq_mem is not None else None)
+                  seq_mem=tuple(seq_mem) if seq_mem is not None else None,
+                  recompute_input_ratio=tuple(x.input_ratio for x in memory))
     return stages, costs
 
 
@@ -307,7 +309,7 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
     seq_mem = profile_chunk_memory(stages, x, cross_entropy, y, cfg.seq_lengths()) if s.seq_chunks > 1 else None
     warmup = min(WARMUP_STEPS, max(0, len(results[0].step_spans) - 1))
     built = build_report(s, results, memory, warmup=warmup, emulated=cfg.emulate is not None, seq_mem=seq_mem,
-                         dp=cfg.dp, sharding=[str(p) for p in cfg.sharding],
+                         dp=cfg.dp, sharding=[str(p) for p in cfg.sharding], recompute=cfg.recompute_pairs,
                          stage_param_bytes=[sum(q.numel() * q.element_size() for q in st.parameters())
                                             for st in stages])
     skipped = [[step + 1 for step in r.skipped_steps] for r in results]
