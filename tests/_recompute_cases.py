@@ -98,3 +98,10 @@ def dropout_run(ctx, recompute: bool) -> dict:
     result = runner.step(x, y)
     return {"loss": result.loss, "grads": {s: [p.grad.clone() for p in mod.parameters()] for s, mod in mine.items()},
             "after": torch.rand(()).item()}
+
+
+def verify_worker(ctx, cfgs: list) -> list:
+    """`train --verify`'s rank body for each TrainConfig in turn, in one set of processes."""
+    from pipeblocks.train.loop import train_rank
+
+    return [train_rank(ctx, cfg) for cfg in cfgs]
