@@ -1,0 +1,44 @@
+"""Bad input for elastic groups, --recompute and --gpu-memory, on `simulate` and `train`:
+one clear line, exit status 2, before anything runs (issue: PipeMesh, bad input)."""
+from __future__ import annotations
+
+import pytest
+
+from pipeblocks.cli.main import main
+
+TRAIN = ("train", "-p", "2", "-m", "4", "--layers", "4", "--dry-run")
+
+
+@pytest.mark.parametrize("command", ["simulate", "train"])
+@pytest.mark.parametrize("args, message", [
+    (("--forward-groups", "2,3"), "--forward-groups 2,3 sums to 5, but a step has m=4 microbatches"),
+    (("--forward-groups", "2,2", "--backward-groups", "3"), "--backward-groups 3 sums to 3"),
+    (("--forward-groups", "4,0"), "every group needs 1 or more microbatches, got [0]"),
+    (("--forward-groups", "6,-2"), "every group needs 1 or more microbatches, got [-2]"),
+    (("--recompute", "auto"), "no --gpu-memory was given: give --gpu-memory GB"),
+    (("--recompute", "auto", "--gpu-memory", "1"), "raise --gpu-memory to at least 14.6"),
+])
+def test_bad_elastic_and_recompute_input(capsys, command, args, message):
+    argv = [command, "elastic", "-p", "2", "-m", "4"] if command == "simulate" else [*TRAIN, "--schedule", "elastic"]
+    code = main([*argv, "--dp", "2", "--sharding", "zero3", *args])
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_train_refuses_recomputed_sequence_chunks(capsys):
+    code = main([*TRAIN, "--schedule", "1f1b", "--recompute", "all", "--seq-chunks", "2"])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert "the runtime does not recompute sequence chunks" in err and "drop --recompute" in err
+
+
+def test_simulate_says_what_would_fit(capsys):
+    assert main(["simulate", "elastic", "-p", "2", "-m", "4", "--dp", "2", "--sharding", "zero3",
+                 "--gpu-memory", "15.5"]) == 0
+    out = capsys.readouterr().out
+    assert "fits memory   no (--gpu-memory 15.5)" in out
+    assert "this plan needs 16.5 per rank" in out and "with every forward recomputed it needs 14.6" in out
+    assert main(["simulate", "elastic", "-p", "2", "-m", "4", "--gpu-memory", "5"]) == 0
+    assert "raise --gpu-memory to at least 16.6" in capsys.readouterr().out
