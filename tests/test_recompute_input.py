@@ -42,3 +42,22 @@ def test_simulate_says_what_would_fit(capsys):
     assert "this plan needs 16.5 per rank" in out and "with every forward recomputed it needs 14.6" in out
     assert main(["simulate", "elastic", "-p", "2", "-m", "4", "--gpu-memory", "5"]) == 0
     assert "raise --gpu-memory to at least 16.6" in capsys.readouterr().out
+
+
+def test_compare_shows_fits_memory_and_recompute_time(capsys):
+    base = ["compare", "-p", "2", "-m", "4", "--schedules", "1f1b,1f1b-r,elastic", "--dp", "2", "--sharding", "zero3",
+            "--gpu-memory", "15.5"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("schedule"))
+    assert "recomp" in header and "fits" in header
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["1f1b"], ["1f1b-r"])}
+    recomp, fits = header.split().index("recomp"), header.split().index("fits")
+    assert rows["1f1b-r"][recomp] == "4" and rows["1f1b-r"][fits] == "yes"
+    assert rows["1f1b"][recomp] == "0" and rows["1f1b"][fits] == "no"
+    import json
+
+    assert main([*base, "--json"]) == 0
+    data = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["schedules"]}
+    assert data["1f1b-r"]["fits_memory"] is True and data["1f1b-r"]["recompute_time"] == [4.0, 4.0]
+    assert data["1f1b"]["fits_memory"] is False
