@@ -27,6 +27,7 @@ CASES = {
     "zb-h1": ("zb-h1", ()),
     "interleaved+some": ("interleaved-1f1b", ((0, 0), (1, 3), (2, 1), (3, 2), (3, 3))),
     "v-half+all": ("v-half", "all"),  # two stages of one rank hand over locally at the V's turn
+    "v-half": ("v-half", ()),
 }
 
 

@@ -101,12 +101,14 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
         print(f"dp={args.dp} sharding={args.sharding}  (exposed DP comm: max over ranks; static: max over ranks"
               f"{', GiB' if args.model else ', 16 per full stage in fp32 replicate'})")
     extra = f"  {'exp comm':>8}  {'static':>8}" if mesh else ""
-    recomputes = any(any(r["recompute_time"]) for r in rows)
     budget = args.gpu_memory is not None
+    # in play only when asked for: 1f1b-r alone says by its name that it recomputes
+    recomputes = (budget or args.recompute != "none") and any(any(r["recompute_time"]) for r in rows)
     extra += (f"  {'recomp':>7}" if recomputes else "") + (f"  {'fits':>4}" if budget else "")
-    if recomputes or budget:
-        print("recomp: recomputation time, max over ranks" * recomputes + ("; " if recomputes and budget else "")
-              + f"fits: static + activation memory within --gpu-memory {args.gpu_memory:g} on every rank" * budget)
+    notes = (["recomp: recomputation time, max over ranks"] if recomputes else []) + (
+        [f"fits: static + activation memory within --gpu-memory {args.gpu_memory:g} on every rank"] if budget else [])
+    if notes:
+        print("; ".join(notes))
     print(f"{'schedule':<{width}}  {'v':>2}  {'makespan':>9}  {'bubble':>7}  {'span bub':>8}  {'peak max':>8}  {'vs 1F1B':>7}{extra}  peak per rank")
     for r in rows:
         per_rank = " ".join(f"{x / unit:.3g}" for x in r["peak_activation"])
