@@ -62,3 +62,25 @@ def test_compare_shows_fits_memory_and_recompute_time(capsys):
     data = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["schedules"]}
     assert data["1f1b-r"]["fits_memory"] is True and data["1f1b-r"]["recompute_time"] == [4.0, 4.0]
     assert data["1f1b"]["fits_memory"] is False
+
+
+def test_report_replays_the_recomputation():
+    """The train report's prediction recomputes the pairs the run did, each forward keeping
+    the profiled input share; recomputation events in the measured timeline are not passes."""
+    from pipeblocks import schedules
+    from pipeblocks.core.recompute import all_pairs
+    from pipeblocks.core.simulate import simulate
+    from pipeblocks.runtime.memory import StageMemory
+    from pipeblocks.train.report import RankResult, build_report
+
+    schedule = schedules.get("1f1b")(p=2, m=4)
+    measured = simulate(schedule, recompute=all_pairs(schedule))  # has Recompute events
+    results = [RankResult(r, (r,), ((0, 1.0),) if r == 1 else (), ((0, 0.0, 1.0),), 10,
+                          ((0, measured),) if r == 0 else ()) for r in range(2)]
+    memory = [StageMemory(m_b=1000, m_w=1000, m_in=100) for _ in range(2)]
+    plain = build_report(schedule, results, memory, warmup=0).data
+    recomputed = build_report(schedule, results, memory, warmup=0, recompute=all_pairs(schedule)).data
+    assert [r["peak_activation_bytes_predicted"] for r in plain["ranks"]] == [2000, 1000]
+    # rank 0: two inputs kept (10% each) and one microbatch rebuilt
+    assert [r["peak_activation_bytes_predicted"] for r in recomputed["ranks"]] == pytest.approx([1100, 1000])
+    assert recomputed["stages"][0]["f_s"] == plain["stages"][0]["f_s"] == 1.0

@@ -159,7 +159,8 @@ def build_report(
     which gives `dp_comm_exposed_s_simulated` and the simulated iteration time.
 
     recompute: the (stage, microbatch) pairs the run recomputed; the simulator replays
-    them, a recomputed forward keeping the stage input (`memory[s].m_in`).
+    them, a recomputed forward keeping the stage input (`memory[s].input_ratio` of M_B,
+    when the memory comes from `profile_stage_memory`).
     """
     by_rank = sorted(results, key=lambda r: (r.dp_rank, r.rank))
     timelines = next((r.timelines for r in by_rank if r.timelines), ())
@@ -178,7 +179,8 @@ def build_report(
             data_parallel=DataParallel(dp=dp, sharding=parse_sharding(list(sharding)),
                                        link=Link(bandwidth=link[0], latency=link[1])),
         )
-    costs = dataclasses.replace(costs, recompute_input_ratio=tuple(x.input_ratio for x in memory))
+    if all(hasattr(x, "input_ratio") for x in memory):  # profiled: what a recomputed forward keeps
+        costs = dataclasses.replace(costs, recompute_input_ratio=tuple(x.input_ratio for x in memory))
     simulated = simulate(schedule, costs, recompute=frozenset(recompute))
     exposed = list(simulated.exposed_comm) or [0.0] * schedule.p
     walls = [t for _, t in iteration_times(results)]
