@@ -122,3 +122,22 @@ def test_bad_recompute_mode():
 
     with pytest.raises(ValueError, match="--recompute 'some'"):
         ScheduleRequest(name="1f1b", m=4, mesh=Mesh(pp=2), recompute="some")
+
+
+def test_zero3_recomputation_runs_gathered():
+    """A recomputation runs the stage's forward, so a zero3 stage must be gathered for it:
+    the DP passes place it inside the UNSHARD..RESHARD window, and a misplaced one is refused."""
+    from pipeblocks.core.passes_dp import check_dp_ops, dp_passes
+    from pipeblocks.core.sharding import ShardingPolicy
+
+    zero3 = (ShardingPolicy.ZERO3,)
+    schedule = schedules.get("elastic")(p=2, m=4, forward_groups="2,2", backward_groups="4")
+    program = lower(schedule, PASSES + dp_passes(zero3, 2) + (add_recompute(all_pairs(schedule)),))
+    check_dp_ops(program, zero3)
+    check_recompute(program)
+    single = one_f_one_b(p=1, m=1)
+    good = "0: 0UNSHARD 0F0 0R0 0BW0 0REDUCE_GRAD 0RESHARD\n"
+    check_dp_ops(Program.from_text(good, single), zero3)
+    bad = "0: 0UNSHARD 0F0 0RESHARD 0R0 0UNSHARD 0BW0 0REDUCE_GRAD 0RESHARD\n"
+    with pytest.raises(ScheduleError, match="sharded here; put 0UNSHARD before it"):
+        check_dp_ops(Program.from_text(bad, single), zero3)

@@ -30,8 +30,6 @@ def _runnable(case: str) -> str | None:
     reason = try_build(case, P, M)
     if reason is None and build(case, P, M).seq_chunks > 1:
         reason = "sequence chunks need the attention model; their memory is checked in test_runtime_sequence.py"
-    if reason is None and build(case, P, M).option("recompute") == "all":
-        reason = "the runtime does not recompute yet: RECOMPUTE is simulated only, so its memory differs by design"
     if reason is None and BLOCKS % build(case, P, M).num_stages:
         reason = f"its {build(case, P, M).num_stages} stages do not divide the {BLOCKS}-block model"
     return reason
@@ -50,7 +48,9 @@ def predicted(case: str) -> tuple[tuple[float, ...], float]:
     x, y = toy_batch(MICROBATCH, memory_config(schedule, BLOCKS))
     profile = profile_stage_memory(stages, x, cross_entropy, y)
     assert all(s.m_w <= s.m_b for s in profile)
-    costs = Costs(mem_b=tuple(float(s.m_b) for s in profile), mem_w_ratio=1.0)
+    # a recomputed forward (1f1b-r) keeps its stage input: the profiled share of M_B
+    costs = Costs(mem_b=tuple(float(s.m_b) for s in profile), mem_w_ratio=1.0,
+                  recompute_input_ratio=tuple(s.input_ratio for s in profile))
     return simulate(schedule, costs).peak_activation, min(s.w_ratio for s in profile)
 
 

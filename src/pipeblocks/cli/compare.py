@@ -6,7 +6,9 @@ import time
 
 from ..core.errors import ScheduleError
 from ..schedules import names
+from ..sim.build import memory_budget
 from ..sim.plots import ParetoPoint, plot_pareto
+from ..sim.recompute_auto import fits_memory
 from ..core.simulate import simulate
 from ..core.request import ScheduleRequest
 from .argtypes import plot_file
@@ -43,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
             skipped.append((name, str(err).splitlines()[0]))
             continue
         summary = timeline.summary()
+        summary["fits_memory"] = fits_memory(timeline, memory_budget(built.request))
         rows.append({**summary, "peak_max": max(timeline.peak_activation),
                      "exposed_comm_max": max(summary["exposed_comm"]), "static_max": max(summary["static_memory"])})
         if time.monotonic() - started > 2:
@@ -98,10 +101,20 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
         print(f"dp={args.dp} sharding={args.sharding}  (exposed DP comm: max over ranks; static: max over ranks"
               f"{', GiB' if args.model else ', 16 per full stage in fp32 replicate'})")
     extra = f"  {'exp comm':>8}  {'static':>8}" if mesh else ""
+    budget = args.gpu_memory is not None
+    # in play only when asked for: 1f1b-r alone says by its name that it recomputes
+    recomputes = (budget or args.recompute != "none") and any(any(r["recompute_time"]) for r in rows)
+    extra += (f"  {'recomp':>7}" if recomputes else "") + (f"  {'fits':>4}" if budget else "")
+    notes = (["recomp: recomputation time, max over ranks"] if recomputes else []) + (
+        [f"fits: static + activation memory within --gpu-memory {args.gpu_memory:g} on every rank"] if budget else [])
+    if notes:
+        print("; ".join(notes))
     print(f"{'schedule':<{width}}  {'v':>2}  {'makespan':>9}  {'bubble':>7}  {'span bub':>8}  {'peak max':>8}  {'vs 1F1B':>7}{extra}  peak per rank")
     for r in rows:
         per_rank = " ".join(f"{x / unit:.3g}" for x in r["peak_activation"])
         extra = f"  {r['exposed_comm_max']:>8.4g}  {r['static_max'] / unit:>8.4g}" if mesh else ""
+        extra += (f"  {max(r['recompute_time']):>7.4g}" if recomputes else "")
+        extra += (f"  {'yes' if r['fits_memory'] else 'no':>4}" if budget else "")
         print(f"{r['schedule']:<{width}}  {r['v']:>2}  {r['makespan']:>9.4g}  {r['bubble_ratio']:>7.4f}  {r['bubble_ratio_span']:>8.4f}  "
               f"{r['peak_max'] / unit:>8.4g}  {r['peak_vs_1f1b']:>7.3f}{extra}  {per_rank}")
     print("bubble: bubble_ratio, over the whole makespan (counts the start-up stagger); span bub: "

@@ -5,7 +5,8 @@ import argparse
 
 from ..core.simulate import simulate
 from ..sim.build import memory_budget
-from ..sim.recompute_auto import fits_memory
+from ..core.recompute import all_pairs
+from ..sim.recompute_auto import fits_memory, memory_need
 from .async_sim import add_async_options, run_async
 from .common import add_schedule_options, build, request_from_args, print_json
 
@@ -46,5 +47,20 @@ def run(args: argparse.Namespace) -> int:
               + " ".join(f"{t:.4g}" for t in summary["recompute_time"]))
     if summary["fits_memory"] is not None:
         print(f"fits memory   {'yes' if summary['fits_memory'] else 'no'} (--gpu-memory {args.gpu_memory:g})")
+        if not summary["fits_memory"]:
+            print(_what_fits(built, timeline, 1e9 if args.model else 1.0))
     print(f"(static memory: parameters, gradients and optimizer state between steps, and at the step's peak; {unit})")
     return 0
+
+
+def _what_fits(built, timeline, unit: float) -> str:
+    """For a plan over --gpu-memory: what it needs, and what full recomputation would."""
+    need = max(memory_need(timeline)) / unit
+    full = max(memory_need(simulate(built.schedule, built.costs, recompute=all_pairs(built.schedule)))) / unit
+    budget = built.request.gpu_memory
+    if full <= budget:
+        hint = f"with every forward recomputed it needs {full:.4g}: add --recompute auto (or all)"
+    else:
+        hint = (f"even with every forward recomputed it needs {full:.4g}: raise --gpu-memory to at least {full:.4g}, "
+                "shard (--dp, --sharding zero3) or use more pipeline ranks")
+    return f"              this plan needs {need:.4g} per rank (static at the step's peak + activation); {hint}"

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 
 from .actions import Action, Kind
 from .errors import ScheduleError
-from .program import Comm, DPOp, Op, Program
+from .program import Comm, DPOp, Op, Program, Recompute
 from .sharding import ShardingPolicy, per_stage
 
 __all__ = ["add_grad_reduce", "add_grad_reduce_at_end", "add_sharding", "check_dp_ops", "dp_passes", "dp_passes_at_end", "needs_dp_ops"]
@@ -186,7 +186,7 @@ def check_dp_ops(program: Program, policies: Iterable[ShardingPolicy] | None = N
                     if op.stage in reduced:
                         raise ScheduleError(f"{where}: stage {op.stage} reduces its gradients twice in one step")
                     reduced.add(op.stage)
-            elif type(op) is Action:
+            elif type(op) is Action or type(op) is Recompute:  # a recomputation runs the stage's forward
                 if op.stage in sharded and op.stage not in gathered:
                     raise ScheduleError(
                         f"{where}: stage {op.stage}'s parameters are sharded here; put {op.stage}UNSHARD before it"

@@ -10,9 +10,16 @@ passes consume:
     input_grad     B: gradient of the stage input; keeps what W needs (backward.py)
     weight_grad    W: parameter gradients, accumulated into `.grad`
     full_backward  BW: both at once
+
+A (stage, microbatch) whose forward is recomputed (a RECOMPUTE op in the Program) runs F
+as `forward(..., keep=False)`: without autograd, keeping only the stage input (counted
+as a saved activation) and the random-number state; `recompute` then re-runs the
+forward with autograd from that input and state just before the backward, so the graph
+B and W use is the one a plain forward would have built, bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
@@ -22,7 +29,7 @@ from .backward import WeightGradWork, fused_backward, input_backward
 from .memory import SavedTensorTracker
 from .sequence import KVCache, SequenceChunk
 
-__all__ = ["Unit", "ModuleCompute"]
+__all__ = ["Unit", "ModuleCompute", "RecomputeState"]
 
 
 @dataclass
@@ -35,6 +42,16 @@ class Unit:
     work: WeightGradWork | None = None
     chunk: SequenceChunk | None = None  # with sequence chunks: which one
     leaves: tuple[torch.Tensor, ...] = ()  # earlier chunks' K/V leaves this unit attended over
+    kept: RecomputeState | None = None  # a forward run without its graph: what recomputing needs
+
+
+@dataclass
+class RecomputeState:
+    """What a forward run without autograd keeps for its recomputation."""
+
+    target: torch.Tensor | None  # the loss target on the last stage
+    rng: tuple[torch.Tensor, torch.Tensor | None]  # CPU and accelerator generator states at F
+    handle: object | None = None  # the tracker's count of the kept input (a saved activation)
 
 
 class ModuleCompute:
@@ -65,9 +82,38 @@ class ModuleCompute:
         self._params[stage] = params
 
     def forward(
-        self, stage: int, x: torch.Tensor, target: torch.Tensor | None, chunk: SequenceChunk | None = None
+        self, stage: int, x: torch.Tensor, target: torch.Tensor | None, chunk: SequenceChunk | None = None,
+        *, keep: bool = True,
     ) -> tuple[torch.Tensor | None, Unit]:
-        """Returns (tensor for the next stage or None on the last stage, unit state)."""
+        """Returns (tensor for the next stage or None on the last stage, unit state).
+        keep=False: run without autograd, for a unit that `recompute` rebuilds later."""
+        if not keep:
+            if chunk is not None:
+                raise ValueError(
+                    f"stage {stage}: recomputing a sequence chunk is not supported (its K/V would be appended "
+                    "twice); drop --recompute or --seq-chunks"
+                )
+            kept = RecomputeState(target, _rng_state(x.device), self.tracker.hold(x))
+            with torch.no_grad():
+                out, unit = self._forward(stage, x, target, None)
+            unit.kept, unit.root = kept, None
+            return out, unit
+        return self._forward(stage, x, target, chunk)
+
+    def recompute(self, stage: int, unit: Unit) -> None:
+        """Re-run the forward of `unit` with autograd, from its kept input and random state."""
+        kept = unit.kept
+        if kept is None:
+            raise RuntimeError(f"stage {stage}: recompute of a unit whose forward kept its graph")
+        with _rng_restored(kept.rng, unit.inp.device):
+            _, fresh = self._forward(stage, unit.inp, kept.target, None)
+        unit.root, unit.kept = fresh.root, None
+        # dropped after the graph saved the input again: one storage, counted once throughout
+        kept.handle = None
+
+    def _forward(
+        self, stage: int, x: torch.Tensor, target: torch.Tensor | None, chunk: SequenceChunk | None
+    ) -> tuple[torch.Tensor | None, Unit]:
         if stage > 0 and x.is_floating_point():
             x.requires_grad_(True)
         if chunk is not None:
@@ -115,3 +161,27 @@ class ModuleCompute:
         unit.leaves = ()
         if unit.chunk is not None and unit.chunk.index == 0:
             self.kv_cache.release(unit.chunk.stage, unit.chunk.microbatch)
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CPU generator's state and, for an accelerator tensor, its device's."""
+    module = None if device.type == "cpu" else getattr(torch, device.type, None)
+    accelerator = module.get_rng_state(device) if module is not None and hasattr(module, "get_rng_state") else None
+    return torch.get_rng_state(), accelerator
+
+
+@contextlib.contextmanager
+def _rng_restored(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device):
+    """Run with the generators as they were at the forward (a module with dropout draws the
+    same mask again), then put them back, so the recomputation consumes no random numbers."""
+    now = _rng_state(device)
+    cpu, accelerator = state
+    torch.set_rng_state(cpu)
+    if accelerator is not None:
+        getattr(torch, device.type).set_rng_state(accelerator, device)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(now[0])
+        if now[1] is not None:
+            getattr(torch, device.type).set_rng_state(now[1], device)

@@ -94,7 +94,8 @@ class EmulatedCompute:
         seconds = ms_per_layer * self.costs.layers_of(stage, self.num_stages) / 1000.0
         precise_sleep(seconds)
 
-    def forward(self, stage: int, x: torch.Tensor, target: torch.Tensor | None) -> tuple[torch.Tensor | None, Unit]:
+    def forward(self, stage: int, x: torch.Tensor, target: torch.Tensor | None, *,
+                keep: bool = True) -> tuple[torch.Tensor | None, Unit]:
         self._sleep(self.costs.f_ms, stage)
         if stage == self.num_stages - 1:
             return None, Unit(x, x, loss=torch.zeros(()))
@@ -102,6 +103,10 @@ class EmulatedCompute:
         if key not in self._out:
             self._out[key] = infer_output_spec(self.stages[stage], key[1], self.device)
         return torch.zeros(self._out[key].shape, dtype=self._out[key].dtype, device=self.device), Unit(x, x)
+
+    def recompute(self, stage: int, unit: Unit) -> None:
+        """A recomputation takes the forward's time again."""
+        self._sleep(self.costs.f_ms, stage)
 
     def input_grad(self, stage: int, unit: Unit, grad: torch.Tensor | None) -> torch.Tensor | None:
         self._sleep(self.costs.b_ms, stage)

@@ -13,6 +13,8 @@ The executor walks `program.ranks[rank]` in order and knows nothing about schedu
     DPOp        UNSHARD / RESHARD / REDUCE_GRAD, handed to the rank's `DataParallel`
                 (data_parallel.py), which launches them without waiting; every compute
                 action first lets it wait for what the action's stage needs
+    Recompute   re-run the forward of a unit whose F ran without its graph (the F of
+                every unit the Program recomputes does), just before its backward
 
 With sequence chunks (schedule.seq_chunks = k > 1) the step's inputs and targets come cut
 into m*k units (index microbatch*k + chunk) and each forward gets the unit's
@@ -30,8 +32,9 @@ from typing import Callable
 import torch
 
 from ..core.actions import Action, Kind
-from ..core.ops import ACTION, DP, P2P, require_known
-from ..core.program import Comm, DPOp, Program
+from ..core.ops import ACTION, DP, P2P, RECOMPUTE, require_known
+from ..core.program import Comm, DPOp, Program, Recompute
+from ..core.recompute import recompute_units
 from .comm import Mailbox, Tags, receive_posts
 from .compute import Unit
 from .sequence import SequenceChunk
@@ -39,7 +42,7 @@ from .shapes import SpecMismatchError, TensorSpec
 
 __all__ = ["RankExecutor", "RankRecord", "ActionError"]
 
-_COMPUTE, _SEND, _RECV, _DP = "compute", "send", "recv", "dp"  # op codes of the compiled plan
+_COMPUTE, _SEND, _RECV, _DP, _RECOMPUTE = "compute", "send", "recv", "dp", "recompute"  # op codes of the plan
 
 
 class ActionError(RuntimeError):
@@ -50,7 +53,7 @@ class ActionError(RuntimeError):
 class RankRecord:
     """What one rank measured in one step (times from `clock`, in seconds)."""
 
-    events: tuple[tuple[Action, float, float], ...]
+    events: tuple[tuple[Action | Recompute, float, float], ...]
     losses: tuple[float, ...]
     wait_s: float
 
@@ -89,7 +92,15 @@ class RankExecutor:
         self.tags = Tags(schedule.num_stages, schedule.m, schedule.seq_chunks)
         self.posts = receive_posts(program, rank)
         self.dp = data_parallel
-        require_known(self.ops, f"the runtime (rank {rank})", (ACTION, P2P, DP) if data_parallel else (ACTION, P2P))
+        self.recomputed = recompute_units(self.ops)
+        if self.recomputed and schedule.seq_chunks > 1:
+            raise ValueError(
+                f"rank {rank}: the runtime does not recompute sequence chunks (schedule {schedule.name!r} has "
+                f"{schedule.seq_chunks}): a chunk's recomputation would append its K/V twice; drop the "
+                "recomputation or the sequence chunks"
+            )
+        known = (ACTION, P2P, RECOMPUTE) + ((DP,) if data_parallel else ())
+        require_known(self.ops, f"the runtime (rank {rank})", known)
         self._plan = self._compile()
 
     def _compile(self) -> list[tuple]:
@@ -108,6 +119,8 @@ class RankExecutor:
                 plan.append((posts, _COMPUTE, op, None, 0, 0, None))
             elif type(op) is DPOp:
                 plan.append((posts, _DP, op, None, 0, 0, None))
+            elif type(op) is Recompute:
+                plan.append((posts, _RECOMPUTE, op, op.unit, 0, 0, None))
             elif op.send:
                 expected = self.out_specs[(op.stage, op.microbatch, op.seq_chunk or 0)] if op.payload == "F" else None
                 plan.append((posts, _SEND, op, op.key, op.peer, self.tags.data(op.key), (str(op), expected)))
@@ -157,7 +170,10 @@ class RankExecutor:
                 self.dp.before_compute(op.stage)
             start = clock()
             try:
-                self._compute(op, ready, units, losses, inputs, targets)
+                if code is _RECOMPUTE:
+                    self.compute.recompute(op.stage, units[key])
+                else:
+                    self._compute(op, ready, units, losses, inputs, targets)
             except (SpecMismatchError, ActionError):
                 raise
             except Exception as err:
@@ -166,7 +182,7 @@ class RankExecutor:
         start = clock()
         mailbox.finish()
         wait_s += clock() - start
-        leftover = [k for k, u in units.items() if u.root is not None or u.work is not None]
+        leftover = [k for k, u in units.items() if u.root is not None or u.work is not None or u.kept is not None]
         if leftover or ready:
             raise RuntimeError(f"rank {self.rank}: step ended with unconsumed state {leftover or list(ready)}")
         return RankRecord(tuple(events), tuple(losses[i] for i in sorted(losses)), wait_s)
@@ -178,7 +194,9 @@ class RankExecutor:
             unit_index = mb * self.k + chunk
             x = inputs[unit_index] if s == 0 else ready.pop(("F", s - 1, mb, chunk))
             target = targets[unit_index] if s == self.last else None
-            if self.chunks is None:
+            if (s, mb, chunk) in self.recomputed:
+                out, unit = compute.forward(s, x, target, keep=False)
+            elif self.chunks is None:
                 out, unit = compute.forward(s, x, target)
             else:
                 out, unit = compute.forward(s, x, target, chunk=self.chunks[(s, mb, chunk)])

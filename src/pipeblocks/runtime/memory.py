@@ -8,7 +8,9 @@ backward, after W, or when the graph is dropped). Parameters and buffers are not
 activations and are not counted. Tensors the executor holds outside the graph (the
 stage output until its backward, received gradients, send buffers) are not counted
 either: the number is autograd's saved-activation footprint, the quantity the
-simulator's memory model (README, Definitions) predicts.
+simulator's memory model (README, Definitions) predicts. The one exception is the input a
+recomputed forward keeps in place of its graph (`hold`): the simulator counts it, so it
+is counted here too.
 
 Profiling one microbatch through stage modules with this tracker (M_B, M_W per stage, a
 sequence chunk's share) lives in `profile.py`, which builds on the compute passes.
@@ -72,6 +74,14 @@ class SavedTensorTracker:
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
+    def hold(self, tensor: torch.Tensor) -> object | None:
+        """Count `tensor` as a saved activation while the returned handle lives (the input a
+        recomputed forward keeps outside any graph); None when not measuring."""
+        if not self.enabled:
+            return None
+        packed = self._pack(tensor)
+        return packed if isinstance(packed, _Saved) else None
+
     def _pack(self, tensor: torch.Tensor):
         key = _storage_key(tensor)
         if key in self._excluded or tensor.device.type == "meta":
@@ -119,10 +129,17 @@ class StageMemory:
     """Saved-activation bytes of one microbatch on one stage.
 
     m_b: saved by F (held until B).  m_w: still held after B until W (split backward).
+    m_in: the stage input's bytes, what a recomputed F keeps in place of m_b
+        (`Costs(recompute_input_ratio=m_in / m_b)`).
     """
 
     m_b: int
     m_w: int
+    m_in: int = 0
+
+    @property
+    def input_ratio(self) -> float:
+        return min(1.0, self.m_in / self.m_b) if self.m_b else 1.0
 
     @property
     def w_ratio(self) -> float:

@@ -1,7 +1,8 @@
 """Profiling stage modules on one microbatch in one process: what the simulator needs.
 
-`profile_stage_memory` measures, per stage, what F saves (M_B) and what B keeps for W
-(M_W), to feed `Costs(mem_b=..., mem_w_ratio=...)`. `profile_chunk_memory` measures, for a
+`profile_stage_memory` measures, per stage, what F saves (M_B), what B keeps for W
+(M_W) and the input a recomputed F keeps, to feed `Costs(mem_b=..., mem_w_ratio=...,
+recompute_input_ratio=...)`. `profile_chunk_memory` measures, for a
 sequence-chunk schedule, what each chunk saves relative to the whole microbatch (chunk 0
 with the microbatch's K/V buffer), to feed `Costs(seq_mem=...)`. `profile_stage_times` times F, B and W per
 stage, to predict an iteration before launching one. All use the runtime's own forward
@@ -49,7 +50,7 @@ def profile_stage_memory(
             out = stage(x)
             if index == len(stages) - 1:
                 out = loss_fn(out, target)
-        results.append(tracker.current - start)
+        results.append((tracker.current - start, x.numel() * x.element_size()))
         outputs.append((x, out))
         x = out
     grad = None
@@ -62,7 +63,8 @@ def profile_stage_memory(
         del out
         freed = before_b - tracker.current
         kept.append(work)
-        results[index] = StageMemory(m_b=results[index], m_w=results[index] - freed)
+        m_b, m_in = results[index]
+        results[index] = StageMemory(m_b=m_b, m_w=m_b - freed, m_in=m_in)
         grad = dx
     for work in kept:
         work.run()

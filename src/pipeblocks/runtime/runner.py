@@ -19,11 +19,12 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..core.recompute import all_pairs
 from ..core.schedule import Schedule
 from ..core.validate import validate
 from ..core.timeline import Timeline
@@ -91,6 +92,12 @@ class PipelineRunner:
         of several (`group` is then the mesh's pp group): the Program is lowered with its
         DP ops (REDUCE_GRAD, and UNSHARD/RESHARD for zero3 chunks), which it runs; the step
         ends when every reduction is done, so the optimizer may step.
+    recompute: (stage, microbatch) pairs whose forward runs without keeping its autograd
+        graph (only the stage input and the random state) and is re-run, with the graph,
+        just before the pair's backward (`core.recompute.add_recompute` places the RECOMPUTE
+        ops); the gradients are those without recomputation. None: every pair when the
+        schedule's options say recompute="all" (`1f1b-r`), else none. Not with sequence
+        chunks (ValueError).
     """
 
     def __init__(
@@ -109,6 +116,7 @@ class PipelineRunner:
         seq_lengths: Sequence[int] | None = None,
         measure_memory: bool = True,
         data_parallel: DataParallel | None = None,
+        recompute: Iterable[tuple[int, int]] | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -126,7 +134,16 @@ class PipelineRunner:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.schedule = schedule
         self.data_parallel = data_parallel
-        self.program = validate(schedule) if data_parallel is None else _lower_with_dp(schedule, data_parallel)
+        if recompute is None and schedule.options and schedule.option("recompute") == "all":
+            recompute = all_pairs(schedule)
+        self.recompute = frozenset(recompute or ())
+        if self.recompute and schedule.seq_chunks > 1:
+            raise ValueError(
+                f"schedule {schedule.name!r} cuts sequences into {schedule.seq_chunks} chunks: the runtime does not "
+                "recompute sequence chunks (a chunk's recomputation would append its K/V twice); drop the "
+                "recomputation (--recompute none, or a schedule without -r) or the sequence chunks"
+            )
+        self.program = _lower(schedule, data_parallel, self.recompute)
         self.rank = dist.get_rank(group) if rank is None else rank
         if self.rank != dist.get_rank(group):
             raise ValueError(f"rank={rank} but this process is rank {dist.get_rank(group)} of the group")
@@ -349,19 +366,31 @@ class PipelineRunner:
         return out
 
 
-def _lower_with_dp(schedule: Schedule, dp: DataParallel):
-    """The Program with the DP ops the policies need, proved free of deadlock and well placed."""
+def _lower(schedule: Schedule, dp: DataParallel | None, recompute: frozenset[tuple[int, int]]):
+    """The Program with the DP ops the policies need and the recomputations, proved free of
+    deadlock and well placed."""
+    if dp is None and not recompute:
+        return validate(schedule)
     from ..core.lower import PASSES, check_deadlock, lower
     from ..core.passes_dp import check_dp_ops, dp_passes, dp_passes_at_end
+    from ..core.recompute import add_recompute, check_recompute
     from ..core.sharding import per_stage
     from ..core.validate import check_structure
 
     check_structure(schedule)
-    policies = per_stage(dp.policies, schedule.num_stages)
-    passes = (dp_passes_at_end if dp.reduce_at_end else dp_passes)(policies, dp.d)
-    program = lower(schedule, PASSES + passes)
+    passes = PASSES
+    policies = None
+    if dp is not None:
+        policies = per_stage(dp.policies, schedule.num_stages)
+        passes += (dp_passes_at_end if dp.reduce_at_end else dp_passes)(policies, dp.d)
+    if recompute:
+        passes += (add_recompute(recompute),)
+    program = lower(schedule, passes)
     check_deadlock(program)
-    check_dp_ops(program, policies)
+    if policies is not None:
+        check_dp_ops(program, policies)
+    if recompute:
+        check_recompute(program)
     return program
 
 

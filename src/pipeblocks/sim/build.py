@@ -65,6 +65,11 @@ def build(request: ScheduleRequest) -> Built:
     if request.recompute == "all":
         return dataclasses.replace(built, recompute=all_pairs(built.schedule))
     if request.recompute == "auto":
+        if request.gpu_memory is None:
+            raise ScheduleError(
+                "--recompute auto chooses the pairs to recompute so that each rank fits --gpu-memory, but no "
+                "--gpu-memory was given: give --gpu-memory GB, or use --recompute all / none"
+            )
         unit = 1e9 if request.costs.model else 1.0
         pairs = choose_recompute(built.schedule, built.costs, memory_budget(request), unit=unit)
         return dataclasses.replace(built, recompute=pairs)

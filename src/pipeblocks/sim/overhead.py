@@ -35,7 +35,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ..core.actions import Kind
+from ..core.actions import Action, Kind
 from ..core.costs import Costs
 from ..core.simulate import simulate
 from ..core.timeline import Timeline
@@ -109,7 +109,7 @@ def overhead_breakdown(measured: Timeline, model: Costs, *, unit_s: float = 1.0,
     durations = dataclasses.replace(measured_costs(measured, unit_s), t_comm=latency / unit_s)
     table = free.for_schedule(schedule)
     overruns = [e.end - e.start - unit_s * table.duration(e.action.kind, e.action.stage, e.action.seq_chunk or 0)
-                for events in measured.events for e in events]
+                for events in measured.events for e in events if type(e.action) is Action]
     local = local_gaps(measured)
     return OverheadBreakdown(
         bubble_model=simulate(schedule, free).bubble_ratio,
@@ -133,7 +133,8 @@ def measured_costs(measured: Timeline, unit_s: float = 1.0) -> Costs:
     durations: dict[tuple[int, Kind], list[float]] = defaultdict(list)
     for events in measured.events:
         for e in events:
-            durations[(e.action.stage, e.action.kind)].append(e.end - e.start)
+            if type(e.action) is Action:  # a recomputation is modelled as its forward
+                durations[(e.action.stage, e.action.kind)].append(e.end - e.start)
 
     def mean(stage: int, kind: Kind) -> float:
         values = durations.get((stage, kind))
@@ -159,6 +160,9 @@ def handover_gaps(timeline: Timeline) -> list[float]:
         previous_end = None
         for e in events:
             a = e.action
+            if type(a) is not Action:  # a recomputation waits on nothing: the rank was busy
+                previous_end = e.end
+                continue
             source = a.stage - 1 if a.kind is Kind.F else a.stage + 1
             if a.kind is not Kind.W and 0 <= source < schedule.num_stages and rank_of(source) != rank:
                 ready = done.get((source, a.microbatch, a.seq_chunk or 0, a.kind.is_backward))
@@ -178,6 +182,8 @@ def local_gaps(timeline: Timeline) -> list[float]:
     for events in timeline.events:
         for before, e in itertools.pairwise(events):
             a = e.action
+            if type(a) is not Action:
+                continue
             source = a.stage - 1 if a.kind is Kind.F else a.stage + 1
             ready = None
             if a.kind is not Kind.W and 0 <= source < schedule.num_stages:
@@ -193,6 +199,6 @@ def _produced(timeline: Timeline) -> dict[tuple[int, int, int, bool], float]:
     for events in timeline.events:
         for e in events:
             a = e.action
-            if a.kind is not Kind.W:
+            if type(a) is Action and a.kind is not Kind.W:
                 done[(a.stage, a.microbatch, a.seq_chunk or 0, a.kind.is_backward)] = e.end
     return done

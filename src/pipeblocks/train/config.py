@@ -70,6 +70,9 @@ class TrainConfig:
     """Data-parallel replicas of the pipeline: p x dp processes; a step trains on dp x m microbatches."""
     sharding: tuple[ShardingPolicy, ...] = (ShardingPolicy.REPLICATE,)
     """Sharding policy for every chunk (one) or per chunk (one per stage, in stage order)."""
+    recompute: tuple[tuple[int, int], ...] = ()
+    """(stage, microbatch) pairs whose forward keeps only its input and is re-run before its
+    backward (--recompute); empty: those the schedule asks for (`1f1b-r`: all), else none."""
 
     def __post_init__(self) -> None:
         for name in ("microbatch_size", "steps", "timeout_s", "lr"):
@@ -90,6 +93,23 @@ class TrainConfig:
         if not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1:
             raise ValueError(f"--dp must be an integer >= 1, got {self.dp!r}")
         object.__setattr__(self, "sharding", per_stage(self.sharding, self.schedule.num_stages))
+        object.__setattr__(self, "recompute", tuple(sorted((int(s), int(mb)) for s, mb in self.recompute)))
+        if self.recompute_pairs and self.schedule.seq_chunks > 1:
+            raise ValueError(
+                f"the runtime does not recompute sequence chunks (schedule {self.schedule.name!r} cuts sequences into "
+                f"{self.schedule.seq_chunks}): a chunk's recomputation would append its K/V twice; drop --recompute "
+                "(or use 1f1b instead of 1f1b-r) or --seq-chunks"
+            )
+
+    @property
+    def recompute_pairs(self) -> frozenset[tuple[int, int]]:
+        """The pairs the runtime recomputes: `recompute`, or the schedule's own (`1f1b-r`)."""
+        if self.recompute:
+            return frozenset(self.recompute)
+        s = self.schedule
+        if s.options and s.option("recompute") == "all":
+            return frozenset((stage, mb) for stage in range(s.num_stages) for mb in range(s.m))
+        return frozenset()
 
     @property
     def data_parallel(self) -> bool:

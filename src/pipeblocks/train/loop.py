@@ -124,7 +124,7 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
     runner = PipelineRunner(
         schedule, stages, cross_entropy, rank=rank, device=ctx.device, timeout_s=cfg.timeout_s,
         record_timeline=not cfg.verify and replica == 0, compute=compute, seq_lengths=cfg.seq_lengths(),
-        group=mesh.pp_group if mesh is not None else None, data_parallel=dp,
+        group=mesh.pp_group if mesh is not None else None, data_parallel=dp, recompute=cfg.recompute_pairs,
     )
     static_predicted = _predict_static(cfg, runner.program, rank, replica, shapes, element_size)
     link = None

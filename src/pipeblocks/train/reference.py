@@ -29,6 +29,7 @@ __all__ = [
     "TOLERANCE",
     "GradDiff",
     "compare_grads",
+    "reference_apply",
     "reference_losses",
     "reference_step",
     "reference_update",
@@ -67,6 +68,26 @@ def reference_update(
     optimizer.step()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return loss, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, norm
+
+
+def reference_apply(cfg: GPTConfig, *, seed: int, grads: Mapping[str, Tensor], lr: float) -> dict[str, Tensor]:
+    """The parameters after one AdamW step from the seed's weights with the given gradients.
+
+    `train --verify` checks the ranks' optimizer step with this, on the gradients the ranks
+    used: AdamW's first step moves each weight by about lr * g / (|g| + eps), a sign of g
+    for every gradient above eps, so two correct runs whose gradients differ by rounding
+    (float32 sums in another order: microbatches, replicas, reduce-scatter) move a weight
+    whose gradient is near zero by very different amounts. Those gradients are compared
+    with the reference's own; the step is compared with the step the reference optimizer
+    takes from the same gradients, which is well conditioned."""
+    model = GPT(cfg, seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    for name, param in model.named_parameters():
+        if name not in grads:
+            raise ValueError(f"no gradient for parameter {name!r}: give the gradient of every parameter")
+        param.grad = grads[name].to(dtype=param.dtype, device=param.device).clone()
+    optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def reference_losses(

@@ -34,9 +34,9 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
-from ..core.actions import Kind
+from ..core.actions import Action, Kind
 from ..core.schedule import Schedule
 from ..core.costs import Costs
 from ..core.simulate import simulate
@@ -98,6 +98,8 @@ def profiled_costs(schedule: Schedule, timelines: Sequence[Timeline], m_b: Seque
     for timeline in timelines:
         for events in timeline.events:
             for e in events:
+                if type(e.action) is not Action:
+                    continue  # a recomputation is simulated with its forward's time
                 durations[(e.action.stage, e.action.kind, e.action.seq_chunk or 0)].append(e.end - e.start)
 
     def chunk_median(stage: int, kind: Kind, chunk: int) -> float:
@@ -137,7 +139,7 @@ def iteration_times(results: Sequence[RankResult]) -> list[tuple[int, float]]:
 def build_report(
     schedule: Schedule, results: Sequence[RankResult], memory: Sequence, *, warmup: int, emulated: bool = False,
     seq_mem: Sequence[float] | None = None, dp: int = 1, sharding: Sequence[str] = ("replicate",),
-    stage_param_bytes: Sequence[float] | None = None,
+    stage_param_bytes: Sequence[float] | None = None, recompute: Iterable[tuple[int, int]] = (),
 ) -> RunReport:
     """Compare the run with the simulator's replay of it; `memory[s]` has .m_b and .m_w of stage s.
 
@@ -155,6 +157,10 @@ def build_report(
     with its DP ops on the link the run measured (`dp_link`, a ring all-reduce fit) and
     the stages' parameter bytes (`stage_param_bytes`, in fp32-parameter units of 4 bytes),
     which gives `dp_comm_exposed_s_simulated` and the simulated iteration time.
+
+    recompute: the (stage, microbatch) pairs the run recomputed; the simulator replays
+    them, a recomputed forward keeping the stage input (`memory[s].input_ratio` of M_B,
+    when the memory comes from `profile_stage_memory`).
     """
     by_rank = sorted(results, key=lambda r: (r.dp_rank, r.rank))
     timelines = next((r.timelines for r in by_rank if r.timelines), ())
@@ -173,7 +179,9 @@ def build_report(
             data_parallel=DataParallel(dp=dp, sharding=parse_sharding(list(sharding)),
                                        link=Link(bandwidth=link[0], latency=link[1])),
         )
-    simulated = simulate(schedule, costs)
+    if all(hasattr(x, "input_ratio") for x in memory):  # profiled: what a recomputed forward keeps
+        costs = dataclasses.replace(costs, recompute_input_ratio=tuple(x.input_ratio for x in memory))
+    simulated = simulate(schedule, costs, recompute=frozenset(recompute))
     exposed = list(simulated.exposed_comm) or [0.0] * schedule.p
     walls = [t for _, t in iteration_times(results)]
     walls = walls[warmup:] or walls[-1:]

@@ -28,7 +28,7 @@ from .report import format_bytes
 if TYPE_CHECKING:  # torch enters only when a run starts, so `pipeblocks list` stays fast
     from ..data import TokenWindows
 
-__all__ = ["DEFAULT_SCHEDULE", "FALLBACK_SCHEDULE", "default_schedule", "prepare", "dry_run", "train", "verify"]
+__all__ = ["DEFAULT_SCHEDULE", "FALLBACK_SCHEDULE", "default_schedule", "prepare", "dry_run", "train", "verify", "judge"]
 
 # Memory-efficient by default: V-Half holds about half of 1F1B's activations.
 DEFAULT_SCHEDULE = "v-half"
@@ -78,7 +78,7 @@ def prepare(
     layer_counts(model.layers, schedule.num_stages)
     data = TokenWindows.load(train_options.get("data"), seq=model.seq)
     cfg = TrainConfig(schedule=schedule, model=model, emulate=emulate, emulated_link=emulated_link, seq_split=request.costs.seq_split,
-                      dp=dp, sharding=request.sharding, **train_options)
+                      dp=dp, sharding=request.sharding, recompute=tuple(built.recompute), **train_options)
     if dp > 1 and cfg.global_batch_size > data.num_windows:
         raise ValueError(
             f"--dp {dp}: a step takes dp x m x microbatch = {dp} x {schedule.m} x {cfg.microbatch_size} = "
@@ -179,9 +179,10 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) 
     out = out or sys.stdout
     s = cfg.schedule
     stages, costs = _stage_costs(cfg, data)
-    timeline = simulate(s, costs)
+    pairs = cfg.recompute_pairs
+    timeline = simulate(s, costs, recompute=pairs)
     # shown as `show` shows it: measured times are not multiples of one cell, emulated ones are
-    shown = timeline if cfg.emulate is not None else simulate(s, Costs())
+    shown = timeline if cfg.emulate is not None else simulate(s, Costs(), recompute=pairs)
     if cfg.data_parallel:
         static = _static_predicted(cfg, stages)
     else:
@@ -268,7 +269,8 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows):
     total = sum(x.m_b for x in memory)
     ratio = min(1.0, sum(x.m_w for x in memory) / total) if s.has_split_backward and total > 0 else 1.0
     costs = Costs(t_f=f, t_b=b, t_w=w, mem_b=tuple(float(x.m_b) for x in memory), mem_w_ratio=ratio,
-                  seq_mem=tuple(seq_mem) if seq_mem is not None else None)
+                  seq_mem=tuple(seq_mem) if seq_mem is not None else None,
+                  recompute_input_ratio=tuple(x.input_ratio for x in memory))
     return stages, costs
 
 
@@ -307,7 +309,7 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
     seq_mem = profile_chunk_memory(stages, x, cross_entropy, y, cfg.seq_lengths()) if s.seq_chunks > 1 else None
     warmup = min(WARMUP_STEPS, max(0, len(results[0].step_spans) - 1))
     built = build_report(s, results, memory, warmup=warmup, emulated=cfg.emulate is not None, seq_mem=seq_mem,
-                         dp=cfg.dp, sharding=[str(p) for p in cfg.sharding],
+                         dp=cfg.dp, sharding=[str(p) for p in cfg.sharding], recompute=cfg.recompute_pairs,
                          stage_param_bytes=[sum(q.numel() * q.element_size() for q in st.parameters())
                                             for st in stages])
     skipped = [[step + 1 for step in r.skipped_steps] for r in results]
@@ -331,13 +333,7 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
 
 def verify(cfg: TrainConfig, data: TokenWindows) -> int:
     """One step on the ranks against one process on the whole model and the whole (global)
-    batch; 0 within tolerance.
-
-    The ranks take the optimizer step; the loss, every gradient and every parameter after
-    the step (on every replica) are compared with one process. With clipping the ranks'
-    step is post-validated, and the one process clips synchronously."""
-    from .reference import TOLERANCE, GradDiff, compare_grads, reference_update, relative_difference
-
+    batch; 0 within tolerance (`judge` says how the two are compared)."""
     # Starting p processes that each import torch takes seconds to a minute on a small
     # machine: say what is happening (on stderr, so stdout keeps only the verdict).
     started = time.monotonic()
@@ -346,6 +342,23 @@ def verify(cfg: TrainConfig, data: TokenWindows) -> int:
     if results is None:
         return 1
     _progress(f"verify: pipeline step done ({time.monotonic() - started:.0f} s); one-process reference step ...")
+    largest, tolerance, lines = judge(cfg, data, results)
+    print("\n".join(lines))
+    return 0 if largest <= tolerance else 1
+
+
+def judge(cfg: TrainConfig, data: TokenWindows, results) -> tuple[float, float, list[str]]:
+    """(largest relative difference, the dtype's tolerance, the report lines) of a --verify
+    step's `results` (one RankResult per process).
+
+    The ranks take the optimizer step; the loss and every gradient (on every replica) are
+    compared with one process, and every parameter after the step with the step one
+    process takes from the same gradients (`reference.reference_apply`: AdamW's first
+    step is a sign of each gradient element, so comparing it with the reference's own
+    step would compare rounding noise on near-zero gradients). With clipping the ranks'
+    step is post-validated, and the one process clips synchronously."""
+    from .reference import TOLERANCE, GradDiff, compare_grads, reference_apply, reference_update, relative_difference
+
     loss = next(value for r in results for _, value in r.losses)
     inputs, targets = data.batch(0, cfg.global_batch_size, seed=cfg.seed)  # the step the ranks ran
     ref_loss, ref_grads, ref_params, ref_norm = reference_update(
@@ -356,7 +369,9 @@ def verify(cfg: TrainConfig, data: TokenWindows) -> int:
         mine = [r for r in results if r.dp_rank == replica]
         grads = {name: g for r in mine for name, g in (r.grads or {}).items()}
         params = {name: t for r in mine for name, t in (r.params or {}).items()}
-        worst = max(worst, compare_grads(grads, ref_grads), compare_grads(params, ref_params),
+        complete = grads.keys() == ref_grads.keys() and all(g is not None for g in grads.values())
+        stepped = reference_apply(cfg.model, seed=cfg.seed, grads=grads, lr=cfg.lr) if complete else ref_params
+        worst = max(worst, compare_grads(grads, ref_grads), compare_grads(params, stepped),
                     key=lambda d: d.relative)
     clipped = ""
     if cfg.clip_grad is not None:
@@ -368,20 +383,22 @@ def verify(cfg: TrainConfig, data: TokenWindows) -> int:
     loss_diff = relative_difference(loss, ref_loss)
     tolerance = TOLERANCE[cfg.model.dtype]
     largest = max(worst.relative, loss_diff)
-    ok = largest <= tolerance
     s = cfg.schedule
     chunks = f" seq_chunks={s.seq_chunks} {list(cfg.seq_lengths())}" if s.seq_chunks > 1 else ""
     mesh = f" dp={cfg.dp} sharding={','.join(map(str, cfg.sharding))}" if cfg.data_parallel else ""
+    pairs = cfg.recompute_pairs
+    recomputed = f" recompute={len(pairs)} (stage, microbatch) pairs" if pairs else ""
     what = "gradients and weights after the " + ("clipped step" if cfg.clip_grad is not None else "optimizer step")
-    print(f"verify {s.name} p={s.p} m={s.m}{chunks}{mesh} {cfg.model.dtype}:{clipped} "
-          f"loss {loss:.10g} vs one process {ref_loss:.10g} (relative difference {loss_diff:.3g}); "
-          f"{len(ref_grads)} {what}, largest relative difference {worst.relative:.3g} ({worst.name})")
+    lines = [f"verify {s.name} p={s.p} m={s.m}{chunks}{mesh}{recomputed} {cfg.model.dtype}:{clipped} "
+             f"loss {loss:.10g} vs one process {ref_loss:.10g} (relative difference {loss_diff:.3g}); "
+             f"{len(ref_grads)} {what}, largest relative difference {worst.relative:.3g} ({worst.name})"]
     if cfg.data_parallel:
         for r in sorted(results, key=lambda r: (r.dp_rank, r.rank)):
-            print(f"rank {r.rank} replica {r.dp_rank}: static bytes measured {r.static_bytes_measured}, "
-                  f"predicted {r.static_bytes_predicted}")
-    print(f"largest relative difference {largest:.3g}, tolerance {tolerance:g}: {'OK' if ok else 'FAILED'}")
-    return 0 if ok else 1
+            lines.append(f"rank {r.rank} replica {r.dp_rank}: static bytes measured {r.static_bytes_measured}, "
+                         f"predicted {r.static_bytes_predicted}")
+    lines.append(f"largest relative difference {largest:.3g}, tolerance {tolerance:g}: "
+                 f"{'OK' if largest <= tolerance else 'FAILED'}")
+    return largest, tolerance, lines
 
 
 def _progress(message: str) -> None:
