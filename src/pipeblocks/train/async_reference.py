@@ -40,10 +40,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from ..core.versions import WeightVersions
-from .async_mode import AsyncMode, t1_multiplier
+from .async_mode import AsyncMode
+from .async_stage import AsyncStage
 
 __all__ = ["Discrepancy", "ReplayResult", "replay"]
 
@@ -73,45 +73,6 @@ class ReplayResult:
     """every backward with delay >= 1, when measured (`measure_discrepancy=True`)"""
 
 
-class _Stage:
-    """One stage's replay state: its module and optimizer, the versions of its weights
-    still needed, and T2's velocity estimate per version."""
-
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, gamma: float | None) -> None:
-        self.module = module
-        self.names = [name for name, _ in module.named_parameters()]
-        self.params = [param for _, param in module.named_parameters()]
-        self.optimizer = optimizer
-        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
-        self.gamma = gamma
-        self.weights: dict[int, tuple[Tensor, ...]] = {0: self._snapshot()}
-        self.delta: dict[int, tuple[Tensor, ...]] = {0: tuple(torch.zeros_like(p) for p in self.params)}
-
-    def _snapshot(self) -> tuple[Tensor, ...]:
-        return tuple(p.detach().clone() for p in self.params)
-
-    def call(self, weights: Sequence[Tensor], x: Tensor) -> Tensor:
-        return functional_call(self.module, dict(zip(self.names, weights)), (x,))
-
-    def step(self, version: int, lr_factor: float) -> None:
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            group["lr"] = base * lr_factor
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        new, old = self._snapshot(), self.weights[version]
-        self.weights[version + 1] = new
-        if self.gamma is not None:
-            g = self.gamma
-            self.delta[version + 1] = tuple(
-                g * d + (1 - g) * (a - b) for d, a, b in zip(self.delta[version], new, old)
-            )
-
-    def forget_before(self, version: int) -> None:
-        for table in (self.weights, self.delta):
-            for v in [v for v in table if v < version]:
-                del table[v]
-
-
 def replay(
     stages: Sequence[nn.Module],
     versions: WeightVersions,
@@ -135,11 +96,11 @@ def replay(
             f"({mode.sync_warmup_steps} of them synchronous): give {versions.microbatches}"
         )
     S = versions.num_stages
-    state = []
-    for s, module in enumerate(stages):
-        nominal = versions.max_delay(s)
-        gamma = mode.d ** (1.0 / nominal) if mode.d < 1 and nominal >= 1 else None
-        state.append(_Stage(module, optimizer(list(module.parameters())), gamma))
+    # the caller keeps the versions: forwards here run at past versions the runtime's never see
+    state = [
+        AsyncStage(module, optimizer(list(module.parameters())), mode, versions.max_delay(s), auto_forget=False)
+        for s, module in enumerate(stages)
+    ]
     # the oldest version any later microbatch still needs, per stage: older ones are dropped
     oldest = [_suffix_min(versions.forward[s]) for s in range(S)]
 
@@ -150,15 +111,16 @@ def replay(
             x, target = microbatches[m]
             inputs, loss = _forward(state, versions, m, x, target, loss_fn)
             total += loss
-            _backward(state, versions, mode, m, inputs, target, loss_fn, n, gaps if measure_discrepancy else None)
+            _backward(state, versions, m, inputs, target, loss_fn, n, gaps if measure_discrepancy else None)
         losses.append(total / n)
         rates = []
         for s, stage in enumerate(state):
-            factor = t1_multiplier(versions.step_delay(s, step), step, mode.k)
-            stage.step(step, factor)
+            later = (step + 1) * n
+            needed = oldest[s][later] if later < versions.microbatches else None
+            stage.step(step, keep_old=needed is not None and needed <= stage.version)
             rates.append(stage.optimizer.param_groups[0]["lr"])
-            if (step + 1) * n < versions.microbatches:
-                stage.forget_before(oldest[s][(step + 1) * n])
+            if needed is not None:
+                stage.forget_before(needed)
         lrs.append(tuple(rates))
     return ReplayResult(tuple(losses), tuple(lrs), tuple(gaps))
 
@@ -171,60 +133,36 @@ def _suffix_min(values: Sequence[int]) -> list[int]:
     return out
 
 
-@torch.no_grad()
-def _forward(state, versions, m, x, target, loss_fn) -> tuple[list[Tensor], float]:
-    """Run microbatch m through every stage at its forward versions; the stage inputs
+def _forward(state: list[AsyncStage], versions, m, x, target, loss_fn) -> tuple[list[Tensor], float]:
+    """Run microbatch m through every stage at its forward weights; the stage inputs
     (kept for the backward's recomputation) and the loss."""
     inputs = []
     for s, stage in enumerate(state):
         inputs.append(x)
-        x = stage.call(stage.weights[versions.forward[s][m]], x)
-    return inputs, float(loss_fn(x, target))
+        v_f = stage.begin(m, versions.forward[s][m])
+        x = stage.forward(x, v_f, versions.backward[s][m])
+    with torch.no_grad():
+        return inputs, float(loss_fn(x, target))
 
 
-def _backward(state, versions, mode: AsyncMode, m, inputs, target, loss_fn, n, gaps) -> None:
+def _backward(state: list[AsyncStage], versions, m, inputs, target, loss_fn, n, gaps) -> None:
     grad_out = None
     step, last = m // n, len(state) - 1
     for s in range(last, -1, -1):
         stage = state[s]
-        v_f, v_b = versions.forward[s][m], versions.backward[s][m]
+        v_b = versions.backward[s][m]
+        v_f = stage.end(m, v_b)
         delay = v_b - v_f
-        weights = _backward_weights(stage, mode, v_f, v_b)
         if gaps is not None and delay >= 1:
+            seen = stage.forward_weights(v_f, v_b)
             gaps.append(Discrepancy(
-                step, s, m, delay, _distance(stage.weights[v_b], stage.weights[v_f]),
-                _distance(weights, stage.weights[v_f]),
+                step, s, m, delay, _distance(stage.weights(v_b), seen),
+                _distance(stage.backward_weights(v_f, v_b), seen),
             ))
-        leaves = [w.detach().requires_grad_(True) for w in weights]
-        x = inputs[s]
-        wants_input_grad = s > 0 and x.is_floating_point()
-        if wants_input_grad:
-            x = x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            out = stage.call(leaves, x)
-            if s == last:  # the loss, scaled as a synchronous step scales it
-                out = loss_fn(out, target) / n
-            sources = [x, *leaves] if wants_input_grad else leaves
-            grads = torch.autograd.grad(out, sources, grad_outputs=grad_out, allow_unused=True)
-        if wants_input_grad:
-            grad_out, grads = grads[0], grads[1:]
-        for param, grad in zip(stage.params, grads):
-            if grad is None:
-                continue
-            if param.grad is None:
-                param.grad = grad.detach().clone()
-            else:
-                param.grad += grad
-
-
-def _backward_weights(stage: _Stage, mode: AsyncMode, v_f: int, v_b: int) -> tuple[Tensor, ...]:
-    if mode.name == "pipedream":
-        return stage.weights[v_f]
-    current = stage.weights[v_b]
-    delay = v_b - v_f
-    if mode.name == "naive" or stage.gamma is None or delay == 0:
-        return current
-    return tuple(w - delay * d for w, d in zip(current, stage.delta[v_b]))
+        grad_out = stage.backward(
+            inputs[s], v_f, v_b, grad_out=grad_out, target=target if s == last else None, loss_fn=loss_fn,
+            scale=n, input_grad=s > 0,
+        )
 
 
 def _distance(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
