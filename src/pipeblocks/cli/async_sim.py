@@ -9,28 +9,57 @@ rank in units of one stage's weights: the mode's stashes (pipedream) or T2's buf
 from __future__ import annotations
 
 import argparse
-from types import MappingProxyType
 
 from ..core.simulate import simulate, simulate_program
 from ..core.steady import steady_state
 from ..core.versions import weight_versions
-from ..schedules.asynchronous import async_1f1b
-from ..train.async_mode import MODES, AsyncMode, weight_memory
+from ..schedules.asynchronous import ASYNC_FORMS
+from ..train.async_mode import (
+    DEFAULT_DISCREPANCY_DECAY, DEFAULT_LR_WARMUP_STEPS, MODES, AsyncMode, weight_memory,
+)
 from .common import Built, print_json
 
-__all__ = ["ASYNC_FORMS", "add_async_options", "run_async"]
+__all__ = ["ASYNC_FORMS", "add_async_options", "add_mode_options", "mode_from_args", "run_async"]
 
-ASYNC_FORMS = MappingProxyType({"1f1b": async_1f1b})
-"""Schedules with an asynchronous form, and the function that builds its Program."""
+
+def add_mode_options(group: argparse._ArgumentGroup, *, what: str) -> None:
+    """--async MODE and its settings, shared by `simulate` and `train` (`what` ends --async's help)."""
+    group.add_argument(
+        "--async", dest="async_mode", choices=MODES, default=None,
+        help=f"the schedule's asynchronous form ({', '.join(ASYNC_FORMS)}; no flush, each stage steps its optimizer "
+        f"when its share of a step is done) in this mode: {what}",
+    )
+    group.add_argument(
+        "--lr-warmup-steps", type=int, default=None, metavar="K",
+        help=f"pipemare's T1: the learning rate divided by the delay at first, back to the base rate after K "
+        f"optimizer steps (default {DEFAULT_LR_WARMUP_STEPS}; 0: T1 off)",
+    )
+    group.add_argument(
+        "--discrepancy-decay", type=float, default=None, metavar="D",
+        help=f"pipemare's T2: decay in (0, 1] of the weight-velocity average the backward corrects with "
+        f"(default {DEFAULT_DISCREPANCY_DECAY:g}; 1: T2 off)",
+    )
+    group.add_argument(
+        "--sync-warmup-steps", type=int, default=None, metavar="W",
+        help="the first W optimizer steps run synchronously, with a flush after each (any mode; default 0)",
+    )
+
+
+def mode_from_args(args: argparse.Namespace) -> AsyncMode | None:
+    """The AsyncMode the options name (None without --async); its settings without --async are an error."""
+    given = [f"--{name.replace('_', '-')}" for name in ("lr_warmup_steps", "discrepancy_decay", "sync_warmup_steps")
+             if getattr(args, name, None) is not None]
+    if args.async_mode is None:
+        if given:
+            raise ValueError(f"{', '.join(given)} set(s) an asynchronous mode: add --async MODE ({', '.join(MODES)})")
+        return None
+    return AsyncMode(args.async_mode, sync_warmup_steps=args.sync_warmup_steps or 0,
+                     lr_warmup_steps=args.lr_warmup_steps, discrepancy_decay=args.discrepancy_decay)
 
 
 def add_async_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("asynchronous (PipeDream, PipeMare)")
-    group.add_argument(
-        "--async", dest="async_mode", choices=MODES, default=None,
-        help=f"simulate the steady state of the schedule's asynchronous form ({', '.join(ASYNC_FORMS)}) "
-        "and this mode's weight memory",
-    )
+    add_mode_options(group, what="simulate its steady state and this mode's weight memory")
     group.add_argument(
         "--async-steps", type=int, default=None, metavar="K",
         help="optimizer steps to simulate, 3 or more (default: 4 + 2p/m, past the warm-up)",
@@ -57,7 +86,7 @@ def run_async(args: argparse.Namespace, built: Built) -> int:
     steady = steady_state(simulate_program(program, built.costs))
     sync = simulate(schedule, built.costs)
     versions = weight_versions(program)
-    mode = AsyncMode(args.async_mode)
+    mode = mode_from_args(args)
     summary = {
         "schedule": schedule.name, "async": mode.name, "p": p, "m": n, "steps": steps, **steady.summary(),
         "sync_step_time": sync.makespan, "sync_bubble_ratio": sync.bubble_ratio,

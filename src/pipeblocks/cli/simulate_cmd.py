@@ -7,7 +7,7 @@ from ..core.simulate import simulate
 from ..sim.build import memory_budget
 from ..core.recompute import all_pairs
 from ..sim.recompute_auto import fits_memory, memory_need
-from .async_sim import add_async_options, run_async
+from .async_sim import add_async_options, mode_from_args, run_async
 from .common import add_schedule_options, build, request_from_args, print_json
 
 
@@ -21,7 +21,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     built = build(request_from_args(args))
-    if args.async_mode:
+    if mode_from_args(args) is not None:
         return run_async(args, built)
     schedule = built.schedule
     timeline = simulate(schedule, built.costs, recompute=built.recompute)

@@ -66,6 +66,7 @@ from ..models.config import GPTConfig
 from ..train.config import TrainConfig
 from ..train.run import DEFAULT_SCHEDULE, FALLBACK_SCHEDULE, default_schedule
 from .argtypes import nonneg_int, plot_file, positive_float, positive_int
+from .async_sim import add_mode_options, mode_from_args
 from .common import add_generator_options, request_from_args
 
 __all__ = ["register", "run", "DEFAULT_SCHEDULE"]
@@ -126,6 +127,9 @@ def register(sub) -> None:
     out.add_argument("--emulate", default=None, type=_emulate_arg, metavar="F_MS,B_MS,W_MS",
                      help="sleep F/B/W milliseconds per layer and microbatch instead of computing (times only)")
     out.add_argument("--report", default=None, metavar="FILE", help="write the measured-vs-simulated report as JSON")
+    add_mode_options(parser.add_argument_group("asynchronous (PipeDream, PipeMare)"),
+                     what="train without a flush; --steps counts optimizer steps, --verify compares the run with "
+                     "its one-process replay")
     out.add_argument("--plot", default=None, type=plot_file, metavar="FILE",
                      help="timeline plot, .png or .svg (default: beside --report, same name, .png)")
     parser.set_defaults(run=run)
@@ -136,6 +140,12 @@ def run(args: argparse.Namespace) -> int:
     from ..train import run as training
 
     emulate = _parse_emulate(args.emulate)
+    async_mode = mode_from_args(args)
+    if async_mode is not None:
+        for flag, given in (("--dry-run", args.dry_run), ("--report", args.report), ("--plot", args.plot)):
+            if given:
+                raise ValueError(f"--async with {flag} is not supported yet: drop {flag} (simulate 1f1b --async "
+                                 "predicts the asynchronous steady state)")
     # cost-aware generators see the emulated ratios (unit costs otherwise)
     costs = CostSpec(times=None if emulate is None else ",".join(map(str, emulate)), seq_split=args.seq_split)
     request = request_from_args(args, name=args.name or default_schedule(), costs=costs)
@@ -146,7 +156,12 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, data=args.data, checkpoint=args.checkpoint, resume=args.resume, save_every=args.save_every,
         verify=args.verify, timeout_s=args.timeout, quiet=args.quiet, overwrite=args.overwrite,
         clip_grad=args.clip_grad, inject_nonfinite=args.inject_nonfinite, optimistic_step=not args.step_barrier,
+        async_mode=async_mode,
     )
+    if async_mode is not None:
+        from ..train import async_run
+
+        return async_run.verify_async(cfg, data) if args.verify else async_run.train_async(cfg, data)
     if args.dry_run:
         training.dry_run(cfg, data)
         return 0

@@ -15,6 +15,9 @@ The executor walks `program.ranks[rank]` in order and knows nothing about schedu
                 action first lets it wait for what the action's stage needs
     Recompute   re-run the forward of a unit whose F ran without its graph (the F of
                 every unit the Program recomputes does), just before its backward
+    STEP        an optimizer step inside the Program (asynchronous training): handed to
+                the compute object's `optimizer_step(stage, step)`; only a compute object
+                that has that method runs a Program with steps
 
 With sequence chunks (schedule.seq_chunks = k > 1) the step's inputs and targets come cut
 into m*k units (index microbatch*k + chunk) and each forward gets the unit's
@@ -32,8 +35,8 @@ from typing import Callable
 import torch
 
 from ..core.actions import Action, Kind
-from ..core.ops import ACTION, DP, P2P, RECOMPUTE, require_known
-from ..core.program import Comm, DPOp, Program, Recompute
+from ..core.ops import ACTION, DP, P2P, RECOMPUTE, STEP, require_known
+from ..core.program import Comm, DPOp, OptimizerStep, Program, Recompute
 from ..core.recompute import recompute_units
 from .comm import Mailbox, Tags, receive_posts
 from .compute import Unit
@@ -42,7 +45,7 @@ from .shapes import SpecMismatchError, TensorSpec
 
 __all__ = ["RankExecutor", "RankRecord", "ActionError"]
 
-_COMPUTE, _SEND, _RECV, _DP, _RECOMPUTE = "compute", "send", "recv", "dp", "recompute"  # op codes of the plan
+_COMPUTE, _SEND, _RECV, _DP, _RECOMPUTE, _STEP = "compute", "send", "recv", "dp", "recompute", "step"  # plan op codes
 
 
 class ActionError(RuntimeError):
@@ -100,6 +103,7 @@ class RankExecutor:
                 "recomputation or the sequence chunks"
             )
         known = (ACTION, P2P, RECOMPUTE) + ((DP,) if data_parallel else ())
+        known += (STEP,) if hasattr(compute, "optimizer_step") else ()
         require_known(self.ops, f"the runtime (rank {rank})", known)
         self._plan = self._compile()
 
@@ -121,6 +125,8 @@ class RankExecutor:
                 plan.append((posts, _DP, op, None, 0, 0, None))
             elif type(op) is Recompute:
                 plan.append((posts, _RECOMPUTE, op, op.unit, 0, 0, None))
+            elif type(op) is OptimizerStep:
+                plan.append((posts, _STEP, op, None, 0, 0, None))
             elif op.send:
                 expected = self.out_specs[(op.stage, op.microbatch, op.seq_chunk or 0)] if op.payload == "F" else None
                 plan.append((posts, _SEND, op, op.key, op.peer, self.tags.data(op.key), (str(op), expected)))
@@ -164,6 +170,10 @@ class RankExecutor:
             if code is _DP:
                 mailbox.flush()  # a collective may block: the pipeline peers get their tensors first
                 self.dp.run(op)
+                continue
+            if code is _STEP:
+                mailbox.flush()  # the peers get this rank's tensors before the step's compute
+                self.compute.optimizer_step(op.stage, op.step)
                 continue
             mailbox.flush()
             if self.dp is not None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from ..core.program import Program
 from ..core.recompute import all_pairs
 from ..core.schedule import Schedule
 from ..core.validate import validate
@@ -98,6 +99,10 @@ class PipelineRunner:
         ops); the gradients are those without recomputation. None: every pair when the
         schedule's options say recompute="all" (`1f1b-r`), else none. Not with sequence
         chunks (ValueError).
+    program: a lowered Program of `schedule` to run instead of `validate(schedule)`'s, such
+        as an asynchronous one (`pipeblocks.schedules.asynchronous`) whose OPTIMIZER_STEP
+        ops go to `compute.optimizer_step(stage, step)`; then one `step` call runs the
+        whole Program (all its optimizer steps, one flush at the end).
     """
 
     def __init__(
@@ -117,6 +122,7 @@ class PipelineRunner:
         measure_memory: bool = True,
         data_parallel: DataParallel | None = None,
         recompute: Iterable[tuple[int, int]] | None = None,
+        program: Program | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -134,16 +140,25 @@ class PipelineRunner:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.schedule = schedule
         self.data_parallel = data_parallel
-        if recompute is None and schedule.options and schedule.option("recompute") == "all":
-            recompute = all_pairs(schedule)
-        self.recompute = frozenset(recompute or ())
-        if self.recompute and schedule.seq_chunks > 1:
-            raise ValueError(
-                f"schedule {schedule.name!r} cuts sequences into {schedule.seq_chunks} chunks: the runtime does not "
-                "recompute sequence chunks (a chunk's recomputation would append its K/V twice); drop the "
-                "recomputation (--recompute none, or a schedule without -r) or the sequence chunks"
-            )
-        self.program = _lower(schedule, data_parallel, self.recompute)
+        if program is not None:
+            if program.schedule is not schedule:
+                raise ValueError("program= must be lowered from the schedule given: pass program.schedule as schedule")
+            if data_parallel is not None or recompute:
+                raise ValueError("program= with data_parallel= or recompute= is not supported: their ops come from "
+                                 "the lowering; lower them into the program")
+            self.recompute = frozenset()
+            self.program = program
+        else:
+            if recompute is None and schedule.options and schedule.option("recompute") == "all":
+                recompute = all_pairs(schedule)
+            self.recompute = frozenset(recompute or ())
+            if self.recompute and schedule.seq_chunks > 1:
+                raise ValueError(
+                    f"schedule {schedule.name!r} cuts sequences into {schedule.seq_chunks} chunks: the runtime does not "
+                    "recompute sequence chunks (a chunk's recomputation would append its K/V twice); drop the "
+                    "recomputation (--recompute none, or a schedule without -r) or the sequence chunks"
+                )
+            self.program = _lower(schedule, data_parallel, self.recompute)
         self.rank = dist.get_rank(group) if rank is None else rank
         if self.rank != dist.get_rank(group):
             raise ValueError(f"rank={rank} but this process is rank {dist.get_rank(group)} of the group")

@@ -16,6 +16,7 @@ and every consumer of the registry (the runtime, `compare`, `train`) assumes so.
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 
 from ..core.errors import ScheduleError
 from ..core.lower import PASSES, lower
@@ -25,7 +26,7 @@ from ..core.steps import add_optimizer_steps
 from ..core.validate import check_program, check_structure
 from .classic import one_f_one_b
 
-__all__ = ["async_1f1b", "async_1f1b_schedule", "one_f_one_b_delay"]
+__all__ = ["ASYNC_FORMS", "async_1f1b", "async_1f1b_schedule", "one_f_one_b_delay"]
 
 
 def _check(**values: int) -> None:
@@ -78,3 +79,8 @@ def one_f_one_b_delay(*, p: int, n: int, stage: int, microbatch: int) -> int:
         raise ScheduleError(f"stage {stage} must be in 0..{p - 1} and microbatch {microbatch} >= 0")
     warmup = p - 1 - stage
     return microbatch // n - max(microbatch - warmup, 0) // n
+
+
+ASYNC_FORMS = MappingProxyType({"1f1b": async_1f1b})
+"""Registered schedules with an asynchronous form, and the function (p=, n=, steps=) that
+builds that form's Program."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ..core.schedule import Schedule
 from ..core.sharding import ShardingPolicy, per_stage
 from ..models.config import GPTConfig
+from .async_mode import AsyncMode
 
 __all__ = ["TrainConfig"]
 
@@ -73,6 +74,9 @@ class TrainConfig:
     recompute: tuple[tuple[int, int], ...] = ()
     """(stage, microbatch) pairs whose forward keeps only its input and is re-run before its
     backward (--recompute); empty: those the schedule asks for (`1f1b-r`: all), else none."""
+    async_mode: AsyncMode | None = None
+    """Train asynchronously in this mode (no flush; `steps` optimizer steps of m microbatches,
+    async_run.py); None: synchronous training."""
 
     def __post_init__(self) -> None:
         for name in ("microbatch_size", "steps", "timeout_s", "lr"):

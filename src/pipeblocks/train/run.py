@@ -54,6 +54,10 @@ def prepare(
 
     built = build(request)  # with --sharding auto, the policies the simulator chose are in built.request
     request, schedule = built.request, built.schedule
+    if train_options.get("async_mode") is not None:
+        from .async_run import check_async
+
+        check_async(request, schedule, train_options["async_mode"], train_options, emulate)
     dp = request.mesh.dp
     sharded = dp > 1 or any(str(p) != "replicate" for p in request.sharding)
     emulated_link = None

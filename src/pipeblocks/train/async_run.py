@@ -1,0 +1,301 @@
+"""`pipeblocks train --async MODE`: asynchronous pipeline training on local processes.
+
+    >>> cfg, data = prepare(request, model=GPTConfig(), steps=20,
+    ...                     async_mode=AsyncMode("pipemare", sync_warmup_steps=2))
+    >>> train_async(cfg, data)        # loss per optimizer step, delays per stage, tokens/s
+    >>> verify_async(cfg, data)       # the same run against the one-process replay
+
+A run of `cfg.steps` optimizer steps of m microbatches each is the mode's W synchronous
+warm-up steps (one-step Programs: a flush after each), then the schedule's asynchronous
+form (`pipeblocks.schedules.asynchronous.ASYNC_FORMS`) over the remaining steps: one
+Program, run by one `PipelineRunner.step` per rank, whose OPTIMIZER_STEP ops the rank's
+`AsyncCompute` takes. Step k trains on `TokenWindows.batch(k, m*b, seed)`, cut into m
+microbatches, as synchronous training does.
+
+Every rank measures the delay of every microbatch at its stages (the versions its
+backward and its forward saw); `verify_async` checks them against the Program's and
+replays the run in one process (`async_reference.replay`, the specification) with the
+same weights, data and delays, comparing every step's loss and every weight at the end.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from ..core.program import Program
+from ..core.request import ScheduleRequest
+from ..core.schedule import Schedule
+from ..core.versions import WeightVersions, weight_versions
+from ..schedules.asynchronous import ASYNC_FORMS
+from .async_mode import AsyncMode
+from .config import TrainConfig
+
+__all__ = [
+    "ASYNC_TOLERANCE", "AsyncRankResult", "check_async", "launch_async", "run_plan", "train_async", "verify_async",
+]
+
+ASYNC_TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
+"""Largest relative difference `train --async MODE --verify` accepts between the runtime and
+the replay, by dtype. The two run the same operations in the same order, so they agree to
+the last bit when the ranks and the replay use the same number of torch threads; with
+other thread counts float32 matrix products round differently and AdamW, which divides by
+the root of tiny second moments, carries a difference of 1e-7 forward over the steps."""
+
+
+@dataclass(frozen=True)
+class AsyncRankResult:
+    """What one rank of an asynchronous run reports."""
+
+    rank: int
+    stages: tuple[int, ...]
+    losses: tuple[float, ...]
+    """per optimizer step, the mean loss of its microbatches (the last stage's rank; else empty)"""
+    delays: dict[int, tuple[int, ...]]
+    """per stage of this rank, the delay of every microbatch of the run, measured"""
+    lrs: dict[int, tuple[float, ...]]
+    """per stage of this rank, its learning rate at every step"""
+    warmup_s: float
+    """wall time of the synchronous warm-up steps"""
+    async_s: float
+    """wall time of the asynchronous Program (fill and drain included)"""
+    params: dict[tuple[int, str], object] | None = None
+    """(stage, name) -> the weights after the run (verify only)"""
+
+
+def check_async(request: ScheduleRequest, schedule: Schedule, mode: AsyncMode, options: dict,
+                emulate: object | None) -> None:
+    """Raise ValueError for what an asynchronous run cannot do (before anything starts)."""
+    forms = ", ".join(ASYNC_FORMS)
+    if schedule.name not in ASYNC_FORMS:
+        raise ValueError(
+            f"--async {mode.name}: schedule {schedule.name!r} has no asynchronous form; the schedules that have one "
+            f"are {forms}: use --schedule {next(iter(ASYNC_FORMS))}"
+        )
+    if request.mesh.dp > 1 or any(str(p) != "replicate" for p in request.sharding):
+        raise ValueError(
+            f"--async with --dp {request.mesh.dp} or --sharding is not supported yet: use --dp 1 --sharding replicate"
+        )
+    if schedule.seq_chunks > 1:
+        raise ValueError("--async with sequence chunks is not supported: drop --seq-chunks")
+    if request.recompute != "none":
+        raise ValueError(
+            f"--async with --recompute {request.recompute}: the asynchronous backward recomputes its forward "
+            "already (at the mode's weights); drop --recompute"
+        )
+    for option, flag in (("checkpoint", "--checkpoint"), ("resume", "--resume"), ("clip_grad", "--clip-grad")):
+        if options.get(option):
+            raise ValueError(f"--async with {flag} is not supported yet: drop {flag}")
+    steps, w = options.get("steps", TrainConfig.steps), mode.sync_warmup_steps
+    if w >= steps:
+        raise ValueError(
+            f"--sync-warmup-steps {w} leaves no asynchronous step of --steps {steps}: give W < steps "
+            f"(W in 0..{steps - 1}) or raise --steps"
+        )
+    if options.get("verify") and emulate is not None:
+        raise ValueError("--verify compares real training: drop --emulate")
+
+
+def run_plan(schedule: Schedule, steps: int, mode: AsyncMode) -> tuple[Program | None, Program, WeightVersions]:
+    """(the one-step Program of each warm-up step or None, the asynchronous Program, the
+    versions of the whole run) for `steps` optimizer steps of `schedule.m` microbatches."""
+    build = ASYNC_FORMS[schedule.name]
+    p, n, w = schedule.p, schedule.m, mode.sync_warmup_steps
+    program = build(p=p, n=n, steps=steps - w)
+    versions = weight_versions(program)
+    if not w:
+        return None, program, versions
+    return build(p=p, n=n, steps=1), program, WeightVersions.synchronous(schedule.num_stages, n, w).then(versions)
+
+
+def launch_async(cfg: TrainConfig) -> list[AsyncRankResult]:
+    from ..runtime.launch import spawn
+
+    threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.schedule.p)
+    return spawn(_async_rank, cfg.schedule.p, args=(cfg,), timeout_s=cfg.timeout_s, threads_per_rank=threads)
+
+
+def _microbatches(cfg: TrainConfig, data, steps: range) -> tuple[list, list]:
+    """The inputs and targets of every microbatch of `steps`, in order."""
+    n = cfg.schedule.m
+    xs, ys = [], []
+    for k in steps:
+        x, y = data.batch(k, cfg.batch_size, seed=cfg.seed)
+        xs.extend(part.clone() for part in x.chunk(n))
+        ys.extend(part.clone() for part in y.chunk(n))
+    return xs, ys
+
+
+def _async_rank(ctx, cfg: TrainConfig) -> AsyncRankResult:
+    """The body of one rank: build its stages, run the warm-up Programs, then the asynchronous one."""
+    import torch
+
+    from ..data import TokenWindows
+    from ..models.gpt import cross_entropy
+    from ..models.split import build_stages
+    from ..runtime import PipelineRunner
+    from .async_compute import AsyncCompute
+    from .async_stage import AsyncStage
+
+    schedule, mode = cfg.schedule, cfg.async_mode
+    n, w, last = schedule.m, mode.sync_warmup_steps, schedule.num_stages - 1
+    warm, program, versions = run_plan(schedule, cfg.steps, mode)
+    mine = schedule.placement.stages_of(ctx.rank)
+    built = build_stages(cfg.model, seed=cfg.seed, num_stages=schedule.num_stages, stages=mine, device=ctx.device)
+    modules = {st.index: st for st in built}
+    stages = {
+        s: AsyncStage(module, torch.optim.AdamW(module.parameters(), lr=cfg.lr), mode, versions.max_delay(s))
+        for s, module in modules.items()
+    }
+    data = TokenWindows.load(cfg.data, seq=cfg.model.seq)
+    torch.manual_seed(cfg.seed)
+    if cfg.emulate is not None:
+        compute = _emulated(cfg, modules, ctx.device)
+    else:
+        compute = AsyncCompute(stages, versions, cross_entropy, last_stage=last, rank=ctx.rank,
+                               on_step=lambda stage, step: ctx.control.beat())
+    first, has_last = 0 in mine, last in mine
+    xs, ys = _microbatches(cfg, data, range(cfg.steps))
+
+    def run(prog: Program, runner, step0: int, steps: int):
+        a, b = step0 * n, (step0 + steps) * n
+        compute.start(prog, a, step0)
+        return runner.step(xs[a:b] if first else None, ys[a:b] if has_last else None)
+
+    def runner_for(prog: Program):
+        return PipelineRunner(prog.schedule, modules, cross_entropy, rank=ctx.rank, device=ctx.device,
+                              timeout_s=cfg.timeout_s, compute=compute, measure_memory=False, program=prog)
+
+    losses: list[float] = []
+    started = time.perf_counter()
+    if warm is not None:
+        warm_runner = runner_for(warm)
+        for k in range(w):
+            losses.extend(run(warm, warm_runner, k, 1).losses)
+            ctx.control.beat()
+    warmed = time.perf_counter()
+    losses.extend(run(program, runner_for(program), w, cfg.steps - w).losses)
+    done = time.perf_counter()
+    per_step = tuple(sum(losses[k * n:(k + 1) * n]) / n for k in range(cfg.steps)) if has_last else ()
+    if cfg.emulate is not None:
+        return AsyncRankResult(ctx.rank, tuple(mine), (), {}, {}, warmed - started, done - warmed)
+    delays = {s: tuple(st.delays[mb] for mb in range(versions.microbatches)) for s, st in stages.items()}
+    params = None
+    if cfg.verify:
+        params = {(s, name): p.detach().cpu().clone() for s, mod in modules.items() for name, p in mod.named_parameters()}
+    return AsyncRankResult(ctx.rank, tuple(mine), per_step, delays, {s: tuple(v) for s, v in compute.lrs.items()},
+                           warmed - started, done - warmed, params)
+
+
+def _emulated(cfg: TrainConfig, modules, device):
+    """Emulated compute that takes the Program's steps (which then change nothing: the
+    emulated passes make no gradients)."""
+    from ..models.split import layer_counts
+    from ..runtime.emulate import EmulatedCompute, EmulatedCosts
+
+    class _Steps(EmulatedCompute):
+        def start(self, program, microbatch_offset=0, step_offset=0) -> None:
+            pass
+
+        def optimizer_step(self, stage: int, step: int) -> None:
+            pass
+
+    f, b, w = cfg.emulate
+    S = cfg.schedule.num_stages
+    return _Steps(EmulatedCosts(f_ms=f, b_ms=b, w_ms=w, layers=layer_counts(cfg.model.layers, S)), modules, S, device)
+
+
+def _launch(cfg: TrainConfig) -> list[AsyncRankResult] | None:
+    from ..runtime import RankFailedError, RunStoppedError
+
+    try:
+        return launch_async(cfg)
+    except (RankFailedError, TimeoutError, RunStoppedError) as err:
+        print(f"pipeblocks train: {err}", file=sys.stderr)
+        if isinstance(err, RunStoppedError):
+            raise SystemExit(128 + err.signal) from None
+        return None
+
+
+def _describe(cfg: TrainConfig) -> str:
+    s, mode = cfg.schedule, cfg.async_mode
+    extra = ""
+    if mode.name == "pipemare":
+        extra = f" K={mode.k} D={mode.d:g}"
+    return (f"asynchronous {s.name} ({mode.name}{extra}), p={s.p}, {s.m} microbatches per step, {cfg.steps} steps "
+            f"({mode.sync_warmup_steps} synchronous), {cfg.model.layers}-layer GPT (hidden {cfg.model.hidden}, "
+            f"{cfg.model.dtype}), microbatch {cfg.microbatch_size}x{cfg.model.seq} tokens")
+
+
+def _delay_lines(results: list[AsyncRankResult], w: int, n: int) -> list[str]:
+    lines = ["stage  delays (min..max, asynchronous steps)"]
+    for r in sorted(results, key=lambda r: r.rank):
+        for s in r.stages:
+            seen = r.delays[s][w * n:]
+            lines.append(f"{s:>5}  {min(seen)}..{max(seen)}")
+    return lines
+
+
+def train_async(cfg: TrainConfig, data) -> int:
+    """Train asynchronously; print loss per step, delays per stage and throughput."""
+    print(f"training {_describe(cfg)} on {data.source}", flush=True)
+    results = _launch(cfg)
+    if results is None:
+        return 1
+    n, w = cfg.schedule.m, cfg.async_mode.sync_warmup_steps
+    losses = next(r.losses for r in results if r.losses) if cfg.emulate is None else ()
+    if not cfg.quiet:
+        for k, loss in enumerate(losses):
+            print(f"step {k + 1:>5}/{cfg.steps}  loss {loss:.4f}" + ("  (synchronous)" if k < w else ""))
+    if cfg.emulate is None:
+        print("\n".join(_delay_lines(results, w, n)))
+    async_s = max(r.async_s for r in results)
+    warm_s = max(r.warmup_s for r in results)
+    tokens = cfg.tokens_per_step
+    print(f"asynchronous steps: {cfg.steps - w} in {async_s:.3f} s, {tokens * (cfg.steps - w) / async_s:,.0f} tokens/s "
+          f"(fill and drain once)" + (" emulated" if cfg.emulate is not None else ""))
+    if w:
+        print(f"synchronous warm-up: {w} steps in {warm_s:.3f} s, {tokens * w / warm_s:,.0f} tokens/s")
+    return 0
+
+
+def verify_async(cfg: TrainConfig, data) -> int:
+    """The run on the ranks against the one-process replay; 0 within ASYNC_TOLERANCE."""
+    import torch
+
+    from ..models import GPT, cross_entropy, split_gpt
+    from .async_reference import replay
+    from .reference import relative_difference
+
+    print(f"verify: {_describe(cfg)}", file=sys.stderr, flush=True)
+    results = _launch(cfg)
+    if results is None:
+        return 1
+    schedule, mode = cfg.schedule, cfg.async_mode
+    _, program, versions = run_plan(schedule, cfg.steps, mode)
+    xs, ys = _microbatches(cfg, data, range(cfg.steps))
+    stages = split_gpt(GPT(cfg.model, seed=cfg.seed), schedule.num_stages)
+    expected = replay(stages, weight_versions(program), list(zip(xs, ys)), loss_fn=cross_entropy,
+                      optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr), mode=mode)
+    losses = next(r.losses for r in results if r.losses)
+    loss_diff = max(relative_difference(a, b) for a, b in zip(losses, expected.losses))
+    got = {key: t for r in results for key, t in r.params.items()}
+    want = {(s, name): p.detach() for s, st in enumerate(stages) for name, p in st.named_parameters()}
+    if got.keys() != want.keys():
+        raise RuntimeError(f"the ranks returned weights {sorted(got)[:4]}..., the replay has {sorted(want)[:4]}...")
+    worst_key, worst = max(((k, relative_difference(got[k], want[k])) for k in want), key=lambda kv: kv[1])
+    lr_diff = max(relative_difference(a, b) for r in results for s in r.stages
+                  for a, b in zip(r.lrs[s], (row[s] for row in expected.lrs)))
+    delays_ok = all(r.delays[s] == versions.delays(s) for r in results for s in r.stages)
+    tolerance = ASYNC_TOLERANCE[cfg.model.dtype]
+    largest = max(loss_diff, worst, lr_diff)
+    ok = largest <= tolerance and delays_ok
+    print(f"verify asynchronous {schedule.name} {mode.name} p={schedule.p} m={schedule.m} steps={cfg.steps} "
+          f"(W={mode.sync_warmup_steps}) {cfg.model.dtype}: {len(losses)} step losses vs the one-process replay, "
+          f"largest relative difference {loss_diff:.3g}; learning rates {lr_diff:.3g}; {len(want)} weights after "
+          f"the run, largest relative difference {worst:.3g} (stage {worst_key[0]} {worst_key[1]})")
+    print("\n".join(_delay_lines(results, mode.sync_warmup_steps, schedule.m)))
+    print(f"delays measured on the ranks {'equal' if delays_ok else 'DIFFER FROM'} the Program's")
+    print(f"largest relative difference {largest:.3g}, tolerance {tolerance:g}: {'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
