@@ -103,6 +103,7 @@ class AsyncStage:
     def begin(self, microbatch: int, version: int | None = None) -> int:
         """Record that F(microbatch) sees `version` (default: the current one); returns it."""
         v_f = self.version if version is None else version
+        self._forget_unused()
         self._in_flight[microbatch] = v_f
         return v_f
 
@@ -110,11 +111,10 @@ class AsyncStage:
         """Record that B(microbatch) runs at `version` (default: the current one); returns
         the version its forward saw. The delay counts towards this step's T1 rate."""
         v_b = self.version if version is None else version
+        self._forget_unused()  # before the pop: the backward that follows still needs v_f
         v_f = self._in_flight.pop(microbatch)
         self.delays[microbatch] = v_b - v_f
         self._step_delay = max(self._step_delay, v_b - v_f)
-        if self.auto_forget:
-            self.forget_before(min(self._in_flight.values(), default=self.version))
         return v_f
 
     def call(self, weights: Sequence[Tensor], x: Tensor) -> Tensor:
@@ -177,9 +177,12 @@ class AsyncStage:
             )
         if keep_old:
             self._frozen[old_version] = old
+        self._forget_unused()
+        return factor
+
+    def _forget_unused(self) -> None:
         if self.auto_forget:
             self.forget_before(min(self._in_flight.values(), default=self.version))
-        return factor
 
     def forget_before(self, version: int) -> None:
         """Drop the kept versions (and velocity estimates) older than `version`."""
