@@ -66,10 +66,13 @@ from ..models.config import GPTConfig
 from ..train.config import TrainConfig
 from ..train.run import DEFAULT_SCHEDULE, FALLBACK_SCHEDULE, default_schedule
 from .argtypes import nonneg_int, plot_file, positive_float, positive_int
+from ..schedules.asynchronous import ASYNC_FORMS
 from .async_sim import add_mode_options, mode_from_args
 from .common import add_generator_options, request_from_args
 
 __all__ = ["register", "run", "DEFAULT_SCHEDULE"]
+
+ASYNC_DEFAULT_SCHEDULE = next(iter(ASYNC_FORMS))
 
 
 def register(sub) -> None:
@@ -148,7 +151,9 @@ def run(args: argparse.Namespace) -> int:
                                  "predicts the asynchronous steady state)")
     # cost-aware generators see the emulated ratios (unit costs otherwise)
     costs = CostSpec(times=None if emulate is None else ",".join(map(str, emulate)), seq_split=args.seq_split)
-    request = request_from_args(args, name=args.name or default_schedule(), costs=costs)
+    # the asynchronous form exists for 1F1B (async_run.check_async names the ones that have one)
+    default = ASYNC_DEFAULT_SCHEDULE if async_mode is not None else default_schedule()
+    request = request_from_args(args, name=args.name or default, costs=costs)
     model = GPTConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
                       vocab=ByteTokenizer.vocab_size, dtype=args.dtype)
     cfg, data = training.prepare(

@@ -71,12 +71,6 @@ class AsyncRankResult:
 def check_async(request: ScheduleRequest, schedule: Schedule, mode: AsyncMode, options: dict,
                 emulate: object | None) -> None:
     """Raise ValueError for what an asynchronous run cannot do (before anything starts)."""
-    forms = ", ".join(ASYNC_FORMS)
-    if schedule.name not in ASYNC_FORMS:
-        raise ValueError(
-            f"--async {mode.name}: schedule {schedule.name!r} has no asynchronous form; the schedules that have one "
-            f"are {forms}: use --schedule {next(iter(ASYNC_FORMS))}"
-        )
     if request.mesh.dp > 1 or any(str(p) != "replicate" for p in request.sharding):
         raise ValueError(
             f"--async with --dp {request.mesh.dp} or --sharding is not supported yet: use --dp 1 --sharding replicate"
@@ -88,15 +82,15 @@ def check_async(request: ScheduleRequest, schedule: Schedule, mode: AsyncMode, o
             f"--async with --recompute {request.recompute}: the asynchronous backward recomputes its forward "
             "already (at the mode's weights); drop --recompute"
         )
+    if schedule.name not in ASYNC_FORMS:
+        forms = ", ".join(ASYNC_FORMS)
+        raise ValueError(
+            f"--async {mode.name}: schedule {schedule.name!r} has no asynchronous form; the schedules that have one "
+            f"are {forms}: use --schedule {next(iter(ASYNC_FORMS))}"
+        )
     for option, flag in (("checkpoint", "--checkpoint"), ("resume", "--resume"), ("clip_grad", "--clip-grad")):
         if options.get(option):
             raise ValueError(f"--async with {flag} is not supported yet: drop {flag}")
-    steps, w = options.get("steps", TrainConfig.steps), mode.sync_warmup_steps
-    if w >= steps:
-        raise ValueError(
-            f"--sync-warmup-steps {w} leaves no asynchronous step of --steps {steps}: give W < steps "
-            f"(W in 0..{steps - 1}) or raise --steps"
-        )
     if options.get("verify") and emulate is not None:
         raise ValueError("--verify compares real training: drop --emulate")
 

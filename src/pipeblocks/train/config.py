@@ -104,6 +104,12 @@ class TrainConfig:
                 f"{self.schedule.seq_chunks}): a chunk's recomputation would append its K/V twice; drop --recompute "
                 "(or use 1f1b instead of 1f1b-r) or --seq-chunks"
             )
+        if self.async_mode is not None and self.async_mode.sync_warmup_steps >= self.steps:
+            w = self.async_mode.sync_warmup_steps
+            raise ValueError(
+                f"--sync-warmup-steps {w} leaves no asynchronous step of --steps {self.steps}: give W < steps "
+                f"(W in 0..{self.steps - 1}) or raise --steps"
+            )
 
     @property
     def recompute_pairs(self) -> frozenset[tuple[int, int]]:
