@@ -20,6 +20,7 @@ same weights, data and delays, comparing every step's loss and every weight at t
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from .config import TrainConfig
 
 __all__ = [
     "ASYNC_TOLERANCE", "AsyncRankResult", "ReplayCheck", "async_rank", "check_against_replay", "check_async",
-    "launch_async", "run_plan", "train_async", "verify_async",
+    "launch_async", "run_plan", "steady_step_s", "train_async", "verify_async",
 ]
 
 ASYNC_TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
@@ -64,6 +65,8 @@ class AsyncRankResult:
     """wall time of the synchronous warm-up steps"""
     async_s: float
     """wall time of the asynchronous Program (fill and drain included)"""
+    step_times: tuple[float, ...] = ()
+    """when each optimizer step of the rank's first stage was done (seconds, perf_counter)"""
     params: dict[tuple[int, str], object] | None = None
     """(stage, name) -> the weights after the run (verify only)"""
 
@@ -152,11 +155,17 @@ def async_rank(ctx, cfg: TrainConfig) -> AsyncRankResult:
     }
     data = TokenWindows.load(cfg.data, seq=cfg.model.seq)
     torch.manual_seed(cfg.seed)
+    step_times: list[float] = []
+
+    def on_step(stage: int, step: int) -> None:
+        ctx.control.beat()
+        if stage == mine[0]:
+            step_times.append(time.perf_counter())
+
     if cfg.emulate is not None:
-        compute = _emulated(cfg, modules, ctx.device)
+        compute = _emulated(cfg, modules, ctx.device, on_step)
     else:
-        compute = AsyncCompute(stages, versions, cross_entropy, last_stage=last, rank=ctx.rank,
-                               on_step=lambda stage, step: ctx.control.beat())
+        compute = AsyncCompute(stages, versions, cross_entropy, last_stage=last, rank=ctx.rank, on_step=on_step)
     first, has_last = 0 in mine, last in mine
     xs, ys = _microbatches(cfg, data, range(cfg.steps))
 
@@ -170,6 +179,7 @@ def async_rank(ctx, cfg: TrainConfig) -> AsyncRankResult:
                               timeout_s=cfg.timeout_s, compute=compute, measure_memory=False, program=prog)
 
     losses: list[float] = []
+    torch.distributed.barrier()  # the ranks start the clock together, after building their stages
     started = time.perf_counter()
     if warm is not None:
         warm_runner = runner_for(warm)
@@ -181,16 +191,16 @@ def async_rank(ctx, cfg: TrainConfig) -> AsyncRankResult:
     done = time.perf_counter()
     per_step = tuple(sum(losses[k * n:(k + 1) * n]) / n for k in range(cfg.steps)) if has_last else ()
     if cfg.emulate is not None:
-        return AsyncRankResult(ctx.rank, tuple(mine), (), {}, {}, warmed - started, done - warmed)
+        return AsyncRankResult(ctx.rank, tuple(mine), (), {}, {}, warmed - started, done - warmed, tuple(step_times))
     delays = {s: tuple(st.delays[mb] for mb in range(versions.microbatches)) for s, st in stages.items()}
     params = None
     if cfg.verify:
         params = {(s, name): p.detach().cpu().clone() for s, mod in modules.items() for name, p in mod.named_parameters()}
     return AsyncRankResult(ctx.rank, tuple(mine), per_step, delays, {s: tuple(v) for s, v in compute.lrs.items()},
-                           warmed - started, done - warmed, params)
+                           warmed - started, done - warmed, tuple(step_times), params)
 
 
-def _emulated(cfg: TrainConfig, modules, device):
+def _emulated(cfg: TrainConfig, modules, device, on_step):
     """Emulated compute that takes the Program's steps (which then change nothing: the
     emulated passes make no gradients)."""
     from ..models.split import layer_counts
@@ -201,7 +211,7 @@ def _emulated(cfg: TrainConfig, modules, device):
             pass
 
         def optimizer_step(self, stage: int, step: int) -> None:
-            pass
+            on_step(stage, step)
 
     f, b, w = cfg.emulate
     S = cfg.schedule.num_stages
@@ -218,6 +228,17 @@ def _launch(cfg: TrainConfig) -> list[AsyncRankResult] | None:
         if isinstance(err, RunStoppedError):
             raise SystemExit(128 + err.signal) from None
         return None
+
+
+def steady_step_s(results: list[AsyncRankResult], warmup_steps: int) -> float | None:
+    """The steady state's time per optimizer step: over every rank, the median time between
+    two consecutive steps of its first stage, the first and last asynchronous step left out
+    (fill and drain); None with fewer than 4 asynchronous steps."""
+    gaps = []
+    for r in results:
+        times = r.step_times[warmup_steps:]
+        gaps.extend(b - a for a, b in zip(times[1:-2], times[2:-1]))
+    return statistics.median(gaps) if gaps else None
 
 
 def _describe(cfg: TrainConfig) -> str:
@@ -254,11 +275,15 @@ def train_async(cfg: TrainConfig, data) -> int:
         print("\n".join(_delay_lines(results, w, n)))
     async_s = max(r.async_s for r in results)
     warm_s = max(r.warmup_s for r in results)
-    tokens = cfg.tokens_per_step
-    print(f"asynchronous steps: {cfg.steps - w} in {async_s:.3f} s, {tokens * (cfg.steps - w) / async_s:,.0f} tokens/s "
-          f"(fill and drain once)" + (" emulated" if cfg.emulate is not None else ""))
+    tokens, emulated = cfg.tokens_per_step, " (emulated)" if cfg.emulate is not None else ""
+    print(f"asynchronous steps: {cfg.steps - w} in {async_s:.3f} s, {tokens * (cfg.steps - w) / async_s:,.0f} "
+          f"tokens/s{emulated}, fill and drain included")
+    steady = steady_step_s(results, w)
+    if steady is not None:
+        print(f"steady state: {steady * 1e3:.1f} ms per step, {tokens / steady:,.0f} tokens/s{emulated} (median "
+              "time between two optimizer steps of a stage, first and last asynchronous step left out)")
     if w:
-        print(f"synchronous warm-up: {w} steps in {warm_s:.3f} s, {tokens * w / warm_s:,.0f} tokens/s")
+        print(f"synchronous warm-up: {w} steps in {warm_s:.3f} s, {tokens * w / warm_s:,.0f} tokens/s{emulated}")
     return 0
 
 
