@@ -69,6 +69,17 @@ def test_measured_delays_are_the_programs(runs):
     assert max(d for r in runs["naive"] for s in r.stages for d in r.delays[s]) == 1  # stage 0 crosses a step
 
 
+def test_pipedream_stashes_what_the_program_says_and_the_others_nothing(runs):
+    from pipeblocks.core.versions import stashed_versions
+    from pipeblocks.schedules.asynchronous import async_1f1b
+
+    stashes = stashed_versions(async_1f1b(p=P, n=N, steps=STEPS))
+    assert stashes == (2, 2, 1)
+    for name in ("pipedream", "naive", "pipemare"):
+        held = {s: v for r in runs[name] for s, v in r.versions_held.items()}
+        assert held == ({s: stashes[s] for s in range(P)} if name == "pipedream" else dict.fromkeys(range(P), 1))
+
+
 def test_the_check_fails_for_another_mode(runs, data):
     # the runtime's naive run is not pipedream: the modes differ and the comparison sees it
     check = check_against_replay(CONFIGS["pipedream"], data, runs["naive"])

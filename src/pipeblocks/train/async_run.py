@@ -69,6 +69,8 @@ class AsyncRankResult:
     """when each optimizer step of the rank's first stage was done (seconds, perf_counter)"""
     params: dict[tuple[int, str], object] | None = None
     """(stage, name) -> the weights after the run (verify only)"""
+    versions_held: dict[int, int] | None = None
+    """per stage of this rank, the most weight versions it held at once (stashes included)"""
 
 
 def check_async(request: ScheduleRequest, schedule: Schedule, mode: AsyncMode, options: dict,
@@ -197,7 +199,8 @@ def async_rank(ctx, cfg: TrainConfig) -> AsyncRankResult:
     if cfg.verify:
         params = {(s, name): p.detach().cpu().clone() for s, mod in modules.items() for name, p in mod.named_parameters()}
     return AsyncRankResult(ctx.rank, tuple(mine), per_step, delays, {s: tuple(v) for s, v in compute.lrs.items()},
-                           warmed - started, done - warmed, tuple(step_times), params)
+                           warmed - started, done - warmed, tuple(step_times), params,
+                           {s: st.most_versions for s, st in stages.items()})
 
 
 def _emulated(cfg: TrainConfig, modules, device, on_step):

@@ -67,6 +67,8 @@ class AsyncStage:
         self._in_flight: dict[int, int] = {}  # microbatch -> version its forward saw
         self._step_delay = 0  # largest delay among the backwards since the last step
         self.delays: dict[int, int] = {}  # microbatch -> its delay, as measured at its backward
+        self.most_versions = 1
+        """the most weight versions held at once (the current one and those kept frozen)"""
 
     # ---- versions ------------------------------------------------------------------
     def weights(self, version: int) -> tuple[Tensor, ...]:
@@ -178,6 +180,7 @@ class AsyncStage:
         if keep_old:
             self._frozen[old_version] = old
         self._forget_unused()
+        self.most_versions = max(self.most_versions, 1 + len(self._frozen))
         return factor
 
     def _forget_unused(self) -> None:
