@@ -138,7 +138,7 @@ def register(sub) -> None:
                      help="sleep F/B/W milliseconds per layer and microbatch instead of computing (times only)")
     out.add_argument("--report", default=None, metavar="FILE", help="write the measured-vs-simulated report as JSON")
     add_mode_options(parser.add_argument_group("asynchronous (PipeDream, PipeMare)"),
-                     what="train without a flush; --steps counts optimizer steps, --verify compares the run with "
+                     what="--steps counts optimizer steps, --verify compares the run with "
                      "its one-process replay")
     out.add_argument("--plot", default=None, type=plot_file, metavar="FILE",
                      help="timeline plot, .png or .svg (default: beside --report, same name, .png)")
