@@ -29,9 +29,9 @@ CASES = {
 }
 
 
-def _cfg(mode: AsyncMode, **extra) -> TrainConfig:
+def _cfg(mode: AsyncMode, p: int = P, **extra) -> TrainConfig:
     options = {"verify": True, **extra}
-    return TrainConfig(schedule=get("1f1b")(p=P, m=N), model=MODEL, steps=STEPS, microbatch_size=2, lr=1e-2,
+    return TrainConfig(schedule=get("1f1b")(p=p, m=N), model=MODEL, steps=STEPS, microbatch_size=2, lr=1e-2,
                        async_mode=mode, threads_per_rank=1, timeout_s=60.0, **options)
 
 
@@ -43,6 +43,13 @@ CONFIGS["emulated"] = _cfg(AsyncMode("naive"), emulate=(1.0, 1.0, 0.0), verify=F
 def runs():
     out = spawn(async_worker, P, args=(list(CONFIGS.values()),), timeout_s=120, threads_per_rank=1)
     return {name: [rank[i] for rank in out] for i, name in enumerate(CONFIGS)}
+
+
+@pytest.fixture(scope="module")
+def single_stage():
+    """pipemare with T1 and T2 on one stage: no delay, so neither changes anything."""
+    cfg = _cfg(AsyncMode("pipemare", lr_warmup_steps=3, discrepancy_decay=0.1), p=1)
+    return cfg, spawn(async_worker, 1, args=([cfg],), timeout_s=120, threads_per_rank=1)[0][0]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +93,8 @@ def test_the_check_fails_for_another_mode(runs, data):
     assert not check.ok and check.weights > 1e-6
 
 
-def test_without_delay_it_is_ordinary_training(runs, data):
+def _ordinary_training(data):
+    """Synchronous training in one process: the whole model, m microbatches per step."""
     model = GPT(MODEL, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
@@ -100,12 +108,18 @@ def test_without_delay_it_is_ordinary_training(runs, data):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total / N)
-    got = next(r.losses for r in runs["synchronous"] if r.losses)
-    assert got == pytest.approx(losses, rel=1e-10)
-    weights = dict(model.named_parameters())
-    for r in runs["synchronous"]:
+    return losses, {name: p.detach() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("case", ["all steps synchronous", "one stage"])
+def test_without_delay_it_is_ordinary_training(runs, single_stage, data, case):
+    results = runs["synchronous"] if case == "all steps synchronous" else [single_stage[1]]
+    losses, weights = _ordinary_training(data)
+    assert next(r.losses for r in results if r.losses) == pytest.approx(losses, rel=1e-10)
+    for r in results:
+        assert set(r.delays) and all(d == 0 for delays in r.delays.values() for d in delays)
         for (_, name), tensor in r.params.items():
-            assert torch.allclose(tensor, weights[name].detach(), rtol=1e-10, atol=1e-12), name
+            assert torch.allclose(tensor, weights[name], rtol=1e-10, atol=1e-12), name
 
 
 def test_emulated_async_run_times_the_program(runs):
