@@ -41,8 +41,10 @@ Entry points:
 
     PipelineRunner(schedule, stages, loss_fn, *, rank=None, group=None, device=None,
                    timeout_s=300.0, optimizer=None, record_timeline=False, compute=None,
-                   seq_lengths=None, data_parallel=None)
+                   seq_lengths=None, data_parallel=None, program=None)
         .step(inputs, targets) -> StepResult
+        # program=: a Program with OPTIMIZER_STEP ops (asynchronous training); its steps go to
+        # compute.optimizer_step(stage, step) and one .step runs all of them
     mesh.init_mesh(pp, dp, device) -> PipelineMesh                     # ("pp", "dp") device mesh
     data_parallel.DataParallel(stages, policies, mesh.dp_mesh)           # per-chunk sharding, DP ops
         .optimizer(torch.optim.AdamW, lr=...)                           # one optimizer per chunk

@@ -31,9 +31,10 @@ from ..core.actions import Action, Kind
 from ..core.program import Program
 from ..core.versions import WeightVersions
 from ..runtime.compute import Unit
+from ..runtime.emulate import EmulatedCompute
 from .async_stage import AsyncStage
 
-__all__ = ["AsyncCompute", "AsyncUnit"]
+__all__ = ["AsyncCompute", "AsyncUnit", "EmulatedAsyncCompute"]
 
 
 @dataclass
@@ -122,3 +123,19 @@ class AsyncCompute:
                 f"rank {self.rank}: the {what} of microbatch {mb} at stage {stage} sees weight version {seen}, but "
                 f"the Program plans {planned}: the ops ran out of the Program's order"
             )
+
+
+class EmulatedAsyncCompute(EmulatedCompute):
+    """Emulated compute (every pass sleeps its modelled time) that also takes the Program's
+    optimizer steps, which change nothing: emulated passes make no gradients."""
+
+    def __init__(self, *args, on_step: Callable[[int, int], None] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.on_step = on_step
+
+    def start(self, program: Program, microbatch_offset: int = 0, step_offset: int = 0) -> None:
+        self._step_offset = step_offset
+
+    def optimizer_step(self, stage: int, step: int) -> None:
+        if self.on_step is not None:
+            self.on_step(stage, self._step_offset + step)

@@ -204,21 +204,14 @@ def async_rank(ctx, cfg: TrainConfig) -> AsyncRankResult:
 
 
 def _emulated(cfg: TrainConfig, modules, device, on_step):
-    """Emulated compute that takes the Program's steps (which then change nothing: the
-    emulated passes make no gradients)."""
     from ..models.split import layer_counts
-    from ..runtime.emulate import EmulatedCompute, EmulatedCosts
-
-    class _Steps(EmulatedCompute):
-        def start(self, program, microbatch_offset=0, step_offset=0) -> None:
-            pass
-
-        def optimizer_step(self, stage: int, step: int) -> None:
-            on_step(stage, step)
+    from ..runtime.emulate import EmulatedCosts
+    from .async_compute import EmulatedAsyncCompute
 
     f, b, w = cfg.emulate
     S = cfg.schedule.num_stages
-    return _Steps(EmulatedCosts(f_ms=f, b_ms=b, w_ms=w, layers=layer_counts(cfg.model.layers, S)), modules, S, device)
+    costs = EmulatedCosts(f_ms=f, b_ms=b, w_ms=w, layers=layer_counts(cfg.model.layers, S))
+    return EmulatedAsyncCompute(costs, modules, S, device, on_step=on_step)
 
 
 def _launch(cfg: TrainConfig) -> list[AsyncRankResult] | None:
