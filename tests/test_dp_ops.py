@@ -75,12 +75,16 @@ def test_grad_reduce_follows_the_last_weight_gradient_and_its_sends():
     assert last[-1] == "0REDUCE_GRAD" and last[-2].startswith("0BW1.")
 
 
-def test_unshard_is_prefetched_one_compute_action_ahead():
-    # interleaved-1f1b p=2 m=4, rank 0 holds stages 0 and 2: 2UNSHARD is issued before 0F1,
-    # the compute action before 2's first pass (2F0, which waits on its receive)
+def test_unshard_is_prefetched_one_stage_ahead():
+    # interleaved-1f1b p=2 m=4, rank 0 holds stages 0 and 2: both gathers at the start of
+    # the step (2's no longer waits until one compute action before 2F0)
     program = _lowered("interleaved-1f1b", "zero3", p=2, m=4)
     rank0 = " ".join(map(str, program.ranks[0]))
-    assert rank0.startswith("0UNSHARD 0F0 0SEND_F0 2UNSHARD 0F1 0SEND_F1 2RECV_F0 2F0")
+    assert rank0.startswith("0UNSHARD 2UNSHARD 0F0 0SEND_F0 0F1 0SEND_F1 2RECV_F0 2F0")
+    # three stages per rank: the third is gathered where the rank starts on the second
+    # (before 2F0's receive), not one action before its own first pass
+    three = " ".join(map(str, _lowered("interleaved-1f1b", "zero3", p=2, m=4, v=3).ranks[0]))
+    assert "0F1 0SEND_F1 4UNSHARD 2RECV_F0 2F0" in three, three
     assert "2REDUCE_GRAD 2RESHARD" in rank0
     # per-chunk policies: only the zero3 stages are gathered
     mixed = _lowered("interleaved-1f1b", "zero3,replicate,replicate,zero3", p=2, m=4)

@@ -199,7 +199,7 @@ def test_show_program_and_export_lowered_csv_carry_dp_ops(capsys, tmp_path):
     path = tmp_path / "lowered.csv"
     code, _, _ = run_cli(capsys, "export", "zb-v", "-p", "2", "-m", "4", "--dp", "2", "--sharding", "zero3",
                          "--format", "torch-comms-csv", "-o", str(path))
-    assert code == 0 and path.read_text().startswith("0UNSHARD,0F0,")
+    assert code == 0 and path.read_text().startswith("0UNSHARD,3UNSHARD,0F0,")
     # the lowered CSV loads back as a schedule (its compute order)
     code, out, _ = run_cli(capsys, "simulate", "x", "--file", str(path), "--json")
     assert code == 0 and json.loads(out)["p"] == 2

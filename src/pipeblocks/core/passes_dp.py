@@ -8,12 +8,17 @@ launched there on the communication stream and waited on only at the end of the 
 where the optimizer needs it, so it overlaps every compute op that follows.
 
 `add_sharding(policies)` brackets each ZeRO-3 stage with an `UNSHARD` and a `RESHARD`.
-The UNSHARD is prefetched by one compute action: it is issued right before the compute
-action (with its receives) that precedes the stage's first pass on the rank, or at the
-start of the step when that pass is the rank's first. The parameters then stay gathered
-until the stage's last pass of the step; RESHARD follows its REDUCE_GRAD (one gather and
-one reduce-scatter per stage per step; freeing between forward and backward would gather
-again per microbatch). 1F1B, p=2, m=2, zero3 on both stages::
+The gathers are prefetched one stage ahead, in the order the rank first uses its stages:
+the first two at the start of the step, and each later one where the rank starts on the
+stage before it (before that stage's first pass and its receives). A gather issued only
+one compute action ahead cannot hide behind a forward much shorter than itself; a chunk
+change, as Megatron and torch's pipelining do (Megatron gathers chunks 0 and 1 up front,
+torch keeps a window of the next stages gathered), gives it a whole visit of the stage
+before. The parameters then stay gathered until the stage's last pass of the step;
+RESHARD follows its REDUCE_GRAD (one gather and one reduce-scatter per stage per step;
+freeing between forward and backward would gather again per microbatch). The memory
+model already counts every zero3 stage gathered at the step's peak, so prefetching earlier
+changes no memory figure. 1F1B, p=2, m=2, zero3 on both stages::
 
     0: 0UNSHARD 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0BW0 0RECV_B1 0BW1 0REDUCE_GRAD 0RESHARD
     1: 1UNSHARD 1RECV_F0 1F0 1BW0 1SEND_B0 1RECV_F1 1F1 1BW1 1SEND_B1 1REDUCE_GRAD 1RESHARD
@@ -118,21 +123,27 @@ def add_sharding(policies: Iterable[ShardingPolicy]):
             last: dict[int, int] = {}
             group_start: list[int] = []  # per compute action: where its leading receives begin
             previous_group: dict[int, int] = {}
+            own_group: dict[int, int] = {}  # where the receives before the stage's first pass begin
             start = 0
             for i, op in enumerate(ops):
                 if type(op) is Action:
                     if op.stage not in first:
                         first[op.stage] = i
                         previous_group[op.stage] = group_start[-1] if group_start else 0
+                        own_group[op.stage] = start
                     last[op.stage] = i
                     group_start.append(start)
                     start = i + 1
                 elif not (type(op) is Comm and not op.send):
                     start = i + 1
             insert_at: dict[int, list[Op]] = {}
-            for stage in sorted(first, key=first.__getitem__):
+            order = sorted(first, key=first.__getitem__)
+            for k, stage in enumerate(order):
                 if policy[stage].shards_parameters:
-                    insert_at.setdefault(previous_group[stage], []).append(DPOp(UNSHARD, stage))
+                    # one stage ahead: where the rank starts on the stage before this one
+                    # in first-use order (the step's start for the first two)
+                    ahead = own_group[order[k - 1]] if k >= 2 else 0
+                    insert_at.setdefault(min(ahead, previous_group[stage]), []).append(DPOp(UNSHARD, stage))
                     end = _after_sends(ops, last[stage])
                     while end < len(ops) and ops[end] == DPOp(REDUCE_GRAD, stage):
                         end += 1
