@@ -3,59 +3,84 @@ communication-bound profile.
 
     python benchmarks/pipemesh.py [-p 4] [-m 16] [-v 2] [--hardware cloud] [--gpu-memory 80]
                                   [--models 6.2b,14.6b,28.3b] [--dps 4,8,16]
-                                  [--sharding zero3] [--mixed-precision] [--json]
+                                  [--sharding zero3|auto|...] [--mixed-precision] [--json]
 
 For each model and data-parallel size, three schedules on the analytic model:
     depth-first    interleaved-1f1b (groups of p), each REDUCE_GRAD overlapped after its
                    stage's last backward
     breadth-first  bfs
     elastic        elastic with automatic groups (the rule, then the simulator's search,
-                   within --gpu-memory) and --recompute auto
+                   within --gpu-memory) and --recompute auto; with --sharding auto the
+                   groups and the per-chunk sharding are chosen together
+With --sharding auto every schedule gets it (the baselines a per-chunk sharding chosen
+for their order), so elastic is compared with equally tuned baselines.
 Columns: step time (s), exposed DP communication (the largest over ranks, s), memory need
 (static at the step's peak + peak activation, GB, the largest rank), whether it fits
---gpu-memory, recomputation's share of the step (busiest rank), the elastic groups, and
-elastic's speed-up over the best baseline that fits and its cut of depth-first's exposed
-communication. Targets shaped after the paper: >= 1.15x, >= 75% cut, recompute < 2%.
+--gpu-memory; then elastic's throughput (tokens/s over all replicas), recomputation's
+share of the step (busiest rank), its speed-up over the best baseline that fits, its cut
+of depth-first's exposed communication, depth-first's exposed share of its step (how
+communication-bound the case is), which targets are met (S: >= 1.15x the best fitting
+baseline, C: >= 75% cut, R: recomputation < 2%; lower case: missed, '-': no baseline
+fits), the groups (and per-chunk sharding when chosen), and the seconds the elastic
+search took (CPU). Targets shaped after the paper.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 
 from pipeblocks.core import ScheduleError, simulate
 from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
 from pipeblocks.core.sharding import parse_sharding
+from pipeblocks.sim.analytic import parse_model
 from pipeblocks.sim.build import build, memory_budget
 from pipeblocks.sim.recompute_auto import fits_memory, memory_need
 
 BASELINES = (("depth-first", "interleaved-1f1b"), ("breadth-first", "bfs"))
 
 
+TARGET_SPEEDUP, TARGET_CUT, TARGET_RECOMPUTE = 1.15, 0.75, 0.02
+
+
 def measure(request: ScheduleRequest) -> dict:
+    cpu = time.process_time()
     built = build(request)
     timeline = simulate(built.schedule, built.costs, recompute=built.recompute)
     step = timeline.makespan
+    config = parse_model(request.costs.model)
+    tokens = request.m * config.microbatch_size * config.seq * request.mesh.dp
     return {
         "step_s": step,
+        "tokens_per_s": tokens / step if step else 0.0,
         "exposed_s": max(timeline.exposed_comm) if timeline.exposed_comm else 0.0,
         "need_gb": max(memory_need(timeline)) / 1e9,
         "fits": bool(fits_memory(timeline, memory_budget(request))),
         "recompute_share": max(timeline.recompute_time) / step if step else 0.0,
         "forward_groups": built.schedule.option("forward_groups"),
         "backward_groups": built.schedule.option("backward_groups"),
+        "sharding": [str(p) for p in built.request.sharding],
+        "build_cpu_s": time.process_time() - cpu,
     }
 
 
 def run_case(args: argparse.Namespace, model: str, dp: int) -> dict:
     costs = CostSpec(model=model, hardware=args.hardware, mixed_precision=args.mixed_precision)
+    auto = args.sharding.strip().lower() == "auto"
+    sharding = {"auto_sharding": True} if auto else {"sharding": parse_sharding(args.sharding)}
     base = ScheduleRequest(
         name="bfs", m=args.m, mesh=Mesh(pp=args.p, dp=dp), options=(("v", args.v),), costs=costs,
-        sharding=parse_sharding(args.sharding), gpu_memory=args.gpu_memory,
+        gpu_memory=args.gpu_memory, **sharding,
     )
     row: dict = {"model": model, "dp": dp}
     for label, name in BASELINES:
-        row[label] = measure(base.with_name(name))
+        try:
+            row[label] = measure(base.with_name(name))
+        except ScheduleError:  # --sharding auto found no fitting policy: zero3 everywhere, marked as not fitting
+            fallback = ScheduleRequest(**{**base.__dict__, "name": name, "auto_sharding": False,
+                                          "sharding": parse_sharding("zero3")})
+            row[label] = measure(fallback)
     try:
         row["elastic"] = measure(ScheduleRequest(**{**base.__dict__, "name": "elastic", "recompute": "auto"}))
     except ScheduleError as err:
@@ -65,7 +90,20 @@ def run_case(args: argparse.Namespace, model: str, dp: int) -> dict:
     row["speedup_vs_best_fitting"] = min(fitting) / row["elastic"]["step_s"] if fitting else None
     depth = row["depth-first"]["exposed_s"]
     row["exposed_cut_vs_depth_first"] = 1 - row["elastic"]["exposed_s"] / depth if depth > 0 else None
+    row["depth_first_exposed_share"] = depth / row["depth-first"]["step_s"]
+    row["targets"] = {
+        "speedup": None if row["speedup_vs_best_fitting"] is None else row["speedup_vs_best_fitting"] >= TARGET_SPEEDUP,
+        "exposed_cut": None if row["exposed_cut_vs_depth_first"] is None else row["exposed_cut_vs_depth_first"] >= TARGET_CUT,
+        "recompute": row["elastic"]["recompute_share"] < TARGET_RECOMPUTE,
+    }
     return row
+
+
+def _targets(targets: dict) -> str:
+    return "".join(
+        "-" if met is None else (letter if met else letter.lower())
+        for letter, met in zip("SCR", (targets["speedup"], targets["exposed_cut"], targets["recompute"]))
+    )
 
 
 def _cell(result: dict) -> str:
@@ -97,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
           f"--sharding {args.sharding}{' --mixed-precision' if args.mixed_precision else ''}")
     print("per schedule: step s, exposed DP comm s, memory need GB, fits")
     head = f"{'model':<7}{'dp':>3}  " + "  ".join(f"{label:^29}" for label in ("depth-first", "breadth-first", "elastic"))
-    print(head + f"  {'recomp':>7} {'speedup':>7} {'cut':>6}  groups (forward / backward)")
+    print(head + f"  {'tokens/s':>8} {'recomp':>7} {'speedup':>7} {'cut':>6} {'df-exp':>6} {'tgt':>3}  "
+                 "groups (forward / backward) [sharding]  search s")
     for row in rows:
         cells = "  ".join(_cell(row[label]) for label in ("depth-first", "breadth-first", "elastic"))
         e = row["elastic"]
@@ -106,10 +145,18 @@ def main(argv: list[str] | None = None) -> int:
             continue
         speed = row["speedup_vs_best_fitting"]
         cut = row["exposed_cut_vs_depth_first"]
-        print(f"{row['model']:<7}{row['dp']:>3}  {cells}  {100 * e['recompute_share']:6.2f}% "
-              f"{'-' if speed is None else f'{speed:6.3f}x':>7} {'-' if cut is None else f'{100 * cut:5.1f}%':>6}  "
-              f"{','.join(map(str, e['forward_groups']))} / {','.join(map(str, e['backward_groups']))}")
+        shard = f" [{','.join(_short(p) for p in e['sharding'])}]" if len(e["sharding"]) > 1 else ""
+        print(f"{row['model']:<7}{row['dp']:>3}  {cells}  {e['tokens_per_s']:8.0f} {100 * e['recompute_share']:6.2f}% "
+              f"{'-' if speed is None else f'{speed:6.3f}x':>7} {'-' if cut is None else f'{100 * cut:5.1f}%':>6} "
+              f"{100 * row['depth_first_exposed_share']:5.1f}% {_targets(row['targets']):>3}  "
+              f"{','.join(map(str, e['forward_groups']))} / {','.join(map(str, e['backward_groups']))}{shard}"
+              f"  {e['build_cpu_s']:.2f}")
+    print(f"total CPU {time.process_time():.1f} s")
     return 0
+
+
+def _short(policy: str) -> str:
+    return {"replicate": "r", "zero1": "1", "zero2": "2", "zero3": "3"}[policy]
 
 
 if __name__ == "__main__":

@@ -29,7 +29,10 @@ from ..core.schedule import Schedule
 from ._build import BW, F, require
 from .registry import register
 
-__all__ = ["balanced", "elastic", "elastic_order", "parse_groups", "rule_groups", "search_groups"]
+__all__ = [
+    "balanced", "elastic", "elastic_order", "group_candidates", "parse_groups", "rule_groups", "rule_sequences",
+    "search_groups",
+]
 
 
 def parse_groups(value: object, p: int, m: int, name: str) -> tuple[int, ...]:
@@ -151,25 +154,39 @@ def rule_groups(p: int, m: int, v: int, costs: Costs | None, gpu_memory: float |
     return max(g, min(p, m)), g_comm, g_mem
 
 
-def _rule_sequences(m: int, g: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def rule_sequences(m: int, g: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """A first forward group of g, the rest in groups of g; backward balanced over as many groups."""
     forward = (g,) + tuple(min(g, m - start) for start in range(g, m, g))
     return forward, balanced(m, len(forward))
 
 
+def group_candidates(
+    p: int, m: int, start: tuple[tuple[int, ...], tuple[int, ...]],
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The (forward, backward) sequences the searches try around `start` (the rule's):
+    first forward group f1 and later groups g from {p, 2p, ..., m} (and the rule's sizes),
+    backward balanced over 1 .. ceil(m/p) groups; `start` first, no repeats."""
+    sizes = sorted({min(m, k * p) for k in range(1, -(-m // p) + 1)} | {start[0][0], m, min(p, m)})
+    counts = sorted({len(start[1])} | set(range(1, -(-m // max(1, min(p, m))) + 1)))
+    out = {start: None}
+    for f1 in sizes:
+        for g in sizes:
+            forward = (f1,) + tuple(min(g, m - s) for s in range(f1, m, g))
+            for count in counts:
+                out.setdefault((forward, balanced(m, count)), None)
+    return list(out)
+
+
 def search_groups(
     p: int, m: int, v: int, costs: Costs, gpu_memory: float | None, start: tuple[tuple[int, ...], tuple[int, ...]],
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The fastest simulated (forward, backward) groups that fit `gpu_memory`, from `start`
-    (the rule) and sequences around it: first forward group f1 and later groups g from
-    {p, 2p, ..., m} (and the rule's sizes), backward balanced over 1 .. ceil(m/p) groups.
-    Score: (memory over the budget, step time); the start wins ties."""
+    """The fastest simulated (forward, backward) groups that fit `gpu_memory`, among
+    `group_candidates` around `start` (the rule). Score: (memory over the budget, step
+    time); the start wins ties."""
     from ..core.simulate import (
         simulate,  # the simulator is core; imported here to keep the module light
     )
 
-    sizes = sorted({min(m, k * p) for k in range(1, -(-m // p) + 1)} | {start[0][0], m, min(p, m)})
-    counts = sorted({len(start[1])} | set(range(1, -(-m // max(1, min(p, m))) + 1)))
     seen: dict[tuple, tuple] = {}
 
     def score(forward: tuple[int, ...], backward: tuple[int, ...]) -> tuple:
@@ -182,13 +199,9 @@ def search_groups(
         return seen[key]
 
     best = start
-    for f1 in sizes:
-        for g in sizes:
-            forward = (f1,) + tuple(min(g, m - s) for s in range(f1, m, g))
-            for count in counts:
-                backward = balanced(m, count)
-                if score(forward, backward) < score(*best):
-                    best = (forward, backward)
+    for forward, backward in group_candidates(p, m, start):
+        if score(forward, backward) < score(*best):
+            best = (forward, backward)
     return best
 
 
@@ -213,7 +226,7 @@ def elastic(
     require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"v must be an integer >= 1, got {v!r}")
     if forward_groups is None and backward_groups is None:
         g, _, _ = rule_groups(p, m, v, costs, gpu_memory)
-        forward, backward = _rule_sequences(m, g)
+        forward, backward = rule_sequences(m, g)
         how = "rule"
         if search and costs is not None:
             chosen = search_groups(p, m, v, costs, gpu_memory, (forward, backward))

@@ -17,6 +17,7 @@ from ..core.costs import Costs, parse_costs
 from ..core.dp_model import UNIT_LINK, DataParallel, Link
 from ..core.errors import ScheduleError
 from ..core.request import CostSpec, ScheduleRequest
+from ..core.sharding import ShardingPolicy
 from ..core.schedule import Schedule, read_text_file
 from ..interop import from_torch_csv, program_from_torch_csv
 from ..schedules import get
@@ -24,6 +25,7 @@ from ..schedules.sequence import split_sequence
 from .analytic import HARDWARE, dp_link, parse_model, transformer_costs
 from ..core.recompute import all_pairs
 from .auto_sharding import choose_sharding
+from .elastic_plan import choose_elastic_plan
 from .recompute_auto import choose_recompute
 from .sequence_split import chunk_shares, split_lengths
 
@@ -53,6 +55,8 @@ def build(request: ScheduleRequest) -> Built:
     """The schedule the request describes (generated once) and its resolved costs; with
     `auto_sharding`, the policies the simulator chose are in the returned request and costs;
     with `recompute`, the pairs to recompute (auto: chosen after the sharding)."""
+    if _joint_elastic(request):
+        return _build_elastic_plan(request)
     built = _build(request)
     if request.auto_sharding:
         budget = memory_budget(request)
@@ -74,6 +78,39 @@ def build(request: ScheduleRequest) -> Built:
         pairs = choose_recompute(built.schedule, built.costs, memory_budget(request), unit=unit)
         return dataclasses.replace(built, recompute=pairs)
     return built
+
+
+def _joint_elastic(request: ScheduleRequest) -> bool:
+    """`elastic --sharding auto` without explicit groups, from a cost model: groups and
+    sharding are chosen together (`elastic_plan`)."""
+    given = dict(request.options)
+    return (
+        request.auto_sharding and not request.file and request.name == "elastic" and request.seq_chunks is None
+        and given.get("forward_groups") is None and given.get("backward_groups") is None
+        and given.get("search", True) is not False and request.recompute != "all"
+    )
+
+
+def _build_elastic_plan(request: ScheduleRequest) -> Built:
+    given = dict(request.options)
+    v = given.get("v", 2)
+    unknown = sorted(set(given) - {"v", "search", "forward_groups", "backward_groups"})
+    if unknown:
+        raise ScheduleError(f"schedule 'elastic' has no option {unknown[0]!r}; it takes v, forward_groups, backward_groups, search")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ScheduleError(f"v must be an integer >= 1, got {v!r}")
+    stages = request.p * v
+    start = (ShardingPolicy.ZERO3,) if request.mesh.dp > 1 else (ShardingPolicy.REPLICATE,)
+    costs = _with_dp(dataclasses.replace(request, sharding=start), resolve_costs(request.costs, stages), stages)
+    plan = choose_elastic_plan(
+        request.p, request.m, v, costs, budget=memory_budget(request), recompute=request.recompute == "auto",
+        start=start, unit=1e9 if request.costs.model else 1.0,
+    )
+    dp = dataclasses.replace(costs.data_parallel, sharding=plan.sharding)
+    return Built(
+        dataclasses.replace(request, sharding=plan.sharding), plan.schedule,
+        dataclasses.replace(costs, data_parallel=dp), plan.recompute,
+    )
 
 
 def memory_budget(request: ScheduleRequest) -> float | None:

@@ -1,0 +1,154 @@
+"""Elastic groups and per-chunk sharding chosen together (`elastic --sharding auto`).
+
+Which chunks can shard their parameters depends on the groups (a gather hides only under
+the compute of the group before it), and which groups fit depends on the sharding (its
+static memory at the step's peak). The search therefore alternates on the simulator:
+groups for the current sharding (`elastic.search_groups`'s candidates), then a sharding
+for those groups (coordinate descent over the chunks, as `auto_sharding`), until neither
+changes. It starts from both one-sided answers, the groups searched under the uniform
+policy and the sharding chosen for the rule's groups, and keeps the best plan it
+simulated, so it is never worse than either.
+
+With `--recompute auto` every candidate is scored after `choose_recompute` has made it fit
+(a plan that needs recomputation pays for it in its simulated step time), so the search
+trades larger groups against recomputation instead of ruling out everything that does not
+fit without it. A candidate is scored by (memory over the budget, step time, memory need
+of the fullest rank, then of all ranks together): step times within `tolerance`
+(relative) count as equal, so the lighter plan wins.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..core.costs import Costs
+from ..core.errors import ScheduleError
+from ..core.recompute import all_pairs
+from ..core.schedule import Schedule
+from ..core.sharding import ShardingPolicy
+from ..core.simulate import simulate
+from ..schedules.elastic import elastic, group_candidates, rule_groups, rule_sequences
+from .recompute_auto import choose_recompute, memory_need
+
+__all__ = ["ElasticPlan", "choose_elastic_plan"]
+
+_POLICIES = tuple(ShardingPolicy)
+
+Groups = tuple[tuple[int, ...], tuple[int, ...]]
+Policies = tuple[ShardingPolicy, ...]
+
+
+@dataclass(frozen=True)
+class ElasticPlan:
+    """The chosen schedule, its per-chunk policies, the pairs to recompute, and what the
+    search did: `simulated` candidates, and the one-sided answers' step times
+    (`groups_only`: groups searched under `start` sharding; `sharding_only`: sharding
+    chosen for the rule's groups) beside the plan's own."""
+
+    schedule: Schedule
+    sharding: Policies
+    recompute: frozenset[tuple[int, int]]
+    makespan: float
+    groups_only: float
+    sharding_only: float
+    simulated: int
+
+
+def choose_elastic_plan(
+    p: int, m: int, v: int, costs: Costs, *, budget: float | None, recompute: bool, start: Policies,
+    unit: float = 1.0, rounds: int = 3, tolerance: float = 1e-3,
+) -> ElasticPlan:
+    """Groups and one policy per chunk for `elastic` under `costs` (whose data-parallel side
+    gives d and the link), within `budget` per rank (the costs' memory units); with
+    `recompute`, pairs chosen by `choose_recompute` for each candidate. `start`: the
+    policy (one, or one per chunk) the groups-only answer uses."""
+    stages = p * v
+    start = start * stages if len(start) == 1 else tuple(start)
+    seen: dict[tuple[Groups, Policies], tuple] = {}
+
+    def evaluate(groups: Groups, policies: Policies) -> tuple:
+        key = (groups, policies)
+        if key not in seen:
+            dp = dataclasses.replace(costs.data_parallel, sharding=policies)
+            trial = dataclasses.replace(costs, data_parallel=dp)
+            schedule = elastic(p=p, m=m, v=v, forward_groups=groups[0], backward_groups=groups[1])
+            pairs: frozenset = frozenset()
+            if recompute and budget is not None:
+                try:
+                    pairs = choose_recompute(schedule, trial, budget, unit=unit)
+                except ScheduleError:
+                    pairs = all_pairs(schedule)  # does not fit even so: scored by how far over
+            timeline = simulate(schedule, trial, recompute=pairs)
+            needs = memory_need(timeline)
+            need = max(needs)
+            over = max(0.0, need - budget) if budget is not None else 0.0
+            seen[key] = (over, timeline.makespan, (need, sum(needs)), pairs)
+        return seen[key]
+
+    def better(a: tuple[Groups, Policies], b: tuple[Groups, Policies]) -> bool:
+        over_a, time_a, need_a, _ = evaluate(*a)
+        over_b, time_b, need_b, _ = evaluate(*b)
+        if over_a != over_b:
+            return over_a < over_b
+        if abs(time_a - time_b) > tolerance * min(time_a, time_b):
+            return time_a < time_b
+        return need_a < need_b
+
+    def best_groups(policies: Policies, first: Groups) -> Groups:
+        best = first
+        for groups in group_candidates(p, m, first):
+            if better((groups, policies), (best, policies)):
+                best = groups
+        return best
+
+    def best_sharding(groups: Groups, first: Policies) -> Policies:
+        best = first
+        for policy in _POLICIES:
+            if better((groups, (policy,) * stages), (groups, best)):
+                best = (policy,) * stages
+        for _ in range(2):
+            changed = False
+            for stage in range(stages):
+                for policy in _POLICIES:
+                    trial = best[:stage] + (policy,) + best[stage + 1:]
+                    if trial != best and better((groups, trial), (groups, best)):
+                        best, changed = trial, True
+            if not changed:
+                break
+        return best
+
+    rule_costs = dataclasses.replace(costs, data_parallel=dataclasses.replace(costs.data_parallel, sharding=start))
+    g, _, _ = rule_groups(p, m, v, rule_costs, budget)
+    rule = rule_sequences(m, g)
+    groups_only = (best_groups(start, rule), start)
+    sharding_only = (rule, best_sharding(rule, start))
+    plans = [groups_only, sharding_only]
+    for plan in (groups_only, sharding_only):
+        groups, policies = plan
+        for _ in range(rounds):
+            policies = best_sharding(groups, policies)
+            new_groups = best_groups(policies, groups)
+            if new_groups == groups:
+                break
+            groups = new_groups
+        plans.append((groups, policies))
+    chosen = plans[0]
+    for plan in plans[1:]:
+        if better(plan, chosen):
+            chosen = plan
+    over, makespan, (need, _), pairs = evaluate(*chosen)
+    if over > 0:
+        raise ScheduleError(
+            f"elastic with --sharding auto: no plan found fits --gpu-memory {budget / unit:.4g}; the least needs "
+            f"{need / unit:.4g} per rank (static memory at the step's peak + activation"
+            f"{', with full recomputation' if recompute else ''}): raise --gpu-memory"
+            f"{'' if recompute else ', add --recompute auto'}, add replicas (--dp) or use more pipeline ranks"
+        )
+    (forward, backward), policies = chosen
+    schedule = elastic(p=p, m=m, v=v, forward_groups=forward, backward_groups=backward)
+    schedule = dataclasses.replace(
+        schedule, options=tuple((k, "joint" if k == "groups_from" else val) for k, val in schedule.options),
+    )
+    return ElasticPlan(
+        schedule, policies, pairs, makespan, evaluate(*groups_only)[1], evaluate(*sharding_only)[1], len(seen),
+    )
