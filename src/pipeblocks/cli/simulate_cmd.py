@@ -27,6 +27,9 @@ def run(args: argparse.Namespace) -> int:
     timeline = simulate(schedule, built.costs, recompute=built.recompute)
     summary = timeline.summary()
     summary["fits_memory"] = fits_memory(timeline, memory_budget(built.request))
+    # what was chosen (elastic's groups, --sharding auto's policy per chunk), to reproduce it
+    summary["options"] = {key: list(value) if isinstance(value, tuple) else value for key, value in schedule.options}
+    summary["sharding"] = [str(policy) for policy in built.costs.data_parallel.policies(schedule.num_stages)]
     if args.json:
         print_json(summary)
         return 0

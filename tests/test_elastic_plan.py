@@ -1,0 +1,80 @@
+"""Elastic groups and per-chunk sharding chosen together (`elastic --sharding auto`)."""
+import dataclasses
+import json
+
+import pytest
+
+from pipeblocks.cli.main import main
+from pipeblocks.core.errors import ScheduleError
+from pipeblocks.core.lower import PASSES, lower
+from pipeblocks.core.passes_dp import check_dp_ops
+from pipeblocks.core.recompute import add_recompute
+from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.core.sharding import ShardingPolicy
+from pipeblocks.core.simulate import simulate
+from pipeblocks.core.validate import validate
+from pipeblocks.sim.build import build, data_parallel, resolve_costs
+from pipeblocks.sim.elastic_plan import choose_elastic_plan
+from pipeblocks.sim.recompute_auto import fits_memory
+
+ZERO3 = (ShardingPolicy.ZERO3,)
+
+
+def _costs(model: str, dp: int, p: int, v: int):
+    request = ScheduleRequest(name="elastic", m=8, mesh=Mesh(pp=p, dp=dp), costs=CostSpec(model=model, hardware="cloud"),
+                              sharding=ZERO3)
+    costs = resolve_costs(request.costs, p * v)
+    return dataclasses.replace(costs, data_parallel=data_parallel(request))
+
+
+def _check_plan(plan, costs, budget):
+    """The plan's schedule validates, its DP ops are well placed, and it fits the budget."""
+    validate(plan.schedule)
+    trial = dataclasses.replace(costs, data_parallel=dataclasses.replace(costs.data_parallel, sharding=plan.sharding))
+    passes = PASSES + trial.data_parallel.passes(plan.schedule.num_stages)
+    program = lower(plan.schedule, passes=passes)
+    check_dp_ops(program, plan.sharding)
+    if plan.recompute:
+        add_recompute(plan.recompute)(program)
+    timeline = simulate(plan.schedule, trial, recompute=plan.recompute)
+    assert fits_memory(timeline, budget)
+    assert timeline.makespan == pytest.approx(plan.makespan)
+    forward, backward = plan.schedule.option("forward_groups"), plan.schedule.option("backward_groups")
+    assert sum(forward) == sum(backward) == plan.schedule.m
+    assert plan.schedule.option("groups_from") == "joint"
+
+
+@pytest.mark.parametrize("model, dp, budget", [("6.2b", 16, 60e9), ("1.5b", 16, 24e9)])
+def test_joint_search_beats_or_equals_groups_only_and_sharding_only(model, dp, budget):
+    # inter-node DP ring (d=16 on `cloud`): communication-bound
+    costs = _costs(model, dp, p=2, v=2)
+    plan = choose_elastic_plan(2, 8, 2, costs, budget=budget, recompute=True, start=ZERO3, unit=1e9)
+    assert plan.makespan <= min(plan.groups_only, plan.sharding_only) * (1 + 1e-3)
+    assert plan.simulated > 10
+    _check_plan(plan, costs, budget)
+
+
+def test_joint_search_error_names_the_budget():
+    costs = _costs("6.2b", 16, p=2, v=2)
+    with pytest.raises(ScheduleError, match=r"no plan found fits --gpu-memory 5\b.*raise --gpu-memory"):
+        choose_elastic_plan(2, 8, 2, costs, budget=5e9, recompute=True, start=ZERO3, unit=1e9)
+
+
+def test_build_uses_the_joint_search_and_simulate_json_shows_the_choice(capsys):
+    request = ScheduleRequest(
+        name="elastic", m=8, mesh=Mesh(pp=2, dp=16), options=(("v", 2),), costs=CostSpec(model="6.2b", hardware="cloud"),
+        auto_sharding=True, gpu_memory=60.0, recompute="auto",
+    )
+    built = build(request)
+    assert built.schedule.option("groups_from") == "joint" and len(built.request.sharding) == 4
+    code = main(["simulate", "elastic", "-p", "2", "-m", "8", "--model", "6.2b", "--hardware", "cloud", "--dp", "16",
+                 "--sharding", "auto", "--gpu-memory", "60", "--recompute", "auto", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["fits_memory"] is True
+    assert out["options"]["groups_from"] == "joint" and sum(out["options"]["forward_groups"]) == 8
+    assert out["sharding"] == [str(p) for p in built.request.sharding]
+    # explicit groups keep the sharding-only search (no joint choice of groups)
+    code = main(["simulate", "elastic", "-p", "2", "-m", "8", "--forward-groups", "4,4", "--model", "6.2b",
+                 "--hardware", "cloud", "--dp", "16", "--sharding", "auto", "--gpu-memory", "80", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["options"]["groups_from"] == "given" and len(out["sharding"]) == 4
