@@ -23,6 +23,17 @@ communication-bound the case is), which targets are met (S: >= 1.15x the best fi
 baseline, C: >= 75% cut, R: recomputation < 2%; lower case: missed, '-': no baseline
 fits), the groups (and per-chunk sharding when chosen), and the seconds the elastic
 search took (CPU). Targets shaped after the paper.
+
+With --emulated, the runtime checks the simulated ordering: p x d = 2 x 2 local processes
+run depth-first, breadth-first and elastic (explicit groups, --forward-groups and
+--backward-groups) with emulated compute (every pass sleeps --emulate-ms) and emulated
+links (every DP collective takes its modelled time, --stage-params parameters per stage
+on a --dp-bandwidth GB/s link, --emulated-sharding replicate or zero1), and the table sets
+the measured step time and exposed communication beside the simulator's for the same
+Program and costs:
+
+    python benchmarks/pipemesh.py --emulated [-m 8] [--emulate-ms 4] [--stage-params 4e6]
+                                  [--dp-bandwidth 0.2] [--forward-groups 6,2] [--backward-groups 2,6]
 """
 from __future__ import annotations
 
@@ -113,10 +124,51 @@ def _cell(result: dict) -> str:
             f"{'yes' if result['fits'] else 'no':>4}")
 
 
+def run_emulated(args: argparse.Namespace) -> dict:
+    from pipeblocks.train.emulated_mesh import EmulatedMeshCase, measure_emulated_mesh, predict_emulated_mesh
+
+    groups = (("forward_groups", args.forward_groups), ("backward_groups", args.backward_groups))
+    cases = (("depth-first", "interleaved-1f1b", ()), ("breadth-first", "bfs", ()), ("elastic", "elastic", groups))
+    rows = []
+    for label, name, options in cases:
+        case = EmulatedMeshCase(
+            name, p=2, dp=2, m=args.m, f_ms=args.emulate_ms, b_ms=args.emulate_ms, w_ms=args.emulate_ms,
+            stage_params=(args.stage_params,) * (2 * args.v), bandwidth=args.dp_bandwidth * 1e9,
+            sharding=args.emulated_sharding, steps=args.steps, options=(("v", args.v), *options),
+        )
+        sim, got = predict_emulated_mesh(case), measure_emulated_mesh(case)
+        rows.append({"schedule": label, "name": name, "sim_step_s": sim["step_s"], "meas_step_s": got["step_s"],
+                     "sim_exposed_s": sim["exposed_s"], "meas_exposed_s": got["exposed_s"]})
+    order = {key: [r["schedule"] for r in sorted(rows, key=lambda r: r[key])] for key in ("sim_step_s", "meas_step_s")}
+    return {"emulated": True, "p": 2, "dp": 2, "m": args.m, "v": args.v, "emulate_ms": args.emulate_ms,
+            "stage_params": args.stage_params, "dp_bandwidth_gbs": args.dp_bandwidth,
+            "sharding": args.emulated_sharding, "forward_groups": args.forward_groups,
+            "backward_groups": args.backward_groups, "rows": rows, "sim_order": order["sim_step_s"],
+            "measured_order": order["meas_step_s"], "ordering_reproduced": order["sim_step_s"] == order["meas_step_s"]}
+
+
+def main_emulated(args: argparse.Namespace) -> int:
+    result = run_emulated(args)
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(f"emulated: p=2 d=2 m={args.m} v={args.v} {args.emulated_sharding}, F=B=W={args.emulate_ms:g} ms per stage, "
+          f"{args.stage_params:g} parameters per stage on a {args.dp_bandwidth:g} GB/s link; elastic "
+          f"{args.forward_groups} / {args.backward_groups} (ms; simulated / measured)")
+    print(f"{'schedule':<14} {'step':>15} {'exposed':>15}")
+    for r in result["rows"]:
+        print(f"{r['schedule']:<14} {1e3 * r['sim_step_s']:6.1f} /{1e3 * r['meas_step_s']:6.1f} "
+              f"{1e3 * r['sim_exposed_s']:6.1f} /{1e3 * r['meas_exposed_s']:6.1f}")
+    print(f"fastest first: simulated {', '.join(result['sim_order'])}; measured {', '.join(result['measured_order'])}"
+          f" ({'reproduced' if result['ordering_reproduced'] else 'NOT reproduced'})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-p", type=int, default=4)
-    parser.add_argument("-m", type=int, default=16)
+    parser.add_argument("-m", type=int, default=None, help="microbatches (default 16; --emulated 8)")
     parser.add_argument("-v", type=int, default=2)
     parser.add_argument("--hardware", default="cloud")
     parser.add_argument("--gpu-memory", type=float, default=80.0)
@@ -125,7 +177,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sharding", default="zero3")
     parser.add_argument("--mixed-precision", action="store_true")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--emulated", action="store_true", help="runtime check at p=2, d=2 with emulated compute and links")
+    parser.add_argument("--emulate-ms", type=float, default=4.0, help="--emulated: F, B and W per stage (ms)")
+    parser.add_argument("--stage-params", type=float, default=4e6, help="--emulated: parameters per stage")
+    parser.add_argument("--dp-bandwidth", type=float, default=0.2, help="--emulated: DP link (GB/s)")
+    parser.add_argument("--emulated-sharding", default="replicate", choices=("replicate", "zero1"))
+    parser.add_argument("--forward-groups", default="6,2", help="--emulated: elastic forward groups")
+    parser.add_argument("--backward-groups", default="2,6", help="--emulated: elastic backward groups")
+    parser.add_argument("--steps", type=int, default=5, help="--emulated: steps (the first is not timed)")
     args = parser.parse_args(argv)
+    if args.emulated:
+        args.m = args.m or 8
+        return main_emulated(args)
+    args.m = args.m or 16
     rows = [run_case(args, model, int(dp)) for model in args.models.split(",") for dp in args.dps.split(",")]
     if args.json:
         json.dump(rows, sys.stdout, indent=2)

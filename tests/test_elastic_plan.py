@@ -78,3 +78,21 @@ def test_build_uses_the_joint_search_and_simulate_json_shows_the_choice(capsys):
                  "--hardware", "cloud", "--dp", "16", "--sharding", "auto", "--gpu-memory", "80", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["options"]["groups_from"] == "given" and len(out["sharding"]) == 4
+
+
+def test_emulated_case_takes_generator_options_and_orders_as_the_simulator():
+    # the benchmark's emulated check (benchmarks/pipemesh.py --emulated), simulated side:
+    # chunk 1's 40 ms all-reduce hides under 2 (depth-first), 6 (elastic 6,2 / 2,6) or 8
+    # (bfs) backwards of chunk 0, 8 ms each
+    from pipeblocks.train.emulated_mesh import EmulatedMeshCase, predict_emulated_mesh
+
+    common = dict(p=2, dp=2, m=8, f_ms=4.0, b_ms=4.0, w_ms=4.0, stage_params=(4e6,) * 4, bandwidth=2e8)
+    elastic = EmulatedMeshCase("elastic", options=(("v", 2), ("forward_groups", (6, 2)), ("backward_groups", (2, 6))),
+                               **common)
+    assert elastic.build_schedule().option("forward_groups") == (6, 2)
+    step = {name: predict_emulated_mesh(case)["step_s"] for name, case in (
+        ("depth-first", EmulatedMeshCase("interleaved-1f1b", options=(("v", 2),), **common)),
+        ("elastic", elastic),
+        ("breadth-first", EmulatedMeshCase("bfs", options=(("v", 2),), **common)),
+    )}
+    assert step == pytest.approx({"depth-first": 0.348, "elastic": 0.316, "breadth-first": 0.300})

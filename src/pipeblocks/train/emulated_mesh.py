@@ -47,6 +47,8 @@ class EmulatedMeshCase:
     reduce_at_end: bool = False
     steps: int = 4
     warmup: int = 1
+    options: tuple[tuple[str, object], ...] = ()
+    """generator options (e.g. ("v", 2), ("forward_groups", (4, 4)) for elastic)"""
 
     def __post_init__(self) -> None:
         if self.steps <= self.warmup:
@@ -55,7 +57,7 @@ class EmulatedMeshCase:
     def build_schedule(self):
         from .. import schedules
 
-        return schedules.get(self.schedule)(p=self.p, m=self.m)
+        return schedules.get(self.schedule)(p=self.p, m=self.m, **dict(self.options))
 
     def dp_model(self, num_stages: int) -> DPModel:
         if len(self.stage_params) != num_stages:
