@@ -81,11 +81,13 @@ def build(request: ScheduleRequest) -> Built:
 
 
 def _joint_elastic(request: ScheduleRequest) -> bool:
-    """`elastic --sharding auto` without explicit groups, from a cost model: groups and
-    sharding are chosen together (`elastic_plan`)."""
+    """`elastic` without explicit groups, with `--sharding auto` or `--recompute auto`: groups
+    and sharding are chosen together, or the groups with recomputation in view
+    (`elastic_plan`)."""
     given = dict(request.options)
     return (
-        request.auto_sharding and not request.file and request.name == "elastic" and request.seq_chunks is None
+        (request.auto_sharding or (request.recompute == "auto" and request.gpu_memory is not None))
+        and not request.file and request.name == "elastic" and request.seq_chunks is None
         and given.get("forward_groups") is None and given.get("backward_groups") is None
         and given.get("search", True) is not False and request.recompute != "all"
     )
@@ -100,11 +102,14 @@ def _build_elastic_plan(request: ScheduleRequest) -> Built:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ScheduleError(f"v must be an integer >= 1, got {v!r}")
     stages = request.p * v
-    start = (ShardingPolicy.ZERO3,) if request.mesh.dp > 1 else (ShardingPolicy.REPLICATE,)
+    if request.auto_sharding:
+        start = (ShardingPolicy.ZERO3,) if request.mesh.dp > 1 else (ShardingPolicy.REPLICATE,)
+    else:
+        start = request.sharding
     costs = _with_dp(dataclasses.replace(request, sharding=start), resolve_costs(request.costs, stages), stages)
     plan = choose_elastic_plan(
         request.p, request.m, v, costs, budget=memory_budget(request), recompute=request.recompute == "auto",
-        start=start, unit=1e9 if request.costs.model else 1.0,
+        start=start, unit=1e9 if request.costs.model else 1.0, search_sharding=request.auto_sharding,
     )
     dp = dataclasses.replace(costs.data_parallel, sharding=plan.sharding)
     return Built(

@@ -1,4 +1,5 @@
-"""Elastic groups and per-chunk sharding chosen together (`elastic --sharding auto`).
+"""Elastic groups and per-chunk sharding chosen together (`elastic --sharding auto`), and
+groups chosen with recomputation in view (`elastic --recompute auto`).
 
 Which chunks can shard their parameters depends on the groups (a gather hides only under
 the compute of the group before it), and which groups fit depends on the sharding (its
@@ -56,12 +57,13 @@ class ElasticPlan:
 
 def choose_elastic_plan(
     p: int, m: int, v: int, costs: Costs, *, budget: float | None, recompute: bool, start: Policies,
-    unit: float = 1.0, rounds: int = 3, tolerance: float = 1e-3,
+    unit: float = 1.0, rounds: int = 3, tolerance: float = 1e-3, search_sharding: bool = True,
 ) -> ElasticPlan:
     """Groups and one policy per chunk for `elastic` under `costs` (whose data-parallel side
     gives d and the link), within `budget` per rank (the costs' memory units); with
     `recompute`, pairs chosen by `choose_recompute` for each candidate. `start`: the
-    policy (one, or one per chunk) the groups-only answer uses."""
+    policy (one, or one per chunk) the groups-only answer uses; without `search_sharding`
+    it is kept and only the groups are searched (`groups_from` "search")."""
     stages = p * v
     start = start * stages if len(start) == 1 else tuple(start)
     seen: dict[tuple[Groups, Policies], tuple] = {}
@@ -121,9 +123,9 @@ def choose_elastic_plan(
     g, _, _ = rule_groups(p, m, v, rule_costs, budget)
     rule = rule_sequences(m, g)
     groups_only = (best_groups(start, rule), start)
-    sharding_only = (rule, best_sharding(rule, start))
+    sharding_only = (rule, best_sharding(rule, start) if search_sharding else start)
     plans = [groups_only, sharding_only]
-    for plan in (groups_only, sharding_only):
+    for plan in (groups_only, sharding_only) if search_sharding else ():
         groups, policies = plan
         for _ in range(rounds):
             policies = best_sharding(groups, policies)
@@ -139,7 +141,7 @@ def choose_elastic_plan(
     over, makespan, (need, _), pairs = evaluate(*chosen)
     if over > 0:
         raise ScheduleError(
-            f"elastic with --sharding auto: no plan found fits --gpu-memory {budget / unit:.4g}; the least needs "
+            f"elastic{' with --sharding auto' if search_sharding else ''}: no plan found fits --gpu-memory {budget / unit:.4g}; the least needs "
             f"{need / unit:.4g} per rank (static memory at the step's peak + activation"
             f"{', with full recomputation' if recompute else ''}): raise --gpu-memory"
             f"{'' if recompute else ', add --recompute auto'}, add replicas (--dp) or use more pipeline ranks"
@@ -147,7 +149,9 @@ def choose_elastic_plan(
     (forward, backward), policies = chosen
     schedule = elastic(p=p, m=m, v=v, forward_groups=forward, backward_groups=backward)
     schedule = dataclasses.replace(
-        schedule, options=tuple((k, "joint" if k == "groups_from" else val) for k, val in schedule.options),
+        schedule, options=tuple(
+            (k, ("joint" if search_sharding else "search") if k == "groups_from" else val) for k, val in schedule.options
+        ),
     )
     return ElasticPlan(
         schedule, policies, pairs, makespan, evaluate(*groups_only)[1], evaluate(*sharding_only)[1], len(seen),
