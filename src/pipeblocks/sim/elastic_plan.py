@@ -6,7 +6,8 @@ the compute of the group before it), and which groups fit depends on the shardin
 static memory at the step's peak). The search therefore alternates on the simulator:
 groups for the current sharding (`elastic.search_groups`'s candidates), then a sharding
 for those groups (coordinate descent over the chunks, as `auto_sharding`), until neither
-changes. It starts from both one-sided answers, the groups searched under the uniform
+changes (the sharding moves: one chunk index on every rank at once, then one stage). It
+starts from both one-sided answers, the groups searched under the uniform
 policy and the sharding chosen for the rule's groups, and keeps the best plan it
 simulated, so it is never worse than either.
 
@@ -108,11 +109,15 @@ def choose_elastic_plan(
         for policy in _POLICIES:
             if better((groups, (policy,) * stages), (groups, best)):
                 best = (policy,) * stages
+        # moves: one chunk index on every rank at once (stages c*p .. c*p+p-1: the step's
+        # critical path crosses every rank, so one rank's change alone rarely shows),
+        # then one stage at a time
+        moves = [range(c * p, (c + 1) * p) for c in range(v)] + [range(s, s + 1) for s in range(stages)]
         for _ in range(2):
             changed = False
-            for stage in range(stages):
+            for move in moves:
                 for policy in _POLICIES:
-                    trial = best[:stage] + (policy,) + best[stage + 1:]
+                    trial = tuple(policy if s in move else best[s] for s in range(stages))
                     if trial != best and better((groups, trial), (groups, best)):
                         best, changed = trial, True
             if not changed:
