@@ -9,7 +9,7 @@ for those groups (coordinate descent over the chunks, as `auto_sharding`), until
 changes (the sharding moves: one chunk index on every rank at once, then one stage). It
 starts from both one-sided answers, the groups searched under the uniform
 policy and the sharding chosen for the rule's groups, and keeps the best plan it
-simulated, so it is never worse than either.
+simulated, so it is never slower than either by more than `tolerance` (and then lighter).
 
 With `--recompute auto` every candidate is scored after `choose_recompute` has made it fit
 (a plan that needs recomputation pays for it in its simulated step time), so the search
