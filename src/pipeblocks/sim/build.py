@@ -55,6 +55,11 @@ def build(request: ScheduleRequest) -> Built:
     """The schedule the request describes (generated once) and its resolved costs; with
     `auto_sharding`, the policies the simulator chose are in the returned request and costs;
     with `recompute`, the pairs to recompute (auto: chosen after the sharding)."""
+    if request.recompute == "auto" and request.gpu_memory is None:
+        raise ScheduleError(
+            "--recompute auto chooses the pairs to recompute so that each rank fits --gpu-memory, but no "
+            "--gpu-memory was given: give --gpu-memory GB, or use --recompute all / none"
+        )
     if _joint_elastic(request):
         return _build_elastic_plan(request)
     built = _build(request)
@@ -69,11 +74,6 @@ def build(request: ScheduleRequest) -> Built:
     if request.recompute == "all":
         return dataclasses.replace(built, recompute=all_pairs(built.schedule))
     if request.recompute == "auto":
-        if request.gpu_memory is None:
-            raise ScheduleError(
-                "--recompute auto chooses the pairs to recompute so that each rank fits --gpu-memory, but no "
-                "--gpu-memory was given: give --gpu-memory GB, or use --recompute all / none"
-            )
         unit = 1e9 if request.costs.model else 1.0
         pairs = choose_recompute(built.schedule, built.costs, memory_budget(request), unit=unit)
         return dataclasses.replace(built, recompute=pairs)
@@ -111,11 +111,9 @@ def _build_elastic_plan(request: ScheduleRequest) -> Built:
         request.p, request.m, v, costs, budget=memory_budget(request), recompute=request.recompute == "auto",
         start=start, unit=1e9 if request.costs.model else 1.0, search_sharding=request.auto_sharding,
     )
-    dp = dataclasses.replace(costs.data_parallel, sharding=plan.sharding)
-    return Built(
-        dataclasses.replace(request, sharding=plan.sharding), plan.schedule,
-        dataclasses.replace(costs, data_parallel=dp), plan.recompute,
-    )
+    dp = dataclasses.replace(costs.data_parallel, sharding=plan.sharding if request.auto_sharding else start)
+    chosen = dataclasses.replace(request, sharding=plan.sharding) if request.auto_sharding else request
+    return Built(chosen, plan.schedule, dataclasses.replace(costs, data_parallel=dp), plan.recompute)
 
 
 def memory_budget(request: ScheduleRequest) -> float | None:

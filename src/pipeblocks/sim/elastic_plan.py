@@ -145,11 +145,13 @@ def choose_elastic_plan(
             chosen = plan
     over, makespan, (need, _), pairs = evaluate(*chosen)
     if over > 0:
+        how = " with --sharding auto" if search_sharding else ""
         raise ScheduleError(
-            f"elastic{' with --sharding auto' if search_sharding else ''}: no plan found fits --gpu-memory {budget / unit:.4g}; the least needs "
+            f"--gpu-memory {budget / unit:.4g} is too small for 'elastic'{how}: the least any plan found needs is "
             f"{need / unit:.4g} per rank (static memory at the step's peak + activation"
-            f"{', with full recomputation' if recompute else ''}): raise --gpu-memory"
-            f"{'' if recompute else ', add --recompute auto'}, add replicas (--dp) or use more pipeline ranks"
+            f"{', with full recomputation' if recompute else ''}): raise --gpu-memory to at least {need / unit:.4g}"
+            f"{'' if recompute else ', add --recompute auto'}, add replicas with sharding (--dp, --sharding zero3) "
+            "or use more pipeline ranks"
         )
     (forward, backward), policies = chosen
     schedule = elastic(p=p, m=m, v=v, forward_groups=forward, backward_groups=backward)
