@@ -136,6 +136,12 @@ MODELS = MappingProxyType({
     "6.2b": TransformerConfig(layers=30, hidden=4096, heads=32, seq=1024, microbatch_size=3),
     "14.6b": TransformerConfig(layers=46, hidden=5120, heads=40, seq=1024, microbatch_size=1),
     "28.3b": TransformerConfig(layers=62, hidden=6144, heads=48, seq=1024, microbatch_size=1),
+    # Models of "Pipeline Parallelism with Controllable Memory" (Qi et al. 2024, Table 3 and
+    # section 5); their sequence and microbatch size vary by experiment (`pipeblocks plan` sets them)
+    "9.6b": TransformerConfig(layers=30, hidden=5120, heads=40, seq=1024),
+    "21b": TransformerConfig(layers=46, hidden=6144, heads=48, seq=1024),
+    "38.5b": TransformerConfig(layers=62, hidden=7168, heads=64, seq=1024),
+    "98.5b": TransformerConfig(layers=78, hidden=10240, heads=80, seq=1024),
 })
 
 # Dense 16-bit peak, a typical achievable fraction, and an inter-node link (one NIC) for the
@@ -153,6 +159,18 @@ HARDWARE = MappingProxyType({
     "cloud": Hardware(
         "cloud", flops=312e12, efficiency=0.5, bandwidth=6.25e9, latency=30e-6,
         intra_bandwidth=300e9, intra_latency=5e-6, inter_bandwidth=6.25e9, inter_latency=30e-6,
+    ),
+    # An A100 SXM 80GB in a DGX A100-style node of 8, from NVIDIA's data sheets: 312 TFLOP/s
+    # dense bf16; NVLink 3 at 600 GB/s per GPU both directions, so 300 GB/s each way inside
+    # the node; one 200 Gb/s HDR InfiniBand adapter per GPU (25 GB/s) between nodes, which
+    # also carries the pipeline's hops. The achievable fraction 0.6 is the share of peak a
+    # large transformer layer reaches in Megatron-LM on A100 (Narayanan et al. 2021 report
+    # 52% of peak for whole GPT runs with pipeline bubbles and communication included; the
+    # layer itself runs faster). Latencies: a few microseconds per NVLink step, about 10
+    # per InfiniBand step, NCCL's order of magnitude.
+    "a100-80g": Hardware(
+        "a100-80g", flops=312e12, efficiency=0.6, bandwidth=25e9, latency=10e-6,
+        intra_bandwidth=300e9, intra_latency=5e-6, inter_bandwidth=25e9, inter_latency=10e-6,
     ),
 })
 
@@ -268,7 +286,7 @@ def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stag
 
 
 def parse_model(text: str) -> TransformerConfig:
-    """A preset name (1.5b, 6.2b, 14.6b, 28.3b) or 'LAYERS,HIDDEN,HEADS,SEQ[,VOCAB[,MICROBATCH]]'."""
+    """A preset name (1.5b, 6.2b, 14.6b, 28.3b, 9.6b, 21b, 38.5b, 98.5b) or 'LAYERS,HIDDEN,HEADS,SEQ[,VOCAB[,MICROBATCH]]'."""
     if text in MODELS:
         return MODELS[text]
     try:

@@ -1,0 +1,356 @@
+"""The planner's search: every mesh x schedule x microbatch size x sharding policy, scored
+by the simulator.
+
+For one (mesh, schedule, sequence chunks) group the microbatch sizes are tried smallest
+first, and within one size the sharding policies least-sharded first:
+
+1. static memory (parameters, gradients, optimizer state at the step's peak, the
+   simulator's own `DataParallel.static_memory`) is computed before anything is built;
+   a policy whose static memory alone exceeds the GPU is dropped, and when even zero3's
+   does the whole group is (static memory does not depend on the microbatch size);
+2. the schedule is generated once and simulated once under the least-sharded surviving
+   policy: its peak activation per rank is what every policy adds to its static memory
+   (DP ops move parameters and gradients, never activations), so the fit of each policy is
+   known from that one simulation;
+3. each other policy that fits is simulated for its time (its collectives differ);
+4. when no policy fits at size b, larger sizes are not tried: a larger microbatch holds
+   at least as much activation at every schedule's peak.
+
+All DP replicas run the same program on equal shards, so one replica is simulated. The
+groups are independent and run in worker processes when `jobs` > 1.
+
+MFU counts model FLOPs only (a recomputed forward is not useful work), over the
+iteration time on all GPUs at the profile's peak:
+72*s*h^2*L*(1 + s/(6h) + V/(12*h*L)) per sequence, as Megatron-LM and the papers count.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from ..core.errors import ScheduleError
+from ..core.placement import Placement
+from ..core.sharding import ShardingPolicy
+from ..core.simulate import simulate
+from ..schedules import get
+from ..schedules.sequence import split_sequence
+from ..sim.recompute_auto import memory_need
+from ..sim.sequence_split import chunk_shares, split_lengths
+from .costs import replica_costs
+from .space import SHARDING_ORDER, MeshShape, PlanProblem, meshes, microbatch_sizes
+
+__all__ = ["Candidate", "Evaluated", "Skipped", "PlanResult", "search", "search_schedule", "model_flops", "evaluate"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search space."""
+
+    schedule: str
+    dp: int
+    tp: int
+    pp: int
+    microbatch_size: int
+    m: int
+    seq_chunks: int = 1
+
+    @property
+    def label(self) -> str:
+        return self.schedule if self.seq_chunks == 1 else f"{self.schedule}+seq{self.seq_chunks}"
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """A simulated candidate. Memory in bytes per GPU (the worst rank), times in seconds."""
+
+    candidate: Candidate
+    sharding: str
+    iteration_time: float
+    mfu: float
+    tokens_per_s: float
+    peak_memory: float
+    static_memory: float
+    activation_memory: float
+    bubble: float
+    exposed_comm: float
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A group or candidate left out before simulation, and why."""
+
+    schedule: str
+    shape: MeshShape
+    microbatch_size: int | None
+    reason: str
+    least_memory: float | None = None
+    """bytes per GPU it would need at least (static memory alone), when memory was the reason"""
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    problem: PlanProblem
+    evaluated: tuple[Evaluated, ...]
+    skipped: tuple[Skipped, ...]
+    seconds: float
+    simulations: int
+    pruned: int = 0
+    """candidates not simulated because their MFU bound was below their schedule's best"""
+
+    @property
+    def ranked(self) -> list[Evaluated]:
+        """Feasible candidates, highest MFU first (ties: less memory)."""
+        return sorted((e for e in self.evaluated if e.fits), key=_rank_key)
+
+    @property
+    def best_per_schedule(self) -> dict[str, Evaluated]:
+        best: dict[str, Evaluated] = {}
+        for e in self.ranked:
+            best.setdefault(e.candidate.label, e)
+        return best
+
+    def least_memory_needed(self) -> float | None:
+        """The smallest per-GPU memory any candidate was found to need (its simulated peak,
+        or static memory alone when that was already over the GPU): a lower bound on the
+        memory that would make one fit."""
+        needs = [e.peak_memory for e in self.evaluated] + [
+            s.least_memory for s in self.skipped if s.least_memory is not None
+        ]
+        return min(needs, default=None)
+
+
+# Local-search steps for the cost-aware generators: their default (100) roughly doubles a
+# deep pipeline's build time; on the Table 3 grid 10 steps build the same schedules
+LOCAL_SEARCH = 10
+
+
+def _rank_key(e: Evaluated) -> tuple:
+    c = e.candidate
+    return (-e.mfu, e.peak_memory, c.schedule, c.seq_chunks, c.dp, c.tp, c.pp, c.microbatch_size, e.sharding)
+
+
+def model_flops(problem: PlanProblem) -> float:
+    """Model FLOPs of one step (forward and backward of the global batch)."""
+    cfg = problem.model
+    s, h, layers, vocab = cfg.seq, cfg.hidden, cfg.layers, cfg.vocab
+    per_sequence = layers * s * h * (72 * h + 12 * s) + 6 * s * h * vocab
+    return problem.global_batch * per_sequence
+
+
+def _placement(name: str, pp: int, stages: int) -> Placement:
+    return Placement.v_shape(pp) if get(name).v == 2 else Placement.loop(pp, stages // pp)
+
+
+def _static_peak(costs, placement: Placement) -> tuple[float, ...]:
+    dp = costs.data_parallel
+    params = costs.params if isinstance(costs.params, tuple) else (costs.params,) * placement.num_stages
+    return tuple(dp.static_memory(params, placement.stages_of(r), peak=True) for r in range(placement.num_ranks))
+
+
+def _generate(name: str, pp: int, m: int, k: int, costs):
+    spec = get(name)
+    kwargs: dict[str, object] = {"p": pp, "m": m}
+    if spec.accepts("costs"):
+        kwargs["costs"] = costs
+    if spec.accepts("search"):
+        kwargs["search"] = LOCAL_SEARCH
+    if k > 1:
+        return split_sequence(name, seq_chunks=k, **kwargs)
+    return spec(**kwargs)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One (mesh, microbatch size) of a schedule, priced before anything is built."""
+
+    bound: float
+    """MFU upper bound: model FLOPs over the busiest rank's compute alone"""
+    shape: MeshShape
+    microbatch_size: int
+    m: int
+    stages: int
+
+
+def _entries(problem: PlanProblem, name: str, k: int) -> tuple[list[_Entry], list[Skipped]]:
+    """The schedule's candidates that pass the static-memory check, with their bounds."""
+    entries, skipped = [], []
+    label = name if k == 1 else f"{name}+seq{k}"
+    spec = get(name)
+    flops, peak_rate = model_flops(problem), problem.hardware.flops * problem.gpus
+    for shape in meshes(problem):
+        for b in microbatch_sizes(problem, shape):
+            m = problem.global_batch // (shape.dp * b)
+            stages = spec.num_stages(p=shape.pp, m=m)
+            if stages > problem.model.layers:
+                skipped.append(Skipped(label, shape, None, f"{stages} stages for {problem.model.layers} layers"))
+                break  # the stage count does not depend on b
+            costs = _costs(problem, shape, b, stages, k, ShardingPolicy.ZERO3 if shape.dp > 1 else ShardingPolicy.REPLICATE)
+            placement = _placement(name, shape.pp, stages)
+            least = max(_static_peak(costs, placement))
+            if least > problem.gpu_memory:
+                skipped.append(Skipped(
+                    label, shape, None,
+                    f"static memory {least / 1e9:.1f} GB per GPU even fully sharded > {problem.gpu_memory / 1e9:.4g} GB",
+                    least_memory=least,
+                ))
+                break  # static memory does not depend on the microbatch size
+            table = costs.resolve(placement)
+            busy = max(
+                m * sum(table.f[s] + table.b[s] + table.w[s] for s in placement.stages_of(r))
+                for r in range(shape.pp)
+            )
+            entries.append(_Entry(flops / (busy * peak_rate), shape, b, m, stages))
+    return entries, skipped
+
+
+def _costs(problem: PlanProblem, shape: MeshShape, b: int, stages: int, k: int, policy: ShardingPolicy):
+    config = problem.config(b)
+    costs = replica_costs(
+        config, problem.hardware, num_stages=stages, dp=shape.dp, tp=shape.tp, sharding=policy,
+        precision=problem.precision,
+    )
+    return _with_chunks(costs, config, k)
+
+
+def evaluate(problem: PlanProblem, name: str, k: int, entry: _Entry) -> tuple[list[Evaluated], list[Skipped], int]:
+    """Simulate one candidate under each sharding policy that can fit: the best that fits
+    (or, when none does, the least memory one), what was left out, and the simulations run."""
+    shape, b, m = entry.shape, entry.microbatch_size, entry.m
+    label = name if k == 1 else f"{name}+seq{k}"
+    capacity = problem.gpu_memory
+    flops, peak_rate = model_flops(problem), problem.hardware.flops * problem.gpus
+    tokens = problem.global_batch * problem.model.seq
+    placement = _placement(name, shape.pp, entry.stages)
+    policies = [pol for pol in SHARDING_ORDER if shape.dp > 1 or pol is ShardingPolicy.REPLICATE]
+    costs = {pol: _costs(problem, shape, b, entry.stages, k, pol) for pol in policies}
+    static = {pol: _static_peak(costs[pol], placement) for pol in policies}
+    fitting = [pol for pol in policies if max(static[pol]) <= capacity]
+    candidate = Candidate(name, shape.dp, shape.tp, shape.pp, b, m, k)
+    try:
+        schedule = _generate(name, shape.pp, m, k, costs[fitting[0]])
+    except (ScheduleError, ValueError) as err:
+        return [], [Skipped(label, shape, b, f"not built: {err}")], 0
+    results: list[Evaluated] = []
+    activation = None
+    for pol in fitting:
+        if activation is not None and max(s + a for s, a in zip(static[pol], activation)) > capacity:
+            continue
+        timeline = simulate(schedule, costs[pol])
+        activation = timeline.peak_activation
+        need = max(memory_need(timeline))
+        span = timeline.makespan
+        results.append(Evaluated(
+            candidate=candidate, sharding=str(pol), iteration_time=span,
+            mfu=flops / (span * peak_rate), tokens_per_s=tokens / span, peak_memory=need,
+            static_memory=max(timeline.static_memory_peak), activation_memory=max(timeline.peak_activation),
+            bubble=timeline.bubble_ratio, exposed_comm=max(timeline.exposed_comm, default=0.0),
+            fits=need <= capacity,
+        ))
+    feasible = [r for r in results if r.fits]
+    if feasible:
+        return [min(feasible, key=lambda r: (r.iteration_time, r.peak_memory))], [], len(results)
+    return [min(results, key=lambda r: r.peak_memory)], [], len(results)
+
+
+def search_schedule(
+    problem: PlanProblem, name: str, k: int = 1, *, exhaustive: bool = False,
+) -> tuple[list[Evaluated], list[Skipped], int, int]:
+    """Branch and bound over one schedule's candidates, meshes with the highest MFU bound
+    first: a candidate whose bound is below the best MFU that fits is not simulated
+    (unless `exhaustive`). A mesh whose
+    microbatch size b does not fit is not tried at larger b (more activation at the peak).
+    Returns the evaluated, the skipped, the simulations run and the candidates pruned."""
+    entries, skipped = _entries(problem, name, k)
+    # meshes by their best bound; within a mesh the sizes ascend, so the first size that
+    # does not fit ends the mesh
+    top: dict[MeshShape, float] = {}
+    for e in entries:
+        top[e.shape] = max(top.get(e.shape, 0.0), e.bound)
+    entries.sort(key=lambda e: (-top[e.shape], e.shape, e.microbatch_size))
+    evaluated: list[Evaluated] = []
+    runs = pruned = 0
+    best = 0.0
+    too_big: dict[MeshShape, int] = {}
+    for entry in entries:
+        if entry.microbatch_size > too_big.get(entry.shape, entry.microbatch_size):
+            continue
+        if not exhaustive and entry.bound < best:
+            pruned += 1
+            continue
+        done, left, sims = evaluate(problem, name, k, entry)
+        evaluated += done
+        skipped += left
+        runs += sims
+        for e in done:
+            if e.fits:
+                best = max(best, e.mfu)
+            else:
+                too_big[entry.shape] = min(too_big.get(entry.shape, entry.microbatch_size), entry.microbatch_size)
+    return evaluated, skipped, runs, pruned
+
+
+def _with_chunks(costs, config, k: int):
+    if k == 1:
+        return costs
+    lengths = split_lengths(config.seq, k, "balanced", config)
+    seq_time, seq_mem = chunk_shares(lengths, config)
+    return dataclasses.replace(costs, seq_time=seq_time, seq_mem=seq_mem)
+
+
+def _tasks(problem: PlanProblem) -> list[tuple[str, int]]:
+    meshes(problem)  # the errors for a GPU count or batch that nothing fits, before any work
+    chunks = (1, *sorted(set(problem.seq_chunks) - {1}))
+    return [(name, k) for name in problem.schedules for k in chunks]
+
+
+def _run_task(problem: PlanProblem, exhaustive: bool, tasks, index: int):
+    name, k = tasks[index]
+    return index, search_schedule(problem, name, k, exhaustive=exhaustive)
+
+
+def search(
+    problem: PlanProblem, *, jobs: int | None = None, exhaustive: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> PlanResult:
+    """Search `problem`; `jobs` worker processes (None: up to 2, the CPUs there are), one
+    schedule each at a time. `exhaustive`: simulate every candidate that can fit, not only
+    those whose bound can still beat their schedule's best."""
+    start = time.perf_counter()
+    tasks = _tasks(problem)
+    workers = min(jobs if jobs is not None else min(2, os.cpu_count() or 1), len(tasks))
+    run = functools.partial(_run_task, problem, exhaustive, tasks)
+    outcomes: Iterable
+    pool = None
+    if workers > 1:
+        methods = multiprocessing.get_all_start_methods()
+        pool = multiprocessing.get_context("fork" if "fork" in methods else "spawn").Pool(workers)
+        outcomes = pool.imap_unordered(run, range(len(tasks)))
+    else:
+        outcomes = map(run, range(len(tasks)))
+    collected: dict[int, tuple] = {}
+    try:
+        for done, (index, outcome) in enumerate(outcomes, 1):
+            collected[index] = outcome
+            if progress is not None:
+                name, k = tasks[index]
+                label = name if k == 1 else f"{name}+seq{k}"
+                progress(f"plan: {done}/{len(tasks)} {label}: {outcome[2]} simulations, "
+                         f"{time.perf_counter() - start:.1f} s")
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    evaluated, skipped, runs, pruned = [], [], 0, 0
+    for index in range(len(tasks)):  # task order, so the result does not depend on the workers
+        e, s, r, n = collected[index]
+        evaluated += e
+        skipped += s
+        runs += r
+        pruned += n
+    return PlanResult(problem, tuple(evaluated), tuple(skipped), time.perf_counter() - start, runs, pruned)

@@ -1,0 +1,141 @@
+"""What the planner searches: the problem (model, cluster, batch) and its candidate meshes.
+
+A mesh is dp x tp x pp = the GPU count. tp divides the GPUs per node (tensor parallelism
+stays on the intra-node link) and the attention heads; pp is at most the layer count. A
+microbatch size b is a candidate for a mesh when dp * b divides the global batch; the
+pipeline then runs m = global_batch / (dp * b) microbatches per step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from ..core.sharding import ShardingPolicy
+from ..schedules import get
+from ..sim.analytic import Hardware, TransformerConfig
+
+__all__ = ["DEFAULT_SCHEDULES", "DEFAULT_MICROBATCH_SIZES", "PlanProblem", "MeshShape", "meshes", "microbatch_sizes"]
+
+# The schedules of the Controllable Memory paper's grid (Table 3) and interleaved 1F1B;
+# `--schedules` names any registered schedule instead.
+DEFAULT_SCHEDULES = ("1f1b", "1f1b-r", "interleaved-1f1b", "zb-1p", "v-min", "v-half", "v-zb")
+DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8)
+
+# zero1 is left out: in the link model it moves more than zero2 (an all-reduce plus the
+# parameter gather, against a reduce-scatter plus the gather) for the same peak memory
+SHARDING_ORDER = (ShardingPolicy.REPLICATE, ShardingPolicy.ZERO2, ShardingPolicy.ZERO3)
+
+
+def _check_count(name: str, value: object, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}: {fix}")
+
+
+@dataclass(frozen=True)
+class PlanProblem:
+    """One planning question.
+
+    model: the transformer (its seq is the training sequence length; microbatch_size is
+        set per candidate). hardware: device, links and gpus_per_node.
+    gpus: GPUs in all. gpu_memory: bytes per GPU. global_batch: sequences per step.
+    schedules: registered schedule names to try. microbatch_sizes: the sizes b to try.
+    precision: static memory and DP traffic ("mixed": 2 + 2 + 12 bytes per parameter).
+    seq_chunks: sequence chunk counts to also try (Seq1F1B split of every schedule); empty: none.
+    tp_degrees: the tensor-parallel degrees allowed (None: every one that fits a node).
+    """
+
+    model: TransformerConfig
+    hardware: Hardware
+    gpus: int
+    gpu_memory: float
+    global_batch: int
+    schedules: tuple[str, ...] = DEFAULT_SCHEDULES
+    microbatch_sizes: tuple[int, ...] = DEFAULT_MICROBATCH_SIZES
+    precision: str = "mixed"
+    seq_chunks: tuple[int, ...] = ()
+    tp_degrees: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _check_count("--gpus", self.gpus, "give the number of GPUs to plan for")
+        _check_count("--global-batch", self.global_batch, "give the sequences per optimizer step")
+        memory = self.gpu_memory
+        if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not math.isfinite(memory) or memory <= 0:
+            raise ValueError(f"--gpu-memory must be a finite number of GB > 0, got {memory!r}")
+        if not self.schedules:
+            raise ValueError("--schedules is empty: name at least one schedule (see `pipeblocks list`)")
+        for name in self.schedules:
+            get(name)  # an unknown name is an error listing the known ones
+        if not self.microbatch_sizes:
+            raise ValueError("--microbatch-sizes is empty: give at least one size, e.g. 1,2,4")
+        for b in self.microbatch_sizes:
+            _check_count("a microbatch size", b, "give sizes >= 1, e.g. 1,2,4")
+        for k in self.seq_chunks:
+            _check_count("a sequence chunk count", k, "give counts >= 1, e.g. 2,4")
+            if k > self.model.seq:
+                raise ValueError(f"--seq-chunks {k} is more than the {self.model.seq} tokens of a sequence")
+        node = self.hardware.gpus_per_node
+        for t in self.tp_degrees or ():
+            _check_count("a tp degree", t, "give degrees >= 1, e.g. 1,2,4")
+            if t > node:
+                raise ValueError(
+                    f"--tp {t} is more than the {node} GPUs per node: tensor parallelism's per-layer all-reduces "
+                    f"need the intra-node link; give tp <= {node}"
+                )
+
+    def config(self, microbatch_size: int) -> TransformerConfig:
+        return dataclasses.replace(self.model, microbatch_size=microbatch_size)
+
+
+@dataclass(frozen=True, order=True)
+class MeshShape:
+    """dp replicas x tp tensor-parallel ranks x pp pipeline ranks."""
+
+    dp: int
+    tp: int
+    pp: int
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(problem: PlanProblem) -> list[MeshShape]:
+    """Every dp x tp x pp = gpus with tp inside a node and dividing the heads, pp <= layers
+    and some microbatch size that divides the batch per replica. The errors name the
+    constraint that left nothing."""
+    gpus, node = problem.gpus, problem.hardware.gpus_per_node
+    model = problem.model
+    allowed = problem.tp_degrees
+    tps = [t for t in _divisors(math.gcd(gpus, node)) if model.heads % t == 0 and (allowed is None or t in allowed)]
+    shapes = [
+        MeshShape(dp, tp, gpus // (dp * tp))
+        for tp in tps for dp in _divisors(gpus // tp)
+        if gpus // (dp * tp) <= model.layers
+    ]
+    if not shapes:
+        raise ValueError(
+            f"{gpus} GPUs do not divide into any dp x tp x pp mesh: tp must divide both the GPUs per node "
+            f"({node}) and the heads ({model.heads}){'' if allowed is None else f' and be one of --tp {allowed}'}, "
+            f"and pp is at most the {model.layers} layers; "
+            "choose a GPU count that is a multiple of a pipeline depth <= the layers"
+        )
+    usable = [shape for shape in shapes if microbatch_sizes(problem, shape)]
+    if not usable:
+        sizes = ",".join(map(str, problem.microbatch_sizes))
+        degrees = sorted({s.dp for s in shapes})
+        raise ValueError(
+            f"global batch {problem.global_batch} is not divisible by dp x microbatch size for any mesh "
+            f"(dp in {degrees}, microbatch sizes {sizes}): choose a batch that is a multiple of "
+            f"{min(degrees) * min(problem.microbatch_sizes)} or other --microbatch-sizes"
+        )
+    return sorted(usable)
+
+
+def microbatch_sizes(problem: PlanProblem, shape: MeshShape) -> list[int]:
+    """The sizes b with dp * b dividing the global batch, smallest first."""
+    return sorted(b for b in set(problem.microbatch_sizes) if problem.global_batch % (shape.dp * b) == 0)
