@@ -200,7 +200,7 @@ def _entries(problem: PlanProblem, name: str, k: int) -> tuple[list[_Entry], lis
                     least_memory=least,
                 ))
                 break  # static memory does not depend on the microbatch size
-            table = costs.resolve(placement)
+            table = costs.resolve(placement, k)
             busy = max(
                 m * sum(table.f[s] + table.b[s] + table.w[s] for s in placement.stages_of(r))
                 for r in range(shape.pp)

@@ -1,0 +1,127 @@
+"""`pipeblocks plan`: choose dp x tp x pp, microbatch size, schedule and sharding for a model
+on a cluster, by simulation, before the GPU hours are spent.
+
+    pipeblocks plan --model 98.5b --gpus 40 --gpus-per-node 8 --hardware a100-80g --gpu-memory 80 \\
+        --global-batch 160 --seq 1024 --flash-attention
+    pipeblocks plan --model 9.6b --gpus 16 --gpu-memory 80 --global-batch 64 --seq 2048 \\
+        --schedules 1f1b,v-half,v-zb --json
+    pipeblocks plan ... --plot plan.png --top 20
+
+Prints the ranked configurations that fit (MFU, tokens/s, iteration time, peak memory per
+GPU against capacity, bubble, exposed DP communication), the best of every schedule, and
+the `pipeblocks train` / `torchrun` commands for the chosen plan. Progress goes to stderr.
+See docs/planner.md for the model behind the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from ..core.errors import ScheduleError
+from ..plan import PlanProblem, search
+from ..plan.plot import plot_plan
+from ..plan.report import commands, table, to_json
+from ..plan.space import DEFAULT_MICROBATCH_SIZES, DEFAULT_SCHEDULES
+from ..sim.analytic import HARDWARE, MODELS, parse_model
+from .argtypes import plot_file, positive_float, positive_int
+from .common import print_json, progress
+
+__all__ = ["register", "run"]
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected integers separated by commas, e.g. 1,2,4") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+    return values
+
+
+def register(sub) -> None:
+    parser = sub.add_parser(
+        "plan", help="search dp x tp x pp x microbatch x schedule x sharding by simulation; print the best plans",
+        description=__doc__.split("\n\n")[0],
+    )
+    parser.add_argument("--model", required=True, metavar="PRESET|L,H,A[,S[,V]]",
+                        help=f"a preset ({', '.join(MODELS)}) or LAYERS,HIDDEN,HEADS,SEQ[,VOCAB]")
+    parser.add_argument("--gpus", type=positive_int, required=True, help="GPUs in all")
+    parser.add_argument("--gpus-per-node", type=positive_int, default=None,
+                        help="GPUs sharing the intra-node link (default: the hardware profile's)")
+    parser.add_argument("--hardware", default="a100-80g", choices=sorted(HARDWARE), help="device and links (default a100-80g)")
+    parser.add_argument("--gpu-memory", type=positive_float, required=True, metavar="GB", help="memory per GPU")
+    parser.add_argument("--global-batch", type=positive_int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--seq", type=positive_int, default=None, help="tokens per sequence (default: the model's)")
+    parser.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
+                        help=f"schedules to try, comma-separated (default {','.join(DEFAULT_SCHEDULES)})")
+    parser.add_argument("--microbatch-sizes", type=_int_list, default=DEFAULT_MICROBATCH_SIZES, metavar="B1,B2,...",
+                        help=f"microbatch sizes to try (default {','.join(map(str, DEFAULT_MICROBATCH_SIZES))})")
+    parser.add_argument("--tp", type=_int_list, default=None, metavar="T1,T2,...",
+                        help="tensor-parallel degrees allowed (default: every divisor of the GPUs per node)")
+    parser.add_argument("--seq-chunks", type=_int_list, default=(), metavar="K1,K2,...",
+                        help="also try every schedule split into K sequence chunks (Seq1F1B), for long sequences")
+    parser.add_argument("--flash-attention", action="store_true",
+                        help="attention that does not store the s x s scores (as Megatron-LM and torch's SDPA)")
+    parser.add_argument("--fp32", action="store_true",
+                        help="static memory of fp32 AdamW (16 bytes per parameter, as mixed) with fp32 DP traffic")
+    parser.add_argument("--exhaustive", action="store_true",
+                        help="simulate every configuration that can fit, not only those that can beat their "
+                        "schedule's best (slower; a fuller plot)")
+    parser.add_argument("--jobs", type=positive_int, default=None, help="worker processes (default: up to 2)")
+    parser.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table (default 10)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", type=plot_file, default=None, metavar="FILE",
+                        help="MFU against peak memory, one point per feasible configuration (.png, .svg)")
+    parser.set_defaults(run=run)
+
+
+def problem_from_args(args: argparse.Namespace) -> PlanProblem:
+    model = parse_model(args.model) if args.model in MODELS or args.model.count(",") >= 3 else _short_model(args.model)
+    model = dataclasses.replace(
+        model, seq=args.seq or model.seq, microbatch_size=1, flash_attention=args.flash_attention,
+    )
+    hardware = HARDWARE[args.hardware]
+    if args.gpus_per_node is not None:
+        hardware = dataclasses.replace(hardware, gpus_per_node=args.gpus_per_node)
+    schedules = tuple(x.strip() for x in args.schedules.split(",") if x.strip())
+    return PlanProblem(
+        model=model, hardware=hardware, gpus=args.gpus, gpu_memory=args.gpu_memory * 1e9,
+        global_batch=args.global_batch, schedules=schedules, microbatch_sizes=args.microbatch_sizes,
+        precision="fp32" if args.fp32 else "mixed", seq_chunks=args.seq_chunks, tp_degrees=args.tp,
+    )
+
+
+def _short_model(text: str):
+    parts = text.split(",")
+    if len(parts) == 3:
+        return parse_model(text + ",1024")
+    return parse_model(text)  # its error lists the forms
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = problem_from_args(args)
+    result = search(problem, jobs=args.jobs, exhaustive=args.exhaustive, progress=progress)
+    if not result.ranked:
+        least = result.least_memory_needed()
+        hint = f"; the least any configuration needs is {least / 1e9:.1f} GB per GPU" if least else ""
+        raise ScheduleError(
+            f"no configuration of {problem.gpus} GPUs fits {problem.gpu_memory / 1e9:g} GB per GPU{hint}: "
+            "raise --gpu-memory, add GPUs, or allow more schedules (1f1b-r, v-min) and smaller --microbatch-sizes"
+        )
+    if args.plot:
+        plot_plan(result, args.plot)
+    if args.json:
+        print_json(to_json(result, args.top))
+        return 0
+    p = problem
+    print(f"plan: {p.model.layers} layers, hidden {p.model.hidden}, {p.model.heads} heads, seq {p.model.seq}, "
+          f"batch {p.global_batch} on {p.gpus} x {p.hardware.name} ({p.hardware.gpus_per_node} per node, "
+          f"{p.gpu_memory / 1e9:g} GB)")
+    print(table(result, args.top))
+    print(f"{len(result.ranked)} configurations fit, {result.simulations} simulations, "
+          f"{result.pruned} pruned by their MFU bound")
+    print("\nrun the best plan:")
+    for line in commands(result):
+        print(f"  {line}")
+    return 0

@@ -1,0 +1,95 @@
+"""What `pipeblocks plan` prints: the ranked table, the JSON object, the launch commands."""
+from __future__ import annotations
+
+from .search import Evaluated, PlanResult
+
+__all__ = ["table", "to_json", "commands", "row"]
+
+_GB = 1e9
+
+
+def row(e: Evaluated) -> dict:
+    c = e.candidate
+    return {
+        "schedule": c.label, "dp": c.dp, "tp": c.tp, "pp": c.pp, "microbatch_size": c.microbatch_size, "m": c.m,
+        "seq_chunks": c.seq_chunks, "sharding": e.sharding, "mfu": e.mfu, "tokens_per_s": e.tokens_per_s,
+        "iteration_time": e.iteration_time, "peak_memory": e.peak_memory, "static_memory": e.static_memory,
+        "activation_memory": e.activation_memory, "bubble": e.bubble, "exposed_comm": e.exposed_comm,
+    }
+
+
+def table(result: PlanResult, top: int) -> str:
+    """The `top` best feasible configurations, then the best of each schedule not among them."""
+    capacity = result.problem.gpu_memory / _GB
+    ranked = result.ranked
+    shown = ranked[:top]
+    extra = [e for e in result.best_per_schedule.values() if e not in shown]
+    lines = [
+        f"{'#':>3}  {'schedule':<18} {'dp':>2} {'tp':>2} {'pp':>3} {'mb':>3} {'m':>4}  {'sharding':<9} {'MFU':>6} "
+        f"{'tokens/s':>9} {'iter s':>7} {'peak GB':>9} {'bubble':>6} {'exp. comm s':>11}"
+    ]
+    for index, e in [(ranked.index(e) + 1, e) for e in shown + extra]:
+        c = e.candidate
+        if e is (extra[0] if extra else None):
+            lines.append("     (best of the other schedules)")
+        lines.append(
+            f"{index:>3}  {c.label:<18} {c.dp:>2} {c.tp:>2} {c.pp:>3} {c.microbatch_size:>3} {c.m:>4}  {e.sharding:<9} "
+            f"{e.mfu * 100:5.2f}% {e.tokens_per_s:>9.0f} {e.iteration_time:>7.3f} "
+            f"{e.peak_memory / _GB:>5.1f}/{capacity:<3.0f} {e.bubble * 100:5.1f}% {e.exposed_comm:>11.3f}"
+        )
+    return "\n".join(lines)
+
+
+def to_json(result: PlanResult, top: int | None = None) -> dict:
+    p = result.problem
+    ranked = result.ranked
+    return {
+        "model": {"layers": p.model.layers, "hidden": p.model.hidden, "heads": p.model.heads, "seq": p.model.seq,
+                  "vocab": p.model.vocab, "flash_attention": p.model.flash_attention},
+        "hardware": p.hardware.name, "gpus": p.gpus, "gpus_per_node": p.hardware.gpus_per_node,
+        "gpu_memory": p.gpu_memory, "global_batch": p.global_batch,
+        "best_per_schedule": {name: row(e) for name, e in result.best_per_schedule.items()},
+        "ranked": [row(e) for e in (ranked if top is None else ranked[:top])],
+        "simulations": result.simulations, "pruned_by_bound": result.pruned, "seconds": result.seconds,
+        "commands": commands(result) if ranked else [],
+    }
+
+
+def commands(result: PlanResult) -> list[str]:
+    """How to run the chosen plan. The runtime has no tensor parallelism: for a tp > 1 plan
+    the best tp = 1 plan's command is given too (each line says what it runs)."""
+    ranked = result.ranked
+    best = ranked[0]
+    out = _commands(result, best)
+    if best.candidate.tp > 1:
+        out.insert(0, f"# the best plan uses tp={best.candidate.tp}; pipeblocks runs no tensor parallelism, so the "
+                      "commands below run its pp x dp part only (each rank then holds tp times the parameters)")
+        plain = next((e for e in ranked if e.candidate.tp == 1), None)
+        if plain is not None:
+            c = plain.candidate
+            out.append(f"# the best plan without tensor parallelism: {c.label} dp={c.dp} pp={c.pp} "
+                       f"mb={c.microbatch_size}, MFU {plain.mfu * 100:.2f}%")
+            out += _commands(result, plain)
+        else:
+            out.append("# no plan without tensor parallelism fits this memory")
+    return out
+
+
+def _commands(result: PlanResult, e: Evaluated) -> list[str]:
+    p, c = result.problem, e.candidate
+    model = p.model
+    seq = f" --seq-chunks {c.seq_chunks}" if c.seq_chunks > 1 else ""
+    mesh = f" --dp {c.dp} --sharding {e.sharding}" if c.dp > 1 else ""
+    node = p.hardware.gpus_per_node
+    ranks = c.dp * c.pp
+    nodes = -(-ranks // node)
+    per_node = min(node, ranks)
+    train = (
+        f"pipeblocks train --schedule {c.schedule} -p {c.pp} -m {c.m}{mesh}{seq} --layers {model.layers} "
+        f"--hidden {model.hidden} --heads {model.heads} --seq {model.seq} --microbatch-size {c.microbatch_size}"
+    )
+    launch = (
+        f"torchrun --nnodes {nodes} --nproc-per-node {per_node} examples/torchrun_gpt.py --schedule {c.schedule} "
+        f"--pp {c.pp} --dp {c.dp} --sharding {e.sharding} --microbatches {c.m} --microbatch-size {c.microbatch_size}"
+    )
+    return [train, launch]
