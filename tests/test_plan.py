@@ -133,3 +133,21 @@ def test_seq_chunks_variant_is_searched():
                           microbatch_sizes=(1,), seq_chunks=(2,), tp_degrees=(1,))
     labels = {e.candidate.label for e in search(problem, jobs=1).evaluated}
     assert labels == {"1f1b", "1f1b+seq2"}
+
+
+def test_a_long_step_on_the_line_through_two_shorter_ones_matches_its_simulation():
+    """m = 48 on p = 4 timed from m = 8 and 16 against the full simulation: within 0.5%."""
+    model = dataclasses.replace(MODELS["9.6b"], seq=1024, flash_attention=True)
+    for name in ("1f1b", "v-half", "zb-1p"):
+        found = {}
+        for extrapolate in (True, False):
+            # one replica: one sharding policy, so the two runs compare the same configuration
+            problem = PlanProblem(model=model, hardware=A100, gpus=4, gpu_memory=80e9, global_batch=48,
+                                  schedules=(name,), microbatch_sizes=(1,), tp_degrees=(1,), extrapolate=extrapolate)
+            entry = next(e for e in plan_search._entries(problem, name, 1)[0] if (e.shape.dp, e.shape.pp) == (1, 4))
+            [done], _, _ = plan_search.evaluate(problem, name, 1, entry)
+            found[extrapolate] = done
+        line, full = found[True], found[False]
+        assert line.simulated_m == (8, 16) and full.simulated_m == (48,)
+        assert line.iteration_time == pytest.approx(full.iteration_time, rel=5e-3)
+        assert line.peak_memory == pytest.approx(full.peak_memory, rel=1e-9)

@@ -68,6 +68,9 @@ def register(sub) -> None:
     parser.add_argument("--exhaustive", action="store_true",
                         help="simulate every configuration that can fit, not only those that can beat their "
                         "schedule's best (slower; a fuller plot)")
+    parser.add_argument("--exact", action="store_true",
+                        help="simulate every step at its own microbatch count (default: a step of more than 4 x pp "
+                        "microbatches is timed on the line through simulations at 2 x pp and 4 x pp)")
     parser.add_argument("--jobs", type=positive_int, default=None, help="worker processes (default: up to 2)")
     parser.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table (default 10)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -89,6 +92,7 @@ def problem_from_args(args: argparse.Namespace) -> PlanProblem:
         model=model, hardware=hardware, gpus=args.gpus, gpu_memory=args.gpu_memory * 1e9,
         global_batch=args.global_batch, schedules=schedules, microbatch_sizes=args.microbatch_sizes,
         precision="fp32" if args.fp32 else "mixed", seq_chunks=args.seq_chunks, tp_degrees=args.tp,
+        extrapolate=not args.exact,
     )
 
 

@@ -15,6 +15,7 @@ def row(e: Evaluated) -> dict:
         "seq_chunks": c.seq_chunks, "sharding": e.sharding, "mfu": e.mfu, "tokens_per_s": e.tokens_per_s,
         "iteration_time": e.iteration_time, "peak_memory": e.peak_memory, "static_memory": e.static_memory,
         "activation_memory": e.activation_memory, "bubble": e.bubble, "exposed_comm": e.exposed_comm,
+        "simulated_m": list(e.simulated_m),
     }
 
 

@@ -39,7 +39,6 @@ from ..core.sharding import ShardingPolicy
 from ..core.simulate import simulate
 from ..schedules import get
 from ..schedules.sequence import split_sequence
-from ..sim.recompute_auto import memory_need
 from ..sim.sequence_split import chunk_shares, split_lengths
 from .costs import replica_costs
 from .space import SHARDING_ORDER, MeshShape, PlanProblem, meshes, microbatch_sizes
@@ -79,6 +78,8 @@ class Evaluated:
     bubble: float
     exposed_comm: float
     fits: bool
+    simulated_m: tuple[int, ...] = ()
+    """the microbatch counts simulated: (m,), or two counts whose line gives m's time"""
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,12 @@ class PlanResult:
         ]
         return min(needs, default=None)
 
+
+# Above EXTRAPOLATE_FROM[1] * pp microbatches the step is simulated at these multiples of
+# pp and its time taken on their line: past the warm-up every schedule here repeats a
+# steady-state block whose length does not depend on m, so time grows linearly in m and
+# the activation peak is reached (tests/test_plan.py checks the line against a full simulation)
+EXTRAPOLATE_FROM = (2, 4)
 
 # Local-search steps for the cost-aware generators: their default (100) roughly doubles a
 # deep pipeline's build time; on the Table 3 grid 10 steps build the same schedules
@@ -232,30 +239,51 @@ def evaluate(problem: PlanProblem, name: str, k: int, entry: _Entry) -> tuple[li
     static = {pol: _static_peak(costs[pol], placement) for pol in policies}
     fitting = [pol for pol in policies if max(static[pol]) <= capacity]
     candidate = Candidate(name, shape.dp, shape.tp, shape.pp, b, m, k)
-    try:
-        schedule = _generate(name, shape.pp, m, k, costs[fitting[0]])
-    except (ScheduleError, ValueError) as err:
-        return [], [Skipped(label, shape, b, f"not built: {err}")], 0
+    simulated = (m,)
+    if problem.extrapolate and m > EXTRAPOLATE_FROM[1] * shape.pp:
+        simulated = tuple(f * shape.pp for f in EXTRAPOLATE_FROM)
+        try:
+            schedules = [_generate(name, shape.pp, mi, k, costs[fitting[0]]) for mi in simulated]
+        except (ScheduleError, ValueError):
+            simulated = (m,)
+    if simulated == (m,):
+        try:
+            schedules = [_generate(name, shape.pp, m, k, costs[fitting[0]])]
+        except (ScheduleError, ValueError) as err:
+            return [], [Skipped(label, shape, b, f"not built: {err}")], 0
     results: list[Evaluated] = []
     activation = None
+    runs = 0
     for pol in fitting:
         if activation is not None and max(s + a for s, a in zip(static[pol], activation)) > capacity:
             continue
-        timeline = simulate(schedule, costs[pol])
-        activation = timeline.peak_activation
-        need = max(memory_need(timeline))
-        span = timeline.makespan
+        timelines = [simulate(schedule, costs[pol]) for schedule in schedules]
+        runs += len(timelines)
+        activation = tuple(map(max, *(t.peak_activation for t in timelines))) if len(timelines) > 1 else (
+            timelines[0].peak_activation)
+        need = max(s + a for s, a in zip(timelines[-1].static_memory_peak, activation))
+        span = _at(m, simulated, [t.makespan for t in timelines])
+        busy = _at(m, simulated, [max(t.busy(r) for r in range(shape.pp)) for t in timelines])
+        last = timelines[-1]
         results.append(Evaluated(
             candidate=candidate, sharding=str(pol), iteration_time=span,
             mfu=flops / (span * peak_rate), tokens_per_s=tokens / span, peak_memory=need,
-            static_memory=max(timeline.static_memory_peak), activation_memory=max(timeline.peak_activation),
-            bubble=timeline.bubble_ratio, exposed_comm=max(timeline.exposed_comm, default=0.0),
-            fits=need <= capacity,
+            static_memory=max(last.static_memory_peak), activation_memory=max(activation),
+            bubble=(span - busy) / span if span > 0 else 0.0, exposed_comm=max(last.exposed_comm, default=0.0),
+            fits=need <= capacity, simulated_m=simulated,
         ))
     feasible = [r for r in results if r.fits]
     if feasible:
-        return [min(feasible, key=lambda r: (r.iteration_time, r.peak_memory))], [], len(results)
-    return [min(results, key=lambda r: r.peak_memory)], [], len(results)
+        return [min(feasible, key=lambda r: (r.iteration_time, r.peak_memory))], [], runs
+    return [min(results, key=lambda r: r.peak_memory)], [], runs
+
+
+def _at(m: int, simulated: tuple[int, ...], values: list[float]) -> float:
+    """The value at m: simulated there, or on the line through the two simulated counts."""
+    if len(simulated) == 1:
+        return values[0]
+    (m1, m2), (v1, v2) = simulated, values
+    return v2 + (m - m2) * (v2 - v1) / (m2 - m1)
 
 
 def search_schedule(

@@ -43,6 +43,8 @@ class PlanProblem:
     precision: static memory and DP traffic ("mixed": 2 + 2 + 12 bytes per parameter).
     seq_chunks: sequence chunk counts to also try (Seq1F1B split of every schedule); empty: none.
     tp_degrees: the tensor-parallel degrees allowed (None: every one that fits a node).
+    extrapolate: time a long step (m > 4 pp) on the line through simulations at 2 pp and
+        4 pp microbatches instead of simulating all m (see `search.EXTRAPOLATE_FROM`).
     """
 
     model: TransformerConfig
@@ -55,6 +57,7 @@ class PlanProblem:
     precision: str = "mixed"
     seq_chunks: tuple[int, ...] = ()
     tp_degrees: tuple[int, ...] | None = None
+    extrapolate: bool = True
 
     def __post_init__(self) -> None:
         _check_count("--gpus", self.gpus, "give the number of GPUs to plan for")
