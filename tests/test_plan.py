@@ -151,3 +151,19 @@ def test_a_long_step_on_the_line_through_two_shorter_ones_matches_its_simulation
         assert line.simulated_m == (8, 16) and full.simulated_m == (48,)
         assert line.iteration_time == pytest.approx(full.iteration_time, rel=5e-3)
         assert line.peak_memory == pytest.approx(full.peak_memory, rel=1e-9)
+
+
+@pytest.mark.sweep
+def test_table3_ordering_at_seq_3072_memory_binds_and_v_half_overtakes_v_zb():
+    """98.5B, seq 3072, batch 640: V-ZB's best mesh is not the one V-Half runs best on,
+    because V-ZB's activation does not fit there, and V-Half ends above V-ZB. Restricted to
+    tp 2 and 4 and microbatch size 1 (where both bests lie in the full grid)."""
+    names = ("1f1b-r", "v-half", "v-zb")
+    result = search(_problem(3072, 640, schedules=names, tp_degrees=(2, 4), microbatch_sizes=(1,)), jobs=1)
+    best = result.best_per_schedule
+    assert best["v-half"].mfu > best["v-zb"].mfu > best["1f1b-r"].mfu
+    half = best["v-half"].candidate
+    blocked = [e for e in result.evaluated if e.candidate.schedule == "v-zb"
+               and (e.candidate.dp, e.candidate.tp, e.candidate.pp) == (half.dp, half.tp, half.pp)]
+    assert (best["v-zb"].candidate.tp, best["v-zb"].candidate.pp) != (half.tp, half.pp)
+    assert blocked and all(not e.fits and e.peak_memory > 80e9 for e in blocked)
