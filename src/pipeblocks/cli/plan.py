@@ -72,7 +72,7 @@ def register(sub) -> None:
                         help="simulate every step at its own microbatch count (default: a step of more than 4 x pp "
                         "microbatches is timed on the line through simulations at 2 x pp and 4 x pp)")
     parser.add_argument("--jobs", type=positive_int, default=None, help="worker processes (default: up to 2)")
-    parser.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table (default 10)")
+    parser.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table (default 10; --json lists them all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", type=plot_file, default=None, metavar="FILE",
                         help="MFU against peak memory, one point per feasible configuration (.png, .svg)")
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot_plan(result, args.plot)
     if args.json:
-        print_json(to_json(result, args.top))
+        print_json(to_json(result))
         return 0
     p = problem
     print(f"plan: {p.model.layers} layers, hidden {p.model.hidden}, {p.model.heads} heads, seq {p.model.seq}, "

@@ -1,23 +1,24 @@
 """The planner's search: every mesh x schedule x microbatch size x sharding policy, scored
 by the simulator.
 
-For one (mesh, schedule, sequence chunks) group the microbatch sizes are tried smallest
-first, and within one size the sharding policies least-sharded first:
+Per schedule (and sequence chunk count), a branch and bound:
 
-1. static memory (parameters, gradients, optimizer state at the step's peak, the
-   simulator's own `DataParallel.static_memory`) is computed before anything is built;
-   a policy whose static memory alone exceeds the GPU is dropped, and when even zero3's
-   does the whole group is (static memory does not depend on the microbatch size);
-2. the schedule is generated once and simulated once under the least-sharded surviving
-   policy: its peak activation per rank is what every policy adds to its static memory
-   (DP ops move parameters and gradients, never activations), so the fit of each policy is
-   known from that one simulation;
-3. each other policy that fits is simulated for its time (its collectives differ);
-4. when no policy fits at size b, larger sizes are not tried: a larger microbatch holds
-   at least as much activation at every schedule's peak.
+1. every (mesh, microbatch size) is priced without building anything: its static memory
+   (parameters, gradients, optimizer state at the step's peak: the simulator's own
+   `DataParallel.static_memory`) and an MFU bound (model FLOPs over the busiest rank's
+   compute alone). A mesh whose static memory exceeds the GPU even under zero3 is dropped;
+2. meshes are visited by their best bound, microbatch sizes ascending; a candidate whose
+   bound is below the best MFU the schedule already reached is not simulated, and the
+   first size that does not fit ends its mesh (a larger microbatch holds more activation
+   at every schedule's peak);
+3. a candidate's schedule is generated once and simulated under the least-sharded policy
+   whose static memory fits; its peak activation, which the DP ops do not change, tells
+   which other policies fit, and only those are simulated again for their time;
+4. a step of more than EXTRAPOLATE_FROM[1] * pp microbatches is simulated at the two
+   counts of EXTRAPOLATE_FROM (times pp) and timed on their line (`PlanProblem.extrapolate`).
 
-All DP replicas run the same program on equal shards, so one replica is simulated. The
-groups are independent and run in worker processes when `jobs` > 1.
+All DP replicas run the same program on equal shards, so one replica is simulated.
+Schedules are searched in worker processes when `jobs` > 1.
 
 MFU counts model FLOPs only (a recomputed forward is not useful work), over the
 iteration time on all GPUs at the profile's peak:
