@@ -3,7 +3,11 @@
 dp x tp x pp x microbatch size x sharding, at seq 1024 / batch 160 and seq 3072 / batch 640,
 beside the paper's figures.
 
-    python benchmarks/plan_table3.py [--cases 1024,3072] [--jobs 2] [--no-flash-attention] [--json]
+    python benchmarks/plan_table3.py [--cases 1024,3072] [--jobs 2] [--no-flash-attention]
+                                     [--efficiency X] [--json]
+
+--efficiency replaces the a100-80g profile's achievable fraction of peak (0.6), to see
+how the orderings depend on it.
 
 Columns: the paper's best MFU, ours, our configuration, peak memory per GPU, and the CPU
 and wall seconds the search took (wall time depends on what else the machine runs).
@@ -33,9 +37,12 @@ def _cpu() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def run_case(seq: int, *, jobs: int | None, flash: bool) -> dict:
+def run_case(seq: int, *, jobs: int | None, flash: bool, efficiency: float | None = None) -> dict:
     model = dataclasses.replace(MODELS["98.5b"], seq=seq, flash_attention=flash)
-    problem = PlanProblem(model=model, hardware=HARDWARE["a100-80g"], gpus=40, gpu_memory=80e9,
+    hardware = HARDWARE["a100-80g"]
+    if efficiency is not None:
+        hardware = dataclasses.replace(hardware, efficiency=efficiency)
+    problem = PlanProblem(model=model, hardware=hardware, gpus=40, gpu_memory=80e9,
                           global_batch=BATCH[seq], schedules=tuple(PAPER[seq]))
     cpu, wall = _cpu(), time.perf_counter()
     result = search(problem, jobs=jobs, progress=lambda line: print(line, file=sys.stderr, flush=True))
@@ -60,9 +67,13 @@ def main() -> int:
     parser.add_argument("--cases", default="1024,3072")
     parser.add_argument("--jobs", type=int, default=None)
     parser.add_argument("--no-flash-attention", action="store_true")
+    parser.add_argument("--efficiency", type=float, default=None)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    cases = [run_case(int(s), jobs=args.jobs, flash=not args.no_flash_attention) for s in args.cases.split(",")]
+    cases = [
+        run_case(int(s), jobs=args.jobs, flash=not args.no_flash_attention, efficiency=args.efficiency)
+        for s in args.cases.split(",")
+    ]
     if args.json:
         print(json.dumps(cases, indent=1))
         return 0
