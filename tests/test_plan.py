@@ -167,3 +167,15 @@ def test_table3_ordering_at_seq_3072_memory_binds_and_v_half_overtakes_v_zb():
                and (e.candidate.dp, e.candidate.tp, e.candidate.pp) == (half.dp, half.tp, half.pp)]
     assert (best["v-zb"].candidate.tp, best["v-zb"].candidate.pp) != (half.tp, half.pp)
     assert blocked and all(not e.fits and e.peak_memory > 80e9 for e in blocked)
+
+
+def test_a_tensor_parallel_plan_says_the_runtime_has_none_and_gives_a_tp1_command(capsys):
+    assert main(["plan", "--model", "9.6b", "--gpus", "8", "--gpu-memory", "40", "--global-batch", "32",
+                 "--schedules", "1f1b,v-half", "--microbatch-sizes", "1", "--flash-attention", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    table, _, run = out.partition("run the best plan:")
+    best = table.splitlines()[2].split()
+    assert best[0] == "1" and int(best[3]) == 2  # the best plan uses tp = 2
+    assert "pipeblocks runs no tensor parallelism" in run
+    assert "the best plan without tensor parallelism" in run
+    assert run.count("pipeblocks train --schedule") == 2 and run.count("torchrun --nnodes") == 2
