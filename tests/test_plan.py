@@ -179,3 +179,13 @@ def test_a_tensor_parallel_plan_says_the_runtime_has_none_and_gives_a_tp1_comman
     assert "pipeblocks runs no tensor parallelism" in run
     assert "the best plan without tensor parallelism" in run
     assert run.count("pipeblocks train --schedule") == 2 and run.count("torchrun --nnodes") == 2
+
+
+def test_torchrun_command_starts_the_same_number_of_processes_on_every_node():
+    report = importlib.import_module("pipeblocks.plan.report")
+    plan = importlib.import_module("pipeblocks.plan.search")
+    problem = _problem(1024, 160)
+    chosen = plan.Evaluated(plan.Candidate("v-zb", 2, 2, 10, 1, 80), "zero3", 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, True)
+    result = plan.PlanResult(problem, (chosen,), (), 0.0, 1)
+    launch = next(line for line in report.commands(result) if line.startswith("torchrun"))
+    assert "--nnodes 4 --nproc-per-node 5 " in launch  # 20 ranks, at most 8 per node

@@ -2,7 +2,7 @@
 on a cluster, by simulation, before the GPU hours are spent.
 
     pipeblocks plan --model 98.5b --gpus 40 --gpus-per-node 8 --hardware a100-80g --gpu-memory 80 \\
-        --global-batch 160 --seq 1024 --flash-attention
+        --global-batch 160 --seq 1024
     pipeblocks plan --model 9.6b --gpus 16 --gpu-memory 80 --global-batch 64 --seq 2048 \\
         --schedules 1f1b,v-half,v-zb --json
     pipeblocks plan ... --plot plan.png --top 20
@@ -61,8 +61,12 @@ def register(sub) -> None:
                         help="tensor-parallel degrees allowed (default: every divisor of the GPUs per node)")
     parser.add_argument("--seq-chunks", type=_int_list, default=(), metavar="K1,K2,...",
                         help="also try every schedule split into K sequence chunks (Seq1F1B), for long sequences")
-    parser.add_argument("--flash-attention", action="store_true",
-                        help="attention that does not store the s x s scores (as Megatron-LM and torch's SDPA)")
+    flash = parser.add_mutually_exclusive_group()
+    flash.add_argument("--flash-attention", dest="flash_attention", action="store_true", default=True,
+                       help="attention that does not store the s x s scores, as Megatron-LM's flash attention and "
+                       "torch's scaled_dot_product_attention (the default)")
+    flash.add_argument("--no-flash-attention", dest="flash_attention", action="store_false",
+                       help="attention that stores the s x s scores (5*a*s bytes per token and layer)")
     parser.add_argument("--fp32", action="store_true",
                         help="static memory of fp32 AdamW (16 bytes per parameter, as mixed) with fp32 DP traffic")
     parser.add_argument("--exhaustive", action="store_true",

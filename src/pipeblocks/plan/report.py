@@ -81,10 +81,10 @@ def _commands(result: PlanResult, e: Evaluated) -> list[str]:
     model = p.model
     seq = f" --seq-chunks {c.seq_chunks}" if c.seq_chunks > 1 else ""
     mesh = f" --dp {c.dp} --sharding {e.sharding}" if c.dp > 1 else ""
-    node = p.hardware.gpus_per_node
     ranks = c.dp * c.pp
-    nodes = -(-ranks // node)
-    per_node = min(node, ranks)
+    # torchrun starts the same number of processes on every node
+    per_node = max(d for d in range(1, p.hardware.gpus_per_node + 1) if ranks % d == 0)
+    nodes = ranks // per_node
     train = (
         f"pipeblocks train --schedule {c.schedule} -p {c.pp} -m {c.m}{mesh}{seq} --layers {model.layers} "
         f"--hidden {model.hidden} --heads {model.heads} --seq {model.seq} --microbatch-size {c.microbatch_size}"
@@ -92,5 +92,6 @@ def _commands(result: PlanResult, e: Evaluated) -> list[str]:
     launch = (
         f"torchrun --nnodes {nodes} --nproc-per-node {per_node} examples/torchrun_gpt.py --schedule {c.schedule} "
         f"--pp {c.pp} --dp {c.dp} --sharding {e.sharding} --microbatches {c.m} --microbatch-size {c.microbatch_size}"
+        "   # the example's reference GPT: set its GPTConfig to this model"
     )
     return [train, launch]
