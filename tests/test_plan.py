@@ -6,10 +6,11 @@ import dataclasses
 import importlib
 import json
 import math
+import shlex
 
 import pytest
 
-from pipeblocks.cli.main import main
+from pipeblocks.cli.main import build_parser, main
 from pipeblocks.plan import PlanProblem, search
 from pipeblocks.plan.costs import replica_costs
 from pipeblocks.sim.analytic import HARDWARE, MODELS
@@ -123,7 +124,11 @@ def test_cli_json_and_plot(tmp_path, capsys):
     mfus = [row["mfu"] for row in data["ranked"]]
     assert mfus == sorted(mfus, reverse=True) and data["ranked"][0]["mfu"] == max(
         r["mfu"] for r in data["best_per_schedule"].values())
-    assert any(line.startswith("pipeblocks train --schedule") for line in data["commands"])
+    train = next(line for line in data["commands"] if line.startswith("pipeblocks train --schedule"))
+    parsed = build_parser().parse_args(shlex.split(train)[1:])  # every option it writes is one train takes
+    best = data["ranked"][0]
+    assert (parsed.name, parsed.p, parsed.m, parsed.microbatch_size) == (
+        best["schedule"], best["pp"], best["m"], best["microbatch_size"])
     assert plot.stat().st_size > 1000
 
 

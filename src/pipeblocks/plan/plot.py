@@ -27,12 +27,17 @@ def plot_plan(result: PlanResult, path: str | os.PathLike) -> Path:
         points = [e for e in ranked if e.candidate.label == label]
         ax.scatter([e.peak_memory / 1e9 for e in points], [e.mfu * 100 for e in points], s=14, alpha=0.6,
                    color=colours[label], label=label)
+    labelled: dict[tuple[float, float], int] = {}
     for label, e in result.best_per_schedule.items():
         c = e.candidate
         x, y = e.peak_memory / 1e9, e.mfu * 100
         ax.scatter([x], [y], s=90, facecolors="none", edgecolors=colours[label], linewidths=2)
+        # schedules that tie on the same point get their labels stacked, not overprinted
+        spot = (round(x, 1), round(y, 2))
+        below = labelled.get(spot, 0)
+        labelled[spot] = below + 1
         ax.annotate(f"{label} dp{c.dp} tp{c.tp} pp{c.pp} mb{c.microbatch_size}", (x, y), fontsize=7,
-                    xytext=(4, 4), textcoords="offset points")
+                    xytext=(4, 4 - 9 * below), textcoords="offset points")
     ax.axvline(result.problem.gpu_memory / 1e9, color="grey", linestyle="--", linewidth=1)
     ax.set_xlabel("peak memory per GPU (GB: static + activation, worst rank)")
     ax.set_ylabel("MFU (%)")
