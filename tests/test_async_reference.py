@@ -1,4 +1,4 @@
-"""The one-process specification of the asynchronous modes (pipedream, naive, pipemare):
+"""The one-process specification of the asynchronous modes (pipedream, naive, pipemare, nesterov):
 no delay is synchronous training, pipedream and naive are delayed SGD computed by hand,
 T1's rates, T2's estimate, and the errors for bad modes."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import nn
 from pipeblocks.core import WeightVersions, weight_versions
 from pipeblocks.models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
 from pipeblocks.schedules.asynchronous import async_1f1b
-from pipeblocks.train.async_mode import MODES, AsyncMode, t1_multiplier, weight_memory
+from pipeblocks.train.async_mode import MODES, AsyncMode, lookahead, t1_multiplier, weight_memory
 from pipeblocks.train.async_reference import replay
 
 pytestmark = pytest.mark.torch
@@ -249,3 +249,103 @@ def test_bad_modes_and_inputs_are_errors():
     with pytest.raises(ValueError, match="3 stage modules given for versions of 2 stages"):
         replay(toy_stages(3, CONFIG), versions, toy_stream(4), loss_fn=cross_entropy, optimizer=sgd,
                mode=AsyncMode("naive"))
+
+
+def hand_nesterov(weights: list[float], xs, ys, forward_versions, backward_versions, lr, decay):
+    """nesterov on the scalar chain of `hand_delayed_sgd`: each stage keeps the velocity
+    EMA d (gamma = D^(1/largest delay)); the forward runs at w_{v_F} + tau * d_{v_F}, the
+    backward at the current weights w_{v_B}."""
+    history = [[w] for w in weights]
+    velocity = [[0.0] for _ in weights]
+    top = [max(b - f for f, b in zip(forward_versions[s], backward_versions[s])) for s in range(3)]
+    gamma = [decay ** (1 / t) if t else None for t in top]
+    losses = []
+    for m, (x, y) in enumerate(zip(xs, ys)):
+        fwd = []
+        for s in range(3):
+            v_f, tau = forward_versions[s][m], backward_versions[s][m] - forward_versions[s][m]
+            fwd.append(history[s][v_f] + (tau * velocity[s][v_f] if gamma[s] is not None else 0.0))
+        back = [history[s][backward_versions[s][m]] for s in range(3)]
+        h = [x, fwd[0] * x, fwd[1] * fwd[0] * x]
+        losses.append(0.5 * (fwd[2] * h[2] - y) ** 2)
+        grad = back[2] * h[2] - y
+        grads = [0.0, 0.0, 0.0]
+        for s in (2, 1, 0):
+            grads[s] = grad * h[s]
+            grad = grad * back[s]
+        for s in range(3):
+            new = history[s][-1] - lr * grads[s]
+            if gamma[s] is not None:
+                velocity[s].append(gamma[s] * velocity[s][-1] + (1 - gamma[s]) * (new - history[s][-1]))
+            history[s].append(new)
+    return [h[-1] for h in history], losses
+
+
+def test_nesterov_matches_the_hand_computation():
+    steps = 7
+    versions = weight_versions(async_1f1b(p=3, n=1, steps=steps))
+    xs = [1.0 + 0.1 * m for m in range(steps)]
+    ys = [0.5 - 0.05 * m for m in range(steps)]
+    start = [0.9, 1.2, -0.8]
+    stages = [Scale(w) for w in start]
+    stream = [(torch.tensor([x], dtype=torch.float64), torch.tensor([y], dtype=torch.float64)) for x, y in zip(xs, ys)]
+    result = replay(stages, versions, stream, loss_fn=half_square,
+                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                    mode=AsyncMode("nesterov", discrepancy_decay=0.3))
+    weights, losses = hand_nesterov(start, xs, ys, versions.forward, versions.backward, 0.1, 0.3)
+    assert [s.w.item() for s in stages] == pytest.approx(weights, rel=1e-13)
+    assert list(result.losses) == pytest.approx(losses, rel=1e-13)
+    naive = replay([Scale(w) for w in start], versions, stream, loss_fn=half_square,
+                   optimizer=lambda params: torch.optim.SGD(params, lr=0.1), mode=AsyncMode("naive"))
+    assert result.losses[3:] != pytest.approx(naive.losses[3:], rel=1e-6)  # the look-ahead changed the forwards
+
+
+def test_nesterov_without_its_velocity_is_naive():
+    versions = weight_versions(async_1f1b(p=3, n=1, steps=6))
+    stream = toy_stream(6)
+    naive, off = toy_stages(3, CONFIG, seed=5), toy_stages(3, CONFIG, seed=5)
+    a = replay(naive, versions, stream, loss_fn=cross_entropy, optimizer=sgd, mode=AsyncMode("naive"))
+    b = replay(off, versions, stream, loss_fn=cross_entropy, optimizer=sgd,
+               mode=AsyncMode("nesterov", discrepancy_decay=1.0))
+    assert a.losses == b.losses
+    assert_same_weights(naive, off)
+
+
+def test_nesterov_look_ahead_lands_near_the_backward_weights():
+    """On the quadratic of the T2 test, the forward's look-ahead point is much closer to the
+    weights the backward finds than the forward's own version is."""
+    p, steps, dim = 4, 40, 6
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(p, dim, generator=gen, dtype=torch.float64)
+    target = torch.randn(dim, generator=gen, dtype=torch.float64)
+    stream = [(0.1 * torch.randn(dim, generator=gen, dtype=torch.float64), target) for _ in range(steps)]
+    versions = weight_versions(async_1f1b(p=p, n=1, steps=steps))
+    stages = [Shift(w) for w in start]
+    result = replay(stages, versions, stream, loss_fn=half_square,
+                    optimizer=lambda params: torch.optim.SGD(params, lr=0.02, momentum=0.9),
+                    mode=AsyncMode("nesterov"), measure_discrepancy=True)
+    steady = [d for d in result.discrepancies if d.step >= 10]
+    assert {d.delay for d in steady} == {1, 2, 3}
+    assert all(d.used == d.uncorrected for d in steady)  # the backward runs at the current weights
+    naive = replay([Shift(w) for w in start], versions, stream, loss_fn=half_square,
+                   optimizer=lambda params: torch.optim.SGD(params, lr=0.02, momentum=0.9),
+                   mode=AsyncMode("naive"), measure_discrepancy=True)
+    naive_steady = [d for d in naive.discrepancies if d.step >= 10]
+    assert _mean_used(steady) < 0.5 * _mean_used(naive_steady)
+
+
+def _mean_used(discrepancies) -> float:
+    return sum(d.used for d in discrepancies) / len(discrepancies)
+
+
+def test_nesterov_memory_and_options():
+    program = async_1f1b(p=4, n=1, steps=8)
+    assert weight_memory(program, AsyncMode("nesterov")) == (2, 2, 2, 1)
+    assert weight_memory(program, AsyncMode("nesterov", discrepancy_decay=1.0)) == (1, 1, 1, 1)
+    assert lookahead(AsyncMode("nesterov"), 3) == 3 and lookahead(AsyncMode("naive"), 3) == 0
+    with pytest.raises(ValueError, match="mode 'nesterov' takes no lr_warmup_steps"):
+        AsyncMode("nesterov", lr_warmup_steps=3)
+    with pytest.raises(ValueError, match="mode 'pipedream' takes no discrepancy_decay"):
+        AsyncMode("pipedream", discrepancy_decay=0.5)
+    with pytest.raises(ValueError, match="delay must be >= 0"):
+        lookahead(AsyncMode("nesterov"), -1)

@@ -25,6 +25,7 @@ CASES = {
     "pipedream": AsyncMode("pipedream"),
     "naive": AsyncMode("naive"),
     "pipemare": AsyncMode("pipemare", lr_warmup_steps=3, discrepancy_decay=0.1, sync_warmup_steps=1),
+    "nesterov": AsyncMode("nesterov", discrepancy_decay=0.1),
     "synchronous": AsyncMode("naive", sync_warmup_steps=STEPS - 1),  # the one asynchronous step has no delay
 }
 
@@ -57,7 +58,7 @@ def data():
     return TokenWindows.load(None, seq=MODEL.seq)
 
 
-@pytest.mark.parametrize("name", ["pipedream", "naive", "pipemare", "synchronous"])
+@pytest.mark.parametrize("name", ["pipedream", "naive", "pipemare", "nesterov", "synchronous"])
 def test_runtime_equals_the_replay(runs, data, name):
     check = check_against_replay(CONFIGS[name], data, runs[name])
     assert check.delays_equal
@@ -82,7 +83,7 @@ def test_pipedream_stashes_what_the_program_says_and_the_others_nothing(runs):
 
     stashes = stashed_versions(async_1f1b(p=P, n=N, steps=STEPS))
     assert stashes == (2, 2, 1)
-    for name in ("pipedream", "naive", "pipemare"):
+    for name in ("pipedream", "naive", "pipemare", "nesterov"):
         held = {s: v for r in runs[name] for s, v in r.versions_held.items()}
         assert held == ({s: stashes[s] for s in range(P)} if name == "pipedream" else dict.fromkeys(range(P), 1))
 

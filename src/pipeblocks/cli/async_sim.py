@@ -36,8 +36,8 @@ def add_mode_options(group: argparse._ArgumentGroup, *, what: str) -> None:
     )
     group.add_argument(
         "--discrepancy-decay", type=float, default=None, metavar="D",
-        help=f"pipemare's T2: decay in (0, 1] of the weight-velocity average the backward corrects with "
-        f"(default {DEFAULT_DISCREPANCY_DECAY:g}; 1: T2 off)",
+        help=f"pipemare's T2 and nesterov's look-ahead: decay in (0, 1] of the weight-velocity average the "
+        f"backward corrects with, or the forward looks ahead along (default {DEFAULT_DISCREPANCY_DECAY:g}; 1: off)",
     )
     group.add_argument(
         "--sync-warmup-steps", type=int, default=None, metavar="W",

@@ -49,10 +49,11 @@ exits without starting a process.
 a step trains on D x m microbatches) and `--sharding` shards each chunk over them:
 replicate, zero1, zero2, zero3, or one policy per chunk (docs/mesh.md).
 
-`--async MODE` (pipedream, naive, pipemare) trains with 1F1B's asynchronous form: no
-flush, each stage steps its optimizer once its m backwards of a step are done; `--steps`
-counts optimizer steps, `--sync-warmup-steps W` runs the first W synchronously,
-`--lr-warmup-steps K` and `--discrepancy-decay D` are pipemare's T1 and T2. It prints the
+`--async MODE` (pipedream, naive, pipemare, nesterov) trains with 1F1B's asynchronous
+form: no flush, each stage steps its optimizer once its m backwards of a step are done;
+`--steps` counts optimizer steps, `--sync-warmup-steps W` runs the first W synchronously,
+`--lr-warmup-steps K` and `--discrepancy-decay D` are pipemare's T1 and T2 (D also sets
+nesterov's look-ahead). It prints the
 loss per step, each stage's delays and tokens/s; `--verify` compares every loss, rate and
 weight with the one-process replay of the same run (docs/pipemare.md).
 

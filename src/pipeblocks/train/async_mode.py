@@ -2,14 +2,16 @@
 
 In an asynchronous run (`pipeblocks.schedules.asynchronous`) the forward of microbatch m
 at stage s sees the stage's weights of version v_F, and its backward runs when the
-stage is at version v_B >= v_F; the delay is tau = v_B - v_F. The forward always uses
-the weights it finds (w_{v_F}); the mode says what the backward computes with:
+stage is at version v_B >= v_F; the delay is tau = v_B - v_F. The forward uses the
+weights it finds (w_{v_F}; nesterov looks ahead from them, below); the mode says what
+the backward computes with:
 
     pipedream  w_{v_F}: the weights the forward used, kept as a stash (exact delayed SGD)
     naive      w_{v_B}: the current weights, no correction
     pipemare   w_{v_B} - tau * delta: the current weights moved back along delta, an EMA of
                the stage's weight velocity (T2), and the step size divided by the delay
                at first (T1)
+    nesterov   w_{v_B}: the current weights, but the forward looked ahead (below)
 
 T1 (learning-rate rescheduling): at optimizer step t of a stage whose step applies
 gradients of delay tau >= 1 (the largest among its microbatches), the learning rate is
@@ -19,6 +21,17 @@ K = 0 turns T1 off.
 T2 (discrepancy correction): after every step, delta <- gamma*delta + (1-gamma)*(w_new - w_old)
 with gamma = D^(1/tau_s), tau_s the stage's largest delay in the run; the backward of a
 microbatch of delay tau runs at w - tau*delta. D = 1 keeps delta at 0: T2 off.
+
+nesterov (a look-ahead for stale gradients, in the spirit of the Nesterov-style method for
+asynchronous pipeline parallelism of Ajanthan et al., ICML 2025; this is our own, simpler
+definition, not that paper's algorithm): the stage keeps the same velocity EMA delta as T2
+(same gamma from D), and the forward of a microbatch that will have delay tau runs at the
+look-ahead point w_{v_F} + tau * delta_{v_F}, an extrapolation of where the weights will
+be when its backward comes; the backward recomputes at the current weights w_{v_B}. So
+forward and backward see nearly the same weights, and the gradient is taken (nearly) at
+the weights it is applied to, instead of tau steps behind them. The forward needs only
+the current weights and delta (tau is known from the Program): nothing is stashed. Delay 0
+or D = 1 (delta stays 0) gives naive. No learning-rate rescaling.
 
 Every mode may start with W synchronous steps (a flush after each: delay 0), then run
 asynchronously; T1's t counts those steps too.
@@ -33,9 +46,10 @@ from ..core.versions import stashed_versions, weight_versions
 
 __all__ = [
     "MODES", "AsyncMode", "DEFAULT_LR_WARMUP_STEPS", "DEFAULT_DISCREPANCY_DECAY", "t1_multiplier", "weight_memory",
+    "lookahead",
 ]
 
-MODES = ("pipedream", "naive", "pipemare")
+MODES = ("pipedream", "naive", "pipemare", "nesterov")
 
 DEFAULT_LR_WARMUP_STEPS = 100
 """pipemare's K when none is given: T1 anneals over the first 100 optimizer steps."""
@@ -48,13 +62,14 @@ class AsyncMode:
     """One asynchronous training mode (see the module doc)."""
 
     name: str
-    """pipedream, naive or pipemare"""
+    """pipedream, naive, pipemare or nesterov"""
     sync_warmup_steps: int = 0
     """W: the first W optimizer steps run synchronously (any mode)"""
     lr_warmup_steps: int | None = None
     """pipemare's K for T1 (None: DEFAULT_LR_WARMUP_STEPS; 0: T1 off)"""
     discrepancy_decay: float | None = None
-    """pipemare's D in (0, 1] for T2 (None: DEFAULT_DISCREPANCY_DECAY; 1: T2 off)"""
+    """D in (0, 1] of the velocity EMA: pipemare's T2, nesterov's look-ahead
+    (None: DEFAULT_DISCREPANCY_DECAY; 1: off)"""
 
     def __post_init__(self) -> None:
         if self.name not in MODES:
@@ -62,9 +77,12 @@ class AsyncMode:
         w = self.sync_warmup_steps
         if not isinstance(w, int) or isinstance(w, bool) or w < 0:
             raise ValueError(f"sync_warmup_steps must be an integer >= 0, got {w!r}")
-        if self.name != "pipemare" and (self.lr_warmup_steps is not None or self.discrepancy_decay is not None):
+        if self.name != "pipemare" and self.lr_warmup_steps is not None:
+            raise ValueError(f"mode {self.name!r} takes no lr_warmup_steps: that is pipemare's T1")
+        if self.name not in ("pipemare", "nesterov") and self.discrepancy_decay is not None:
             raise ValueError(
-                f"mode {self.name!r} takes no lr_warmup_steps or discrepancy_decay: those are pipemare's T1 and T2"
+                f"mode {self.name!r} takes no discrepancy_decay: that is the velocity EMA of pipemare's T2 "
+                "and nesterov's look-ahead"
             )
         k = self.lr_warmup_steps
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
@@ -82,8 +100,8 @@ class AsyncMode:
 
     @property
     def d(self) -> float:
-        """T2's D (1 outside pipemare: no correction)."""
-        if self.name != "pipemare":
+        """The velocity EMA's D (1 outside pipemare and nesterov: no correction)."""
+        if self.name not in ("pipemare", "nesterov"):
             return 1.0
         return DEFAULT_DISCREPANCY_DECAY if self.discrepancy_decay is None else float(self.discrepancy_decay)
 
@@ -99,6 +117,14 @@ def t1_multiplier(delay: int, step: int, k: int) -> float:
     return math.pow(delay, -(1.0 - min(step / k, 1.0)))
 
 
+def lookahead(mode: AsyncMode, delay: int) -> int:
+    """How many steps of the velocity EMA the forward of a microbatch of `delay` looks
+    ahead: the delay in nesterov (where its backward will find the weights), 0 otherwise."""
+    if delay < 0:
+        raise ValueError(f"delay must be >= 0, got {delay}")
+    return delay if mode.name == "nesterov" else 0
+
+
 def weight_memory(program: Program, mode: AsyncMode | None) -> tuple[float, ...]:
     """Per rank, the weight-sized buffers `mode` keeps while running `program`, in units of
     one full stage's weights (None: synchronous training, 1 per rank):
@@ -106,6 +132,7 @@ def weight_memory(program: Program, mode: AsyncMode | None) -> tuple[float, ...]
         pipedream  every version still in flight: max delay + 1 per stage (stashes)
         naive      the weights only: 1
         pipemare   the weights, and T2's velocity estimate on a stage with delay (2)
+        nesterov   the weights, and the same velocity estimate (2)
 
     Gradients and optimizer state are left out: every mode has the same."""
     schedule = program.schedule

@@ -14,7 +14,8 @@ stream of (input, target) pairs, N per step. Step k applies the gradients of
 microbatches k*N .. k*N+N-1; for each of them, in order:
 
 - forward: stage s runs at its weights of version `versions.forward[s][m]` (kept here
-  as a history of every version still needed);
+  as a history of every version still needed), or, in nesterov, at the look-ahead point
+  from them;
 - backward: stage s recomputes its forward from the input it received, at the weights
   the mode names (`async_mode.py`), and backpropagates the gradient of its output
   through that recomputation, adding to its weight gradient and passing the gradient of
@@ -58,9 +59,10 @@ class Discrepancy:
     microbatch: int
     delay: int
     uncorrected: float
-    """|w_{v_B} - w_{v_F}|: the current weights' distance from the forward's"""
+    """|w_{v_B} - w_F|: the current weights' distance from the weights w_F the forward used
+    (w_{v_F}, or nesterov's look-ahead point)"""
     used: float
-    """|u - w_{v_F}| for the weights u the backward computed with"""
+    """|u - w_F| for the weights u the backward computed with"""
 
 
 @dataclass(frozen=True)

@@ -242,6 +242,8 @@ def _describe(cfg: TrainConfig) -> str:
     extra = ""
     if mode.name == "pipemare":
         extra = f" K={mode.k} D={mode.d:g}"
+    elif mode.name == "nesterov":
+        extra = f" D={mode.d:g}"
     return (f"asynchronous {s.name} ({mode.name}{extra}), p={s.p}, {s.m} microbatches per step, {cfg.steps} steps "
             f"({mode.sync_warmup_steps} synchronous), {cfg.model.layers}-layer GPT (hidden {cfg.model.hidden}, "
             f"{cfg.model.dtype}), microbatch {cfg.microbatch_size}x{cfg.model.seq} tokens")

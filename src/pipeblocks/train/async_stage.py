@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from .async_mode import AsyncMode, t1_multiplier
+from .async_mode import AsyncMode, lookahead, t1_multiplier
 
 __all__ = ["STASHING", "AsyncStage"]
 
@@ -88,8 +88,13 @@ class AsyncStage:
         return None if self.gamma is None else self._delta[version]
 
     def forward_weights(self, v_f: int, v_b: int) -> tuple[Tensor, ...]:
-        """What the forward of a microbatch with versions (v_f, v_b) computes with."""
-        return self.weights(v_f)
+        """What the forward of a microbatch with versions (v_f, v_b) computes with: the
+        weights of v_f, moved ahead along the velocity estimate in nesterov."""
+        found = self.weights(v_f)
+        ahead = lookahead(self.mode, v_b - v_f)
+        if ahead == 0 or self.gamma is None:
+            return found
+        return tuple(w + ahead * d for w, d in zip(found, self._delta[v_f]))
 
     def backward_weights(self, v_f: int, v_b: int) -> tuple[Tensor, ...]:
         """What its backward computes with (see async_mode.py for each mode)."""
@@ -97,7 +102,7 @@ class AsyncStage:
         if name == "pipedream":
             return self.weights(v_f)
         current = self.weights(v_b)
-        if name == "naive" or self.gamma is None or delay == 0:
+        if name in ("naive", "nesterov") or self.gamma is None or delay == 0:
             return current
         return tuple(w - delay * d for w, d in zip(current, self._delta[v_b]))
 
