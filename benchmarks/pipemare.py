@@ -1,0 +1,291 @@
+"""The PipeMare study: asynchronous training modes against synchronous 1F1B on a small GPT.
+
+    python benchmarks/pipemare.py [--quick] [--configs 4x1 8x1] [--steps 300] [--lrs 0.003 0.03]
+                                  [--plot benchmarks/out/pipemare.png] [--json FILE]
+
+Fine-grained pipelines: the reference GPT with one transformer block per stage (the
+embedding rides on stage 0, the head on the last), p stages, N microbatches per optimizer
+step (`--configs PxN`), so delays are large: up to p-1 steps at N = 1. The data is the
+embedded corpus (byte tokens); every variant of one configuration sees the same
+microbatches and starts from the same weights. Training runs through the one-process
+replay (`pipeblocks.train.async_reference.replay`), which is the specification of each
+mode that the multi-process runtime is verified against: its losses are the ones the
+runtime would produce. Optimizer: Adam, constant base learning rate, at a normal and an
+aggressive rate (`--lrs`).
+
+Variants: sync (1F1B with a flush every step: delay 0), naive, pipedream (weight
+stashing), pipemare (T1 and T2), pipemare-T1 (D = 1), pipemare-T2 (K = 0), pipemare+W and
+naive+W (W synchronous warm-up steps first), nesterov (forward look-ahead along the
+velocity EMA) and nesterov+W. K (T1's annealing) = steps/3, W = steps/10, D = 0.1.
+
+Columns:
+    final      held-out loss of the final weights (fixed windows the training never draws:
+               another data seed), mean next-token cross-entropy
+    ratio      final / final of sync at the same configuration and rate
+    to target  first step at which the loss, averaged over the last `window` steps, is at
+               or below the target: 1.05 x sync's final training loss (same average)
+    diverged   a non-finite loss, or the final training loss above the first step's
+    tokens/s   SIMULATED, not measured: the simulator's per-step time with emulated costs
+               (5, 5, 3 ms per layer for F, B, W; one layer per stage), the asynchronous
+               steady state for asynchronous steps (no flush bubble), 1F1B's step with its
+               flush for synchronous ones (sync, and the warm-up of +W); modes whose
+               backward recomputes the forward (naive, pipemare, nesterov: they keep no old
+               weights) pay one more forward per backward; pipedream and sync do not
+
+Progress goes to stderr. The default size takes about 10 minutes on one core.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pipeblocks.core import Costs, WeightVersions, simulate, simulate_program, steady_state, weight_versions
+from pipeblocks.data.text import TokenWindows
+from pipeblocks.models import GPTConfig, build_stages, cross_entropy
+from pipeblocks.schedules import get
+from pipeblocks.schedules.asynchronous import async_1f1b
+from pipeblocks.train.async_mode import AsyncMode
+from pipeblocks.train.async_reference import replay
+
+EMULATED_MS = (5.0, 5.0, 3.0)
+"""F, B, W per layer and microbatch (ms), the emulated costs of the tokens/s column"""
+RECOMPUTING = ("naive", "pipemare", "nesterov")
+TARGET_FACTOR = 1.05
+DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "pipemare.png")
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    mode: str | None
+    """None: synchronous 1F1B"""
+    t1: bool = False
+    t2: bool = False
+    warmup: bool = False
+
+    def async_mode(self, steps: int) -> AsyncMode:
+        w = max(1, steps // 10) if self.warmup else 0
+        if self.mode == "pipemare":
+            return AsyncMode("pipemare", sync_warmup_steps=w, lr_warmup_steps=max(1, steps // 3) if self.t1 else 0,
+                             discrepancy_decay=None if self.t2 else 1.0)
+        return AsyncMode(self.mode or "naive", sync_warmup_steps=w)
+
+
+VARIANTS = (
+    Variant("sync", None),
+    Variant("naive", "naive"),
+    Variant("pipedream", "pipedream"),
+    Variant("pipemare", "pipemare", t1=True, t2=True),
+    Variant("pipemare-T1", "pipemare", t1=True),
+    Variant("pipemare-T2", "pipemare", t2=True),
+    Variant("pipemare+W", "pipemare", t1=True, t2=True, warmup=True),
+    Variant("naive+W", "naive", warmup=True),
+    Variant("nesterov", "nesterov"),
+    Variant("nesterov+W", "nesterov", warmup=True),
+)
+
+
+@dataclass(frozen=True)
+class Size:
+    hidden: int
+    heads: int
+    seq: int
+    microbatch: int
+    steps: int
+    eval_batches: int
+
+
+DEFAULT = Size(hidden=64, heads=4, seq=32, microbatch=8, steps=300, eval_batches=8)
+QUICK = Size(hidden=16, heads=2, seq=8, microbatch=2, steps=12, eval_batches=2)
+
+
+def parse_config(text: str) -> tuple[int, int]:
+    try:
+        p, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"configuration {text!r}: write PxN, e.g. 8x1") from None
+    if p < 2 or n < 1:
+        raise argparse.ArgumentTypeError(f"configuration {text!r}: need p >= 2 stages and N >= 1 microbatches")
+    return p, n
+
+
+def step_times(p: int, n: int) -> dict[str, float]:
+    """Simulated ms per optimizer step: 'sync' (1F1B with its flush), 'async' (steady state)
+    and 'async-recompute' (the backward recomputes the forward)."""
+    f, b, w = EMULATED_MS
+    plain, recompute = Costs(t_f=f, t_b=b, t_w=w), Costs(t_f=f, t_b=b + f, t_w=w)
+    steps = 4 + 2 * p // n
+    return {
+        "sync": simulate(get("1f1b")(p=p, m=n), plain).makespan,
+        "async": steady_state(simulate_program(async_1f1b(p=p, n=n, steps=steps), plain)).step_time,
+        "async-recompute": steady_state(simulate_program(async_1f1b(p=p, n=n, steps=steps), recompute)).step_time,
+    }
+
+
+def tokens_per_second(variant: Variant, steps: int, warmup: int, times: dict[str, float], tokens_per_step: int) -> float:
+    if variant.mode is None:
+        total_ms = steps * times["sync"]
+    else:
+        kind = "async-recompute" if variant.mode in RECOMPUTING else "async"
+        total_ms = warmup * times["sync"] + (steps - warmup) * times[kind]
+    return steps * tokens_per_step / (total_ms / 1000.0)
+
+
+def smoothed(losses: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, value in enumerate(losses):
+        total += value
+        if i >= window:
+            total -= losses[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+@torch.no_grad()
+def held_out_loss(stages, batches) -> float:
+    total = 0.0
+    for x, y in batches:
+        for stage in stages:
+            x = stage(x)
+        total += float(cross_entropy(x, y))
+    return total / len(batches)
+
+
+def train(variant: Variant, p: int, n: int, lr: float, size: Size, data: TokenWindows, held_out) -> dict:
+    cfg = GPTConfig(layers=p, hidden=size.hidden, heads=size.heads, seq=size.seq)
+    stages = build_stages(cfg, seed=0, num_stages=p, stages=range(p))
+    mode = variant.async_mode(size.steps)
+    async_steps = size.steps - mode.sync_warmup_steps
+    if variant.mode is None:
+        versions = WeightVersions.synchronous(p, n, size.steps)
+    else:
+        versions = weight_versions(async_1f1b(p=p, n=n, steps=async_steps))
+    stream = [data.batch(i, size.microbatch, seed=0) for i in range(n * size.steps)]
+    result = replay(stages, versions, stream, loss_fn=cross_entropy,
+                    optimizer=lambda params: torch.optim.Adam(params, lr=lr), mode=mode)
+    losses = list(result.losses)
+    return {"losses": losses, "final": held_out_loss(stages, held_out), "warmup": mode.sync_warmup_steps}
+
+
+def run_study(configs, lrs, size: Size, log=None) -> list[dict]:
+    torch.manual_seed(0)
+    data = TokenWindows.load(None, seq=size.seq)
+    held_out = [data.batch(i, size.microbatch, seed=1) for i in range(size.eval_batches)]
+    window = max(2, size.steps // 10)
+    rows = []
+    for p, n in configs:
+        times = step_times(p, n)
+        for lr in lrs:
+            group = []
+            for variant in VARIANTS:
+                start = time.process_time()
+                run = train(variant, p, n, lr, size, data, held_out)
+                if log:
+                    log(f"p={p} N={n} lr={lr:g} {variant.label:<12} final {run['final']:.4f} "
+                        f"({time.process_time() - start:.1f} s CPU)")
+                losses = run["losses"]
+                avg = smoothed(losses, window)
+                group.append({
+                    "p": p, "n": n, "lr": lr, "variant": variant.label, "final": run["final"],
+                    "train_final": avg[-1], "first": losses[0], "losses": losses,
+                    "diverged": not all(math.isfinite(v) for v in losses) or not avg[-1] <= losses[0],
+                    "tokens_per_s_simulated": tokens_per_second(
+                        variant, size.steps, run["warmup"], times, n * size.microbatch * size.seq),
+                    "_smoothed": avg,
+                })
+            sync = group[0]
+            target = TARGET_FACTOR * sync["train_final"]
+            for row in group:
+                row["ratio"] = row["final"] / sync["final"]
+                row["target"] = target
+                row["steps_to_target"] = next((i + 1 for i, v in enumerate(row.pop("_smoothed")) if v <= target), None)
+            rows.extend(group)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'p':>2} {'N':>2} {'lr':>7} {'variant':<12} {'final':>7} {'ratio':>6} {'to target':>9} "
+          f"{'diverged':>8} {'tokens/s (sim)':>14}")
+    for r in rows:
+        target = "-" if r["steps_to_target"] is None else str(r["steps_to_target"])
+        print(f"{r['p']:>2} {r['n']:>2} {r['lr']:>7g} {r['variant']:<12} {r['final']:>7.4f} {r['ratio']:>6.3f} "
+              f"{target:>9} {'yes' if r['diverged'] else 'no':>8} {r['tokens_per_s_simulated']:>14.0f}")
+
+
+def plot(rows: list[dict], path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = sorted({(r["p"], r["n"]) for r in rows})
+    lrs = sorted({r["lr"] for r in rows})
+    fig, axes = plt.subplots(len(configs), len(lrs), figsize=(5.5 * len(lrs), 4 * len(configs)), squeeze=False)
+    for (i, (p, n)), (j, lr) in ((a, b) for a in enumerate(configs) for b in enumerate(lrs)):
+        ax = axes[i][j]
+        mine = [r for r in rows if (r["p"], r["n"], r["lr"]) == (p, n, lr)]
+        for r in mine:
+            window = max(2, len(r["losses"]) // 10)
+            solid = r["variant"] in ("sync", "naive", "pipedream", "pipemare", "nesterov")
+            ax.plot(range(1, len(r["losses"]) + 1), smoothed(r["losses"], window), "-" if solid else ":",
+                    label=r["variant"], linewidth=2.0 if r["variant"] == "sync" else 1.2,
+                    color="black" if r["variant"] == "sync" else None)
+        finite = [r["first"] for r in mine if math.isfinite(r["first"])]
+        if finite:
+            ax.set_ylim(top=max(finite) * 1.02)
+        ax.set_title(f"p={p}, N={n}, Adam lr={lr:g}")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("training loss (moving average)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny model and 12 steps (seconds)")
+    parser.add_argument("--configs", type=parse_config, nargs="+", default=None, metavar="PxN",
+                        help="pipelines: p stages (one block each) x N microbatches per step (default 4x1 8x1)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 300)")
+    parser.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 3e-2], help="Adam learning rates")
+    parser.add_argument("--plot", default=None, help=f"loss curves PNG (default {DEFAULT_PLOT}; 'none' for none)")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON ('-' for stdout)")
+    args = parser.parse_args(argv)
+    size = QUICK if args.quick else DEFAULT
+    if args.steps is not None:
+        if args.steps < 10:
+            parser.error(f"--steps must be >= 10 (a warm-up of steps/10 and a moving average), got {args.steps}")
+        size = Size(**{**size.__dict__, "steps": args.steps})
+    if any(not (lr > 0 and math.isfinite(lr)) for lr in args.lrs):
+        parser.error(f"--lrs must be finite and > 0, got {args.lrs}")
+    configs = args.configs or ([(2, 1), (3, 1)] if args.quick else [(4, 1), (8, 1)])
+    torch.set_num_threads(1)
+    rows = run_study(configs, args.lrs, size, log=lambda text: print(text, file=sys.stderr, flush=True))
+    print(f"model: GPT, one block per stage, hidden {size.hidden}, seq {size.seq}, microbatch {size.microbatch}, "
+          f"{size.steps} steps, Adam; tokens/s simulated with {EMULATED_MS} ms per layer (F, B, W)")
+    print_table(rows)
+    path = DEFAULT_PLOT if args.plot is None else args.plot
+    if path != "none":
+        print(f"loss curves: {plot(rows, path)}")
+    if args.json:
+        text = json.dumps(rows, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as handle:
+                handle.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
