@@ -1,7 +1,7 @@
 """The PipeMare study: asynchronous training modes against synchronous 1F1B on a small GPT.
 
     python benchmarks/pipemare.py [--quick] [--configs 4x1 8x1] [--steps 300] [--lrs 0.003 0.03]
-                                  [--plot benchmarks/out/pipemare.png] [--json FILE]
+                                  [--variants naive pipemare ...] [--plot benchmarks/out/pipemare.png] [--json FILE]
 
 Fine-grained pipelines: the reference GPT with one transformer block per stage (the
 embedding rides on stage 0, the head on the last), p stages, N microbatches per optimizer
@@ -19,8 +19,9 @@ naive+W (W synchronous warm-up steps first), nesterov (forward look-ahead along 
 velocity EMA) and nesterov+W. K (T1's annealing) = steps/3, W = steps/10, D = 0.1.
 
 Columns:
-    final      held-out loss of the final weights (fixed windows the training never draws:
-               another data seed), mean next-token cross-entropy
+    final      evaluation loss of the final weights: mean next-token cross-entropy over a
+               fixed set of windows drawn with another data seed (not the training
+               batches, though from the same corpus, so some text may overlap)
     ratio      final / final of sync at the same configuration and rate
     to target  first step at which the loss, averaged over the last `window` steps, is at
                or below the target: 1.05 x sync's final training loss (same average)
@@ -149,7 +150,7 @@ def smoothed(losses: list[float], window: int) -> list[float]:
 
 
 @torch.no_grad()
-def held_out_loss(stages, batches) -> float:
+def evaluation_loss(stages, batches) -> float:
     total = 0.0
     for x, y in batches:
         for stage in stages:
@@ -158,7 +159,7 @@ def held_out_loss(stages, batches) -> float:
     return total / len(batches)
 
 
-def train(variant: Variant, p: int, n: int, lr: float, size: Size, data: TokenWindows, held_out) -> dict:
+def train(variant: Variant, p: int, n: int, lr: float, size: Size, data: TokenWindows, evaluation) -> dict:
     cfg = GPTConfig(layers=p, hidden=size.hidden, heads=size.heads, seq=size.seq)
     stages = build_stages(cfg, seed=0, num_stages=p, stages=range(p))
     mode = variant.async_mode(size.steps)
@@ -171,22 +172,22 @@ def train(variant: Variant, p: int, n: int, lr: float, size: Size, data: TokenWi
     result = replay(stages, versions, stream, loss_fn=cross_entropy,
                     optimizer=lambda params: torch.optim.Adam(params, lr=lr), mode=mode)
     losses = list(result.losses)
-    return {"losses": losses, "final": held_out_loss(stages, held_out), "warmup": mode.sync_warmup_steps}
+    return {"losses": losses, "final": evaluation_loss(stages, evaluation), "warmup": mode.sync_warmup_steps}
 
 
-def run_study(configs, lrs, size: Size, log=None) -> list[dict]:
+def run_study(configs, lrs, size: Size, log=None, variants=VARIANTS) -> list[dict]:
     torch.manual_seed(0)
     data = TokenWindows.load(None, seq=size.seq)
-    held_out = [data.batch(i, size.microbatch, seed=1) for i in range(size.eval_batches)]
+    evaluation = [data.batch(i, size.microbatch, seed=1) for i in range(size.eval_batches)]
     window = max(2, size.steps // 10)
     rows = []
     for p, n in configs:
         times = step_times(p, n)
         for lr in lrs:
             group = []
-            for variant in VARIANTS:
+            for variant in variants:
                 start = time.process_time()
-                run = train(variant, p, n, lr, size, data, held_out)
+                run = train(variant, p, n, lr, size, data, evaluation)
                 if log:
                     log(f"p={p} N={n} lr={lr:g} {variant.label:<12} final {run['final']:.4f} "
                         f"({time.process_time() - start:.1f} s CPU)")
@@ -258,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="pipelines: p stages (one block each) x N microbatches per step (default 4x1 8x1)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 300)")
     parser.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 3e-2], help="Adam learning rates")
+    parser.add_argument("--variants", nargs="+", choices=[v.label for v in VARIANTS[1:]], default=None,
+                        help="run only these (sync, the reference, always runs; default: all)")
     parser.add_argument("--plot", default=None, help=f"loss curves PNG (default {DEFAULT_PLOT}; 'none' for none)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON ('-' for stdout)")
     args = parser.parse_args(argv)
@@ -270,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--lrs must be finite and > 0, got {args.lrs}")
     configs = args.configs or ([(2, 1), (3, 1)] if args.quick else [(4, 1), (8, 1)])
     torch.set_num_threads(1)
-    rows = run_study(configs, args.lrs, size, log=lambda text: print(text, file=sys.stderr, flush=True))
+    variants = VARIANTS if args.variants is None else (VARIANTS[0], *(v for v in VARIANTS if v.label in args.variants))
+    rows = run_study(configs, args.lrs, size, log=lambda text: print(text, file=sys.stderr, flush=True),
+                     variants=variants)
     print(f"model: GPT, one block per stage, hidden {size.hidden}, seq {size.seq}, microbatch {size.microbatch}, "
           f"{size.steps} steps, Adam; tokens/s simulated with {EMULATED_MS} ms per layer (F, B, W)")
     print_table(rows)
