@@ -1,7 +1,7 @@
 """The PipeMare study: asynchronous training modes against synchronous 1F1B on a small GPT.
 
     python benchmarks/pipemare.py [--quick] [--configs 4x1 8x1] [--steps 300] [--lrs 0.003 0.03]
-                                  [--variants naive pipemare ...] [--plot benchmarks/out/pipemare.png] [--json FILE]
+                                  [--variants naive pipemare ...] [--seed S] [--plot benchmarks/out/pipemare.png] [--json FILE]
 
 Fine-grained pipelines: the reference GPT with one transformer block per stage (the
 embedding rides on stage 0, the head on the last), p stages, N microbatches per optimizer
@@ -159,26 +159,27 @@ def evaluation_loss(stages, batches) -> float:
     return total / len(batches)
 
 
-def train(variant: Variant, p: int, n: int, lr: float, size: Size, data: TokenWindows, evaluation) -> dict:
+def train(variant: Variant, p: int, n: int, lr: float, size: Size, data: TokenWindows, evaluation,
+          seed: int) -> dict:
     cfg = GPTConfig(layers=p, hidden=size.hidden, heads=size.heads, seq=size.seq)
-    stages = build_stages(cfg, seed=0, num_stages=p, stages=range(p))
+    stages = build_stages(cfg, seed=seed, num_stages=p, stages=range(p))
     mode = variant.async_mode(size.steps)
     async_steps = size.steps - mode.sync_warmup_steps
     if variant.mode is None:
         versions = WeightVersions.synchronous(p, n, size.steps)
     else:
         versions = weight_versions(async_1f1b(p=p, n=n, steps=async_steps))
-    stream = [data.batch(i, size.microbatch, seed=0) for i in range(n * size.steps)]
+    stream = [data.batch(i, size.microbatch, seed=2 * seed) for i in range(n * size.steps)]
     result = replay(stages, versions, stream, loss_fn=cross_entropy,
                     optimizer=lambda params: torch.optim.Adam(params, lr=lr), mode=mode)
     losses = list(result.losses)
     return {"losses": losses, "final": evaluation_loss(stages, evaluation), "warmup": mode.sync_warmup_steps}
 
 
-def run_study(configs, lrs, size: Size, log=None, variants=VARIANTS) -> list[dict]:
-    torch.manual_seed(0)
+def run_study(configs, lrs, size: Size, log=None, variants=VARIANTS, seed: int = 0) -> list[dict]:
+    torch.manual_seed(seed)
     data = TokenWindows.load(None, seq=size.seq)
-    evaluation = [data.batch(i, size.microbatch, seed=1) for i in range(size.eval_batches)]
+    evaluation = [data.batch(i, size.microbatch, seed=2 * seed + 1) for i in range(size.eval_batches)]
     window = max(2, size.steps // 10)
     rows = []
     for p, n in configs:
@@ -187,14 +188,14 @@ def run_study(configs, lrs, size: Size, log=None, variants=VARIANTS) -> list[dic
             group = []
             for variant in variants:
                 start = time.process_time()
-                run = train(variant, p, n, lr, size, data, evaluation)
+                run = train(variant, p, n, lr, size, data, evaluation, seed)
                 if log:
                     log(f"p={p} N={n} lr={lr:g} {variant.label:<12} final {run['final']:.4f} "
                         f"({time.process_time() - start:.1f} s CPU)")
                 losses = run["losses"]
                 avg = smoothed(losses, window)
                 group.append({
-                    "p": p, "n": n, "lr": lr, "variant": variant.label, "final": run["final"],
+                    "p": p, "n": n, "lr": lr, "seed": seed, "variant": variant.label, "final": run["final"],
                     "train_final": avg[-1], "first": losses[0], "losses": losses,
                     "diverged": not all(math.isfinite(v) for v in losses) or not avg[-1] <= losses[0],
                     "tokens_per_s_simulated": tokens_per_second(
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 3e-2], help="Adam learning rates")
     parser.add_argument("--variants", nargs="+", choices=[v.label for v in VARIANTS[1:]], default=None,
                         help="run only these (sync, the reference, always runs; default: all)")
+    parser.add_argument("--seed", type=int, default=0, help="model weights and data draws (default 0)")
     parser.add_argument("--plot", default=None, help=f"loss curves PNG (default {DEFAULT_PLOT}; 'none' for none)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON ('-' for stdout)")
     args = parser.parse_args(argv)
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     variants = VARIANTS if args.variants is None else (VARIANTS[0], *(v for v in VARIANTS if v.label in args.variants))
     rows = run_study(configs, args.lrs, size, log=lambda text: print(text, file=sys.stderr, flush=True),
-                     variants=variants)
+                     variants=variants, seed=args.seed)
     print(f"model: GPT, one block per stage, hidden {size.hidden}, seq {size.seq}, microbatch {size.microbatch}, "
           f"{size.steps} steps, Adam; tokens/s simulated with {EMULATED_MS} ms per layer (F, B, W)")
     print_table(rows)
