@@ -33,7 +33,7 @@ Columns:
                backward recomputes the forward (naive, pipemare, nesterov: they keep no old
                weights) pay one more forward per backward; pipedream and sync do not
 
-Progress goes to stderr. The default size takes about 10 minutes on one core.
+Progress goes to stderr. The default size takes about 6 CPU-minutes (one core, torch on one thread).
 """
 from __future__ import annotations
 
