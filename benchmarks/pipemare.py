@@ -1,7 +1,7 @@
 """The PipeMare study: asynchronous training modes against synchronous 1F1B on a small GPT.
 
     python benchmarks/pipemare.py [--quick] [--configs 4x1 8x1] [--steps 300] [--lrs 0.003 0.03]
-                                  [--variants naive pipemare ...] [--seed S] [--plot benchmarks/out/pipemare.png] [--json FILE]
+                                  [--variants naive pipemare ...] [--seeds 0 1 2] [--plot benchmarks/out/pipemare.png] [--json FILE]
 
 Fine-grained pipelines: the reference GPT with one transformer block per stage (the
 embedding rides on stage 0, the head on the last), p stages, N microbatches per optimizer
@@ -213,12 +213,26 @@ def run_study(configs, lrs, size: Size, log=None, variants=VARIANTS, seed: int =
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'p':>2} {'N':>2} {'lr':>7} {'variant':<12} {'final':>7} {'ratio':>6} {'to target':>9} "
+    print(f"{'p':>2} {'N':>2} {'lr':>7} {'seed':>4} {'variant':<12} {'final':>7} {'ratio':>6} {'to target':>9} "
           f"{'diverged':>8} {'tokens/s (sim)':>14}")
     for r in rows:
         target = "-" if r["steps_to_target"] is None else str(r["steps_to_target"])
-        print(f"{r['p']:>2} {r['n']:>2} {r['lr']:>7g} {r['variant']:<12} {r['final']:>7.4f} {r['ratio']:>6.3f} "
-              f"{target:>9} {'yes' if r['diverged'] else 'no':>8} {r['tokens_per_s_simulated']:>14.0f}")
+        print(f"{r['p']:>2} {r['n']:>2} {r['lr']:>7g} {r['seed']:>4} {r['variant']:<12} {r['final']:>7.4f} "
+              f"{r['ratio']:>6.3f} {target:>9} {'yes' if r['diverged'] else 'no':>8} "
+              f"{r['tokens_per_s_simulated']:>14.0f}")
+
+
+def print_summary(rows: list[dict]) -> None:
+    """One line per variant: per (p, N, lr), sync's final loss or the variant's ratio, one per seed."""
+    groups = list(dict.fromkeys((r["p"], r["n"], r["lr"]) for r in rows))
+    seeds = list(dict.fromkeys(r["seed"] for r in rows))
+    cell = {(r["p"], r["n"], r["lr"], r["seed"], r["variant"]): r for r in rows}
+    print(f"\nsync: final loss; others: ratio to sync; seeds {' / '.join(map(str, seeds))}")
+    print(f"{'variant':<12} " + " ".join(f"{f'p={p} N={n} lr={lr:g}':<26}" for p, n, lr in groups))
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        key = "final" if variant == "sync" else "ratio"
+        print(f"{variant:<12} " + " ".join(
+            f"{' / '.join(f'{cell[(*g, s, variant)][key]:.3f}' for s in seeds):<26}" for g in groups))
 
 
 def plot(rows: list[dict], path: str) -> str:
@@ -262,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 3e-2], help="Adam learning rates")
     parser.add_argument("--variants", nargs="+", choices=[v.label for v in VARIANTS[1:]], default=None,
                         help="run only these (sync, the reference, always runs; default: all)")
-    parser.add_argument("--seed", type=int, default=0, help="model weights and data draws (default 0)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="model weights and data draws, one study per seed (default 0)")
     parser.add_argument("--plot", default=None, help=f"loss curves PNG (default {DEFAULT_PLOT}; 'none' for none)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON ('-' for stdout)")
     args = parser.parse_args(argv)
@@ -271,19 +286,24 @@ def main(argv: list[str] | None = None) -> int:
         if args.steps < 10:
             parser.error(f"--steps must be >= 10 (a warm-up of steps/10 and a moving average), got {args.steps}")
         size = Size(**{**size.__dict__, "steps": args.steps})
+    if any(seed < 0 for seed in args.seeds):
+        parser.error(f"--seeds must be >= 0, got {args.seeds}")
     if any(not (lr > 0 and math.isfinite(lr)) for lr in args.lrs):
         parser.error(f"--lrs must be finite and > 0, got {args.lrs}")
     configs = args.configs or ([(2, 1), (3, 1)] if args.quick else [(4, 1), (8, 1)])
     torch.set_num_threads(1)
     variants = VARIANTS if args.variants is None else (VARIANTS[0], *(v for v in VARIANTS if v.label in args.variants))
-    rows = run_study(configs, args.lrs, size, log=lambda text: print(text, file=sys.stderr, flush=True),
-                     variants=variants, seed=args.seed)
+    rows = [row for seed in args.seeds
+            for row in run_study(configs, args.lrs, size, log=lambda text: print(text, file=sys.stderr, flush=True),
+                                 variants=variants, seed=seed)]
     print(f"model: GPT, one block per stage, hidden {size.hidden}, seq {size.seq}, microbatch {size.microbatch}, "
           f"{size.steps} steps, Adam; tokens/s simulated with {EMULATED_MS} ms per layer (F, B, W)")
     print_table(rows)
+    if len(args.seeds) > 1:
+        print_summary(rows)
     path = DEFAULT_PLOT if args.plot is None else args.plot
     if path != "none":
-        print(f"loss curves: {plot(rows, path)}")
+        print(f"loss curves (seed {args.seeds[0]}): {plot([r for r in rows if r['seed'] == args.seeds[0]], path)}")
     if args.json:
         text = json.dumps(rows, indent=1)
         if args.json == "-":

@@ -29,23 +29,26 @@ def study():
 def test_quick_study_table(study, tmp_path, capsys):
     out = tmp_path / "rows.json"
     plot = tmp_path / "curves.png"
-    assert study.main(["--quick", "--configs", "3x1", "--lrs", "0.01", "--json", str(out), "--plot", str(plot)]) == 0
+    argv = ["--quick", "--configs", "2x1", "--lrs", "0.01", "--seeds", "0", "1", "--json", str(out), "--plot", str(plot)]
+    assert study.main(argv) == 0
     rows = json.loads(out.read_text())
-    assert [r["variant"] for r in rows] == [v.label for v in study.VARIANTS]
+    assert [(r["seed"], r["variant"]) for r in rows] == [(s, v.label) for s in (0, 1) for v in study.VARIANTS]
     steps = study.QUICK.steps
     for r in rows:
-        assert (r["p"], r["n"], r["lr"]) == (3, 1, 0.01)
+        assert (r["p"], r["n"], r["lr"]) == (2, 1, 0.01)
         assert len(r["losses"]) == steps
         assert r["diverged"] or all(math.isfinite(v) for v in (*r["losses"], r["final"], r["ratio"]))
         assert r["tokens_per_s_simulated"] > 0
         assert r["steps_to_target"] is None or 1 <= r["steps_to_target"] <= steps
-    sync = rows[0]
-    assert sync["ratio"] == 1.0 and not sync["diverged"]
-    speed = {r["variant"]: r["tokens_per_s_simulated"] for r in rows}
+    for sync in (rows[0], rows[len(study.VARIANTS)]):
+        assert sync["variant"] == "sync" and sync["ratio"] == 1.0 and not sync["diverged"]
+    assert rows[0]["losses"] != rows[len(study.VARIANTS)]["losses"]  # another seed, another run
+    speed = {r["variant"]: r["tokens_per_s_simulated"] for r in rows[:len(study.VARIANTS)]}
     # no flush bubble: every asynchronous mode outruns synchronous 1F1B; a stash saves the recompute
     assert speed["pipedream"] > speed["naive"] > speed["naive+W"] > speed["sync"]
     table = capsys.readouterr().out
     assert "tokens/s (sim)" in table and all(v.label in table for v in study.VARIANTS)
+    assert "ratio to sync; seeds 0 / 1" in table  # the per-seed summary
     assert plot.stat().st_size > 0
 
 
@@ -54,3 +57,5 @@ def test_bad_configuration_is_an_error(study):
         study.main(["--quick", "--configs", "1x1"])
     with pytest.raises(SystemExit):
         study.main(["--quick", "--lrs", "nan"])
+    with pytest.raises(SystemExit):
+        study.main(["--quick", "--seeds", "-1"])
