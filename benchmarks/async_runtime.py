@@ -19,9 +19,7 @@ compare the ratios, and rerun when the machine is busy.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 
 from pipeblocks.core import simulate, simulate_program, steady_state
 from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
@@ -32,6 +30,8 @@ from pipeblocks.schedules.asynchronous import async_1f1b
 from pipeblocks.train import async_run, loop
 from pipeblocks.train.async_mode import AsyncMode
 from pipeblocks.train.run import prepare
+
+from _output import write_json
 
 SKIP = 2  # synchronous steps left out of the median: process start and the shape pass
 
@@ -78,12 +78,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['sync_tokens_per_s']:>10,.0f} {r['async_tokens_per_s']:>11,.0f} {r['speedup']:>8.2f} "
               f"{r['sim_sync_step_s'] * 1e3:>13.1f}ms {r['sim_async_step_s'] * 1e3:>5.1f}ms {r['sim_speedup']:>8.2f}")
     if args.json:
-        text = json.dumps(rows, indent=1)
-        if args.json == "-":
-            sys.stdout.write(text + "\n")
-        else:
-            with open(args.json, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
+        write_json(rows, args.json)
     return 0
 
 

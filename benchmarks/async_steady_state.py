@@ -15,13 +15,14 @@ Costs are pass times TF,TB,TW (fused BW = TB + TW); unit costs by default.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from pipeblocks.core import parse_costs, simulate, simulate_program, steady_state, weight_versions
 from pipeblocks.schedules import get
 from pipeblocks.schedules.asynchronous import async_1f1b
 from pipeblocks.train.async_mode import AsyncMode, weight_memory
+
+from _output import write_json
 
 
 def measure(p: int, n: int, steps: int, costs) -> dict:
@@ -58,12 +59,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{' '.join(map(str, r['max_delay'])):<24} {' '.join(f'{w:g}' for w in r['weights_pipedream']):<24} "
               f"{' '.join(f'{w:g}' for w in r['weights_pipemare'])}")
     if args.json:
-        text = json.dumps(rows, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as handle:
-                handle.write(text + "\n")
+        write_json(rows, args.json)
     return 0
 
 

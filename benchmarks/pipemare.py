@@ -38,7 +38,6 @@ Progress goes to stderr. The default size takes about 6 CPU-minutes (one core, t
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -54,6 +53,8 @@ from pipeblocks.schedules import get
 from pipeblocks.schedules.asynchronous import async_1f1b
 from pipeblocks.train.async_mode import AsyncMode
 from pipeblocks.train.async_reference import replay
+
+from _output import write_json
 
 EMULATED_MS = (5.0, 5.0, 3.0)
 """F, B, W per layer and microbatch (ms), the emulated costs of the tokens/s column"""
@@ -305,12 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     if path != "none":
         print(f"loss curves (seed {args.seeds[0]}): {plot([r for r in rows if r['seed'] == args.seeds[0]], path)}")
     if args.json:
-        text = json.dumps(rows, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as handle:
-                handle.write(text + "\n")
+        write_json(rows, args.json)
     return 0
 
 

@@ -19,7 +19,6 @@ estimators on one trajectory, not the training they would lead to.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -29,6 +28,8 @@ from pipeblocks.core import weight_versions
 from pipeblocks.schedules.asynchronous import async_1f1b
 from pipeblocks.train.async_mode import AsyncMode
 from pipeblocks.train.async_reference import replay
+
+from _output import write_json
 
 OPTIMIZERS = {
     "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.005, momentum=0.9),
@@ -87,12 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = " ".join(f"{r['ratio_by_delay'].get(t, float('nan')):>7.3f}" for t in delays)
         print(f"{r['optimizer']:<13} {r['decay']:>4g} {cells} {r['final_loss']:>11.4g}")
     if args.json:
-        text = json.dumps(rows, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as handle:
-                handle.write(text + "\n")
+        write_json(rows, args.json)
     return 0
 
 

@@ -19,11 +19,13 @@ def study():
     spec = importlib.util.spec_from_file_location("pipemare_study", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up by name
+    sys.path.insert(0, str(SCRIPT.parent))  # its helpers beside it, as when run as a script
     try:
         spec.loader.exec_module(module)
         yield module
     finally:
         del sys.modules[spec.name]
+        sys.path.remove(str(SCRIPT.parent))
 
 
 def test_quick_study_table(study, tmp_path, capsys):
