@@ -67,6 +67,10 @@ def register(sub) -> None:
                        "torch's scaled_dot_product_attention (the default)")
     flash.add_argument("--no-flash-attention", dest="flash_attention", action="store_false",
                        help="attention that stores the s x s scores (5*a*s bytes per token and layer)")
+    parser.add_argument("--intensity-model", choices=("on", "off"), default="on",
+                        help="on (default): small GEMMs (few tokens per microbatch, narrow tensor-parallel shards) "
+                        "reach less of the peak, by their arithmetic intensity against the profile's memory "
+                        "bandwidth; off: one efficiency for every shape, the pass times of `simulate`")
     parser.add_argument("--fp32", action="store_true",
                         help="static memory of fp32 AdamW (16 bytes per parameter, as mixed) with fp32 DP traffic")
     parser.add_argument("--exhaustive", action="store_true",
@@ -96,7 +100,7 @@ def problem_from_args(args: argparse.Namespace) -> PlanProblem:
         model=model, hardware=hardware, gpus=args.gpus, gpu_memory=args.gpu_memory * 1e9,
         global_batch=args.global_batch, schedules=schedules, microbatch_sizes=args.microbatch_sizes,
         precision="fp32" if args.fp32 else "mixed", seq_chunks=args.seq_chunks, tp_degrees=args.tp,
-        extrapolate=not args.exact,
+        extrapolate=not args.exact, intensity=args.intensity_model == "on",
     )
 
 

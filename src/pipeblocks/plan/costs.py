@@ -16,6 +16,9 @@ Ranks are ordered (pp, dp, tp), tp fastest: a DP ring has stride tp and spans dp
 consecutive ranks, so it stays inside a node when dp*tp <= gpus_per_node. A pipeline hop
 runs on the profile's pipeline link, as in `simulate`; with sequence parallelism it
 carries 1/tp of the activation per rank.
+
+With `intensity`, pass times also carry the kernel-efficiency model of `plan.intensity`
+(smaller GEMMs reach less of the peak); without it they are the simulator's.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from ..core.costs import Costs
 from ..core.dp_model import DataParallel, Link, all_reduce_time
 from ..core.sharding import ShardingPolicy
 from ..sim.analytic import Hardware, TransformerConfig, dp_link, layer_split, transformer_costs
+from .intensity import head_efficiency, layer_efficiency
 
 __all__ = ["tp_all_reduce_time", "replica_costs"]
 
@@ -37,11 +41,16 @@ def tp_all_reduce_time(config: TransformerConfig, hardware: Hardware, tp: int) -
 
 def replica_costs(
     config: TransformerConfig, hardware: Hardware, *, num_stages: int, dp: int, tp: int,
-    sharding: ShardingPolicy = ShardingPolicy.REPLICATE, precision: str = "mixed",
+    sharding: ShardingPolicy = ShardingPolicy.REPLICATE, precision: str = "mixed", intensity: bool = False,
+    seq_chunks: int = 1,
 ) -> Costs:
     """The costs of one pipeline replica of `num_stages` global stages whose ranks each
-    hold 1/tp of their stages; the data-parallel side has `dp` replicas under `sharding`."""
+    hold 1/tp of their stages; the data-parallel side has `dp` replicas under `sharding`.
+    `intensity`: slow each pass by its GEMMs' efficiency (`plan.intensity`), whose rows are
+    the tokens of one of `seq_chunks` sequence chunks (a chunked microbatch runs smaller GEMMs)."""
     base = transformer_costs(config, hardware, num_stages=num_stages)
+    if intensity:
+        base = _with_intensity(base, config, hardware, tp, seq_chunks)
     data_parallel = DataParallel(dp=dp, sharding=(sharding,), link=dp_link(hardware, dp * tp), precision=precision)
     if tp == 1:
         return dataclasses.replace(base, data_parallel=data_parallel)
@@ -59,3 +68,20 @@ def replica_costs(
         t_comm=hop,
         data_parallel=data_parallel,
     )
+
+
+def _with_intensity(costs: Costs, config: TransformerConfig, hardware: Hardware, tp: int, chunks: int) -> Costs:
+    """Each stage's layer time over the layer efficiency and the head's over the head's.
+    The head is the last stage's 2*s*b*h*V FLOPs in each pass (`transformer_costs`)."""
+    chunk = dataclasses.replace(config, seq=max(1, config.seq // chunks))
+    layer, head = layer_efficiency(chunk, hardware, tp), head_efficiency(chunk, hardware, tp)
+    rate = hardware.flops * hardware.efficiency
+    head_time = 2 * config.seq * config.microbatch_size * config.hidden * config.vocab / rate
+    last = len(costs.t_f) - 1
+
+    def scaled(times: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(
+            (t - head_time) / layer + head_time / head if i == last else t / layer for i, t in enumerate(times)
+        )
+
+    return dataclasses.replace(costs, t_f=scaled(costs.t_f), t_b=scaled(costs.t_b), t_w=scaled(costs.t_w))

@@ -221,7 +221,7 @@ def _costs(problem: PlanProblem, shape: MeshShape, b: int, stages: int, k: int, 
     config = problem.config(b)
     costs = replica_costs(
         config, problem.hardware, num_stages=stages, dp=shape.dp, tp=shape.tp, sharding=policy,
-        precision=problem.precision,
+        precision=problem.precision, intensity=problem.intensity, seq_chunks=k,
     )
     return _with_chunks(costs, config, k)
 

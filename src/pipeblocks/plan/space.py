@@ -45,6 +45,9 @@ class PlanProblem:
     tp_degrees: the tensor-parallel degrees allowed (None: every one that fits a node).
     extrapolate: time a long step (m > 4 pp) on the line through simulations at 2 pp and
         4 pp microbatches instead of simulating all m (see `search.EXTRAPOLATE_FROM`).
+    intensity: slow small GEMMs by their arithmetic intensity (`plan.intensity`), so the
+        microbatch size and tp change the kernels' efficiency; needs the profile's
+        memory_bandwidth. Off: the simulator's pass times, one efficiency for every shape.
     """
 
     model: TransformerConfig
@@ -58,6 +61,7 @@ class PlanProblem:
     seq_chunks: tuple[int, ...] = ()
     tp_degrees: tuple[int, ...] | None = None
     extrapolate: bool = True
+    intensity: bool = True
 
     def __post_init__(self) -> None:
         _check_count("--gpus", self.gpus, "give the number of GPUs to plan for")
@@ -77,6 +81,11 @@ class PlanProblem:
             _check_count("a sequence chunk count", k, "give counts >= 1, e.g. 2,4")
             if k > self.model.seq:
                 raise ValueError(f"--seq-chunks {k} is more than the {self.model.seq} tokens of a sequence")
+        if self.intensity and self.hardware.memory_bandwidth is None:
+            raise ValueError(
+                f"hardware {self.hardware.name!r} has no memory_bandwidth, which the intensity model needs: "
+                "give the profile one or use --intensity-model off"
+            )
         node = self.hardware.gpus_per_node
         for t in self.tp_degrees or ():
             _check_count("a tp degree", t, "give degrees >= 1, e.g. 1,2,4")

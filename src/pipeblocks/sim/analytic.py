@@ -101,6 +101,9 @@ class Hardware:
     gpus_per_node: devices that share the intra-node link.
     intra_bandwidth, intra_latency: the link inside a node (bytes/s per device, seconds per
         ring step).  inter_bandwidth, inter_latency: between nodes.
+    memory_bandwidth: the device memory's bytes/s (HBM), or None when unknown. The
+        simulator's pass times do not use it; the planner's kernel-efficiency model
+        (`plan.intensity`) does.
     """
 
     name: str
@@ -113,6 +116,7 @@ class Hardware:
     intra_latency: float = 5e-6
     inter_bandwidth: float = 25e9
     inter_latency: float = 10e-6
+    memory_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         values = (self.flops, self.efficiency, self.bandwidth, self.latency)
@@ -128,6 +132,11 @@ class Hardware:
             self.intra_latency, self.inter_latency
         ) < 0:
             raise ScheduleError(f"hardware {self.name!r}: need gpus_per_node >= 1, link bandwidths > 0, latencies >= 0")
+        memory = self.memory_bandwidth
+        if memory is not None and not (math.isfinite(memory) and memory > 0):
+            raise ScheduleError(
+                f"hardware {self.name!r}: memory_bandwidth must be a finite number of bytes/s > 0 or None, got {memory}"
+            )
 
 
 # Models of the Zero Bubble paper's experiments (§9.1 of the algorithms reference).
@@ -151,14 +160,17 @@ HARDWARE = MappingProxyType({
     "a100": Hardware(
         "a100", flops=312e12, efficiency=0.5, bandwidth=25e9, latency=10e-6,
         intra_bandwidth=300e9, intra_latency=5e-6, inter_bandwidth=25e9, inter_latency=10e-6,
+        memory_bandwidth=1.555e12,
     ),
     "h100": Hardware(
         "h100", flops=989e12, efficiency=0.45, bandwidth=50e9, latency=10e-6,
         intra_bandwidth=450e9, intra_latency=5e-6, inter_bandwidth=50e9, inter_latency=10e-6,
+        memory_bandwidth=3.35e12,
     ),
     "cloud": Hardware(
         "cloud", flops=312e12, efficiency=0.5, bandwidth=6.25e9, latency=30e-6,
         intra_bandwidth=300e9, intra_latency=5e-6, inter_bandwidth=6.25e9, inter_latency=30e-6,
+        memory_bandwidth=1.555e12,
     ),
     # An A100 SXM 80GB in a DGX A100-style node of 8, from NVIDIA's data sheets: 312 TFLOP/s
     # dense bf16; NVLink 3 at 600 GB/s per GPU both directions, so 300 GB/s each way inside
@@ -167,10 +179,12 @@ HARDWARE = MappingProxyType({
     # large transformer layer reaches in Megatron-LM on A100 (Narayanan et al. 2021 report
     # 52% of peak for whole GPT runs with pipeline bubbles and communication included; the
     # layer itself runs faster). Latencies: a few microseconds per NVLink step, about 10
-    # per InfiniBand step, NCCL's order of magnitude.
+    # per InfiniBand step, NCCL's order of magnitude. HBM2e at 2039 GB/s (the 80GB SXM data
+    # sheet; the 40GB part and the `a100`/`cloud` profiles: 1555 GB/s; H100 SXM: 3.35 TB/s).
     "a100-80g": Hardware(
         "a100-80g", flops=312e12, efficiency=0.6, bandwidth=25e9, latency=10e-6,
         intra_bandwidth=300e9, intra_latency=5e-6, inter_bandwidth=25e9, inter_latency=10e-6,
+        memory_bandwidth=2.039e12,
     ),
 })
 
