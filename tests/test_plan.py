@@ -15,7 +15,7 @@ from pipeblocks.plan import PlanProblem, search
 from pipeblocks.core.errors import ScheduleError
 from pipeblocks.plan.costs import replica_costs
 from pipeblocks.plan.intensity import gemm_efficiency, layer_efficiency
-from pipeblocks.sim.analytic import HARDWARE, MODELS
+from pipeblocks.sim.analytic import HARDWARE, MODELS, TransformerConfig
 
 plan_search = importlib.import_module("pipeblocks.plan.search")
 
@@ -184,6 +184,34 @@ def test_seq_chunks_variant_is_searched():
                           microbatch_sizes=(1,), seq_chunks=(2,), tp_degrees=(1,))
     labels = {e.candidate.label for e in search(problem, jobs=1).evaluated}
     assert labels == {"1f1b", "1f1b+seq2"}
+
+
+def test_sequence_chunks_are_tried_when_nothing_fits_whole():
+    """A 4096-token model whose activation, not its parameters, fills 4.5 GB: whole
+    sequences fit no mesh, the automatic 2 and 4 chunks do; with room to spare, or with
+    chunking turned off, no chunked schedule is searched."""
+    model = TransformerConfig(layers=8, hidden=1024, heads=8, seq=4096, vocab=1024, flash_attention=True)
+
+    def plan(memory: float, **changes) -> plan_search.PlanResult:
+        return search(PlanProblem(model=model, hardware=A100, gpus=4, gpu_memory=memory, global_batch=32,
+                                  schedules=("1f1b",), microbatch_sizes=(4,), tp_degrees=(1,), **changes), jobs=1)
+
+    assert not plan(4.5e9, seq_chunks=(1,)).ranked
+    tight = plan(4.5e9)
+    assert tight.seq_chunks == (1, 2, 4) and tight.ranked
+    assert tight.ranked[0].candidate.seq_chunks > 1 and tight.ranked[0].peak_memory <= 4.5e9
+    roomy = plan(80e9)
+    assert roomy.seq_chunks == (1,) and {e.candidate.seq_chunks for e in roomy.evaluated} == {1}
+
+
+def test_long_sequences_try_chunks_from_the_start():
+    long = dataclasses.replace(MODELS["9.6b"], seq=plan_search.LONG_SEQUENCE, flash_attention=True)
+    problem = PlanProblem(model=long, hardware=A100, gpus=8, gpu_memory=80e9, global_batch=8)
+    assert plan_search.seq_chunk_rounds(problem) == ((1, *plan_search.AUTO_SEQ_CHUNKS), ())
+    short = dataclasses.replace(problem, model=dataclasses.replace(long, seq=2048))
+    assert plan_search.seq_chunk_rounds(short) == ((1,), plan_search.AUTO_SEQ_CHUNKS)
+    assert plan_search.seq_chunk_rounds(dataclasses.replace(problem, seq_chunks=(1,))) == ((1,), ())
+    assert plan_search.seq_chunk_rounds(dataclasses.replace(problem, seq_chunks=(4, 2))) == ((1, 2, 4), ())
 
 
 def test_a_long_step_on_the_line_through_two_shorter_ones_matches_its_simulation():

@@ -59,8 +59,9 @@ def register(sub) -> None:
                         help=f"microbatch sizes to try (default {','.join(map(str, DEFAULT_MICROBATCH_SIZES))})")
     parser.add_argument("--tp", type=_int_list, default=None, metavar="T1,T2,...",
                         help="tensor-parallel degrees allowed (default: every divisor of the GPUs per node)")
-    parser.add_argument("--seq-chunks", type=_int_list, default=(), metavar="K1,K2,...",
-                        help="also try every schedule split into K sequence chunks (Seq1F1B), for long sequences")
+    parser.add_argument("--seq-chunks", type=_int_list, default=None, metavar="K1,K2,...",
+                        help="also try every schedule split into K sequence chunks (Seq1F1B); 1: never split "
+                        "(default: 2,4 for sequences of 8192 tokens or more, or when nothing fits whole)")
     flash = parser.add_mutually_exclusive_group()
     flash.add_argument("--flash-attention", dest="flash_attention", action="store_true", default=True,
                        help="attention that does not store the s x s scores, as Megatron-LM's flash attention and "
@@ -133,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     print(table(result, args.top))
     print(f"{len(result.ranked)} configurations fit, {result.simulations} simulations, "
           f"{result.pruned} pruned by their MFU bound")
+    if result.seq_chunks != (1,):
+        print(f"sequence chunks tried: {','.join(map(str, result.seq_chunks))}")
     print("\nrun the best plan:")
     for line in commands(result):
         print(f"  {line}")

@@ -20,6 +20,12 @@ Per schedule (and sequence chunk count), a branch and bound:
 All DP replicas run the same program on equal shards, so one replica is simulated.
 Schedules are searched in worker processes when `jobs` > 1.
 
+Sequence chunks (Seq1F1B, Sun et al. 2024) cut each microbatch's activation in flight at
+the price of smaller GEMMs and more hops. Unless `PlanProblem.seq_chunks` names the counts,
+the search adds AUTO_SEQ_CHUNKS itself: from the start for a sequence of LONG_SEQUENCE
+tokens or more, and otherwise in a second round only when no configuration fits whole,
+so the searches of shorter sequences cost what they did.
+
 MFU counts model FLOPs only (a recomputed forward is not useful work), over the
 iteration time on all GPUs at the profile's peak:
 72*s*h^2*L*(1 + s/(6h) + V/(12*h*L)) per sequence, as Megatron-LM and the papers count.
@@ -44,7 +50,10 @@ from ..sim.sequence_split import chunk_shares, split_lengths
 from .costs import replica_costs
 from .space import SHARDING_ORDER, MeshShape, PlanProblem, meshes, microbatch_sizes
 
-__all__ = ["Candidate", "Evaluated", "Skipped", "PlanResult", "search", "search_schedule", "model_flops", "evaluate"]
+__all__ = [
+    "Candidate", "Evaluated", "Skipped", "PlanResult", "search", "search_schedule", "model_flops", "evaluate",
+    "seq_chunk_rounds", "AUTO_SEQ_CHUNKS", "LONG_SEQUENCE",
+]
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,8 @@ class PlanResult:
     simulations: int
     pruned: int = 0
     """candidates not simulated because their MFU bound was below their schedule's best"""
+    seq_chunks: tuple[int, ...] = (1,)
+    """the sequence chunk counts searched (1: whole sequences)"""
 
     @property
     def ranked(self) -> list[Evaluated]:
@@ -132,6 +143,12 @@ class PlanResult:
 # steady-state block whose length does not depend on m, so time grows linearly in m and
 # the activation peak is reached (tests/test_plan.py checks the line against a full simulation)
 EXTRAPOLATE_FROM = (2, 4)
+
+# Sequence chunk counts tried without being asked, and the sequence length from which they
+# are tried from the start (below it only when nothing fits without them): at 8192 tokens a
+# layer's activation per sequence is several times its share of the parameters' state
+AUTO_SEQ_CHUNKS = (2, 4)
+LONG_SEQUENCE = 8192
 
 # Local-search steps for the cost-aware generators: their default (100) roughly doubles a
 # deep pipeline's build time; on the Table 3 grid 10 steps build the same schedules
@@ -332,10 +349,14 @@ def _with_chunks(costs, config, k: int):
     return dataclasses.replace(costs, seq_time=seq_time, seq_mem=seq_mem)
 
 
-def _tasks(problem: PlanProblem) -> list[tuple[str, int]]:
-    meshes(problem)  # the errors for a GPU count or batch that nothing fits, before any work
-    chunks = (1, *sorted(set(problem.seq_chunks) - {1}))
-    return [(name, k) for name in problem.schedules for k in chunks]
+def seq_chunk_rounds(problem: PlanProblem) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The chunk counts searched first, and those searched only if nothing fits after."""
+    if problem.seq_chunks is not None:
+        return (1, *sorted(set(problem.seq_chunks) - {1})), ()
+    auto = tuple(k for k in AUTO_SEQ_CHUNKS if k <= problem.model.seq)
+    if problem.model.seq >= LONG_SEQUENCE:
+        return (1, *auto), ()
+    return (1,), auto
 
 
 def _run_task(problem: PlanProblem, exhaustive: bool, tasks, index: int):
@@ -343,15 +364,11 @@ def _run_task(problem: PlanProblem, exhaustive: bool, tasks, index: int):
     return index, search_schedule(problem, name, k, exhaustive=exhaustive)
 
 
-def search(
-    problem: PlanProblem, *, jobs: int | None = None, exhaustive: bool = False,
-    progress: Callable[[str], None] | None = None,
-) -> PlanResult:
-    """Search `problem`; `jobs` worker processes (None: up to 2, the CPUs there are), one
-    schedule each at a time. `exhaustive`: simulate every candidate that can fit, not only
-    those whose bound can still beat their schedule's best."""
-    start = time.perf_counter()
-    tasks = _tasks(problem)
+def _run_tasks(
+    problem: PlanProblem, tasks: list[tuple[str, int]], jobs: int | None, exhaustive: bool,
+    progress: Callable[[str], None] | None, start: float,
+) -> list[tuple]:
+    """search_schedule of every (schedule, chunk count), in task order."""
     workers = min(jobs if jobs is not None else min(2, os.cpu_count() or 1), len(tasks))
     run = functools.partial(_run_task, problem, exhaustive, tasks)
     outcomes: Iterable
@@ -375,11 +392,31 @@ def search(
         if pool is not None:
             pool.terminate()
             pool.join()
+    return [collected[index] for index in range(len(tasks))]  # so the result does not depend on the workers
+
+
+def search(
+    problem: PlanProblem, *, jobs: int | None = None, exhaustive: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> PlanResult:
+    """Search `problem`; `jobs` worker processes (None: up to 2, the CPUs there are), one
+    schedule each at a time. `exhaustive`: simulate every candidate that can fit, not only
+    those whose bound can still beat their schedule's best."""
+    start = time.perf_counter()
+    meshes(problem)  # the errors for a GPU count or batch that nothing fits, before any work
+    first, fallback = seq_chunk_rounds(problem)
+    outcomes = _run_tasks(problem, [(n, k) for n in problem.schedules for k in first], jobs, exhaustive, progress, start)
+    chunks = first
+    if fallback and not any(e.fits for outcome in outcomes for e in outcome[0]):
+        if progress is not None:
+            progress(f"plan: nothing fits whole sequences; trying {','.join(map(str, fallback))} sequence chunks")
+        tasks = [(n, k) for n in problem.schedules for k in fallback]
+        outcomes += _run_tasks(problem, tasks, jobs, exhaustive, progress, start)
+        chunks = first + fallback
     evaluated, skipped, runs, pruned = [], [], 0, 0
-    for index in range(len(tasks)):  # task order, so the result does not depend on the workers
-        e, s, r, n = collected[index]
+    for e, s, r, n in outcomes:
         evaluated += e
         skipped += s
         runs += r
         pruned += n
-    return PlanResult(problem, tuple(evaluated), tuple(skipped), time.perf_counter() - start, runs, pruned)
+    return PlanResult(problem, tuple(evaluated), tuple(skipped), time.perf_counter() - start, runs, pruned, chunks)

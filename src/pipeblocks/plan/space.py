@@ -41,7 +41,9 @@ class PlanProblem:
     gpus: GPUs in all. gpu_memory: bytes per GPU. global_batch: sequences per step.
     schedules: registered schedule names to try. microbatch_sizes: the sizes b to try.
     precision: static memory and DP traffic ("mixed": 2 + 2 + 12 bytes per parameter).
-    seq_chunks: sequence chunk counts to also try (Seq1F1B split of every schedule); empty: none.
+    seq_chunks: sequence chunk counts to also try (Seq1F1B split of every schedule); empty
+        or (1,): none; None (the default): automatic, `search.AUTO_SEQ_CHUNKS` for a
+        sequence of `search.LONG_SEQUENCE` tokens or more, or when nothing fits whole.
     tp_degrees: the tensor-parallel degrees allowed (None: every one that fits a node).
     extrapolate: time a long step (m > 4 pp) on the line through simulations at 2 pp and
         4 pp microbatches instead of simulating all m (see `search.EXTRAPOLATE_FROM`).
@@ -58,7 +60,7 @@ class PlanProblem:
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES
     microbatch_sizes: tuple[int, ...] = DEFAULT_MICROBATCH_SIZES
     precision: str = "mixed"
-    seq_chunks: tuple[int, ...] = ()
+    seq_chunks: tuple[int, ...] | None = None
     tp_degrees: tuple[int, ...] | None = None
     extrapolate: bool = True
     intensity: bool = True
@@ -77,7 +79,7 @@ class PlanProblem:
             raise ValueError("--microbatch-sizes is empty: give at least one size, e.g. 1,2,4")
         for b in self.microbatch_sizes:
             _check_count("a microbatch size", b, "give sizes >= 1, e.g. 1,2,4")
-        for k in self.seq_chunks:
+        for k in self.seq_chunks or ():
             _check_count("a sequence chunk count", k, "give counts >= 1, e.g. 2,4")
             if k > self.model.seq:
                 raise ValueError(f"--seq-chunks {k} is more than the {self.model.seq} tokens of a sequence")
