@@ -4,10 +4,11 @@ dp x tp x pp x microbatch size x sharding, at seq 1024 / batch 160 and seq 3072 
 beside the paper's figures.
 
     python benchmarks/plan_table3.py [--cases 1024,3072] [--jobs 2] [--no-flash-attention]
-                                     [--efficiency X] [--json]
+                                     [--efficiency X] [--intensity-model on|off] [--json]
 
 --efficiency replaces the a100-80g profile's achievable fraction of peak (0.6), to see
-how the orderings depend on it.
+how the orderings depend on it. --intensity-model off drops the planner's kernel-efficiency
+model (small GEMMs slower), which is on by default as in `pipeblocks plan`.
 
 Columns: the paper's best MFU, ours, our configuration, peak memory per GPU, and the CPU
 and wall seconds the search took (wall time depends on what else the machine runs).
@@ -37,13 +38,14 @@ def _cpu() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def run_case(seq: int, *, jobs: int | None, flash: bool, efficiency: float | None = None) -> dict:
+def run_case(seq: int, *, jobs: int | None, flash: bool, efficiency: float | None = None,
+             intensity: bool = True) -> dict:
     model = dataclasses.replace(MODELS["98.5b"], seq=seq, flash_attention=flash)
     hardware = HARDWARE["a100-80g"]
     if efficiency is not None:
         hardware = dataclasses.replace(hardware, efficiency=efficiency)
     problem = PlanProblem(model=model, hardware=hardware, gpus=40, gpu_memory=80e9,
-                          global_batch=BATCH[seq], schedules=tuple(PAPER[seq]))
+                          global_batch=BATCH[seq], schedules=tuple(PAPER[seq]), intensity=intensity)
     cpu, wall = _cpu(), time.perf_counter()
     result = search(problem, jobs=jobs, progress=lambda line: print(line, file=sys.stderr, flush=True))
     cpu, wall = _cpu() - cpu, time.perf_counter() - wall
@@ -68,10 +70,12 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=None)
     parser.add_argument("--no-flash-attention", action="store_true")
     parser.add_argument("--efficiency", type=float, default=None)
+    parser.add_argument("--intensity-model", choices=("on", "off"), default="on")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     cases = [
-        run_case(int(s), jobs=args.jobs, flash=not args.no_flash_attention, efficiency=args.efficiency)
+        run_case(int(s), jobs=args.jobs, flash=not args.no_flash_attention, efficiency=args.efficiency,
+                 intensity=args.intensity_model == "on")
         for s in args.cases.split(",")
     ]
     if args.json:
