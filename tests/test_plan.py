@@ -155,6 +155,7 @@ def test_a_model_that_fits_nowhere_says_the_least_memory_it_needs(capsys):
     assert "no configuration of 8 GPUs fits 80 GB" in err and "the least any configuration needs is" in err
     least = float(err.split("needs is ")[1].split(" GB")[0])
     assert least > 80
+    assert "(sequence chunks 2,4 tried too)" in err
 
 
 def test_cli_json_and_plot(tmp_path, capsys):

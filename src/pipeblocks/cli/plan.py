@@ -118,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     if not result.ranked:
         least = result.least_memory_needed()
         hint = f"; the least any configuration needs is {least / 1e9:.1f} GB per GPU" if least else ""
+        if result.seq_chunks != (1,):
+            hint += f" (sequence chunks {','.join(map(str, result.seq_chunks[1:]))} tried too)"
         raise ScheduleError(
             f"no configuration of {problem.gpus} GPUs fits {problem.gpu_memory / 1e9:g} GB per GPU{hint}: "
             "raise --gpu-memory, add GPUs, or allow more schedules (1f1b-r, v-min) and smaller --microbatch-sizes"
