@@ -208,11 +208,11 @@ def test_sequence_chunks_are_tried_when_nothing_fits_whole():
 def test_long_sequences_try_chunks_from_the_start():
     long = dataclasses.replace(MODELS["9.6b"], seq=plan_search.LONG_SEQUENCE, flash_attention=True)
     problem = PlanProblem(model=long, hardware=A100, gpus=8, gpu_memory=80e9, global_batch=8)
-    assert plan_search.seq_chunk_rounds(problem) == ((1, *plan_search.AUTO_SEQ_CHUNKS), ())
+    assert plan_search.seq_chunk_rounds(problem) == ((1,), plan_search.AUTO_SEQ_CHUNKS, True)
     short = dataclasses.replace(problem, model=dataclasses.replace(long, seq=2048))
-    assert plan_search.seq_chunk_rounds(short) == ((1,), plan_search.AUTO_SEQ_CHUNKS)
-    assert plan_search.seq_chunk_rounds(dataclasses.replace(problem, seq_chunks=(1,))) == ((1,), ())
-    assert plan_search.seq_chunk_rounds(dataclasses.replace(problem, seq_chunks=(4, 2))) == ((1, 2, 4), ())
+    assert plan_search.seq_chunk_rounds(short) == ((1,), plan_search.AUTO_SEQ_CHUNKS, False)
+    assert plan_search.seq_chunk_rounds(dataclasses.replace(problem, seq_chunks=(1,))) == ((1,), (), False)
+    assert plan_search.seq_chunk_rounds(dataclasses.replace(problem, seq_chunks=(4, 2))) == ((1, 2, 4), (), False)
 
 
 def test_a_long_step_on_the_line_through_two_shorter_ones_matches_its_simulation():

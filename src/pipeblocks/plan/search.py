@@ -22,9 +22,11 @@ Schedules are searched in worker processes when `jobs` > 1.
 
 Sequence chunks (Seq1F1B, Sun et al. 2024) cut each microbatch's activation in flight at
 the price of smaller GEMMs and more hops. Unless `PlanProblem.seq_chunks` names the counts,
-the search adds AUTO_SEQ_CHUNKS itself: from the start for a sequence of LONG_SEQUENCE
-tokens or more, and otherwise in a second round only when no configuration fits whole,
-so the searches of shorter sequences cost what they did.
+the search adds AUTO_SEQ_CHUNKS itself in a second round after whole sequences: always for
+a sequence of LONG_SEQUENCE tokens or more, where a chunked candidate is simulated only if
+its bound can beat the best whole-sequence plan (so a chunked schedule is listed only where
+it may win), and for shorter sequences only when no configuration fits whole, so their
+searches cost what they did.
 
 MFU counts model FLOPs only (a recomputed forward is not useful work), over the
 iteration time on all GPUs at the profile's peak:
@@ -305,11 +307,11 @@ def _at(m: int, simulated: tuple[int, ...], values: list[float]) -> float:
 
 
 def search_schedule(
-    problem: PlanProblem, name: str, k: int = 1, *, exhaustive: bool = False,
+    problem: PlanProblem, name: str, k: int = 1, *, exhaustive: bool = False, floor: float = 0.0,
 ) -> tuple[list[Evaluated], list[Skipped], int, int]:
     """Branch and bound over one schedule's candidates, meshes with the highest MFU bound
-    first: a candidate whose bound is below the best MFU that fits is not simulated
-    (unless `exhaustive`). A mesh whose
+    first: a candidate whose bound is below the best MFU that fits, or below `floor`, is
+    not simulated (unless `exhaustive`). A mesh whose
     microbatch size b does not fit is not tried at larger b (more activation at the peak).
     Returns the evaluated, the skipped, the simulations run and the candidates pruned."""
     entries, skipped = _entries(problem, name, k)
@@ -321,7 +323,7 @@ def search_schedule(
     entries.sort(key=lambda e: (-top[e.shape], e.shape, e.microbatch_size))
     evaluated: list[Evaluated] = []
     runs = pruned = 0
-    best = 0.0
+    best = floor
     too_big: dict[MeshShape, int] = {}
     for entry in entries:
         if entry.microbatch_size > too_big.get(entry.shape, entry.microbatch_size):
@@ -349,28 +351,27 @@ def _with_chunks(costs, config, k: int):
     return dataclasses.replace(costs, seq_time=seq_time, seq_mem=seq_mem)
 
 
-def seq_chunk_rounds(problem: PlanProblem) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The chunk counts searched first, and those searched only if nothing fits after."""
+def seq_chunk_rounds(problem: PlanProblem) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+    """The chunk counts searched first; those searched in a second round; and whether the
+    second round always runs (a long sequence) or only when nothing fitted in the first."""
     if problem.seq_chunks is not None:
-        return (1, *sorted(set(problem.seq_chunks) - {1})), ()
+        return (1, *sorted(set(problem.seq_chunks) - {1})), (), False
     auto = tuple(k for k in AUTO_SEQ_CHUNKS if k <= problem.model.seq)
-    if problem.model.seq >= LONG_SEQUENCE:
-        return (1, *auto), ()
-    return (1,), auto
+    return (1,), auto, problem.model.seq >= LONG_SEQUENCE
 
 
-def _run_task(problem: PlanProblem, exhaustive: bool, tasks, index: int):
+def _run_task(problem: PlanProblem, exhaustive: bool, floor: float, tasks, index: int):
     name, k = tasks[index]
-    return index, search_schedule(problem, name, k, exhaustive=exhaustive)
+    return index, search_schedule(problem, name, k, exhaustive=exhaustive, floor=floor)
 
 
 def _run_tasks(
     problem: PlanProblem, tasks: list[tuple[str, int]], jobs: int | None, exhaustive: bool,
-    progress: Callable[[str], None] | None, start: float,
+    progress: Callable[[str], None] | None, start: float, floor: float = 0.0,
 ) -> list[tuple]:
     """search_schedule of every (schedule, chunk count), in task order."""
     workers = min(jobs if jobs is not None else min(2, os.cpu_count() or 1), len(tasks))
-    run = functools.partial(_run_task, problem, exhaustive, tasks)
+    run = functools.partial(_run_task, problem, exhaustive, floor, tasks)
     outcomes: Iterable
     pool = None
     if workers > 1:
@@ -404,15 +405,18 @@ def search(
     those whose bound can still beat their schedule's best."""
     start = time.perf_counter()
     meshes(problem)  # the errors for a GPU count or batch that nothing fits, before any work
-    first, fallback = seq_chunk_rounds(problem)
+    first, second, always = seq_chunk_rounds(problem)
     outcomes = _run_tasks(problem, [(n, k) for n in problem.schedules for k in first], jobs, exhaustive, progress, start)
     chunks = first
-    if fallback and not any(e.fits for outcome in outcomes for e in outcome[0]):
+    best = max((e.mfu for outcome in outcomes for e in outcome[0] if e.fits), default=0.0)
+    if second and (always or best == 0.0):
         if progress is not None:
-            progress(f"plan: nothing fits whole sequences; trying {','.join(map(str, fallback))} sequence chunks")
-        tasks = [(n, k) for n in problem.schedules for k in fallback]
-        outcomes += _run_tasks(problem, tasks, jobs, exhaustive, progress, start)
-        chunks = first + fallback
+            why = "long sequences" if best else "nothing fits whole sequences"
+            progress(f"plan: {why}; trying {','.join(map(str, second))} sequence chunks")
+        tasks = [(n, k) for n in problem.schedules for k in second]
+        # a chunked candidate is simulated only if it can beat the best whole-sequence plan
+        outcomes += _run_tasks(problem, tasks, jobs, exhaustive, progress, start, floor=best)
+        chunks = first + second
     evaluated, skipped, runs, pruned = [], [], 0, 0
     for e, s, r, n in outcomes:
         evaluated += e
