@@ -1,7 +1,8 @@
 """The PipeMare study: asynchronous training modes against synchronous 1F1B on a small GPT.
 
     python benchmarks/pipemare.py [--quick] [--configs 4x1 8x1] [--steps 300] [--lrs 0.003 0.03]
-                                  [--variants naive pipemare ...] [--seeds 0 1 2] [--plot benchmarks/out/pipemare.png] [--json FILE]
+                                  [--variants naive pipemare ...] [--seeds 0 1 2] [--optimizer adam|sgd]
+                                  [--plot benchmarks/out/pipemare.png] [--json FILE]
 
 Fine-grained pipelines: the reference GPT with one transformer block per stage (the
 embedding rides on stage 0, the head on the last), p stages, N microbatches per optimizer
@@ -10,8 +11,11 @@ embedded corpus (byte tokens); every variant of one configuration sees the same
 microbatches and starts from the same weights. Training runs through the one-process
 replay (`pipeblocks.train.async_reference.replay`), which is the specification of each
 mode that the multi-process runtime is verified against: its losses are the ones the
-runtime would produce. Optimizer: Adam, constant base learning rate, at a normal and an
-aggressive rate (`--lrs`).
+runtime would produce. Optimizer (`--optimizer`): Adam (the default) or SGD with momentum 0.9,
+constant base learning rate, at a normal and an aggressive rate (`--lrs`; the defaults per
+optimizer, 0.003 / 0.03 for Adam and 0.03 / 0.3 for SGD, were each picked once from a short
+probe of sync and naive: the aggressive rate is one at which naive asynchrony is clearly
+worse than sync or diverges).
 
 Variants: sync (1F1B with a flush every step: delay 0), naive, pipedream (weight
 stashing), pipemare (T1 and T2), pipemare-T1 (D = 1), pipemare-T2 (K = 0), pipemare+W and
@@ -61,6 +65,21 @@ EMULATED_MS = (5.0, 5.0, 3.0)
 RECOMPUTING = ("naive", "pipemare", "nesterov")
 TARGET_FACTOR = 1.05
 DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "pipemare.png")
+MOMENTUM = 0.9
+"""SGD's momentum"""
+OPTIMIZERS = {"adam": "Adam", "sgd": f"SGD (momentum {MOMENTUM:g})"}
+"""--optimizer choices and the names the table and the plot give them"""
+DEFAULT_LRS = {"adam": (3e-3, 3e-2), "sgd": (0.03, 0.3)}
+"""a normal and an aggressive base learning rate per optimizer, each picked once from a probe"""
+
+
+def make_optimizer(name: str, lr: float):
+    """A factory of the optimizer `name` at base rate `lr` over a stage's parameters."""
+    if name == "adam":
+        return lambda params: torch.optim.Adam(params, lr=lr)
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=lr, momentum=MOMENTUM)
+    raise ValueError(f"optimizer {name!r}: choose one of {sorted(OPTIMIZERS)}")
 
 
 @dataclass(frozen=True)
@@ -161,7 +180,7 @@ def evaluation_loss(stages, batches) -> float:
 
 
 def train(variant: Variant, p: int, n: int, lr: float, size: Size, data: TokenWindows, evaluation,
-          seed: int) -> dict:
+          seed: int, optimizer: str = "adam") -> dict:
     cfg = GPTConfig(layers=p, hidden=size.hidden, heads=size.heads, seq=size.seq)
     stages = build_stages(cfg, seed=seed, num_stages=p, stages=range(p))
     mode = variant.async_mode(size.steps)
@@ -172,12 +191,13 @@ def train(variant: Variant, p: int, n: int, lr: float, size: Size, data: TokenWi
         versions = weight_versions(async_1f1b(p=p, n=n, steps=async_steps))
     stream = [data.batch(i, size.microbatch, seed=2 * seed) for i in range(n * size.steps)]
     result = replay(stages, versions, stream, loss_fn=cross_entropy,
-                    optimizer=lambda params: torch.optim.Adam(params, lr=lr), mode=mode)
+                    optimizer=make_optimizer(optimizer, lr), mode=mode)
     losses = list(result.losses)
     return {"losses": losses, "final": evaluation_loss(stages, evaluation), "warmup": mode.sync_warmup_steps}
 
 
-def run_study(configs, lrs, size: Size, log=None, variants=VARIANTS, seed: int = 0) -> list[dict]:
+def run_study(configs, lrs, size: Size, log=None, variants=VARIANTS, seed: int = 0,
+              optimizer: str = "adam") -> list[dict]:
     torch.manual_seed(seed)
     data = TokenWindows.load(None, seq=size.seq)
     evaluation = [data.batch(i, size.microbatch, seed=2 * seed + 1) for i in range(size.eval_batches)]
@@ -189,14 +209,14 @@ def run_study(configs, lrs, size: Size, log=None, variants=VARIANTS, seed: int =
             group = []
             for variant in variants:
                 start = time.process_time()
-                run = train(variant, p, n, lr, size, data, evaluation, seed)
+                run = train(variant, p, n, lr, size, data, evaluation, seed, optimizer)
                 if log:
                     log(f"p={p} N={n} lr={lr:g} {variant.label:<12} final {run['final']:.4f} "
                         f"({time.process_time() - start:.1f} s CPU)")
                 losses = run["losses"]
                 avg = smoothed(losses, window)
                 group.append({
-                    "p": p, "n": n, "lr": lr, "seed": seed, "variant": variant.label, "final": run["final"],
+                    "p": p, "n": n, "optimizer": optimizer, "lr": lr, "seed": seed, "variant": variant.label, "final": run["final"],
                     "train_final": avg[-1], "first": losses[0], "losses": losses,
                     "diverged": not all(math.isfinite(v) for v in losses) or not avg[-1] <= losses[0],
                     "tokens_per_s_simulated": tokens_per_second(
@@ -257,7 +277,7 @@ def plot(rows: list[dict], path: str) -> str:
         finite = [r["first"] for r in mine if math.isfinite(r["first"])]
         if finite:
             ax.set_ylim(top=max(finite) * 1.02)
-        ax.set_title(f"p={p}, N={n}, Adam lr={lr:g}")
+        ax.set_title(f"p={p}, N={n}, {OPTIMIZERS[mine[0]['optimizer']]} lr={lr:g}")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("training loss (moving average)")
     axes[0][0].legend(fontsize=7)
@@ -274,7 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", type=parse_config, nargs="+", default=None, metavar="PxN",
                         help="pipelines: p stages (one block each) x N microbatches per step (default 4x1 8x1)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 300)")
-    parser.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 3e-2], help="Adam learning rates")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam",
+                        help="adam, or sgd (momentum 0.9) (default adam)")
+    parser.add_argument("--lrs", type=float, nargs="+", default=None,
+                        help="base learning rates (default 0.003 0.03 for adam, 0.03 0.3 for sgd)")
     parser.add_argument("--variants", nargs="+", choices=[v.label for v in VARIANTS[1:]], default=None,
                         help="run only these (sync, the reference, always runs; default: all)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
@@ -289,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         size = Size(**{**size.__dict__, "steps": args.steps})
     if any(seed < 0 for seed in args.seeds):
         parser.error(f"--seeds must be >= 0, got {args.seeds}")
+    if args.lrs is None:
+        args.lrs = list(DEFAULT_LRS[args.optimizer])
     if any(not (lr > 0 and math.isfinite(lr)) for lr in args.lrs):
         parser.error(f"--lrs must be finite and > 0, got {args.lrs}")
     configs = args.configs or ([(2, 1), (3, 1)] if args.quick else [(4, 1), (8, 1)])
@@ -296,9 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = VARIANTS if args.variants is None else (VARIANTS[0], *(v for v in VARIANTS if v.label in args.variants))
     rows = [row for seed in args.seeds
             for row in run_study(configs, args.lrs, size, log=lambda text: print(text, file=sys.stderr, flush=True),
-                                 variants=variants, seed=seed)]
+                                 variants=variants, seed=seed, optimizer=args.optimizer)]
     print(f"model: GPT, one block per stage, hidden {size.hidden}, seq {size.seq}, microbatch {size.microbatch}, "
-          f"{size.steps} steps, Adam; tokens/s simulated with {EMULATED_MS} ms per layer (F, B, W)")
+          f"{size.steps} steps, {OPTIMIZERS[args.optimizer]}; tokens/s simulated with {EMULATED_MS} ms per layer (F, B, W)")
     print_table(rows)
     if len(args.seeds) > 1:
         print_summary(rows)

@@ -54,6 +54,35 @@ def test_quick_study_table(study, tmp_path, capsys):
     assert plot.stat().st_size > 0
 
 
+def test_quick_study_with_sgd(study, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    plot = tmp_path / "curves.png"
+    argv = ["--quick", "--configs", "2x1", "--optimizer", "sgd", "--variants", "naive", "pipemare",
+            "--json", str(out), "--plot", str(plot)]
+    assert study.main(argv) == 0
+    rows = json.loads(out.read_text())
+    lrs = study.DEFAULT_LRS["sgd"]
+    assert [(r["lr"], r["variant"]) for r in rows] == [(lr, v) for lr in lrs for v in ("sync", "naive", "pipemare")]
+    for r in rows:
+        assert r["optimizer"] == "sgd" and len(r["losses"]) == study.QUICK.steps
+        assert r["diverged"] or all(math.isfinite(v) for v in (*r["losses"], r["final"], r["ratio"]))
+    assert not rows[0]["diverged"] and rows[0]["ratio"] == 1.0
+    assert "SGD (momentum 0.9)" in capsys.readouterr().out
+    assert plot.stat().st_size > 0
+
+
+def test_sgd_is_not_adam(study, tmp_path):
+    """--optimizer reaches the training: the same run with Adam and SGD gives other losses."""
+    losses = {}
+    for name in ("adam", "sgd"):
+        out = tmp_path / f"{name}.json"
+        assert study.main(["--quick", "--configs", "2x1", "--optimizer", name, "--lrs", "0.01",
+                           "--variants", "naive", "--plot", "none", "--json", str(out)]) == 0
+        losses[name] = [r["losses"] for r in json.loads(out.read_text())]
+    assert losses["adam"][0][0] == losses["sgd"][0][0]  # same weights and first batch
+    assert losses["adam"] != losses["sgd"]
+
+
 def test_bad_configuration_is_an_error(study):
     with pytest.raises(SystemExit):
         study.main(["--quick", "--configs", "1x1"])
@@ -61,3 +90,5 @@ def test_bad_configuration_is_an_error(study):
         study.main(["--quick", "--lrs", "nan"])
     with pytest.raises(SystemExit):
         study.main(["--quick", "--seeds", "-1"])
+    with pytest.raises(SystemExit):
+        study.main(["--quick", "--optimizer", "rmsprop"])
