@@ -268,15 +268,21 @@ def plot(rows: list[dict], path: str) -> str:
     for (i, (p, n)), (j, lr) in ((a, b) for a in enumerate(configs) for b in enumerate(lrs)):
         ax = axes[i][j]
         mine = [r for r in rows if (r["p"], r["n"], r["lr"]) == (p, n, lr)]
+        lowest = math.inf
         for r in mine:
-            window = max(2, len(r["losses"]) // 10)
+            # a diverged run's curve ends at its first non-finite loss: a running sum past a
+            # huge or infinite value is meaningless
+            losses = r["losses"]
+            end = next((i for i, v in enumerate(losses) if not math.isfinite(v)), len(losses))
+            curve = smoothed(losses[:end], max(2, len(losses) // 10))
+            lowest = min(lowest, *curve) if curve else lowest
             solid = r["variant"] in ("sync", "naive", "pipedream", "pipemare", "nesterov")
-            ax.plot(range(1, len(r["losses"]) + 1), smoothed(r["losses"], window), "-" if solid else ":",
+            ax.plot(range(1, end + 1), curve, "-" if solid else ":",
                     label=r["variant"], linewidth=2.0 if r["variant"] == "sync" else 1.2,
                     color="black" if r["variant"] == "sync" else None)
         finite = [r["first"] for r in mine if math.isfinite(r["first"])]
-        if finite:
-            ax.set_ylim(top=max(finite) * 1.02)
+        if finite and math.isfinite(lowest):
+            ax.set_ylim(bottom=lowest * 0.98, top=max(finite) * 1.02)
         ax.set_title(f"p={p}, N={n}, {OPTIMIZERS[mine[0]['optimizer']]} lr={lr:g}")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("training loss (moving average)")
