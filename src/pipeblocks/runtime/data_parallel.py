@@ -152,8 +152,9 @@ class DataParallel:
     stages: global stage -> module (this rank's). policies: one per global stage
     (`core.sharding.per_stage`). dp_mesh: the mesh's "dp" DeviceMesh; dp_group its group.
     Build it before the optimizer: FSDP2 replaces the parameters by their shards.
-    link: an `emulated_link.EmulatedLink` under emulated compute (replicate and zero1): each
-    DP op also takes its modelled link time. reduce_at_end: lower every REDUCE_GRAD to the
+    link: an `emulated_link.EmulatedLink` under emulated compute (any policy): each DP op
+    also takes its modelled link time, waited where the real one is (a zero3 chunk's first
+    pass after its UNSHARD, the end of the step). reduce_at_end: lower every REDUCE_GRAD to the
     end of the rank's step instead of right after its stage's last weight gradient.
     """
 
@@ -183,13 +184,6 @@ class DataParallel:
                 _accumulate_only(module)
             self.chunks[stage] = _Chunk(stage, policy, module, list(module.parameters()))
         self.policies = tuple(ShardingPolicy(p) for p in policies)
-        if link is not None:
-            unsupported = sorted({str(self.chunks[s].policy) for s in self.chunks} - {str(p) for p in link.supported})
-            if unsupported:
-                raise ValueError(
-                    f"an emulated link runs {', '.join(map(str, link.supported))} only (emulated compute makes no "
-                    f"gradients for FSDP2 to shard), got {', '.join(unsupported)}: use --sharding replicate or zero1"
-                )
         self.compute = None  # set by the runner: its compute object learns the gathered parameters
         self.tracker = None  # set by the runner: gathered parameters are not activations
         self.optimizers: ChunkOptimizers | None = None
@@ -243,6 +237,11 @@ class DataParallel:
         else:
             handle, chunk.unshard_handle = chunk.unshard_handle, None
             handle.wait()
+        if self.link is not None:
+            # the modelled gather issued at the UNSHARD is the one counted; zero2's gather
+            # here is modelled after the optimizer step (`EmulatedLink.finish`)
+            start = time.perf_counter()
+            self.link.wait_stage(stage)
         self.wait_s += time.perf_counter() - start
         chunk.gathered = True
         self._show_parameters(chunk)
@@ -329,7 +328,8 @@ class DataParallel:
         if chunk.policy in _FSDP:
             start = time.perf_counter()
             _reduce_scatter(chunk.module, reshard=chunk.policy is ShardingPolicy.ZERO2)
-            self.wait_s += time.perf_counter() - start
+            if self.link is None:  # under a link its modelled reduce-scatter is the one counted
+                self.wait_s += time.perf_counter() - start
             if chunk.policy is ShardingPolicy.ZERO2:
                 chunk.gathered = False
             return

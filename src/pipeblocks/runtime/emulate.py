@@ -104,6 +104,9 @@ class EmulatedCompute:
             self._out[key] = infer_output_spec(self.stages[stage], key[1], self.device)
         return torch.zeros(self._out[key].shape, dtype=self._out[key].dtype, device=self.device), Unit(x, x)
 
+    def use_parameters(self, stage: int, params) -> None:
+        """A sharded chunk's gathered parameters: nothing to learn, the passes only sleep."""
+
     def recompute(self, stage: int, unit: Unit) -> None:
         """A recomputation takes the forward's time again."""
         self._sleep(self.costs.f_ms, stage)

@@ -102,18 +102,9 @@ def prepare(
 
 def _emulated_link(request: ScheduleRequest) -> tuple[float, float]:
     """The DP link an emulated run's collectives take (bytes/s, s per ring step): --dp-bandwidth
-    (GB/s) and --dp-latency (us), else the --hardware preset's link for d replicas. Emulated
-    compute makes no gradients, so only the policies whose collectives need none run."""
-    from ..core.sharding import ShardingPolicy
-    from ..runtime.emulated_link import EMULATED_POLICIES
+    (GB/s) and --dp-latency (us), else the --hardware preset's link for d replicas."""
     from ..sim.analytic import HARDWARE, dp_link
 
-    others = sorted({str(p) for p in request.sharding if ShardingPolicy(p) not in EMULATED_POLICIES})
-    if others:
-        raise ValueError(
-            f"--emulate with data parallelism runs --sharding replicate or zero1 (emulated compute makes no "
-            f"gradients for FSDP2 to shard), got {','.join(others)}: use replicate or zero1, or drop --emulate"
-        )
     spec = request.costs
     base = dp_link(HARDWARE[spec.hardware], request.mesh.dp)
     bandwidth = base.bandwidth if spec.dp_bandwidth is None else spec.dp_bandwidth * 1e9
