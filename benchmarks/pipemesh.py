@@ -32,17 +32,23 @@ With --emulated, the runtime checks the simulated ordering: p x d = 2 x 2 local 
 run depth-first, breadth-first and elastic (explicit groups, --forward-groups and
 --backward-groups) with emulated compute (every pass sleeps --emulate-ms) and emulated
 links (every DP collective takes its modelled time, --stage-params parameters per stage
-on a --dp-bandwidth GB/s link, --emulated-sharding replicate or zero1), and the table sets
-the measured step time and exposed communication beside the simulator's for the same
-Program and costs:
+on a --dp-bandwidth GB/s link, --emulated-sharding, zero3 by default as above), and the
+table sets the measured step time and exposed communication beside the simulator's for
+the same Program and costs. Each of --repeats launches runs the three schedules with their
+steps interleaved (so a change in the machine's load falls on all alike); an ordering is
+checked only where the simulator puts the two at least --margin apart, and the table says
+in how many repeats it held:
 
-    python benchmarks/pipemesh.py --emulated [-m 8] [--emulate-ms 4] [--stage-params 4e6]
-                                  [--dp-bandwidth 0.2] [--forward-groups 6,2] [--backward-groups 2,6]
+    python benchmarks/pipemesh.py --emulated [-m 8] [--emulate-ms 10] [--stage-params 12e6]
+                                  [--dp-bandwidth 0.2] [--forward-groups 8] [--backward-groups 2,6]
+                                  [--repeats 3] [--margin 0.15]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 import sys
 import time
 
@@ -151,29 +157,45 @@ def _cell(result: dict) -> str:
 
 
 def run_emulated(args: argparse.Namespace) -> dict:
-    from pipeblocks.train.emulated_mesh import EmulatedMeshCase, measure_emulated_mesh, predict_emulated_mesh
+    from pipeblocks.train.emulated_mesh import EmulatedMeshCase, measure_emulated_meshes, predict_emulated_mesh
 
     groups = (("forward_groups", args.forward_groups), ("backward_groups", args.backward_groups))
-    cases = (("depth-first", "interleaved-1f1b", ()), ("breadth-first", "bfs", ()), ("elastic", "elastic", groups))
-    rows = []
-    for label, name, options in cases:
-        case = EmulatedMeshCase(
+    names = (("depth-first", "interleaved-1f1b", ()), ("breadth-first", "bfs", ()), ("elastic", "elastic", groups))
+    cases = [
+        EmulatedMeshCase(
             name, p=2, dp=2, m=args.m, f_ms=args.emulate_ms, b_ms=args.emulate_ms, w_ms=args.emulate_ms,
             stage_params=(args.stage_params,) * (2 * args.v), bandwidth=args.dp_bandwidth * 1e9,
             sharding=args.emulated_sharding, steps=args.steps, options=(("v", args.v), *options),
         )
-        sim, got = predict_emulated_mesh(case), measure_emulated_mesh(case)
-        rows.append({"schedule": label, "name": name, "sim_step_s": sim["step_s"], "meas_step_s": got["step_s"],
-                     "sim_exposed_s": sim["exposed_s"], "meas_exposed_s": got["exposed_s"]})
+        for _label, name, options in names
+    ]
+    sims = [predict_emulated_mesh(case) for case in cases]
+    # one launch per repeat, the three schedules' steps interleaved in it (same load)
+    repeats = [measure_emulated_meshes(cases) for _ in range(args.repeats)]
+    rows = []
+    for k, ((label, name, _), sim) in enumerate(zip(names, sims)):
+        steps = [rep[k]["step_s"] for rep in repeats]
+        exposed = [rep[k]["exposed_s"] for rep in repeats]
+        rows.append({"schedule": label, "name": name, "sim_step_s": sim["step_s"],
+                     "meas_step_s": statistics.median(steps), "sim_exposed_s": sim["exposed_s"],
+                     "meas_exposed_s": statistics.median(exposed), "meas_step_s_per_repeat": steps,
+                     "meas_exposed_s_per_repeat": exposed})
+    pairs = []
+    for i, j in itertools.combinations(range(len(rows)), 2):
+        fast, slow = (i, j) if rows[i]["sim_step_s"] <= rows[j]["sim_step_s"] else (j, i)
+        gap = rows[slow]["sim_step_s"] / rows[fast]["sim_step_s"] - 1
+        held = sum(rep[fast]["step_s"] < rep[slow]["step_s"] for rep in repeats)
+        pairs.append({"faster": rows[fast]["schedule"], "slower": rows[slow]["schedule"], "sim_gap": gap,
+                      "checked": gap >= args.margin, "held": held, "repeats": args.repeats})
     keys = ("sim_step_s", "meas_step_s", "sim_exposed_s", "meas_exposed_s")
     order = {key: [r["schedule"] for r in sorted(rows, key=lambda r: r[key])] for key in keys}
     return {"emulated": True, "p": 2, "dp": 2, "m": args.m, "v": args.v, "emulate_ms": args.emulate_ms,
             "stage_params": args.stage_params, "dp_bandwidth_gbs": args.dp_bandwidth,
             "sharding": args.emulated_sharding, "forward_groups": args.forward_groups,
-            "backward_groups": args.backward_groups, "rows": rows, "sim_order": order["sim_step_s"],
-            "measured_order": order["meas_step_s"], "ordering_reproduced": order["sim_step_s"] == order["meas_step_s"],
+            "backward_groups": args.backward_groups, "repeats": args.repeats, "margin": args.margin,
+            "rows": rows, "pairs": pairs, "sim_order": order["sim_step_s"], "measured_order": order["meas_step_s"],
             "sim_exposed_order": order["sim_exposed_s"], "measured_exposed_order": order["meas_exposed_s"],
-            "exposed_ordering_reproduced": order["sim_exposed_s"] == order["meas_exposed_s"]}
+            "checked_orderings_held": all(p["held"] == p["repeats"] for p in pairs if p["checked"])}
 
 
 def main_emulated(args: argparse.Namespace) -> int:
@@ -184,16 +206,19 @@ def main_emulated(args: argparse.Namespace) -> int:
         return 0
     print(f"emulated: p=2 d=2 m={args.m} v={args.v} {args.emulated_sharding}, F=B=W={args.emulate_ms:g} ms per stage, "
           f"{args.stage_params:g} parameters per stage on a {args.dp_bandwidth:g} GB/s link; elastic "
-          f"{args.forward_groups} / {args.backward_groups} (ms; simulated / measured)")
-    print(f"{'schedule':<14} {'step':>15} {'exposed':>15}")
+          f"{args.forward_groups} / {args.backward_groups}; {args.repeats} repeats "
+          "(ms; simulated / measured median of the repeats' medians)")
+    print(f"{'schedule':<14} {'step':>15} {'exposed':>15}  measured step per repeat")
     for r in result["rows"]:
         print(f"{r['schedule']:<14} {1e3 * r['sim_step_s']:6.1f} /{1e3 * r['meas_step_s']:6.1f} "
-              f"{1e3 * r['sim_exposed_s']:6.1f} /{1e3 * r['meas_exposed_s']:6.1f}")
-    print(f"fastest first: simulated {', '.join(result['sim_order'])}; measured {', '.join(result['measured_order'])}"
-          f" ({'reproduced' if result['ordering_reproduced'] else 'NOT reproduced'})")
+              f"{1e3 * r['sim_exposed_s']:6.1f} /{1e3 * r['meas_exposed_s']:6.1f}  "
+              + " ".join(f"{1e3 * t:.0f}" for t in r["meas_step_s_per_repeat"]))
+    for p in result["pairs"]:
+        kind = "checked" if p["checked"] else f"under the {100 * args.margin:.0f}% margin, not checked"
+        print(f"{p['faster']} ahead of {p['slower']}: simulated by {100 * p['sim_gap']:.1f}%, measured in "
+              f"{p['held']}/{p['repeats']} repeats ({kind})")
     print(f"least exposed first: simulated {', '.join(result['sim_exposed_order'])}; measured "
-          f"{', '.join(result['measured_exposed_order'])}"
-          f" ({'reproduced' if result['exposed_ordering_reproduced'] else 'NOT reproduced'})")
+          f"{', '.join(result['measured_exposed_order'])}")
     return 0
 
 
@@ -210,13 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed-precision", action="store_true")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--emulated", action="store_true", help="runtime check at p=2, d=2 with emulated compute and links")
-    parser.add_argument("--emulate-ms", type=float, default=4.0, help="--emulated: F, B and W per stage (ms)")
-    parser.add_argument("--stage-params", type=float, default=4e6, help="--emulated: parameters per stage")
+    parser.add_argument("--emulate-ms", type=float, default=10.0, help="--emulated: F, B and W per stage (ms)")
+    parser.add_argument("--stage-params", type=float, default=12e6, help="--emulated: parameters per stage")
     parser.add_argument("--dp-bandwidth", type=float, default=0.2, help="--emulated: DP link (GB/s)")
-    parser.add_argument("--emulated-sharding", default="replicate", choices=("replicate", "zero1"))
-    parser.add_argument("--forward-groups", default="6,2", help="--emulated: elastic forward groups")
+    parser.add_argument("--emulated-sharding", default="zero3", choices=("replicate", "zero1", "zero2", "zero3"))
+    parser.add_argument("--forward-groups", default="8", help="--emulated: elastic forward groups")
     parser.add_argument("--backward-groups", default="2,6", help="--emulated: elastic backward groups")
-    parser.add_argument("--steps", type=int, default=5, help="--emulated: steps (the first is not timed)")
+    parser.add_argument("--steps", type=int, default=4, help="--emulated: steps per repeat (the first is not timed)")
+    parser.add_argument("--repeats", type=int, default=3, help="--emulated: launches (each runs all three)")
+    parser.add_argument("--margin", type=float, default=0.15,
+                        help="--emulated: simulated gap from which an ordering is checked (0.15: 15%%)")
     args = parser.parse_args(argv)
     if args.emulated:
         args.m = args.m or 8

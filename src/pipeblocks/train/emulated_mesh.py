@@ -9,6 +9,7 @@ activations their shapes); `stage_params` is the size the link model moves per s
     case = EmulatedMeshCase("zb-v", p=2, dp=2, m=4, f_ms=4, b_ms=4, w_ms=4,
                             stage_params=(2e6,) * 4, bandwidth=1e9)
     measured = measure_emulated_mesh(case)      # spawns p x d processes
+    both = measure_emulated_meshes([case, other])  # one launch, steps interleaved
     predicted = predict_emulated_mesh(case)
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..core.passes_dp import dp_passes, dp_passes_at_end
 from ..core.sharding import parse_sharding
 from ..core.simulate import simulate_program
 
-__all__ = ["EmulatedMeshCase", "measure_emulated_mesh", "predict_emulated_mesh"]
+__all__ = ["EmulatedMeshCase", "measure_emulated_mesh", "measure_emulated_meshes", "predict_emulated_mesh"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ def predict_emulated_mesh(case: EmulatedMeshCase) -> dict:
     return {"step_s": timeline.makespan, "exposed_s": max(timeline.exposed_comm), "comm_s": max(timeline.comm_time)}
 
 
-def _worker(ctx, case: EmulatedMeshCase) -> list[tuple[float, float]]:
+def _build(case: EmulatedMeshCase, mesh, device):
+    """One case's runner and DataParallel on this process's ranks of `mesh`."""
     import torch
 
     from ..core.sharding import per_stage
@@ -89,38 +91,70 @@ def _worker(ctx, case: EmulatedMeshCase) -> list[tuple[float, float]]:
     from ..runtime.data_parallel import DataParallel
     from ..runtime.emulate import EmulatedCompute, EmulatedCosts
     from ..runtime.emulated_link import EmulatedLink
-    from ..runtime.mesh import init_mesh
 
     schedule = case.build_schedule()
     S = schedule.num_stages
     model = GPTConfig(layers=S, hidden=8, heads=2, seq=8, vocab=16, dtype="float32")
-    mesh = init_mesh(case.p, case.dp, ctx.device)
     mine = schedule.placement.stages_of(mesh.pp_rank)
-    built = build_stages(model, seed=0, num_stages=S, stages=mine, device=ctx.device)
+    built = build_stages(model, seed=0, num_stages=S, stages=mine, device=device)
     stages = {s.index: s for s in built}
     link = EmulatedLink(case.dp_model(S), case.stage_params)
     dp = DataParallel(stages, per_stage(parse_sharding(case.sharding), S), mesh.dp_mesh, timeout_s=60,
                       link=link, reduce_at_end=case.reduce_at_end)
-    compute = EmulatedCompute(EmulatedCosts(case.f_ms, case.b_ms, case.w_ms), stages, S, ctx.device)
+    compute = EmulatedCompute(EmulatedCosts(case.f_ms, case.b_ms, case.w_ms), stages, S, device)
     runner = PipelineRunner(schedule, stages, cross_entropy, group=mesh.pp_group, timeout_s=60,
                             compute=compute, data_parallel=dp)
     x = torch.randint(0, model.vocab, (case.m, model.seq))
-    out = []
-    for _ in range(case.steps):
-        torch.distributed.barrier()  # every step starts together on every rank, as the simulator's
-        result = runner.step(x if runner.holds_first_stage else None, x if runner.holds_last_stage else None)
-        out.append((result.duration_s, dp.wait_s))
-        ctx.control.beat()
+    return runner, dp, x
+
+
+def _worker(ctx, cases: tuple[EmulatedMeshCase, ...]) -> list[list[tuple[float, float]]]:
+    import torch
+
+    from ..runtime.mesh import init_mesh
+
+    mesh = init_mesh(cases[0].p, cases[0].dp, ctx.device)
+    built = [_build(case, mesh, ctx.device) for case in cases]
+    out: list[list[tuple[float, float]]] = [[] for _ in cases]
+    for i in range(max(case.steps for case in cases)):
+        # the cases take turns step by step (in alternating order), so a change in the
+        # machine's load falls on all of them alike rather than on whichever ran then
+        order = range(len(cases)) if i % 2 == 0 else reversed(range(len(cases)))
+        for k in order:
+            if i >= cases[k].steps:
+                continue
+            runner, dp, x = built[k]
+            torch.distributed.barrier()  # every step starts together on every rank, as the simulator's
+            result = runner.step(x if runner.holds_first_stage else None, x if runner.holds_last_stage else None)
+            out[k].append((result.duration_s, dp.wait_s))
+            ctx.control.beat()
     return out
 
 
 def measure_emulated_mesh(case: EmulatedMeshCase, *, timeout_s: float = 120.0) -> dict:
     """Measured step time and exposed DP communication (seconds): per step the largest over
     the p x d ranks, then the median over the steps after the warm-up."""
+    return measure_emulated_meshes((case,), timeout_s=timeout_s)[0]
+
+
+def measure_emulated_meshes(cases, *, timeout_s: float = 120.0) -> list[dict]:
+    """`measure_emulated_mesh` of several cases on one p x d mesh (one launch): their steps
+    are interleaved, so that they are compared under the same load."""
     from ..runtime import spawn
 
-    per_rank = spawn(_worker, case.p * case.dp, args=(case,), timeout_s=timeout_s, threads_per_rank=1)
-    steps = range(case.warmup, case.steps)
-    step = [max(r[i][0] for r in per_rank) for i in steps]
-    exposed = [max(r[i][1] for r in per_rank) for i in steps]
-    return {"step_s": statistics.median(step), "exposed_s": statistics.median(exposed)}
+    cases = tuple(cases)
+    if not cases:
+        raise ValueError("give at least one case to measure")
+    meshes = {(case.p, case.dp) for case in cases}
+    if len(meshes) > 1:
+        raise ValueError(f"cases measured together share one p x dp mesh, got {sorted(meshes)}: measure them apart")
+    p, dp = meshes.pop()
+    per_rank = spawn(_worker, p * dp, args=(cases,), timeout_s=timeout_s, threads_per_rank=1)
+    results = []
+    for k, case in enumerate(cases):
+        steps = range(case.warmup, case.steps)
+        step = [max(r[k][i][0] for r in per_rank) for i in steps]
+        exposed = [max(r[k][i][1] for r in per_rank) for i in steps]
+        results.append({"step_s": statistics.median(step), "exposed_s": statistics.median(exposed),
+                        "steps_s": step})
+    return results
