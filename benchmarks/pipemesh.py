@@ -247,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="--emulated: simulated gap from which an ordering is checked (0.15: 15%%)")
     args = parser.parse_args(argv)
     if args.emulated:
+        if args.repeats < 1:
+            parser.error(f"--repeats must be at least 1 launch, got {args.repeats}")
+        if not 0 <= args.margin < float("inf"):
+            parser.error(f"--margin must be a finite share >= 0 (0.15: 15%), got {args.margin}")
         args.m = args.m or 8
         return main_emulated(args)
     args.m = args.m or 16
