@@ -154,6 +154,8 @@ def stop_all(procs: list, results_queue, *, interrupt: bool) -> None:
         # keep the pipe drained: a rank exits only once its queued messages are written
         _collect(results_queue, {}, {}, POLL_S)
     for proc in procs:
+        if proc.pid is None:
+            continue  # never started (its start failed): nothing to end, and join() would raise
         if proc.is_alive():
             proc.kill()
         proc.join(1.0)
