@@ -33,14 +33,17 @@ fp32 master copy and moments)::
 
 Inside the step the rank holds more (the static memory at the step's peak, `static_peak_bytes`):
 gradients accumulate at full size over the microbatches until the stage's REDUCE_GRAD, and
-a ZeRO-3 stage's parameters are gathered from its UNSHARD to its RESHARD, which the
-lowering places around all of the stage's passes. At the peak, per parameter::
+a sharded stage's parameters are gathered for all of its passes (FSDP2: zero2 from its
+first pass to its REDUCE_GRAD, zero3 from its UNSHARD to its RESHARD), beside the shard
+the replica keeps. At the peak, per parameter::
 
-    replicate  p + g + o       zero1, zero2  p + g + o/d      zero3  p + g + o/d
-                                                                     (+ its shard p/d)
+    replicate  p + g + o       zero1  p + g + o/d      zero2, zero3  p + p/d + g + o/d
 
 so sharding saves optimizer state at the peak, and parameters and gradients only between
-steps (which is where a checkpoint or another model lives).
+steps (which is where a checkpoint or another model lives). These are the holdings of
+`core.static_memory` (which follows torch's FSDP2 and ZeroRedundancyOptimizer) for a stage
+whose parameters split evenly: no dim-0 padding, zero1's partition even. The textbook
+ZeRO-2 peak, p + g + o/d, leaves out the shard FSDP2 keeps beside the gathered parameters.
 
 Units. Under the analytic model, sizes are bytes and times seconds: --dp-bandwidth is in
 GB/s and --dp-latency in microseconds. Under unit costs (no --model) a full stage holds one
@@ -132,14 +135,15 @@ def static_bytes(params: float, policy: ShardingPolicy, d: int, precision: Preci
 
 def static_peak_bytes(params: float, policy: ShardingPolicy, d: int, precision: Precision) -> float:
     """Static bytes at the step's peak: full-size accumulated gradients before the
-    reduction and, for zero3, the gathered parameters beside the rank's own shard."""
+    reduction and, for zero2 and zero3 (FSDP2), the gathered parameters beside the rank's
+    own shard; evenly split (no padding, zero1's partition even)."""
     p, g, o = precision.param, precision.grad, precision.optim
     if policy is ShardingPolicy.REPLICATE:
         per = p + g + o
-    elif policy is ShardingPolicy.ZERO3:
-        per = p + p / d + g + o / d
-    else:
+    elif policy is ShardingPolicy.ZERO1:
         per = p + g + o / d
+    else:
+        per = p + p / d + g + o / d
     return params * per
 
 
@@ -189,8 +193,9 @@ class DataParallel:
         return 0.0
 
     def static_memory(self, stage_params: Iterable[float], stages: Iterable[int], *, peak: bool = False) -> float:
-        """Static bytes one replica's rank holds for its `stages`: between steps, or (with
-        `peak`) at the step's peak."""
+        """Static bytes one replica's rank holds for its `stages`: between steps (the
+        textbook ZeRO figures, `static_bytes`), or (with `peak`) at the step's peak as
+        FSDP2 and ZeroRedundancyOptimizer hold it (`static_peak_bytes`)."""
         params = tuple(stage_params)
         policy = self.policies(len(params))
         rule = static_peak_bytes if peak else static_bytes

@@ -71,6 +71,14 @@ class ChunkBytes:
     optimizer: int
     """optimizer state (AdamW's two moments over what this replica updates)"""
 
+    @property
+    def peak(self) -> int:
+        """Everything at once: what the chunk holds before its REDUCE_GRAD once the
+        optimizer state exists. Every schedule's op walk (`predict_static_peak`) peaks with
+        all of a rank's chunks there, since no chunk reduces before the others' first
+        weight-gradient pass."""
+        return self.params + self.gathered + self.grads_full + self.optimizer
+
 
 def chunk_bytes(shapes: Sequence[tuple[int, ...]], element_size: int, policy: ShardingPolicy, d: int,
                 dp_rank: int) -> ChunkBytes:

@@ -25,7 +25,8 @@ ops, which run on a communication stream per rank beside the compute stream:
     recompute_time[r]  compute time rank r spends re-running forwards (`Recompute` events,
                   counted in busy(r) too)
     static_memory_peak[r]  the same at the step's peak: gradients at full size before their
-                  reduction, ZeRO-3 parameters gathered (`dp_model.static_peak_bytes`)
+                  reduction, zero2/zero3 parameters gathered beside their shard
+                  (`dp_model.static_peak_bytes`)
 """
 from __future__ import annotations
 

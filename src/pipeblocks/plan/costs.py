@@ -1,8 +1,9 @@
 """Per-stage costs of one pipeline replica on a dp x tp x pp mesh.
 
-The pipeline side is the simulator's analytic model (`sim.analytic.transformer_costs`),
-unchanged, so at tp = 1 these are exactly the costs `pipeblocks simulate --model ...`
-uses and the memory the planner ranks by is the number `simulate` reports.
+The pipeline side's times are the simulator's analytic model (`sim.analytic.transformer_costs`);
+its activation side is the memory estimate's (`sim.memory_estimate.activation_costs`: M_B
+per stage, what a split backward keeps for W, what a recomputed forward keeps), so at
+tp = 1 the activation the planner ranks by is `estimate_memory`'s.
 
 Tensor parallelism is folded in analytically, Megatron-style with sequence parallelism
 (Shoeybi et al. 2019; Korthikanti et al. 2022): each stage's parameters, pass FLOPs and
@@ -28,6 +29,7 @@ from ..core.costs import Costs
 from ..core.dp_model import DataParallel, Link, all_reduce_time
 from ..core.sharding import ShardingPolicy
 from ..sim.analytic import Hardware, TransformerConfig, dp_link, layer_split, transformer_costs
+from ..sim.memory_estimate import activation_costs
 from .intensity import head_efficiency, layer_efficiency
 
 __all__ = ["tp_all_reduce_time", "replica_costs"]
@@ -42,13 +44,18 @@ def tp_all_reduce_time(config: TransformerConfig, hardware: Hardware, tp: int) -
 def replica_costs(
     config: TransformerConfig, hardware: Hardware, *, num_stages: int, dp: int, tp: int,
     sharding: ShardingPolicy = ShardingPolicy.REPLICATE, precision: str = "mixed", intensity: bool = False,
-    seq_chunks: int = 1,
+    seq_chunks: int = 1, w_keeps: str = "graph",
 ) -> Costs:
     """The costs of one pipeline replica of `num_stages` global stages whose ranks each
     hold 1/tp of their stages; the data-parallel side has `dp` replicas under `sharding`.
     `intensity`: slow each pass by its GEMMs' efficiency (`plan.intensity`), whose rows are
-    the tokens of one of `seq_chunks` sequence chunks (a chunked microbatch runs smaller GEMMs)."""
-    base = transformer_costs(config, hardware, num_stages=num_stages)
+    the tokens of one of `seq_chunks` sequence chunks (a chunked microbatch runs smaller GEMMs).
+    `w_keeps`: what a split backward keeps from B until W (`sim.memory_estimate.estimate_memory`)."""
+    memory = activation_costs(config, num_stages, w_keeps=w_keeps)
+    base = dataclasses.replace(
+        transformer_costs(config, hardware, num_stages=num_stages), mem_b=memory.mem_b,
+        mem_w_ratio=memory.mem_w_ratio, recompute_input_ratio=memory.recompute_input_ratio,
+    )
     if intensity:
         base = _with_intensity(base, config, hardware, tp, seq_chunks)
     data_parallel = DataParallel(dp=dp, sharding=(sharding,), link=dp_link(hardware, dp * tp), precision=precision)

@@ -4,9 +4,9 @@ by the simulator.
 Per schedule (and sequence chunk count), a branch and bound:
 
 1. every (mesh, microbatch size) is priced without building anything: its static memory
-   (parameters, gradients, optimizer state at the step's peak: the simulator's own
-   `DataParallel.static_memory`) and an MFU bound (model FLOPs over the busiest rank's
-   compute alone). A mesh whose static memory exceeds the GPU even under zero3 is dropped;
+   (parameters, gradients, optimizer state at the step's peak: `estimate_memory`'s, as
+   FSDP2 and ZeroRedundancyOptimizer hold them) and an MFU bound (model FLOPs over the
+   busiest rank's compute alone). A mesh whose static memory exceeds the GPU even under zero3 is dropped;
 2. meshes are visited by their best bound, microbatch sizes ascending; a candidate whose
    bound is below the best MFU the schedule already reached is not simulated, and the
    first size that does not fit ends its mesh (a larger microbatch holds more activation
@@ -48,13 +48,14 @@ from ..core.sharding import ShardingPolicy
 from ..core.simulate import simulate
 from ..schedules import get
 from ..schedules.sequence import split_sequence
+from ..sim.memory_estimate import rank_static_peak
 from ..sim.sequence_split import chunk_shares, split_lengths
 from .costs import replica_costs
 from .space import SHARDING_ORDER, MeshShape, PlanProblem, meshes, microbatch_sizes
 
 __all__ = [
     "Candidate", "Evaluated", "Skipped", "PlanResult", "search", "search_schedule", "model_flops", "evaluate",
-    "seq_chunk_rounds", "AUTO_SEQ_CHUNKS", "LONG_SEQUENCE",
+    "seq_chunk_rounds", "static_peak", "AUTO_SEQ_CHUNKS", "LONG_SEQUENCE",
 ]
 
 
@@ -174,10 +175,15 @@ def _placement(name: str, pp: int, stages: int) -> Placement:
     return Placement.v_shape(pp) if get(name).v == 2 else Placement.loop(pp, stages // pp)
 
 
-def _static_peak(costs, placement: Placement) -> tuple[float, ...]:
-    dp = costs.data_parallel
-    params = costs.params if isinstance(costs.params, tuple) else (costs.params,) * placement.num_stages
-    return tuple(dp.static_memory(params, placement.stages_of(r), peak=True) for r in range(placement.num_ranks))
+def static_peak(problem: PlanProblem, shape: MeshShape, placement: Placement,
+                policy: ShardingPolicy) -> tuple[float, ...]:
+    """Static bytes per pipeline rank at the step's peak (the most over the replicas):
+    `estimate_memory`'s static part, through `sim.memory_estimate.rank_static_peak`."""
+    return tuple(
+        rank_static_peak(problem.model, placement.num_stages, placement.stages_of(r), (policy,), dp=shape.dp,
+                         precision=problem.precision, tp=shape.tp)
+        for r in range(placement.num_ranks)
+    )
 
 
 def _generate(name: str, pp: int, m: int, k: int, costs):
@@ -217,9 +223,10 @@ def _entries(problem: PlanProblem, name: str, k: int) -> tuple[list[_Entry], lis
             if stages > problem.model.layers:
                 skipped.append(Skipped(label, shape, None, f"{stages} stages for {problem.model.layers} layers"))
                 break  # the stage count does not depend on b
-            costs = _costs(problem, shape, b, stages, k, ShardingPolicy.ZERO3 if shape.dp > 1 else ShardingPolicy.REPLICATE)
+            least_policy = ShardingPolicy.ZERO3 if shape.dp > 1 else ShardingPolicy.REPLICATE
+            costs = _costs(problem, shape, b, stages, k, least_policy)
             placement = _placement(name, shape.pp, stages)
-            least = max(_static_peak(costs, placement))
+            least = max(static_peak(problem, shape, placement, least_policy))
             if least > problem.gpu_memory:
                 skipped.append(Skipped(
                     label, shape, None,
@@ -240,7 +247,7 @@ def _costs(problem: PlanProblem, shape: MeshShape, b: int, stages: int, k: int, 
     config = problem.config(b)
     costs = replica_costs(
         config, problem.hardware, num_stages=stages, dp=shape.dp, tp=shape.tp, sharding=policy,
-        precision=problem.precision, intensity=problem.intensity, seq_chunks=k,
+        precision=problem.precision, intensity=problem.intensity, seq_chunks=k, w_keeps=problem.w_keeps,
     )
     return _with_chunks(costs, config, k)
 
@@ -256,7 +263,7 @@ def evaluate(problem: PlanProblem, name: str, k: int, entry: _Entry) -> tuple[li
     placement = _placement(name, shape.pp, entry.stages)
     policies = [pol for pol in SHARDING_ORDER if shape.dp > 1 or pol is ShardingPolicy.REPLICATE]
     costs = {pol: _costs(problem, shape, b, entry.stages, k, pol) for pol in policies}
-    static = {pol: _static_peak(costs[pol], placement) for pol in policies}
+    static = {pol: static_peak(problem, shape, placement, pol) for pol in policies}
     fitting = [pol for pol in policies if max(static[pol]) <= capacity]
     candidate = Candidate(name, shape.dp, shape.tp, shape.pp, b, m, k)
     simulated = (m,)
@@ -281,14 +288,14 @@ def evaluate(problem: PlanProblem, name: str, k: int, entry: _Entry) -> tuple[li
         runs += len(timelines)
         activation = tuple(map(max, *(t.peak_activation for t in timelines))) if len(timelines) > 1 else (
             timelines[0].peak_activation)
-        need = max(s + a for s, a in zip(timelines[-1].static_memory_peak, activation))
+        need = max(s + a for s, a in zip(static[pol], activation))
         span = _at(m, simulated, [t.makespan for t in timelines])
         busy = _at(m, simulated, [max(t.busy(r) for r in range(shape.pp)) for t in timelines])
         last = timelines[-1]
         results.append(Evaluated(
             candidate=candidate, sharding=str(pol), iteration_time=span,
             mfu=flops / (span * peak_rate), tokens_per_s=tokens / span, peak_memory=need,
-            static_memory=max(last.static_memory_peak), activation_memory=max(activation),
+            static_memory=max(static[pol]), activation_memory=max(activation),
             bubble=(span - busy) / span if span > 0 else 0.0, exposed_comm=max(last.exposed_comm, default=0.0),
             fits=need <= capacity, simulated_m=simulated,
         ))

@@ -11,9 +11,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from ..core.dp_model import PRECISIONS
 from ..core.sharding import ShardingPolicy
 from ..schedules import get
 from ..sim.analytic import Hardware, TransformerConfig
+from ..sim.memory_estimate import W_KEEPS
 
 __all__ = ["DEFAULT_SCHEDULES", "DEFAULT_MICROBATCH_SIZES", "PlanProblem", "MeshShape", "meshes", "microbatch_sizes"]
 
@@ -40,7 +42,8 @@ class PlanProblem:
         set per candidate). hardware: device, links and gpus_per_node.
     gpus: GPUs in all. gpu_memory: bytes per GPU. global_batch: sequences per step.
     schedules: registered schedule names to try. microbatch_sizes: the sizes b to try.
-    precision: static memory and DP traffic ("mixed": 2 + 2 + 12 bytes per parameter).
+    precision: static memory and DP traffic ("mixed": 2 + 2 + 12 bytes per parameter;
+        "fp32": 4 + 4 + 8, as `pipeblocks train` runs the reference GPT).
     seq_chunks: sequence chunk counts to also try (Seq1F1B split of every schedule); empty
         or (1,): none; None (the default): automatic, `search.AUTO_SEQ_CHUNKS` for a
         sequence of `search.LONG_SEQUENCE` tokens or more, or when nothing fits whole.
@@ -50,6 +53,8 @@ class PlanProblem:
     intensity: slow small GEMMs by their arithmetic intensity (`plan.intensity`), so the
         microbatch size and tp change the kernels' efficiency; needs the profile's
         memory_bandwidth. Off: the simulator's pass times, one efficiency for every shape.
+    w_keeps: what a split backward keeps from B until W: "graph" (pipeblocks' runtime) or
+        "weights" (the Zero Bubble paper's M_W); see `sim.memory_estimate.estimate_memory`.
     """
 
     model: TransformerConfig
@@ -64,6 +69,7 @@ class PlanProblem:
     tp_degrees: tuple[int, ...] | None = None
     extrapolate: bool = True
     intensity: bool = True
+    w_keeps: str = "graph"
 
     def __post_init__(self) -> None:
         _check_count("--gpus", self.gpus, "give the number of GPUs to plan for")
@@ -71,6 +77,10 @@ class PlanProblem:
         memory = self.gpu_memory
         if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not math.isfinite(memory) or memory <= 0:
             raise ValueError(f"--gpu-memory must be a finite number of GB > 0, got {memory!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.w_keeps not in W_KEEPS:
+            raise ValueError(f"--w-keeps {self.w_keeps!r}: choose one of {', '.join(W_KEEPS)}")
         if not self.schedules:
             raise ValueError("--schedules is empty: name at least one schedule (see `pipeblocks list`)")
         for name in self.schedules:

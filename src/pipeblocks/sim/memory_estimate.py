@@ -38,20 +38,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.costs import Costs
-from ..core.dp_model import PRECISIONS
+from ..core.dp_model import PRECISIONS, Precision, static_peak_bytes
 from ..core.lower import PASSES, lower
 from ..core.passes_dp import dp_passes
 from ..core.schedule import Schedule
 from ..core.sharding import ShardingPolicy, parse_sharding, per_stage
 from ..core.simulate import simulate
-from ..core.static_memory import predict_static_peak
+from ..core.static_memory import chunk_bytes, predict_static_peak
 from .analytic import (
     TransformerConfig, layer_activation_bytes, layer_split, loss_activation_bytes, stage_activation_bytes,
     transformer_w_ratio,
 )
 from .sequence_split import SPLITS, chunk_shares, split_lengths
 
-__all__ = ["RankMemory", "MemoryEstimate", "estimate_memory", "stage_param_shapes", "PRECISION_CHOICES", "W_KEEPS"]
+__all__ = [
+    "RankMemory", "MemoryEstimate", "estimate_memory", "stage_param_shapes", "activation_costs", "rank_static_peak",
+    "PRECISION_CHOICES", "W_KEEPS",
+]
 
 PRECISION_CHOICES = ("auto", "fp32", "float64", "mixed")
 W_KEEPS = ("graph", "weights")
@@ -140,15 +143,22 @@ def _w_ratios(config: TransformerConfig, mem_b: tuple[float, ...], w_keeps: str)
     return tuple(min(1.0, x / m) for x, m in zip(needed, mem_b))
 
 
-def _activation_costs(config: TransformerConfig, schedule: Schedule, seq_split: str, w_keeps: str) -> Costs:
-    S = schedule.num_stages
+def activation_costs(config: TransformerConfig, num_stages: int, seq_chunks: int = 1, *,
+                     seq_split: str = "balanced", w_keeps: str = "graph") -> Costs:
+    """The activation side of the cost model for `num_stages` global stages: M_B per stage,
+    M_W / M_B as `w_keeps` says, what a recomputed forward keeps, and the sequence chunks'
+    shares (`seq_chunks` > 1). `estimate_memory` simulates these; the planner takes them
+    into its costs, so both peak at the same activation."""
+    if w_keeps not in W_KEEPS:
+        raise ValueError(f"w_keeps {w_keeps!r}: choose one of {', '.join(W_KEEPS)}")
+    S = num_stages
     mem_b = stage_activation_bytes(config, S)
     # a recomputed forward keeps its input: the token ids on the first stage, a hidden state elsewhere
     tokens = config.seq * config.microbatch_size
     inputs = [8 * tokens] + [tokens * config.hidden * config.dtype_bytes] * (S - 1)
     recompute = tuple(min(1.0, x / m) for x, m in zip(inputs, mem_b))
     seq_mem = None
-    k = schedule.seq_chunks
+    k = seq_chunks
     if k > 1:
         if k > config.seq:
             raise ValueError(f"{k} sequence chunks of a {config.seq}-token sequence: use at most {config.seq} chunks")
@@ -159,15 +169,30 @@ def _activation_costs(config: TransformerConfig, schedule: Schedule, seq_split: 
                  recompute_input_ratio=recompute)
 
 
-def _mixed_static_peak(params: int, policy: ShardingPolicy, d: int) -> float:
-    """Mixed precision (2 + 2 + 12 bytes per parameter) at the step's peak, as FSDP2 and
-    ZeroRedundancyOptimizer hold it: full gradients until the reduction, FSDP2's shards
-    beside the gathered parameters (zero2 and zero3), the state sharded (all but replicate)."""
-    b = PRECISIONS["mixed"]
-    if policy is ShardingPolicy.REPLICATE:
-        return params * b.total
-    shard = b.param / d if policy in (ShardingPolicy.ZERO2, ShardingPolicy.ZERO3) else 0.0
-    return params * (b.param + shard + b.grad + b.optim / d)
+def rank_static_peak(config: TransformerConfig, num_stages: int, stages: Sequence[int],
+                     policies: Sequence[str | ShardingPolicy], *, dp: int, precision: str, tp: int = 1) -> float:
+    """Static bytes at the step's peak of a pipeline rank holding `stages`, the most over
+    its `dp` replicas: what `estimate_memory` gives that rank.
+
+    fp32 and float64 (tp = 1): the reference GPT's shapes per stage, as FSDP2 pads them and
+    ZeroRedundancyOptimizer partitions them (`core.static_memory`). Mixed precision, or a
+    stage split over `tp` tensor-parallel ranks: the same holdings in closed form
+    (`dp_model.static_peak_bytes`, evenly split) over the stage's parameters / tp.
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be an integer >= 1, got {tp!r}: give 1 or more tensor-parallel ranks")
+    policies = per_stage(parse_sharding(list(policies)), num_stages)
+    precision = _precision(config, precision)
+    shapes = stage_param_shapes(config, num_stages)
+    if precision == "mixed" or tp > 1:
+        size = 4 if precision == "fp32" else 8
+        bytes_ = PRECISIONS["mixed"] if precision == "mixed" else Precision(precision, size, size, 2 * size)
+        return sum(static_peak_bytes(sum(math.prod(x) for x in shapes[s]) / tp, ShardingPolicy(policies[s]), dp, bytes_)
+                   for s in stages)
+    size = 4 if precision == "fp32" else 8
+    return float(max(
+        sum(chunk_bytes(shapes[s], size, policies[s], dp, d).peak for s in stages) for d in range(dp)
+    ))
 
 
 def estimate_memory(
@@ -208,14 +233,16 @@ def estimate_memory(
     precision = _precision(config, precision)
     shapes = stage_param_shapes(config, S)
     params = tuple(sum(math.prod(shape) for shape in stage) for stage in shapes)
-    activation = simulate(schedule, _activation_costs(config, schedule, seq_split, w_keeps)).peak_activation
+    costs = activation_costs(config, S, schedule.seq_chunks, seq_split=seq_split, w_keeps=w_keeps)
+    activation = simulate(schedule, costs).peak_activation
     program = lower(schedule, PASSES + dp_passes(policies, dp))
     ranks = []
     for r in range(schedule.p):
         mine = schedule.placement.stages_of(r)
         for d in range(dp):
             if precision == "mixed":
-                static = sum(_mixed_static_peak(params[s], ShardingPolicy(policies[s]), dp) for s in mine)
+                static = sum(static_peak_bytes(params[s], ShardingPolicy(policies[s]), dp, PRECISIONS["mixed"])
+                             for s in mine)
             else:
                 static = predict_static_peak(program, r, {s: shapes[s] for s in mine}, policies, dp=dp, dp_rank=d,
                                              element_size=4 if precision == "fp32" else 8)
