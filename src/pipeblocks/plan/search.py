@@ -6,7 +6,7 @@ Per schedule (and sequence chunk count), a branch and bound:
 1. every (mesh, microbatch size) is priced without building anything: its static memory
    (parameters, gradients, optimizer state at the step's peak: `estimate_memory`'s, as
    FSDP2 and ZeroRedundancyOptimizer hold them) and an MFU bound (model FLOPs over the
-   busiest rank's compute alone). A mesh whose static memory exceeds the GPU even under zero3 is dropped;
+   busiest rank's compute alone). A mesh whose static memory exceeds the GPU under every policy is dropped;
 2. meshes are visited by their best bound, microbatch sizes ascending; a candidate whose
    bound is below the best MFU the schedule already reached is not simulated, and the
    first size that does not fit ends its mesh (a larger microbatch holds more activation
@@ -93,6 +93,9 @@ class Evaluated:
     fits: bool
     simulated_m: tuple[int, ...] = ()
     """the microbatch counts simulated: (m,), or two counts whose line gives m's time"""
+    rank_memory: tuple[tuple[float, float], ...] = ()
+    """(static, peak activation) bytes per pipeline rank, the static of its worst replica:
+    `sim.memory_estimate.estimate_memory`'s per-rank figures (tests/test_plan_memory.py)"""
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,10 @@ def static_peak(problem: PlanProblem, shape: MeshShape, placement: Placement,
     )
 
 
+def _policies(shape: MeshShape) -> list[ShardingPolicy]:
+    return [pol for pol in SHARDING_ORDER if shape.dp > 1 or pol is ShardingPolicy.REPLICATE]
+
+
 def _generate(name: str, pp: int, m: int, k: int, costs):
     spec = get(name)
     kwargs: dict[str, object] = {"p": pp, "m": m}
@@ -223,14 +230,16 @@ def _entries(problem: PlanProblem, name: str, k: int) -> tuple[list[_Entry], lis
             if stages > problem.model.layers:
                 skipped.append(Skipped(label, shape, None, f"{stages} stages for {problem.model.layers} layers"))
                 break  # the stage count does not depend on b
-            least_policy = ShardingPolicy.ZERO3 if shape.dp > 1 else ShardingPolicy.REPLICATE
-            costs = _costs(problem, shape, b, stages, k, least_policy)
             placement = _placement(name, shape.pp, stages)
-            least = max(static_peak(problem, shape, placement, least_policy))
+            least, least_policy = min(
+                (max(static_peak(problem, shape, placement, pol)), pol) for pol in _policies(shape)
+            )
+            costs = _costs(problem, shape, b, stages, k, least_policy)
             if least > problem.gpu_memory:
                 skipped.append(Skipped(
                     label, shape, None,
-                    f"static memory {least / 1e9:.1f} GB per GPU even fully sharded > {problem.gpu_memory / 1e9:.4g} GB",
+                    f"static memory {least / 1e9:.1f} GB per GPU even under {least_policy} > "
+                    f"{problem.gpu_memory / 1e9:.4g} GB",
                     least_memory=least,
                 ))
                 break  # static memory does not depend on the microbatch size
@@ -252,19 +261,32 @@ def _costs(problem: PlanProblem, shape: MeshShape, b: int, stages: int, k: int, 
     return _with_chunks(costs, config, k)
 
 
-def evaluate(problem: PlanProblem, name: str, k: int, entry: _Entry) -> tuple[list[Evaluated], list[Skipped], int]:
-    """Simulate one candidate under each sharding policy that can fit: the best that fits
-    (or, when none does, the least memory one), what was left out, and the simulations run."""
+def evaluate(
+    problem: PlanProblem, name: str, k: int, entry: _Entry, *, shardings: Iterable[ShardingPolicy] | None = None,
+) -> tuple[list[Evaluated], list[Skipped], int]:
+    """Simulate one candidate under each sharding policy that can fit (of `shardings`, or
+    of every policy the mesh allows): the best that fits (or, when none does, the least
+    memory one), what was left out, and the simulations run."""
     shape, b, m = entry.shape, entry.microbatch_size, entry.m
     label = name if k == 1 else f"{name}+seq{k}"
     capacity = problem.gpu_memory
     flops, peak_rate = model_flops(problem), problem.hardware.flops * problem.gpus
     tokens = problem.global_batch * problem.model.seq
     placement = _placement(name, shape.pp, entry.stages)
-    policies = [pol for pol in SHARDING_ORDER if shape.dp > 1 or pol is ShardingPolicy.REPLICATE]
+    policies = _policies(shape)
+    if shardings is not None:
+        wanted = {ShardingPolicy(pol) for pol in shardings}
+        policies = [pol for pol in policies if pol in wanted]
+        if not policies:
+            raise ValueError(f"no sharding policy of {sorted(map(str, wanted))} applies to dp {shape.dp}: "
+                             "with one replica only replicate does")
     costs = {pol: _costs(problem, shape, b, entry.stages, k, pol) for pol in policies}
     static = {pol: static_peak(problem, shape, placement, pol) for pol in policies}
     fitting = [pol for pol in policies if max(static[pol]) <= capacity]
+    if not fitting:
+        least = min(max(static[pol]) for pol in policies)
+        return [], [Skipped(label, shape, b, f"static memory {least / 1e9:.1f} GB per GPU > {capacity / 1e9:.4g} GB",
+                            least_memory=least)], 0
     candidate = Candidate(name, shape.dp, shape.tp, shape.pp, b, m, k)
     simulated = (m,)
     if problem.extrapolate and m > EXTRAPOLATE_FROM[1] * shape.pp:
@@ -297,7 +319,7 @@ def evaluate(problem: PlanProblem, name: str, k: int, entry: _Entry) -> tuple[li
             mfu=flops / (span * peak_rate), tokens_per_s=tokens / span, peak_memory=need,
             static_memory=max(static[pol]), activation_memory=max(activation),
             bubble=(span - busy) / span if span > 0 else 0.0, exposed_comm=max(last.exposed_comm, default=0.0),
-            fits=need <= capacity, simulated_m=simulated,
+            fits=need <= capacity, simulated_m=simulated, rank_memory=tuple(zip(static[pol], activation)),
         ))
     feasible = [r for r in results if r.fits]
     if feasible:

@@ -24,9 +24,10 @@ __all__ = ["DEFAULT_SCHEDULES", "DEFAULT_MICROBATCH_SIZES", "PlanProblem", "Mesh
 DEFAULT_SCHEDULES = ("1f1b", "1f1b-r", "interleaved-1f1b", "zb-1p", "v-min", "v-half", "v-zb")
 DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8)
 
-# zero1 is left out: in the link model it moves more than zero2 (an all-reduce plus the
-# parameter gather, against a reduce-scatter plus the gather) for the same peak memory
-SHARDING_ORDER = (ShardingPolicy.REPLICATE, ShardingPolicy.ZERO2, ShardingPolicy.ZERO3)
+# zero1 moves more than zero2 (an all-reduce plus the parameter gather, against a
+# reduce-scatter plus the gather) but holds less at the step's peak: FSDP2's zero2 and
+# zero3 keep their shard beside the gathered parameters, ZeroRedundancyOptimizer does not
+SHARDING_ORDER = (ShardingPolicy.REPLICATE, ShardingPolicy.ZERO1, ShardingPolicy.ZERO2, ShardingPolicy.ZERO3)
 
 
 def _check_count(name: str, value: object, fix: str) -> None:
