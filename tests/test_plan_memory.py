@@ -103,3 +103,14 @@ def test_the_planner_refuses_an_unknown_precision_or_w_keeps():
         PlanProblem(**base, precision="bf16")
     with pytest.raises(ValueError, match="--w-keeps 'all': choose one of graph, weights"):
         PlanProblem(**base, w_keeps="all")
+
+
+def test_cli_dropout_and_w_keeps_reach_the_problem():
+    from pipeblocks.cli.main import build_parser
+    from pipeblocks.cli.plan import problem_from_args
+
+    argv = ["plan", "--model", "8,64,4,64,256", "--gpus", "4", "--gpu-memory", "80", "--global-batch", "16"]
+    default = problem_from_args(build_parser().parse_args(argv))
+    assert default.model.dropout and default.w_keeps == "graph"
+    changed = problem_from_args(build_parser().parse_args(argv + ["--no-dropout", "--w-keeps", "weights", "--fp32"]))
+    assert not changed.model.dropout and changed.w_keeps == "weights" and changed.precision == "fp32"

@@ -23,6 +23,7 @@ from ..plan.plot import plot_plan
 from ..plan.report import commands, table, to_json
 from ..plan.space import DEFAULT_MICROBATCH_SIZES, DEFAULT_SCHEDULES
 from ..sim.analytic import HARDWARE, MODELS, parse_model
+from ..sim.memory_estimate import W_KEEPS
 from .argtypes import plot_file, positive_float, positive_int
 from .common import print_json, progress
 
@@ -74,6 +75,12 @@ def register(sub) -> None:
                         "bandwidth; off: one efficiency for every shape, the pass times of `simulate`")
     parser.add_argument("--fp32", action="store_true",
                         help="static memory of fp32 AdamW (16 bytes per parameter, as mixed) with fp32 DP traffic")
+    parser.add_argument("--no-dropout", dest="dropout", action="store_false", default=True,
+                        help="the model trains without dropout (no masks saved), as the reference GPT of "
+                        "`pipeblocks train`; default: with dropout, Megatron's accounting")
+    parser.add_argument("--w-keeps", choices=W_KEEPS, default="graph",
+                        help="what a split backward keeps from B until W: graph (default: pipeblocks' runtime, "
+                        "all the forward saved but the loss) or weights (the Zero Bubble paper's M_W)")
     parser.add_argument("--exhaustive", action="store_true",
                         help="simulate every configuration that can fit, not only those that can beat their "
                         "schedule's best (slower; a fuller plot)")
@@ -92,6 +99,7 @@ def problem_from_args(args: argparse.Namespace) -> PlanProblem:
     model = parse_model(args.model) if args.model in MODELS or args.model.count(",") >= 3 else _short_model(args.model)
     model = dataclasses.replace(
         model, seq=args.seq or model.seq, microbatch_size=1, flash_attention=args.flash_attention,
+        dropout=args.dropout,
     )
     hardware = HARDWARE[args.hardware]
     if args.gpus_per_node is not None:
@@ -101,7 +109,7 @@ def problem_from_args(args: argparse.Namespace) -> PlanProblem:
         model=model, hardware=hardware, gpus=args.gpus, gpu_memory=args.gpu_memory * 1e9,
         global_batch=args.global_batch, schedules=schedules, microbatch_sizes=args.microbatch_sizes,
         precision="fp32" if args.fp32 else "mixed", seq_chunks=args.seq_chunks, tp_degrees=args.tp,
-        extrapolate=not args.exact, intensity=args.intensity_model == "on",
+        extrapolate=not args.exact, intensity=args.intensity_model == "on", w_keeps=args.w_keeps,
     )
 
 

@@ -15,7 +15,7 @@ def row(e: Evaluated) -> dict:
         "seq_chunks": c.seq_chunks, "sharding": e.sharding, "mfu": e.mfu, "tokens_per_s": e.tokens_per_s,
         "iteration_time": e.iteration_time, "peak_memory": e.peak_memory, "static_memory": e.static_memory,
         "activation_memory": e.activation_memory, "bubble": e.bubble, "exposed_comm": e.exposed_comm,
-        "simulated_m": list(e.simulated_m),
+        "simulated_m": list(e.simulated_m), "rank_memory": [list(x) for x in e.rank_memory],
     }
 
 
@@ -46,7 +46,8 @@ def to_json(result: PlanResult, top: int | None = None) -> dict:
     ranked = result.ranked
     return {
         "model": {"layers": p.model.layers, "hidden": p.model.hidden, "heads": p.model.heads, "seq": p.model.seq,
-                  "vocab": p.model.vocab, "flash_attention": p.model.flash_attention},
+                  "vocab": p.model.vocab, "flash_attention": p.model.flash_attention, "dropout": p.model.dropout},
+        "precision": p.precision, "w_keeps": p.w_keeps,
         "hardware": p.hardware.name, "gpus": p.gpus, "gpus_per_node": p.hardware.gpus_per_node,
         "gpu_memory": p.gpu_memory, "global_batch": p.global_batch,
         "best_per_schedule": {name: row(e) for name, e in result.best_per_schedule.items()},
