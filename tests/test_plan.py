@@ -1,4 +1,4 @@
-"""The planner (`pipeblocks plan`): its memory is the simulator's, its search orders the
+"""The planner (`pipeblocks plan`): its memory is estimate_memory's, its search orders the
 Controllable Memory paper's Table 3 as the paper does, and bad input is refused."""
 from __future__ import annotations
 
