@@ -123,18 +123,25 @@ def hand_delayed_sgd(mode: str, weights: list[float], xs, ys, forward_versions, 
     return [h[-1] for h in history], losses
 
 
-@pytest.mark.parametrize("mode", ["pipedream", "naive"])
-def test_delayed_sgd_matches_the_hand_computation(mode):
-    steps = 7
+def _scalar_chain(mode: AsyncMode, steps: int = 7):
+    """The three-stage scalar chain the hand computations follow: SGD at lr 0.1, one
+    microbatch per step; returns the trained stages, the versions, the data, the start
+    weights and the replay's result."""
     versions = weight_versions(async_1f1b(p=3, n=1, steps=steps))
-    assert versions.delays(0)[2:] == (2,) * 5 and versions.delays(1)[1:] == (1,) * 6
     xs = [1.0 + 0.1 * m for m in range(steps)]
     ys = [0.5 - 0.05 * m for m in range(steps)]
     start = [0.9, 1.2, -0.8]
     stages = [Scale(w) for w in start]
     stream = [(torch.tensor([x], dtype=torch.float64), torch.tensor([y], dtype=torch.float64)) for x, y in zip(xs, ys)]
     result = replay(stages, versions, stream, loss_fn=half_square,
-                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1), mode=AsyncMode(mode))
+                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1), mode=mode)
+    return stages, versions, xs, ys, start, result
+
+
+@pytest.mark.parametrize("mode", ["pipedream", "naive"])
+def test_delayed_sgd_matches_the_hand_computation(mode):
+    stages, versions, xs, ys, start, result = _scalar_chain(AsyncMode(mode))
+    assert versions.delays(0)[2:] == (2,) * 5 and versions.delays(1)[1:] == (1,) * 6
     weights, losses = hand_delayed_sgd(mode, start, xs, ys, versions.forward, versions.backward, 0.1)
     assert [s.w.item() for s in stages] == pytest.approx(weights, rel=1e-14)
     assert list(result.losses) == pytest.approx(losses, rel=1e-14)
@@ -282,21 +289,11 @@ def hand_nesterov(weights: list[float], xs, ys, forward_versions, backward_versi
 
 
 def test_nesterov_matches_the_hand_computation():
-    steps = 7
-    versions = weight_versions(async_1f1b(p=3, n=1, steps=steps))
-    xs = [1.0 + 0.1 * m for m in range(steps)]
-    ys = [0.5 - 0.05 * m for m in range(steps)]
-    start = [0.9, 1.2, -0.8]
-    stages = [Scale(w) for w in start]
-    stream = [(torch.tensor([x], dtype=torch.float64), torch.tensor([y], dtype=torch.float64)) for x, y in zip(xs, ys)]
-    result = replay(stages, versions, stream, loss_fn=half_square,
-                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-                    mode=AsyncMode("nesterov", discrepancy_decay=0.3))
+    stages, versions, xs, ys, start, result = _scalar_chain(AsyncMode("nesterov", discrepancy_decay=0.3))
     weights, losses = hand_nesterov(start, xs, ys, versions.forward, versions.backward, 0.1, 0.3)
     assert [s.w.item() for s in stages] == pytest.approx(weights, rel=1e-13)
     assert list(result.losses) == pytest.approx(losses, rel=1e-13)
-    naive = replay([Scale(w) for w in start], versions, stream, loss_fn=half_square,
-                   optimizer=lambda params: torch.optim.SGD(params, lr=0.1), mode=AsyncMode("naive"))
+    naive = _scalar_chain(AsyncMode("naive"))[-1]
     assert result.losses[3:] != pytest.approx(naive.losses[3:], rel=1e-6)  # the look-ahead changed the forwards
 
 
