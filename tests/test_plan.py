@@ -145,6 +145,11 @@ def test_bad_input_is_refused_with_the_numbers():
             PlanProblem(model=MODELS["9.6b"], hardware=A100, gpus=8, gpu_memory=bad, global_batch=8)
     with pytest.raises(ValueError, match="unknown schedule"):
         _problem(1024, 160, schedules=("nope",))
+    # named directly, a Seq1F1B schedule would be priced as whole sequences
+    with pytest.raises(ValueError, match="--schedules seq1f1b: the planner splits sequences itself; name 1f1b"):
+        _problem(1024, 160, schedules=("seq1f1b",))
+    with pytest.raises(ValueError, match="name interleaved-1f1b and give --seq-chunks"):
+        _problem(1024, 160, schedules=("seq1f1b-i",))
 
 
 def test_a_model_that_fits_nowhere_says_the_least_memory_it_needs(capsys):

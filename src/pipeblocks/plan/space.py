@@ -17,7 +17,7 @@ from ..schedules import get
 from ..sim.analytic import Hardware, TransformerConfig
 from ..sim.memory_estimate import W_KEEPS
 
-__all__ = ["DEFAULT_SCHEDULES", "DEFAULT_MICROBATCH_SIZES", "PlanProblem", "MeshShape", "meshes", "microbatch_sizes"]
+__all__ = ["DEFAULT_SCHEDULES", "DEFAULT_MICROBATCH_SIZES", "SEQUENCE_SCHEDULES", "PlanProblem", "MeshShape", "meshes", "microbatch_sizes"]
 
 # The schedules of the Controllable Memory paper's grid (Table 3) and interleaved 1F1B;
 # `--schedules` names any registered schedule instead.
@@ -28,6 +28,10 @@ DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8)
 # reduce-scatter plus the gather) but holds less at the step's peak: FSDP2's zero2 and
 # zero3 keep their shard beside the gathered parameters, ZeroRedundancyOptimizer does not
 SHARDING_ORDER = (ShardingPolicy.REPLICATE, ShardingPolicy.ZERO1, ShardingPolicy.ZERO2, ShardingPolicy.ZERO3)
+
+
+SEQUENCE_SCHEDULES = {"seq1f1b": "1f1b", "seq1f1b-i": "interleaved-1f1b"}
+"""Registered Seq1F1B schedules, and the schedule whose sequence-chunked form each is."""
 
 
 def _check_count(name: str, value: object, fix: str) -> None:
@@ -86,6 +90,13 @@ class PlanProblem:
             raise ValueError("--schedules is empty: name at least one schedule (see `pipeblocks list`)")
         for name in self.schedules:
             get(name)  # an unknown name is an error listing the known ones
+            if name in SEQUENCE_SCHEDULES:
+                # the planner prices sequence chunks itself (chunk shares, smaller GEMMs);
+                # the name alone would be priced as whole sequences
+                raise ValueError(
+                    f"--schedules {name}: the planner splits sequences itself; name "
+                    f"{SEQUENCE_SCHEDULES[name]} and give --seq-chunks K (e.g. --seq-chunks 2,4) instead"
+                )
         if not self.microbatch_sizes:
             raise ValueError("--microbatch-sizes is empty: give at least one size, e.g. 1,2,4")
         for b in self.microbatch_sizes:
