@@ -1,7 +1,7 @@
 """Sequence chunks (Seq1F1B) in the runtime: exact against full-sequence training, and the
 memory they save.
 
-Exactness (DESIGN.md invariant 2): every sequence schedule — seq1f1b, seq1f1b-i, seq1f1b
+Exactness: every sequence schedule — seq1f1b, seq1f1b-i, seq1f1b
 with B/W split and W deferred, and split_sequence of zb-h1, v-half and 1f1b — run on gloo
 with the reference GPT (float64) gives the loss and every gradient of one process training
 whole sequences, to 1e-10 relative, for p in {2, 4}, k in {2, 4}, balanced and even

@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     from ..data import ByteTokenizer
     from ..train import run as training
 
-    emulate = _parse_emulate(args.emulate)
+    emulate = args.emulate
     async_mode = mode_from_args(args)
     if async_mode is not None:
         for flag, given in (("--dry-run", args.dry_run), ("--report", args.report), ("--plot", args.plot)):
@@ -183,22 +183,12 @@ def run(args: argparse.Namespace) -> int:
     return training.train(cfg, data, report=args.report, plot=args.plot)
 
 
-def _emulate_arg(text: str) -> str:
-    """--emulate checked at parse time, kept as text."""
-    try:
-        _parse_emulate(text)
-    except ValueError as err:  # argparse names the option already
-        raise argparse.ArgumentTypeError(str(err).removeprefix("--emulate ")) from None
-    return text
-
-
-def _parse_emulate(text: str | None) -> tuple[float, float, float] | None:
-    if text is None:
-        return None
+def _emulate_arg(text: str) -> tuple[float, float, float]:
+    """--emulate F_MS,B_MS,W_MS: three finite milliseconds >= 0, parsed once, at parse time."""
     try:
         values = [float(x) for x in text.split(",")]
     except ValueError:
         values = []
     if len(values) != 3 or any(not math.isfinite(v) or v < 0 for v in values):
-        raise ValueError(f"--emulate {text!r}: expected three milliseconds F_MS,B_MS,W_MS >= 0, e.g. 20,20,10")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected three milliseconds F_MS,B_MS,W_MS >= 0, e.g. 20,20,10")
     return (values[0], values[1], values[2])

@@ -19,7 +19,6 @@ same weights, data and delays, comparing every step's loss and every weight at t
 """
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -34,19 +33,17 @@ from .async_mode import AsyncMode
 from .config import TrainConfig
 
 __all__ = [
-    "ASYNC_TOLERANCE", "AsyncRankResult", "ReplayCheck", "async_rank", "check_against_replay", "check_async",
+    "AsyncRankResult", "ReplayCheck", "async_rank", "check_against_replay", "check_async",
     "launch_async", "run_plan", "steady_step_s", "train_async", "verify_async",
 ]
 
-ASYNC_TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
-"""Largest relative difference `train --async MODE --verify` accepts between the runtime and
-the replay, by dtype. The two run the same operations in the same order, and the replay
-runs with the ranks' number of torch threads, so on CPU they agree to the last bit (0
-measured, float32 and float64). The tolerances are those of synchronous `--verify`. With
-other thread counts (or devices) float32 does not stay within 1e-5 over several steps:
-AdamW divides by the root of tiny second moments, so a rounding difference in a gradient
-near zero moves its weight by up to 2 lr (2.4e-4 relative measured over 8 steps at p=4
-with 1 thread against 2); float64 stays within 1e-12 there."""
+# `--verify` accepts what synchronous training's does (reference.TOLERANCE). The runtime and
+# the replay run the same operations in the same order, and the replay runs with the ranks'
+# number of torch threads, so on CPU they agree to the last bit (0 measured, float32 and
+# float64). With other thread counts (or devices) float32 does not stay within 1e-5 over
+# several steps: AdamW divides by the root of tiny second moments, so a rounding difference
+# in a gradient near zero moves its weight by up to 2 lr (2.4e-4 relative measured over 8
+# steps at p=4 with 1 thread against 2); float64 stays within 1e-12 there.
 
 
 @dataclass(frozen=True)
@@ -115,12 +112,8 @@ def run_plan(schedule: Schedule, steps: int, mode: AsyncMode) -> tuple[Program |
 def launch_async(cfg: TrainConfig) -> list[AsyncRankResult]:
     from ..runtime.launch import spawn
 
-    return spawn(async_rank, cfg.schedule.p, args=(cfg,), timeout_s=cfg.timeout_s, threads_per_rank=_threads(cfg))
-
-
-def _threads(cfg: TrainConfig) -> int:
-    """torch threads per rank: the cores divided among the ranks, unless the config says."""
-    return cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // cfg.schedule.p)
+    p = cfg.schedule.p
+    return spawn(async_rank, p, args=(cfg,), timeout_s=cfg.timeout_s, threads_per_rank=cfg.threads_for(p))
 
 
 def _microbatches(cfg: TrainConfig, data, steps: range) -> tuple[list, list]:
@@ -215,15 +208,9 @@ def _emulated(cfg: TrainConfig, modules, device, on_step):
 
 
 def _launch(cfg: TrainConfig) -> list[AsyncRankResult] | None:
-    from ..runtime import RankFailedError, RunStoppedError
+    from .loop import launch_or_report
 
-    try:
-        return launch_async(cfg)
-    except (RankFailedError, TimeoutError, RunStoppedError) as err:
-        print(f"pipeblocks train: {err}", file=sys.stderr)
-        if isinstance(err, RunStoppedError):
-            raise SystemExit(128 + err.signal) from None
-        return None
+    return launch_or_report(lambda: launch_async(cfg))
 
 
 def steady_step_s(results: list[AsyncRankResult], warmup_steps: int) -> float | None:
@@ -314,20 +301,16 @@ def check_against_replay(cfg: TrainConfig, data, results: list[AsyncRankResult])
 
     from ..models import GPT, cross_entropy, split_gpt
     from .async_reference import replay
-    from .reference import relative_difference
+    from .reference import TOLERANCE, relative_difference, torch_threads
 
     schedule, mode = cfg.schedule, cfg.async_mode
     _, program, versions = run_plan(schedule, cfg.steps, mode)
     xs, ys = _microbatches(cfg, data, range(cfg.steps))
     stages = split_gpt(GPT(cfg.model, seed=cfg.seed), schedule.num_stages)
-    threads = torch.get_num_threads()
     # the ranks' thread count: matrix products then round as on the ranks
-    torch.set_num_threads(_threads(cfg))
-    try:
+    with torch_threads(cfg.threads_for(schedule.p)):
         expected = replay(stages, weight_versions(program), list(zip(xs, ys)), loss_fn=cross_entropy,
                           optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr), mode=mode)
-    finally:
-        torch.set_num_threads(threads)
     losses = next(r.losses for r in results if r.losses)
     loss_diff = max(relative_difference(a, b) for a, b in zip(losses, expected.losses, strict=True))
     got = {key: t for r in results for key, t in r.params.items()}
@@ -339,11 +322,11 @@ def check_against_replay(cfg: TrainConfig, data, results: list[AsyncRankResult])
                   for a, b in zip(r.lrs[s], (row[s] for row in expected.lrs), strict=True))
     delays_equal = all(r.delays[s] == versions.delays(s) for r in results for s in r.stages)
     return ReplayCheck(loss_diff, lr_diff, worst, worst_key, delays_equal, len(want),
-                       ASYNC_TOLERANCE[cfg.model.dtype])
+                       TOLERANCE[cfg.model.dtype])
 
 
 def verify_async(cfg: TrainConfig, data) -> int:
-    """The run on the ranks against the one-process replay; 0 within ASYNC_TOLERANCE."""
+    """The run on the ranks against the one-process replay; 0 within the tolerance of `--verify`."""
     print(f"verify: {_describe(cfg)}", file=sys.stderr, flush=True)
     results = _launch(cfg)
     if results is None:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from ..core.schedule import Schedule
@@ -130,6 +131,11 @@ class TrainConfig:
     @property
     def world_size(self) -> int:
         return self.schedule.p * self.dp
+
+    def threads_for(self, processes: int) -> int:
+        """torch threads in each of `processes` processes sharing this machine: threads_per_rank
+        when given, else the cores divided among them."""
+        return self.threads_per_rank or max(1, (os.cpu_count() or 1) // processes)
 
     def seq_lengths(self) -> tuple[int, ...] | None:
         """Tokens per sequence chunk (None without sequence chunks), from `seq_split`."""

@@ -29,10 +29,11 @@ returns the latest ones, from which the launcher profiles pass times and the bub
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -45,7 +46,9 @@ from .config import TrainConfig
 from .post_validation import PostValidator
 from .report import RankResult
 
-__all__ = ["TrainConfig", "checkpoint_note", "launch", "train_rank"]
+__all__ = ["TrainConfig", "checkpoint_note", "launch", "launch_or_report", "train_rank"]
+
+T = TypeVar("T")
 
 KEEP_TIMELINES = 32
 """Rank 0 returns the measured timelines of at most this many of the latest steps."""
@@ -64,9 +67,8 @@ def launch(cfg: TrainConfig) -> list[RankResult]:
                   f"{cfg.checkpoint!r}", file=sys.stderr, flush=True)
     world = cfg.world_size
     check_world_size(cfg.schedule.p, cfg.dp, world)
-    threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
     return spawn(
-        train_rank, world, args=(cfg,), timeout_s=cfg.timeout_s, threads_per_rank=threads,
+        train_rank, world, args=(cfg,), timeout_s=cfg.timeout_s, threads_per_rank=cfg.threads_for(world),
         schedule=None if cfg.data_parallel else cfg.schedule,
     )
 
@@ -344,6 +346,22 @@ class _LastGood:
             except Exception as err:  # noqa: BLE001 - reported; the original error goes on
                 print(f"rank {self.rank}: could not save step {self.done} on the way out: {err}",
                       file=sys.stderr, flush=True)
+
+
+def launch_or_report(start: Callable[[], T], note: Callable[[], str] | None = None) -> T | None:
+    """`start()` (a launch of the ranks). A rank that failed or a run that made no progress is
+    reported on stderr, followed by `note()` (asked after the failure, so it can say what the
+    run left behind), and gives None; a run stopped by a signal exits with 128 + the signal,
+    the shell's convention for a signalled process."""
+    from ..runtime import RankFailedError, RunStoppedError
+
+    try:
+        return start()
+    except (RankFailedError, TimeoutError, RunStoppedError) as err:
+        print(f"pipeblocks train: {err}" + (f"\npipeblocks train: {note()}" if note else ""), file=sys.stderr)
+        if isinstance(err, RunStoppedError):
+            raise SystemExit(128 + err.signal) from None
+        return None
 
 
 def checkpoint_note(cfg: TrainConfig) -> str:

@@ -17,7 +17,8 @@ With gradient clipping the reference is synchronous clipping in one process:
 """
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -34,10 +35,12 @@ __all__ = [
     "reference_step",
     "reference_update",
     "relative_difference",
+    "torch_threads",
 ]
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
-"""Largest relative difference `train --verify` accepts, by dtype (DESIGN.md invariant 2)."""
+"""Largest relative difference `train --verify` (and `train --async MODE --verify`) accepts, by
+dtype: every schedule computes the gradients of one process, up to the order of sums."""
 
 
 class GradDiff(NamedTuple):
@@ -122,6 +125,18 @@ def _clip(model: GPT, max_norm: float | None) -> float:
     if max_norm is None:
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])).item()
     return torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run the block with `threads` torch threads (a rank's count), then restore the caller's:
+    matrix products round the same way as on the ranks."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def relative_difference(a: Tensor | float, b: Tensor | float) -> float:

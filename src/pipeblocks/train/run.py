@@ -236,14 +236,11 @@ def _static_predicted(cfg: TrainConfig, stages) -> list[int]:
 
 def _stage_costs(cfg: TrainConfig, data: TokenWindows):
     """All stage modules (this process) and the costs to simulate the run with: seconds and bytes."""
-    import os
-
-    import torch
-
     from ..core.costs import Costs
     from ..models import GPT, cross_entropy, split_gpt
     from ..models.split import layer_counts
     from ..runtime.profile import profile_chunk_memory, profile_stage_memory, profile_stage_times
+    from .reference import torch_threads
 
     s = cfg.schedule
     x, y = data.batch(0, cfg.microbatch_size, seed=cfg.seed)
@@ -254,12 +251,8 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows):
         layers = layer_counts(cfg.model.layers, s.num_stages)
         f, b, w = (tuple(ms * 1e-3 * n for n in layers) for ms in cfg.emulate)
     else:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // s.p))
-        try:
+        with torch_threads(cfg.threads_for(s.p)):
             times = profile_stage_times(stages, x, cross_entropy, y)
-        finally:
-            torch.set_num_threads(threads)
         f, b, w = (tuple(t[i] for t in times) for i in range(3))
     total = sum(x.m_b for x in memory)
     ratio = min(1.0, sum(x.m_w for x in memory) / total) if s.has_split_backward and total > 0 else 1.0
@@ -271,16 +264,9 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows):
 
 # ---- launch --------------------------------------------------------------------------------
 def _launch(cfg: TrainConfig):
-    from ..runtime import RankFailedError, RunStoppedError
-    from .loop import checkpoint_note, launch
+    from .loop import checkpoint_note, launch, launch_or_report
 
-    try:
-        return launch(cfg)
-    except (RankFailedError, TimeoutError, RunStoppedError) as err:
-        print(f"pipeblocks train: {err}\npipeblocks train: {checkpoint_note(cfg)}", file=sys.stderr)
-        if isinstance(err, RunStoppedError):
-            raise SystemExit(128 + err.signal) from None  # the shell's convention for a signalled process
-        return None
+    return launch_or_report(lambda: launch(cfg), note=lambda: checkpoint_note(cfg))
 
 
 def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, plot: str | None = None) -> int:
