@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from collections.abc import Callable, Sequence
+
 from ..core.costs import Costs
 from ..core.errors import ScheduleError
 from ..core.schedule import Schedule
 from ..core.sharding import ShardingPolicy
 from ..core.simulate import simulate
 
-__all__ = ["choose_sharding"]
+__all__ = ["choose_sharding", "descend_policies"]
 
 _POLICIES = tuple(ShardingPolicy)
 
@@ -55,19 +57,7 @@ def choose_sharding(
             return time_a < time_b
         return static_a < static_b
 
-    best = (_POLICIES[0],) * stages
-    for policy in _POLICIES[1:]:
-        if better((policy,) * stages, best):
-            best = (policy,) * stages
-    for _ in range(sweeps):
-        changed = False
-        for stage in range(stages):
-            for policy in _POLICIES:
-                trial = best[:stage] + (policy,) + best[stage + 1:]
-                if trial != best and better(trial, best):
-                    best, changed = trial, True
-        if not changed:
-            break
+    best = descend_policies(better, (_POLICIES[0],) * stages, [range(s, s + 1) for s in range(stages)], sweeps)
     over, _, _, need = score(best)
     if over > 0:
         raise ScheduleError(
@@ -75,4 +65,31 @@ def choose_sharding(
             f"(static memory at the step's peak + peak activation) against a budget of {memory_budget:.4g}: raise --gpu-memory, add replicas "
             "(--dp) or choose a schedule with less activation memory"
         )
+    return best
+
+
+Policies = tuple[ShardingPolicy, ...]
+
+
+def descend_policies(
+    better: Callable[[Policies, Policies], bool], start: Policies, moves: Sequence[range], sweeps: int = 2,
+) -> Policies:
+    """Coordinate descent over per-chunk policies: the best of `start` and every uniform
+    assignment, then, for each move (a set of chunks that change together) and each
+    policy, keep any trial that is `better`, until a sweep changes nothing (at most
+    `sweeps`)."""
+    stages = len(start)
+    best = start
+    for policy in _POLICIES:
+        if better((policy,) * stages, best):
+            best = (policy,) * stages
+    for _ in range(sweeps):
+        changed = False
+        for move in moves:
+            for policy in _POLICIES:
+                trial = tuple(policy if s in move else best[s] for s in range(stages))
+                if trial != best and better(trial, best):
+                    best, changed = trial, True
+        if not changed:
+            break
     return best

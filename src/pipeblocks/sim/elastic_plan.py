@@ -30,11 +30,10 @@ from ..core.schedule import Schedule
 from ..core.sharding import ShardingPolicy
 from ..core.simulate import simulate
 from ..schedules.elastic import elastic, group_candidates, rule_groups, rule_sequences
+from .auto_sharding import descend_policies
 from .recompute_auto import choose_recompute, memory_need
 
 __all__ = ["ElasticPlan", "choose_elastic_plan"]
-
-_POLICIES = tuple(ShardingPolicy)
 
 Groups = tuple[tuple[int, ...], tuple[int, ...]]
 Policies = tuple[ShardingPolicy, ...]
@@ -104,25 +103,13 @@ def choose_elastic_plan(
                 best = groups
         return best
 
+    # sharding moves: one chunk index on every rank at once (stages c*p .. c*p+p-1: the
+    # step's critical path crosses every rank, so one rank's change alone rarely shows),
+    # then one stage at a time
+    moves = [range(c * p, (c + 1) * p) for c in range(v)] + [range(s, s + 1) for s in range(stages)]
+
     def best_sharding(groups: Groups, first: Policies) -> Policies:
-        best = first
-        for policy in _POLICIES:
-            if better((groups, (policy,) * stages), (groups, best)):
-                best = (policy,) * stages
-        # moves: one chunk index on every rank at once (stages c*p .. c*p+p-1: the step's
-        # critical path crosses every rank, so one rank's change alone rarely shows),
-        # then one stage at a time
-        moves = [range(c * p, (c + 1) * p) for c in range(v)] + [range(s, s + 1) for s in range(stages)]
-        for _ in range(2):
-            changed = False
-            for move in moves:
-                for policy in _POLICIES:
-                    trial = tuple(policy if s in move else best[s] for s in range(stages))
-                    if trial != best and better((groups, trial), (groups, best)):
-                        best, changed = trial, True
-            if not changed:
-                break
-        return best
+        return descend_policies(lambda a, b: better((groups, a), (groups, b)), first, moves)
 
     rule_costs = dataclasses.replace(costs, data_parallel=dataclasses.replace(costs.data_parallel, sharding=start))
     g, _, _ = rule_groups(p, m, v, rule_costs, budget)
