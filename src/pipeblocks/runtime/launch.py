@@ -10,8 +10,8 @@ Local (one machine, N processes)::
 
     results = spawn(train, 4, args=("1f1b",), timeout_s=600)   # one result per rank
 
-`spawn` picks gloo on CPU and NCCL when CUDA is there (rank r on cuda:r mod the device
-count), starts the processes, and watches them (supervise.py): the first rank that raises
+`spawn` picks gloo on CPU and NCCL on CUDA (`device=`: "auto", "cpu" or "cuda"; rank r on
+cuda:r), starts the processes, and watches them (supervise.py): the first rank that raises
 stops every rank at once and `spawn` raises `RankFailedError` with that rank's traceback; a
 rank that dies without a word is named with its signal or exit status, before the peers
 that failed after it. `timeout_s` bounds a wait that makes no progress, never a run that
@@ -45,8 +45,11 @@ from .lifecycle import RankControl, RunControl, RunState, SignalControl
 from .supervise import STARTUP_S, RankFailedError, RunStoppedError, catch_stop_signals, stop_all, supervise
 
 __all__ = [
-    "DistContext", "RankFailedError", "RunStoppedError", "check_world", "default_device", "init_from_env", "spawn",
+    "DEVICES", "DistContext", "RankFailedError", "RunStoppedError", "check_world", "choose_device", "default_device",
+    "init_from_env", "spawn",
 ]
+
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,43 @@ class DistContext:
     control: RunControl = field(default_factory=RunControl, compare=False, repr=False)
 
 
-def default_device(local_rank: int) -> torch.device:
-    """cuda:(local_rank mod device count) when CUDA is there, else CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+def choose_device(requested: str, local_ranks: int, *, note=None) -> str:
+    """The device type ("cpu" or "cuda") for `local_ranks` processes on this machine.
+
+    "cuda" needs a GPU per local rank (NCCL cannot put two ranks on one GPU): with fewer,
+    ValueError in one line naming both counts and the fixes, before anything is launched.
+    "auto" takes CUDA when there is a GPU for every local rank, else the CPU, and then says
+    why through `note(message)` when CUDA is there but too small.
+    """
+    if requested not in DEVICES:
+        raise ValueError(f"--device {requested!r}: choose one of {', '.join(DEVICES)}")
+    if requested == "cpu":
+        return "cpu"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "cuda":
+        if gpus == 0:
+            raise ValueError("--device cuda: CUDA is not available here (torch.cuda.is_available() is False): "
+                             "use --device cpu, or a machine with a GPU and a CUDA build of torch")
+        if local_ranks > gpus:
+            raise ValueError(
+                f"--device cuda: {local_ranks} ranks on this machine but {gpus} GPU{'s' if gpus != 1 else ''} "
+                f"visible, and NCCL cannot put two ranks on one GPU: use --device cpu, fewer ranks "
+                f"(p x dp <= {gpus}), or torchrun over more GPUs (nodes)"
+            )
+        return "cuda"
+    if gpus >= local_ranks:
+        return "cuda"
+    if gpus and note is not None:
+        note(f"device auto: {local_ranks} ranks but {gpus} GPU{'s' if gpus != 1 else ''} visible: running on the CPU "
+             "(gloo); use fewer ranks, or torchrun over more GPUs, to train on CUDA")
+    return "cpu"
+
+
+def default_device(local_rank: int, kind: str = "auto") -> torch.device:
+    """This rank's device: cuda:local_rank for "cuda" (and for "auto" when CUDA is there),
+    else the CPU."""
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available() and torch.cuda.device_count() > 0):
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
     return torch.device("cpu")
 
 
@@ -83,19 +119,23 @@ def check_world(schedule: Schedule, world_size: int) -> None:
         )
 
 
-def init_from_env(*, timeout_s: float = 300.0, backend: str | None = None, stop_signals: bool = False) -> DistContext:
+def init_from_env(
+    *, timeout_s: float = 300.0, backend: str | None = None, stop_signals: bool = False, device: str = "auto",
+) -> DistContext:
     """Initialise the default process group from torchrun's environment (env:// rendezvous).
 
     stop_signals: SIGTERM, SIGINT and SIGHUP no longer end the process; they make
     `ctx.control.step_done(k)` return True on every rank after the same step (one small
     all-reduce per call), so the script can save and exit cleanly.
+    device: "auto", "cpu" or "cuda" (`choose_device`, with LOCAL_WORLD_SIZE ranks on this node).
     """
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise ValueError(f"environment lacks {missing}: run under torchrun, or use pipeblocks.runtime.launch.spawn")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    ctx = _init(rank, world, local_rank, timeout_s, backend)
+    kind = choose_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    ctx = _init(rank, world, local_rank, timeout_s, backend, device=kind)
     if stop_signals:
         ctx = DistContext(ctx.rank, ctx.world_size, ctx.local_rank, ctx.device, ctx.backend, SignalControl(ctx.device))
     return ctx
@@ -103,18 +143,20 @@ def init_from_env(*, timeout_s: float = 300.0, backend: str | None = None, stop_
 
 def _init(
     rank: int, world: int, local_rank: int, timeout_s: float, backend: str | None, control: RunControl | None = None,
-    store: dist.Store | None = None,
+    store: dist.Store | None = None, device: str = "auto",
 ) -> DistContext:
-    device = default_device(local_rank)
+    device = default_device(local_rank, device)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
+        # the rank's device, so that NCCL need not guess it ("Guessing device ID")
+        where = {"device_id": device} if device.type == "cuda" else {}
         if store is None:
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, init_method="env://")
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, init_method="env://", **where)
         else:
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=store)
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=store, **where)
     return DistContext(rank, world, local_rank, device, backend, control or RunControl())
 
 
@@ -128,6 +170,7 @@ def spawn(
     threads_per_rank: int | None = None,
     schedule: Schedule | None = None,
     start_method: str = "spawn",
+    device: str = "auto",
 ) -> list[Any]:
     """Run `fn(ctx, *args)` in `nprocs` local processes; return their results by rank.
 
@@ -139,6 +182,8 @@ def spawn(
         `timeout_s`.
     schedule: if given, checked against `nprocs` before anything starts.
     threads_per_rank: `torch.set_num_threads` in each process (None: torch's default).
+    device: "auto", "cpu" or "cuda", checked against the GPUs here before anything starts
+        (`choose_device`).
     Raises RankFailedError (the rank that failed first), TimeoutError (a rank made no
     progress), or RunStoppedError (SIGTERM, SIGINT or SIGHUP to this process or a rank).
     """
@@ -148,6 +193,7 @@ def spawn(
         raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
     if schedule is not None:
         check_world(schedule, nprocs)
+    kind = choose_device(device, nprocs, note=lambda message: print(message, file=sys.stderr, flush=True))
     ctx = mp.get_context(start_method)
     results_queue = ctx.Queue()
     state = RunState.create(ctx, nprocs)
@@ -162,7 +208,7 @@ def spawn(
         ctx.Process(
             target=_child,
             args=(rank, nprocs, port, backend, timeout_s, threads_per_rank, fn, tuple(args), results_queue, state,
-                  os.getpid()),
+                  os.getpid(), kind),
             daemon=True,
         )
         for rank in range(nprocs)
@@ -180,7 +226,7 @@ def spawn(
     return results
 
 
-def _child(rank, world, port, backend, timeout_s, threads, fn, args, results_queue, state, launcher_pid) -> None:
+def _child(rank, world, port, backend, timeout_s, threads, fn, args, results_queue, state, launcher_pid, kind) -> None:
     control = RankControl(state, rank, launcher_pid)
     control.start()
     os.environ.update(
@@ -194,7 +240,7 @@ def _child(rank, world, port, backend, timeout_s, threads, fn, args, results_que
         store = dist.TCPStore(
             "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=startup)
         )
-        ctx = _init(rank, world, rank, startup, backend, control, store=store)
+        ctx = _init(rank, world, rank, startup, backend, control, store=store, device=kind)
         # pickled here, by value: torch's queue reductions would pass tensors through
         # shared memory that dies with this process
         result = pickle.dumps(fn(ctx, *args))
