@@ -20,7 +20,8 @@ stage and the head on the last, and tying would make them share a parameter acro
 
 Initialisation is a function of (seed, parameter name) alone (see `init_parameters`), so a
 pipeline rank can build just its own stages (`pipeblocks.models.split.build_stages`) and get
-exactly the weights that the whole model built from the same seed has.
+exactly the weights that the whole model built from the same seed has (`parameter_init` is
+the same rule as an `init(name, tensor)` function, the form the splitter takes).
 
 Attention. `torch.nn.functional.scaled_dot_product_attention` (SDPA): on CPU it runs the
 flash kernel for float32 and float64 alike, which saves q, k, v, the output and one
@@ -37,18 +38,18 @@ chunk=...)` (split.py) wires the offset and one extender per block.
 from __future__ import annotations
 
 import math
-import zlib
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import GPTConfig
+from .init import seeded_normal_
 
 __all__ = [
     "GPTConfig", "GPT", "Embedding", "Block", "Head", "CausalSelfAttention", "MLP", "KVExtender",
-    "causal_attention", "bottom_right_mask", "init_parameters", "cross_entropy",
+    "causal_attention", "bottom_right_mask", "init_parameters", "parameter_init", "cross_entropy",
 ]
 
 
@@ -195,25 +196,37 @@ def init_parameters(module: nn.Module, cfg: GPTConfig, *, seed: int) -> None:
     GPT-2 style: weights N(0, 0.02), the residual projections (attn.proj, mlp.down) scaled
     by 1/sqrt(2·layers), biases zero, LayerNorm weight one. Values are drawn in float64 and
     cast, so a float32 and a float64 model from one seed agree to float32 rounding.
+    Parameters on the meta device (a skeleton the splitter builds) are left alone.
     """
-    residual_std = 0.02 / math.sqrt(2 * cfg.layers)
+    fill = parameter_init(cfg, seed=seed)
     with torch.no_grad():
         for name, param in module.named_parameters():
+            if not param.is_meta:
+                fill(name, param)
+
+
+def parameter_init(cfg: GPTConfig, *, seed: int) -> Callable[[str, Tensor], None]:
+    """`init(name, tensor)`: the initializer of `init_parameters`, one parameter at a time."""
+    residual_std = 0.02 / math.sqrt(2 * cfg.layers)
+
+    def init(name: str, param: Tensor) -> None:
+        with torch.no_grad():
             if name.endswith(".bias"):
                 param.zero_()
             elif ".ln" in name or "norm." in name:
                 param.fill_(1.0)
             else:
                 std = residual_std if name.endswith(("attn.proj.weight", "mlp.down.weight")) else 0.02
-                gen = torch.Generator().manual_seed(_param_seed(seed, name))
-                values = torch.randn(param.shape, generator=gen, dtype=torch.float64) * std
-                param.copy_(values.to(param.dtype))
+                seeded_normal_(param, seed=seed, name=name, std=std)
 
-
-def _param_seed(seed: int, name: str) -> int:
-    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63)
+    return init
 
 
 def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean next-token cross-entropy: logits [b, s, V], targets LongTensor [b, s]."""
+    """Mean next-token cross-entropy: logits [b, s, V], targets LongTensor [b, s].
+
+    Computed in float32 or wider: bfloat16 or float16 logits are upcast first.
+    """
+    if logits.is_floating_point() and torch.finfo(logits.dtype).bits < 32:
+        logits = logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
