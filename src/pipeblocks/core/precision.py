@@ -68,12 +68,6 @@ class PrecisionPolicy:
         """AdamW's two moments per parameter, in the master dtype."""
         return 2 * DTYPE_BYTES[self.master]
 
-    def torch_dtype(self, which: str = "compute"):
-        """The torch dtype of `which` ("master", "compute" or "reduce"); imports torch."""
-        import torch
-
-        return getattr(torch, getattr(self, which))
-
 
 _POLICIES = {
     "fp32": PrecisionPolicy("fp32", "float32", "float32", "float32"),

@@ -36,7 +36,12 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-__all__ = ["CastStage", "ComputeCopies", "fsdp_policy"]
+__all__ = ["CastStage", "ComputeCopies", "fsdp_policy", "torch_dtype"]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a `core.precision` dtype name ("float32", "bfloat16", ...)."""
+    return getattr(torch, name)
 
 
 class CastStage(nn.Module):
