@@ -20,7 +20,9 @@ timeout_s is stopped. SIGTERM, SIGINT or SIGHUP stops every rank after one commo
 (see lifecycle.py) and raises `RunStoppedError`; ranks die with their launcher. Nothing is
 left hanging or running.
 
-Under torchrun (`torchrun --nproc-per-node 4 train.py`), call `init_from_env()` in the
+Under torchrun (`torchrun --nproc-per-node 4 train.py`), `run_here(fn, args=...)` runs
+`fn(ctx, *args)` in this process as its rank and gathers every rank's result to rank 0
+(`under_torchrun()` tells whether torchrun started this process); or call `init_from_env()` in the
 script: it reads RANK, WORLD_SIZE and LOCAL_RANK, initialises the process group and
 returns the same `DistContext`; torchrun stops the other ranks when one fails. With
 `stop_signals=True`, `ctx.control.step_done(k)` turns torchrun's SIGTERM into a stop after
@@ -46,7 +48,7 @@ from .supervise import STARTUP_S, RankFailedError, RunStoppedError, catch_stop_s
 
 __all__ = [
     "DEVICES", "DistContext", "RankFailedError", "RunStoppedError", "check_world", "choose_device", "default_device",
-    "init_from_env", "spawn",
+    "init_from_env", "run_here", "spawn", "under_torchrun",
 ]
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -262,3 +264,40 @@ def _child(rank, world, port, backend, timeout_s, threads, fn, args, results_que
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or another env:// launcher that sets
+    RANK, WORLD_SIZE and LOCAL_RANK)."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def run_here(
+    fn: Callable[..., Any], *, args: Sequence[Any] = (), world_size: int | None = None, timeout_s: float = 300.0,
+    device: str = "auto", threads_per_rank: int | None = None,
+) -> list[Any] | None:
+    """Run `fn(ctx, *args)` as this process's rank of a torchrun job; return every rank's
+    result by rank on rank 0, None on the others.
+
+    world_size: the number of processes the job needs, checked against torchrun's WORLD_SIZE
+    before the process group starts (a ValueError names both and the fix). SIGTERM, SIGINT
+    and SIGHUP (torchrun sends SIGTERM to every worker when it is stopped) end the run after
+    one common step (`ctx.control`). A rank that raises ends this process with the error;
+    torchrun then stops the others.
+    """
+    if not under_torchrun():
+        raise ValueError("run_here needs torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK): use spawn instead")
+    world = int(os.environ["WORLD_SIZE"])
+    if world_size is not None and world != world_size:
+        raise ValueError(
+            f"the run needs {world_size} processes but torchrun started {world} (WORLD_SIZE): give torchrun "
+            f"--nnodes x --nproc-per-node = {world_size}, or change -p/--dp so that their product is {world}"
+        )
+    if threads_per_rank is not None:
+        torch.set_num_threads(threads_per_rank)
+    ctx = init_from_env(timeout_s=timeout_s, stop_signals=True, device=device)
+    result = fn(ctx, *args)
+    gathered: list[Any] | None = [None] * ctx.world_size if ctx.rank == 0 else None
+    dist.gather_object(result, gathered, dst=0)
+    dist.destroy_process_group()
+    return gathered
