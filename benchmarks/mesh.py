@@ -34,10 +34,9 @@ import dataclasses
 import json
 import sys
 
-from pipeblocks.core import Costs, ScheduleError, lower, simulate, simulate_program
-from pipeblocks.core.dp_model import DataParallel
-from pipeblocks.core.lower import PASSES
-from pipeblocks.core.passes_dp import dp_passes, dp_passes_at_end
+from pipeblocks.core import Costs, ScheduleError, simulate, simulate_program
+from pipeblocks.core.dp_model import DPCostModel
+from pipeblocks.core.lowering import lower_for
 from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
 from pipeblocks.core.sharding import parse_sharding
 from pipeblocks.sim.build import build
@@ -49,11 +48,11 @@ def measure(request: ScheduleRequest) -> dict:
     built = build(request)
     schedule, costs = built.schedule, built.costs
     dp = costs.data_parallel
-    alone = simulate(schedule, dataclasses.replace(costs, data_parallel=DataParallel()))
-    policies = dp.policies(schedule.num_stages)
+    alone = simulate(schedule, dataclasses.replace(costs, data_parallel=DPCostModel()))
     row = {"schedule": schedule.name, "v": schedule.v, "compute_s": alone.makespan}
-    for label, passes in (("end", dp_passes_at_end(policies, dp.dp)), ("overlap", dp_passes(policies, dp.dp))):
-        timeline = simulate_program(lower(schedule, PASSES + passes), costs)
+    for label, at_end in (("end", True), ("overlap", False)):
+        program = lower_for(schedule, policies=dp.sharding, dp=dp.dp, reduce_at_end=at_end)
+        timeline = simulate_program(program, costs)
         row[f"{label}_step_s"] = timeline.makespan
         row[f"{label}_exposed_s"] = max(timeline.exposed_comm)
         row["comm_s"] = max(timeline.comm_time)

@@ -17,7 +17,7 @@ from pipeblocks.core.sharding import parse_sharding, per_stage
 from pipeblocks.models import GPTConfig, cross_entropy
 from pipeblocks.models.split import build_stages
 from pipeblocks.runtime import PipelineRunner
-from pipeblocks.runtime.data_parallel import DataParallel, static_bytes
+from pipeblocks.runtime.data_parallel import DataParallel, held_bytes
 from pipeblocks.runtime.mesh import init_mesh
 from pipeblocks.sim.analytic import TransformerConfig
 from pipeblocks.sim.sequence_split import split_lengths
@@ -87,7 +87,7 @@ def _run_case(ctx, case: str) -> dict:
         else:
             tensors = [t for s in built for q in s.parameters() for t in (q, q.grad)]
             tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-            static = max(static, static_bytes(tensors))
+            static = max(static, held_bytes(tensors))
     return {"rank": rank, "dp_rank": replica, "activation": activation, "static": static}
 
 

@@ -134,7 +134,7 @@ def test_check_dp_ops_names_misplaced_ops():
 
 def test_every_registered_schedule_lowers_and_simulates_with_dp_ops():
     from pipeblocks.core import Costs, simulate
-    from pipeblocks.core.dp_model import DataParallel
+    from pipeblocks.core.dp_model import DPCostModel
     from pipeblocks.schedules import names
 
     for name in names():
@@ -142,5 +142,5 @@ def test_every_registered_schedule_lowers_and_simulates_with_dp_ops():
         program = lower(schedule, passes=PASSES + dp_passes(parse_sharding("zero3"), 2))
         check_deadlock(program)
         check_dp_ops(program, parse_sharding("zero3"))
-        timeline = simulate(schedule, Costs(data_parallel=DataParallel(dp=2, sharding=parse_sharding("zero3"))))
+        timeline = simulate(schedule, Costs(data_parallel=DPCostModel(dp=2, sharding=parse_sharding("zero3"))))
         assert all(len(evs) == 2 * len(schedule.placement.stages_of(r)) for r, evs in enumerate(timeline.comm_events))

@@ -7,7 +7,7 @@ import pytest
 
 from pipeblocks import schedules
 from pipeblocks.core.costs import Costs
-from pipeblocks.core.dp_model import DataParallel, Link
+from pipeblocks.core.dp_model import DPCostModel, Link
 from pipeblocks.core.errors import ScheduleError
 from pipeblocks.core.simulate import simulate
 from pipeblocks.schedules.elastic import balanced, rule_groups, search_groups
@@ -80,7 +80,7 @@ def test_rule_without_costs_is_depth_first():
 
 def _comm_bound() -> Costs:
     # one unit of parameters per stage over a slow link: reductions take several microbatches' compute
-    return Costs(t_comm=0.0, data_parallel=DataParallel(dp=8, link=Link(0.2, 0.0)))
+    return Costs(t_comm=0.0, data_parallel=DPCostModel(dp=8, link=Link(0.2, 0.0)))
 
 
 def test_rule_follows_communication_and_memory():

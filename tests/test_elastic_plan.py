@@ -6,9 +6,8 @@ import pytest
 
 from pipeblocks.cli.main import main
 from pipeblocks.core.errors import ScheduleError
-from pipeblocks.core.lower import PASSES, lower
+from pipeblocks.core.lowering import lower_for
 from pipeblocks.core.passes_dp import check_dp_ops
-from pipeblocks.core.recompute import add_recompute
 from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
 from pipeblocks.core.sharding import ShardingPolicy
 from pipeblocks.core.simulate import simulate
@@ -31,11 +30,8 @@ def _check_plan(plan, costs, budget):
     """The plan's schedule validates, its DP ops are well placed, and it fits the budget."""
     validate(plan.schedule)
     trial = dataclasses.replace(costs, data_parallel=dataclasses.replace(costs.data_parallel, sharding=plan.sharding))
-    passes = PASSES + trial.data_parallel.passes(plan.schedule.num_stages)
-    program = lower(plan.schedule, passes=passes)
+    program = lower_for(plan.schedule, policies=plan.sharding, dp=trial.data_parallel.dp, recompute=plan.recompute)
     check_dp_ops(program, plan.sharding)
-    if plan.recompute:
-        add_recompute(plan.recompute)(program)
     timeline = simulate(plan.schedule, trial, recompute=plan.recompute)
     assert fits_memory(timeline, budget)
     assert timeline.makespan == pytest.approx(plan.makespan)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pipeblocks.core.dp_model import DataParallel as DPModel
+from pipeblocks.core.dp_model import DPCostModel
 from pipeblocks.core.dp_model import Link
 from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
 from pipeblocks.core.sharding import parse_sharding
@@ -24,7 +24,7 @@ from pipeblocks.train.emulated_mesh import (
 
 def _link(sharding: str = "replicate") -> EmulatedLink:
     # 2 replicas, 1e6 parameters per stage at 4 bytes over 1e9 B/s: all-reduce 4 ms, gather 2 ms
-    return EmulatedLink(DPModel(dp=2, sharding=parse_sharding(sharding), link=Link(bandwidth=1e9)), (1e6, 1e6))
+    return EmulatedLink(DPCostModel(dp=2, sharding=parse_sharding(sharding), link=Link(bandwidth=1e9)), (1e6, 1e6))
 
 
 def test_collectives_run_one_at_a_time_on_the_stream():

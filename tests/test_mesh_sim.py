@@ -10,7 +10,7 @@ from pipeblocks.cli.main import main
 from pipeblocks.core import Costs, parse_sharding, simulate
 from pipeblocks.core.dp_model import (
     PRECISIONS,
-    DataParallel,
+    DPCostModel,
     Link,
     all_gather_time,
     all_reduce_time,
@@ -23,7 +23,7 @@ from pipeblocks.sim.analytic import HARDWARE, MODELS, dp_link, stage_params
 
 
 def _dp(policy: str, d: int = 2, **kw) -> Costs:
-    return Costs(data_parallel=DataParallel(dp=d, sharding=parse_sharding(policy), **kw))
+    return Costs(data_parallel=DPCostModel(dp=d, sharding=parse_sharding(policy), **kw))
 
 
 def test_one_replicated_pipeline_has_no_dp_ops_and_the_same_timeline():
@@ -173,7 +173,7 @@ def test_auto_sharding_picks_the_fastest_then_the_smallest(capsys):
     costs = _dp("replicate", d=4)
     chosen = choose_sharding(schedule, costs)
     assert len(chosen) == schedule.num_stages
-    best = simulate(schedule, Costs(data_parallel=DataParallel(dp=4, sharding=chosen)))
+    best = simulate(schedule, Costs(data_parallel=DPCostModel(dp=4, sharding=chosen)))
     for policy in ShardingPolicy:  # no single policy for all chunks is faster, or as fast and smaller
         uniform = simulate(schedule, _dp(policy.value, d=4))
         assert best.makespan <= uniform.makespan * (1 + 1e-3)
@@ -181,7 +181,7 @@ def test_auto_sharding_picks_the_fastest_then_the_smallest(capsys):
             assert max(best.static_memory) <= max(uniform.static_memory)
     # a budget the chosen assignment's peak must fit; below every assignment, a clear error
     fits = choose_sharding(schedule, costs, memory_budget=16)
-    timeline = simulate(schedule, Costs(data_parallel=DataParallel(dp=4, sharding=fits)))
+    timeline = simulate(schedule, Costs(data_parallel=DPCostModel(dp=4, sharding=fits)))
     assert max(s + a for s, a in zip(timeline.static_memory_peak, timeline.peak_activation)) <= 16
     with pytest.raises(ValueError, match="no assignment fits --gpu-memory"):
         choose_sharding(schedule, costs, memory_budget=1)

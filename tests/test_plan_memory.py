@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from pipeblocks.core.dp_model import PRECISIONS, DataParallel, static_peak_bytes
+from pipeblocks.core.dp_model import PRECISIONS, DPCostModel, static_peak_bytes
 from pipeblocks.core.sharding import ShardingPolicy
 from pipeblocks.core.static_memory import chunk_bytes
 from pipeblocks.plan import PlanProblem
@@ -72,7 +72,7 @@ def test_closed_form_peak_is_the_shape_exact_one_when_parameters_split_evenly(po
     params = sum(math.prod(s) for s in shapes)
     exact = chunk_bytes(shapes, 4, policy, d, dp_rank=0).peak
     assert static_peak_bytes(params, policy, d, PRECISIONS["fp32"]) == pytest.approx(exact, rel=1e-12)
-    simulator = DataParallel(dp=d, sharding=(policy,), precision="fp32")
+    simulator = DPCostModel(dp=d, sharding=(policy,), precision="fp32")
     assert simulator.static_memory((params,), (0,), peak=True) == pytest.approx(exact, rel=1e-12)
 
 

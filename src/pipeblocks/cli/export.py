@@ -13,7 +13,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..core.lower import PASSES, lower
 from ..core.schedule import write_atomically
 from ..interop import program_to_torch_csv, to_torch_csv
 from .common import add_schedule_options, build, request_from_args
@@ -28,7 +27,8 @@ def register(sub) -> None:
     parser.add_argument(
         "--format", choices=_FORMATS, default=None,
         help="default from the suffix: .csv torch-csv, .json json, otherwise the text form; "
-        "torch-comms-csv: the lowered program (sends, receives, and DP ops for --dp/--sharding)",
+        "torch-comms-csv: the lowered program (sends, receives, and DP ops for --dp/--sharding; torch has no "
+        "recompute action, so a program with recomputation is refused)",
     )
     parser.set_defaults(run=run)
 
@@ -40,9 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if fmt == "torch-csv":
         body = to_torch_csv(schedule)
     elif fmt == "torch-comms-csv":
-        data_parallel = built.costs.data_parallel
-        passes = PASSES + data_parallel.passes(schedule.num_stages)
-        body = program_to_torch_csv(lower(schedule, passes))
+        body = program_to_torch_csv(built.program())
     elif fmt == "json":
         import json
 

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import argparse
 
-from ..core.lower import PASSES, lower
-from ..core.recompute import add_recompute, all_pairs
 from ..core.simulate import simulate
 from ..sim.text_timeline import render_text_timeline
 from .common import add_schedule_options, build, request_from_args
@@ -16,7 +14,8 @@ def register(sub) -> None:
     parser.add_argument("--actions", action="store_true", help="print the per-rank action lists (the text form) instead")
     parser.add_argument(
         "--program", action="store_true",
-        help="print the lowered program instead: sends, receives and the DP ops that --dp/--sharding add",
+        help="print the lowered program instead: sends, receives, the DP ops that --dp/--sharding add and "
+        "the recomputations of --recompute (or of a -r schedule)",
     )
     parser.add_argument("-o", "--output", default=None, help="also save the schedule (.json or text form)")
     parser.set_defaults(run=run)
@@ -31,12 +30,7 @@ def run(args: argparse.Namespace) -> int:
         print(schedule.to_text(), end="")
         return 0
     if args.program:
-        data_parallel = built.costs.data_parallel
-        passes = PASSES + data_parallel.passes(schedule.num_stages)
-        pairs = built.recompute or (all_pairs(schedule) if schedule.option("recompute") == "all" else ())
-        if pairs:
-            passes += (add_recompute(pairs),)
-        print(lower(schedule, passes).to_text(), end="")
+        print(built.program().to_text(), end="")
         return 0
     timeline = simulate(schedule, built.costs, recompute=built.recompute)
     print(render_text_timeline(timeline), end="")

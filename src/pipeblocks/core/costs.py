@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .actions import Kind
-from .dp_model import DataParallel
+from .dp_model import DPCostModel
 from .errors import ScheduleError
 from .placement import Placement
 from .schedule import Schedule
@@ -57,7 +57,7 @@ class Costs:
     seq_time: tuple[float, ...] | None = None
     seq_mem: tuple[float, ...] | None = None
     params: Value = 1.0
-    data_parallel: DataParallel = DataParallel()
+    data_parallel: DPCostModel = DPCostModel()
     t_step: Value = 0.0
     recompute_input_ratio: Value = 0.05
 
@@ -136,7 +136,7 @@ class StageCosts:
     seq_time: tuple[float, ...]
     seq_mem: tuple[float, ...]
     params: tuple[float, ...] = ()
-    data_parallel: DataParallel = DataParallel()
+    data_parallel: DPCostModel = DPCostModel()
     step: tuple[float, ...] = ()
     """per stage, the time of its optimizer step"""
     recompute_input_ratio: tuple[float, ...] = ()

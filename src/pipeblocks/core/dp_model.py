@@ -57,11 +57,10 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .passes_dp import dp_passes
 from .sharding import ShardingPolicy, per_stage
 
 __all__ = [
-    "PRECISIONS", "UNIT_LINK", "DataParallel", "Link", "Precision", "all_gather_time", "all_reduce_time",
+    "PRECISIONS", "UNIT_LINK", "DPCostModel", "Link", "Precision", "all_gather_time", "all_reduce_time",
     "reduce_scatter_time", "static_bytes", "static_peak_bytes",
 ]
 
@@ -148,7 +147,7 @@ def static_peak_bytes(params: float, policy: ShardingPolicy, d: int, precision: 
 
 
 @dataclass(frozen=True)
-class DataParallel:
+class DPCostModel:
     """The data-parallel side of the cost model: d replicas, a policy per chunk, the link
     and the precision."""
 
@@ -170,10 +169,6 @@ class DataParallel:
 
     def policies(self, num_stages: int) -> tuple[ShardingPolicy, ...]:
         return per_stage(self.sharding, num_stages)
-
-    def passes(self, num_stages: int) -> tuple:
-        """The DP lowering passes to run after `lower.PASSES` for a schedule of `num_stages`."""
-        return dp_passes(self.policies(num_stages), self.dp)
 
     def op_time(self, kind: str, params: float, policy: ShardingPolicy) -> float:
         """Duration of a DP op of a stage with `params` parameters on the link."""

@@ -5,7 +5,8 @@ compute actions. The first, `add_p2p`, puts a receive just before the action tha
 consumes a tensor from another rank and a send just after the action that produces one.
 Neighbouring stages on one rank (the turn of a V) hand over locally, with no op. Later
 passes (DP gradient reduce, parameter gather and free: `passes_dp.dp_passes`;
-recomputation) follow it: `lower(schedule, passes=PASSES + dp_passes(policies, dp))`.
+recomputation: `recompute.add_recompute`) follow it. Which passes a run needs, in which
+order, is decided in one place, `lowering.lower_for`, which every consumer calls.
 
 The deadlock check runs the Program under the runtime's semantics: sends never block
 (they are posted asynchronously), receives block until the matching send has run, and an

@@ -27,10 +27,10 @@ changes no memory figure. 1F1B, p=2, m=2, zero3 on both stages::
 the rank's step, in stage order (what a data-parallel wrapper that reduces once after the
 whole pipeline step does); the benchmark compares the two placements.
 
-`dp_passes(policies, dp)` is the list to append to `lower.PASSES`: nothing for a single
-replicated pipeline, otherwise the passes the policies need. Both passes work on any
-Program (before or after `add_p2p`); DP ops never block on a pipeline peer, so the
-deadlock check passes over them, and `check_dp_ops` proves their placement.
+`dp_passes(policies, dp)` is the list `lowering.lower_for` appends to `lower.PASSES`:
+nothing for a single replicated pipeline, otherwise the passes the policies need. Both
+passes work on any Program (before or after `add_p2p`); DP ops never block on a pipeline
+peer, so the deadlock check passes over them, and `check_dp_ops` proves their placement.
 """
 from __future__ import annotations
 

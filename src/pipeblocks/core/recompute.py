@@ -23,7 +23,7 @@ from .errors import ScheduleError
 from .program import Comm, Op, Program, Recompute
 from .schedule import Schedule
 
-__all__ = ["add_recompute", "all_pairs", "check_recompute", "recompute_units"]
+__all__ = ["add_recompute", "all_pairs", "check_recompute", "recompute_pairs", "recompute_units"]
 
 Pair = tuple[int, int]
 
@@ -31,6 +31,18 @@ Pair = tuple[int, int]
 def all_pairs(schedule: Schedule) -> frozenset[Pair]:
     """Every (stage, microbatch) of the schedule: full recomputation."""
     return frozenset((s, mb) for s in range(schedule.num_stages) for mb in range(schedule.m))
+
+
+def recompute_pairs(schedule: Schedule, pairs: Iterable[Pair] | None = None) -> frozenset[Pair]:
+    """The (stage, microbatch) pairs a run recomputes: `pairs` when any are given, else the
+    schedule's own (every pair when its options say recompute="all", as `1f1b-r`; none
+    otherwise). Raises ScheduleError for a pair outside the schedule."""
+    given = _normalise(pairs or (), schedule)
+    if given:
+        return given
+    if schedule.options and schedule.option("recompute") == "all":
+        return all_pairs(schedule)
+    return frozenset()
 
 
 def _normalise(pairs: Iterable[Pair], schedule: Schedule) -> frozenset[Pair]:

@@ -31,14 +31,13 @@ from collections.abc import Callable
 from .actions import Action, Kind
 from .collector import collector_paused
 from .errors import DeadlockError
-from .lower import PASSES, check_deadlock, lower
+from .lower import check_deadlock
+from .lowering import lower_for
 from .ops import ACTION, DP, P2P, RECOMPUTE, STEP, unsupported
 from .program import Comm, DPOp, OptimizerStep, Program, Recompute
-from .recompute import add_recompute, check_recompute
 from .schedule import Schedule
 from .validate import check_structure
 from .costs import Costs, StageCosts
-from .passes_dp import check_dp_ops
 from .timeline import CommEvent, Event, Timeline
 
 __all__ = ["simulate", "simulate_program"]
@@ -48,26 +47,20 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, recompute=()) ->
     """Validate, lower and simulate a schedule (a deadlock is found by the simulation itself).
     The costs' data-parallel side decides which DP passes lowering runs. `recompute`:
     (stage, microbatch) pairs whose forward is recomputed before the backward
-    (`recompute.add_recompute`); a schedule whose options say recompute="all" (`1f1b-r`)
-    recomputes every pair."""
+    (`recompute.add_recompute`); none given, a schedule whose options say recompute="all"
+    (`1f1b-r`) recomputes every pair (`lowering.lower_for` decides both)."""
     costs = costs or Costs()
     data_parallel = costs.data_parallel
     with collector_paused():
         check_structure(schedule)
-        dp_passes = data_parallel.passes(schedule.num_stages)
-        if not recompute and schedule.options and schedule.option("recompute") == "all":
-            recompute = [(s, mb) for s in range(schedule.num_stages) for mb in range(schedule.m)]
-        passes = PASSES + dp_passes + ((add_recompute(recompute),) if recompute else ())
-        program = lower(schedule, passes)
-        if dp_passes:
-            check_dp_ops(program, data_parallel.policies(schedule.num_stages))
-        if recompute:
-            check_recompute(program)
-        compiled = _compile_program(program, costs)
-        # the compiled lists hold all the loop needs: free the ops (a transfer object per
-        # send and per receive) before the events are made; a deadlock lowers again to name it
-        del program
-        return _run(compiled, lambda: lower(schedule, passes))
+
+        def lowered() -> Program:
+            return lower_for(schedule, policies=data_parallel.sharding, dp=data_parallel.dp, recompute=recompute)
+
+        compiled = _compile_program(lowered(), costs)
+        # the compiled lists hold all the loop needs: the ops (a transfer object per send and
+        # per receive) are freed before the events are made; a deadlock lowers again to name it
+        return _run(compiled, lowered)
 
 
 def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:

@@ -8,7 +8,10 @@ Torch loads it with `_load_csv(path, format="compute_comms")`, which takes the o
 given. Every op has torch's name: compute as in the compute-only CSV (our B is torch's I,
 our BW torch's B), transfers and DP ops as they are in our text form (`2SEND_F5`,
 `3RECV_B1`, `1UNSHARD`, `1RESHARD`, `0REDUCE_GRAD`): torch and pipeblocks both name a
-transfer by the stage on the rank that runs it. Sequence chunks have no torch form.
+transfer by the stage on the rank that runs it. Sequence chunks have no torch form, and
+neither has a recomputation (`RECOMPUTE`) nor an optimizer step: a Program holding one is
+refused with the option to drop, not written without it (torch recomputes inside the
+module, by activation checkpointing, which the CSV does not carry).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from ..core.actions import Action
 from ..core.errors import ScheduleError
 from ..core.ops import format_op, parse_op
 from ..core.placement import Placement
-from ..core.program import Comm, DPOp, OptimizerStep, Program
+from ..core.program import Comm, DPOp, OptimizerStep, Program, Recompute
 from ..core.schedule import Schedule
 from .torch_pipelining import from_torch_rows, to_torch_rows
 
@@ -40,6 +43,14 @@ def program_to_torch_rows(program: Program) -> list[list[str]]:
             raise ScheduleError(
                 f"rank {rank} holds optimizer step {step}: torch.distributed.pipelining has no optimizer-step "
                 "action, so an asynchronous program cannot be exported (export its synchronous schedule instead)"
+            )
+        recompute = next((op for op in ops if type(op) is Recompute), None)
+        if recompute is not None:
+            raise ScheduleError(
+                f"rank {rank} holds recomputation {format_op(recompute)}: torch.distributed.pipelining has no "
+                "recompute action, so a recomputing program cannot be exported as torch's CSV: drop the "
+                "recomputation (--recompute none, or the schedule without -r, e.g. 1f1b for 1f1b-r) and checkpoint "
+                "the modules' activations in torch instead"
             )
         names = iter(next(compute))
         rows.append([next(names) if type(op) is Action else format_op(op) for op in ops])

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..core.costs import Costs
-from ..core.dp_model import DataParallel, Link, all_reduce_time
+from ..core.dp_model import DPCostModel, Link, all_reduce_time
 from ..core.sharding import ShardingPolicy
 from ..sim.analytic import Hardware, TransformerConfig, dp_link, layer_split, transformer_costs
 from ..sim.memory_estimate import activation_costs
@@ -58,7 +58,7 @@ def replica_costs(
     )
     if intensity:
         base = _with_intensity(base, config, hardware, tp, seq_chunks)
-    data_parallel = DataParallel(dp=dp, sharding=(sharding,), link=dp_link(hardware, dp * tp), precision=precision)
+    data_parallel = DPCostModel(dp=dp, sharding=(sharding,), link=dp_link(hardware, dp * tp), precision=precision)
     if tp == 1:
         return dataclasses.replace(base, data_parallel=data_parallel)
     counts = layer_split(config.layers, num_stages)

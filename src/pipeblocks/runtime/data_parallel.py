@@ -25,7 +25,7 @@ FSDP's own backward hooks only accumulate; the REDUCE_GRAD op turns them on and 
 FSDP's post-backward for the chunk (as torch.distributed.pipelining's `perform_reduce_grad`
 does), once per chunk per step.
 
-Static bytes (`static_bytes`): parameters, gradients and optimizer state this process holds,
+Static bytes (`held_bytes`): parameters, gradients and optimizer state this process holds,
 counted once per storage (sharded and gathered parameters both count as parameters). The
 peak is sampled where it can occur: before each op that frees (REDUCE_GRAD, RESHARD) and
 after the optimizer step. What each policy holds at that peak, for a chunk of P parameter
@@ -61,7 +61,7 @@ from .comm import PeerTimeoutError
 from .emulated_link import EmulatedLink
 from .static_memory import zero1_partition
 
-__all__ = ["DataParallel", "ChunkOptimizers", "measure_link", "static_bytes", "zero1_partition"]
+__all__ = ["DataParallel", "ChunkOptimizers", "held_bytes", "measure_link", "zero1_partition"]
 
 _FSDP = (ShardingPolicy.ZERO2, ShardingPolicy.ZERO3)
 
@@ -95,7 +95,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
 
 
-def static_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the distinct storages behind `tensors` (a DTensor counts its local shard)."""
     seen: set[int] = set()
     total = 0
@@ -299,7 +299,7 @@ class DataParallel:
 
     def sample_static(self) -> int:
         """Static bytes now; the step's peak keeps the largest sample."""
-        now = static_bytes(self.static_tensors())
+        now = held_bytes(self.static_tensors())
         self.peak_static = max(self.peak_static, now)
         return now
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from ..core.dp_model import DataParallel as DPModel
+from ..core.dp_model import DPCostModel
 from .emulate import precise_sleep
 
 __all__ = ["EmulatedLink"]
@@ -35,7 +35,7 @@ class EmulatedLink:
         seconds per ring step). stage_params: parameters of every global stage.
     """
 
-    def __init__(self, model: DPModel, stage_params: Sequence[float]) -> None:
+    def __init__(self, model: DPCostModel, stage_params: Sequence[float]) -> None:
         self.model = model
         self.stage_params = tuple(float(n) for n in stage_params)
         if any(not n >= 0 for n in self.stage_params):

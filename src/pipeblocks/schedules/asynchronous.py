@@ -19,7 +19,7 @@ import dataclasses
 from types import MappingProxyType
 
 from ..core.errors import ScheduleError
-from ..core.lower import PASSES, lower
+from ..core.lowering import lower_for
 from ..core.program import Program
 from ..core.schedule import Schedule
 from ..core.steps import add_optimizer_steps
@@ -61,7 +61,7 @@ def async_1f1b(*, p: int, n: int, steps: int) -> Program:
     """
     schedule = async_1f1b_schedule(p=p, n=n, steps=steps)
     check_structure(schedule)
-    program = lower(schedule, (*PASSES, add_optimizer_steps(n)))
+    program = lower_for(schedule, extra_passes=(add_optimizer_steps(n),))
     check_program(program)
     return program
 

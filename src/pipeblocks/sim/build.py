@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.costs import Costs, parse_costs
-from ..core.dp_model import UNIT_LINK, DataParallel, Link
+from ..core.dp_model import UNIT_LINK, DPCostModel, Link
 from ..core.errors import ScheduleError
+from ..core.lowering import lower_for
+from ..core.program import Program
 from ..core.request import CostSpec, ScheduleRequest
 from ..core.sharding import ShardingPolicy
 from ..core.schedule import Schedule, read_text_file
@@ -49,6 +51,12 @@ class Built:
     costs: Costs
     recompute: frozenset[tuple[int, int]] = frozenset()
     """(stage, microbatch) pairs to recompute (`--recompute`); pass to `simulate(..., recompute=)`"""
+
+    def program(self) -> Program:
+        """The Program the simulator and the runtime run for this request: its mesh's DP ops
+        and its recomputations (`core.lowering.lower_for`)."""
+        dp = self.costs.data_parallel
+        return lower_for(self.schedule, policies=dp.sharding, dp=dp.dp, recompute=self.recompute)
 
 
 def build(request: ScheduleRequest) -> Built:
@@ -153,7 +161,7 @@ def _build(request: ScheduleRequest) -> Built:
     return Built(request, schedule, _with_dp(request, costs, schedule.num_stages))
 
 
-def data_parallel(request: ScheduleRequest) -> DataParallel:
+def data_parallel(request: ScheduleRequest) -> DPCostModel:
     """The request's mesh, sharding, DP link and precision for the cost model."""
     spec = request.costs
     dp = request.mesh.dp
@@ -164,7 +172,7 @@ def data_parallel(request: ScheduleRequest) -> DataParallel:
     else:  # unit costs: the override is in the units of the costs (see core.dp_model)
         bandwidth = UNIT_LINK.bandwidth if spec.dp_bandwidth is None else spec.dp_bandwidth
         latency = UNIT_LINK.latency if spec.dp_latency is None else spec.dp_latency
-    return DataParallel(
+    return DPCostModel(
         dp=dp, sharding=request.sharding, link=Link(bandwidth, latency),
         precision="mixed" if spec.mixed_precision else "fp32",
     )

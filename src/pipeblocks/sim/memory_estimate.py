@@ -39,8 +39,7 @@ from dataclasses import dataclass
 
 from ..core.costs import Costs
 from ..core.dp_model import PRECISIONS, Precision, static_peak_bytes
-from ..core.lower import PASSES, lower
-from ..core.passes_dp import dp_passes
+from ..core.lowering import lower_for
 from ..core.schedule import Schedule
 from ..core.sharding import ShardingPolicy, parse_sharding, per_stage
 from ..core.simulate import simulate
@@ -235,7 +234,7 @@ def estimate_memory(
     params = tuple(sum(math.prod(shape) for shape in stage) for stage in shapes)
     costs = activation_costs(config, S, schedule.seq_chunks, seq_split=seq_split, w_keeps=w_keeps)
     activation = simulate(schedule, costs).peak_activation
-    program = lower(schedule, PASSES + dp_passes(policies, dp))
+    program = lower_for(schedule, policies=policies, dp=dp)
     ranks = []
     for r in range(schedule.p):
         mine = schedule.placement.stages_of(r)

@@ -11,6 +11,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from ..core.recompute import recompute_pairs
 from ..core.schedule import Schedule
 from ..core.sharding import ShardingPolicy, per_stage
 from ..models.config import GPTConfig
@@ -115,12 +116,7 @@ class TrainConfig:
     @property
     def recompute_pairs(self) -> frozenset[tuple[int, int]]:
         """The pairs the runtime recomputes: `recompute`, or the schedule's own (`1f1b-r`)."""
-        if self.recompute:
-            return frozenset(self.recompute)
-        s = self.schedule
-        if s.options and s.option("recompute") == "all":
-            return frozenset((stage, mb) for stage in range(s.num_stages) for mb in range(s.m))
-        return frozenset()
+        return recompute_pairs(self.schedule, self.recompute)
 
     @property
     def data_parallel(self) -> bool:

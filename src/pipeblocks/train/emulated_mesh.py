@@ -18,10 +18,8 @@ import statistics
 from dataclasses import dataclass
 
 from ..core.costs import Costs
-from ..core.dp_model import DataParallel as DPModel
-from ..core.dp_model import Link
-from ..core.lower import PASSES, lower
-from ..core.passes_dp import dp_passes, dp_passes_at_end
+from ..core.dp_model import DPCostModel, Link
+from ..core.lowering import lower_for
 from ..core.sharding import parse_sharding
 from ..core.simulate import simulate_program
 
@@ -60,10 +58,10 @@ class EmulatedMeshCase:
 
         return schedules.get(self.schedule)(p=self.p, m=self.m, **dict(self.options))
 
-    def dp_model(self, num_stages: int) -> DPModel:
+    def dp_model(self, num_stages: int) -> DPCostModel:
         if len(self.stage_params) != num_stages:
             raise ValueError(f"stage_params has {len(self.stage_params)} entries for {num_stages} stages")
-        return DPModel(dp=self.dp, sharding=parse_sharding(self.sharding),
+        return DPCostModel(dp=self.dp, sharding=parse_sharding(self.sharding),
                        link=Link(bandwidth=self.bandwidth, latency=self.latency))
 
 
@@ -72,11 +70,11 @@ def predict_emulated_mesh(case: EmulatedMeshCase) -> dict:
     schedule = case.build_schedule()
     S = schedule.num_stages
     model = case.dp_model(S)
-    passes = (dp_passes_at_end if case.reduce_at_end else dp_passes)(model.policies(S), case.dp)
     # one time per global stage: a scalar would be a full stage's, split among its v chunks
     costs = Costs(t_f=(case.f_ms / 1e3,) * S, t_b=(case.b_ms / 1e3,) * S, t_w=(case.w_ms / 1e3,) * S,
                   params=case.stage_params, data_parallel=model)
-    timeline = simulate_program(lower(schedule, PASSES + passes), costs)
+    program = lower_for(schedule, policies=model.sharding, dp=case.dp, reduce_at_end=case.reduce_at_end)
+    timeline = simulate_program(program, costs)
     return {"step_s": timeline.makespan, "exposed_s": max(timeline.exposed_comm), "comm_s": max(timeline.comm_time)}
 
 

@@ -246,11 +246,11 @@ def _full_params(built) -> dict:
 
 def _static_now(built, optimizer) -> int:
     """Parameter, gradient and optimizer-state bytes this rank holds now (after the step)."""
-    from ..runtime.data_parallel import static_bytes
+    from ..runtime.data_parallel import held_bytes
 
     tensors = [t for s in built for p in s.parameters() for t in (p, p.grad)]
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return static_bytes(tensors)
+    return held_bytes(tensors)
 
 
 def _predict_static(cfg: TrainConfig, program, rank: int, replica: int, shapes, element_size: int) -> tuple[int, int]:
@@ -384,14 +384,13 @@ def _emulated_link(cfg: TrainConfig, stages):
     run's link, sized by the parameters of this rank's stages (other stages: never issued)."""
     if cfg.emulate is None or cfg.emulated_link is None:
         return None
-    from ..core.dp_model import DataParallel as DPModel
-    from ..core.dp_model import Link
+    from ..core.dp_model import DPCostModel, Link
     from ..runtime.emulated_link import EmulatedLink
 
     params = [0.0] * cfg.schedule.num_stages
     for index, module in stages.items():
         params[index] = float(sum(q.numel() for q in module.parameters()))
-    model = DPModel(dp=cfg.dp, sharding=tuple(cfg.sharding), link=Link(*cfg.emulated_link))
+    model = DPCostModel(dp=cfg.dp, sharding=tuple(cfg.sharding), link=Link(*cfg.emulated_link))
     return EmulatedLink(model, params)
 
 

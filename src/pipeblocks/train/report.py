@@ -171,12 +171,12 @@ def build_report(
     costs = profiled_costs(schedule, timed, [x.m_b for x in memory], [x.m_w for x in memory], seq_mem)
     link = next((r.dp_link for r in by_rank if r.dp_link is not None), None)
     if dp > 1 and link is not None and stage_param_bytes is not None:
-        from ..core.dp_model import DataParallel, Link
+        from ..core.dp_model import DPCostModel, Link
         from ..core.sharding import parse_sharding
 
         costs = dataclasses.replace(
             costs, params=tuple(b / 4 for b in stage_param_bytes),
-            data_parallel=DataParallel(dp=dp, sharding=parse_sharding(list(sharding)),
+            data_parallel=DPCostModel(dp=dp, sharding=parse_sharding(list(sharding)),
                                        link=Link(bandwidth=link[0], latency=link[1])),
         )
     if all(hasattr(x, "input_ratio") for x in memory):  # profiled: what a recomputed forward keeps

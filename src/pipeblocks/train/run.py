@@ -219,12 +219,11 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) 
 def _static_predicted(cfg: TrainConfig, stages) -> list[int]:
     """Peak static bytes per pipeline rank (replica 0) in a steady-state step: parameters,
     gradients and AdamW state as the mesh's policies hold them (runtime.static_memory)."""
-    from ..core.lower import PASSES, lower
-    from ..core.passes_dp import dp_passes
+    from ..core.lowering import lower_for
     from ..runtime.static_memory import predict_static_peak
 
     s = cfg.schedule
-    program = lower(s, PASSES + dp_passes(cfg.sharding, cfg.dp))
+    program = lower_for(s, policies=cfg.sharding, dp=cfg.dp, recompute=cfg.recompute_pairs)
     shapes = {st.index: [tuple(p.shape) for p in st.parameters() if p.requires_grad] for st in stages}
     element_size = next(p.element_size() for st in stages for p in st.parameters())
     return [

@@ -1,0 +1,76 @@
+"""The one entry that lowers a Schedule for a run: which passes, in which order.
+
+Every consumer of a Program (the simulator, the runtime, `show --program`, `export`, the
+memory estimate, the dry run, the emulated-mesh prediction, the asynchronous programs)
+lowers through `lower_for`, so they hold the same Program by construction::
+
+    program = lower_for(schedule, policies=parse_sharding("zero3"), dp=2, recompute=[(0, 1)])
+
+The passes, in order (`lower.lower` runs them):
+
+    add_p2p                         sends and receives (`lower.PASSES`)
+    dp_passes(policies, dp)         UNSHARD/RESHARD for zero3 stages, REDUCE_GRAD
+                                    (`dp_passes_at_end` with reduce_at_end): only when the
+                                    mesh needs DP ops (`passes_dp.needs_dp_ops`)
+    add_recompute(pairs)            RECOMPUTE before each chosen pair's first backward
+    extra_passes                    what the caller adds (the optimizer steps of an
+                                    asynchronous program)
+
+Recomputation: the pairs given, or when none are given the schedule's own
+(`recompute.recompute_pairs`: every pair for a schedule whose options say recompute="all", as
+`1f1b-r`). The placement checks of the ops a pass added (`check_dp_ops`,
+`check_recompute`) always run: they are linear scans, as cheap as the passes. `check`
+adds the schedule's structure and the deadlock check, as before a launch; the simulator
+leaves it off (it finds a deadlock itself, and stays fast).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from .lower import PASSES, Pass, check_deadlock, lower
+from .passes_dp import check_dp_ops, dp_passes, dp_passes_at_end
+from .program import Program
+from .recompute import add_recompute, check_recompute, recompute_pairs
+from .schedule import Schedule
+from .sharding import ShardingPolicy, per_stage
+from .validate import check_structure
+
+__all__ = ["lower_for"]
+
+Pair = tuple[int, int]
+
+
+def lower_for(
+    schedule: Schedule,
+    *,
+    policies: Iterable[ShardingPolicy | str] = (),
+    dp: int = 1,
+    recompute: Iterable[Pair] | None = None,
+    reduce_at_end: bool = False,
+    extra_passes: Sequence[Pass] = (),
+    check: bool = False,
+) -> Program:
+    """The Program of `schedule` on a mesh of `dp` replicas with sharding `policies` (one
+    for every stage or one per stage; none: replicate), recomputing `recompute` (or the
+    schedule's own pairs, `recompute.recompute_pairs`).
+
+    reduce_at_end: every REDUCE_GRAD at the end of the rank's step (the no-overlap baseline)
+        instead of after its stage's last weight gradient.
+    extra_passes: run after the others, in order.
+    check: also prove the schedule's structure (`validate.check_structure`) before lowering
+        and the Program free of deadlock (`lower.check_deadlock`) after, as a launch needs.
+    """
+    if check:
+        check_structure(schedule)
+    stage_policies = per_stage(tuple(policies), schedule.num_stages) if policies else ()
+    dp_lowering = (dp_passes_at_end if reduce_at_end else dp_passes)(stage_policies, dp)
+    pairs = recompute_pairs(schedule, recompute)
+    passes = PASSES + dp_lowering + ((add_recompute(pairs),) if pairs else ()) + tuple(extra_passes)
+    program = lower(schedule, passes)
+    if check:
+        check_deadlock(program)
+    if dp_lowering:
+        check_dp_ops(program, stage_policies or None)
+    if pairs:
+        check_recompute(program)
+    return program

@@ -1,0 +1,148 @@
+"""One lowering entry (`core.lowering.lower_for`): every consumer holds the same Program.
+
+For each schedule, mesh and recomputation, the Program `show --program` prints, the one
+`export --format torch-comms-csv` writes, the simulator's, the runtime's, the memory
+estimate's and the emulated-mesh prediction's are the same ops in the same order.
+"""
+from __future__ import annotations
+
+import importlib
+import types
+
+import pytest
+
+from pipeblocks.cli.common import request_from_args
+from pipeblocks.cli.main import build_parser, main
+from pipeblocks.core import lowering
+from pipeblocks.core.errors import ScheduleError
+from pipeblocks.core.lowering import lower_for
+from pipeblocks.core.program import Recompute
+from pipeblocks.core.recompute import all_pairs, recompute_pairs
+from pipeblocks.core.sharding import parse_sharding, per_stage
+from pipeblocks.core.simulate import simulate
+from pipeblocks.interop import program_to_torch_csv
+from pipeblocks.schedules import get
+from pipeblocks.sim import memory_estimate
+from pipeblocks.sim.analytic import TransformerConfig
+from pipeblocks.sim.build import build
+from pipeblocks.train import emulated_mesh
+
+simulate_module = importlib.import_module("pipeblocks.core.simulate")  # the package's name is the function
+
+P, M = 2, 4
+SCHEDULES = ("1f1b", "1f1b-r", "zb-v", "v-half", "interleaved-1f1b", "elastic")
+MESHES = ((1, "replicate"), (2, "zero3"), (2, "zero1"))  # (dp, sharding)
+RECOMPUTE = ("none", "all")  # --recompute; "none" leaves a -r schedule its own pairs
+CONFIG = TransformerConfig(layers=8, hidden=16, heads=2, seq=8, vocab=32, microbatch_size=1, dtype="fp32",
+                           flash_attention=True, dropout=False)
+
+
+def _recording(monkeypatch, module) -> list:
+    """Every Program `module`'s `lower_for` returns, in call order."""
+    seen: list = []
+
+    def recording(*args, **kwargs):
+        program = lower_for(*args, **kwargs)
+        seen.append(program)
+        return program
+
+    monkeypatch.setattr(module, "lower_for", recording)
+    return seen
+
+
+def _generator_options(schedule) -> tuple:
+    """The options to build `schedule` again (elastic: the groups it chose, without the
+    provenance it records)."""
+    return tuple((k, v) for k, v in schedule.options if k in ("v", "forward_groups", "backward_groups"))
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_consumer_lowers_the_same_program(name, monkeypatch, capsys):
+    from pipeblocks.runtime.runner import _lower
+
+    simulated = _recording(monkeypatch, simulate_module)
+    estimated = _recording(monkeypatch, memory_estimate)
+    emulated = _recording(monkeypatch, emulated_mesh)
+    for dp, sharding in MESHES:
+        for recompute in RECOMPUTE:
+            argv = [name, "-p", str(P), "-m", str(M), "--dp", str(dp), "--sharding", sharding, "--recompute", recompute]
+            where = " ".join(argv)
+            code, shown, err = _cli(capsys, "show", *argv, "--program")
+            assert code == 0, f"{where}: {err}"
+
+            built = build(request_from_args(build_parser().parse_args(["show", *argv])))
+            schedule, program = built.schedule, built.program()
+            assert program.to_text() == shown, where
+
+            simulate(schedule, built.costs, recompute=built.recompute)
+            assert simulated[-1].to_text() == shown, where
+
+            policies = per_stage(parse_sharding(sharding), schedule.num_stages)
+            needs_dp = dp > 1 or sharding != "replicate"
+            runtime_dp = types.SimpleNamespace(policies=policies, d=dp, reduce_at_end=False) if needs_dp else None
+            assert _lower(schedule, runtime_dp, recompute_pairs(schedule, built.recompute)).to_text() == shown, where
+
+            code, csv, err = _cli(capsys, "export", *argv, "--format", "torch-comms-csv")
+            recomputes = any(type(op) is Recompute for ops in program.ranks for op in ops)
+            if recomputes:  # torch's CSV has no recompute action: refused, not written without it
+                assert code == 2 and "no recompute action" in err and "--recompute none" in err, where
+            else:
+                assert code == 0, f"{where}: {err}"
+                assert csv == program_to_torch_csv(program), where
+
+            if recompute == "none":  # the estimate and the emulated mesh take the schedule's own pairs only
+                memory_estimate.estimate_memory(CONFIG, schedule, dp=dp, sharding=(sharding,))
+                assert estimated[-1].to_text() == shown, where
+            if recompute == "none" and dp > 1:  # the emulated mesh measures DP communication: dp > 1 only
+                case = emulated_mesh.EmulatedMeshCase(
+                    name, p=P, dp=dp, m=M, f_ms=1, b_ms=1, w_ms=1, stage_params=(1e3,) * schedule.num_stages,
+                    bandwidth=1e9, sharding=sharding, options=_generator_options(schedule),
+                )
+                emulated_mesh.predict_emulated_mesh(case)
+                assert emulated[-1].to_text() == shown, where
+
+
+def test_given_pairs_reach_the_simulator_and_the_runtime_alike(monkeypatch):
+    from pipeblocks.runtime.runner import _lower
+
+    from pipeblocks.core.costs import Costs
+    from pipeblocks.core.dp_model import DPCostModel
+
+    simulated = _recording(monkeypatch, simulate_module)
+    schedule = get("1f1b-r")(p=P, m=M)
+    pairs = frozenset({(0, 1), (1, 3)})
+    zero3 = parse_sharding("zero3")
+    simulate(schedule, Costs(data_parallel=DPCostModel(dp=2, sharding=zero3)), recompute=pairs)
+    runtime_dp = types.SimpleNamespace(policies=per_stage(zero3, 2), d=2, reduce_at_end=False)
+    program = _lower(schedule, runtime_dp, recompute_pairs(schedule, pairs))
+    assert program == simulated[-1] == lower_for(schedule, policies=zero3, dp=2, recompute=pairs)
+    assert {op.unit[:2] for ops in program.ranks for op in ops if type(op) is Recompute} == pairs
+
+
+def test_recompute_pairs_given_or_the_schedules_own():
+    plain, own = get("1f1b")(p=P, m=M), get("1f1b-r")(p=P, m=M)
+    assert recompute_pairs(plain) == recompute_pairs(plain, ()) == frozenset()
+    assert recompute_pairs(own) == recompute_pairs(own, ()) == all_pairs(own)
+    assert recompute_pairs(own, [(0, 1)]) == recompute_pairs(plain, [[0, 1]]) == {(0, 1)}
+    with pytest.raises(ScheduleError, match=r"\(2, 0\) is outside the schedule"):
+        recompute_pairs(plain, [(2, 0)])
+
+
+def test_reduce_at_end_and_extra_passes_keep_their_order():
+    schedule = get("1f1b")(p=P, m=M)
+    at_end = lower_for(schedule, dp=2, reduce_at_end=True)
+    assert [str(op) for op in at_end.ranks[0][-1:]] == ["0REDUCE_GRAD"]
+    marked = []
+
+    def mark(program):
+        marked.append(program)
+        return program
+
+    assert lower_for(schedule, dp=2, extra_passes=(mark,)) == marked[0] == lower_for(schedule, dp=2)
+    assert lowering.__all__ == ["lower_for"]
