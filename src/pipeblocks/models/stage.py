@@ -55,9 +55,16 @@ class Stage(nn.Module):
         self._after = tuple(p for p in layout.after if p in parts)
         # Written into `_modules` directly: a model part may share a name with a stage
         # attribute (a top-level "layers" list is common), and the part must not replace it.
-        for path, module in parts.items():
-            self._mirror(path, module)
+        # In the order they run (before, shared, blocks, after): parameters() follows it, as
+        # the whole model's does, and so do the optimizer's state and the memory model's shapes.
+        for path in (*self._before, *(p for p in layout.shared if p in parts)):
+            self._mirror(path, parts[path])
         self._mirror(layout.blocks, nn.ModuleDict({str(i): blocks[i] for i in layers}))
+        for path in self._after:
+            self._mirror(path, parts[path])
+        unplaced = set(parts) - {*self._before, *self._after, *layout.shared}
+        if unplaced:
+            raise ValueError(f"stage {index}: parts {sorted(unplaced)} are not in the layout's before, after or shared")
 
     @property
     def is_first(self) -> bool:
