@@ -102,40 +102,62 @@ def _pin(captured: tuple[torch.Tensor | None, ...]):
     return hook
 
 
-def fused_backward(output: torch.Tensor, grad_output: torch.Tensor | None, inp: torch.Tensor | None) -> torch.Tensor | None:
-    """BW: accumulate all parameter gradients and return the gradient of `inp` (None if it needs none)."""
-    if output.grad_fn is None:
-        return None
-    grad = torch.ones_like(output) if grad_output is None else grad_output
-    needs_input = inp is not None and inp.requires_grad
-    torch.autograd.backward([output], [grad])
-    if not needs_input:
-        return None
-    dx = inp.grad
-    inp.grad = None
-    return dx if dx is not None else torch.zeros_like(inp)
+def fused_backward(output: torch.Tensor | Sequence[torch.Tensor], grad_output: torch.Tensor | Sequence | None,
+                   inp: torch.Tensor | Sequence[torch.Tensor] | None) -> torch.Tensor | list[torch.Tensor] | None:
+    """BW: accumulate all parameter gradients and return the gradient of `inp` (None if it needs none).
+
+    Several roots (a stage with several floating outputs): `output` and `grad_output` are
+    sequences, roots that need no gradient are skipped; several inputs: `inp` is a
+    sequence and the result a list (zeros for an input the roots do not depend on).
+    """
+    if isinstance(output, torch.Tensor):
+        if output.grad_fn is None:
+            return None
+        roots, grads = [output], [torch.ones_like(output) if grad_output is None else grad_output]
+    else:
+        pairs = [(o, g) for o, g in zip(output, grad_output, strict=True) if o.requires_grad]
+        if not pairs:
+            return None
+        roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+    inputs = [] if inp is None else [inp] if isinstance(inp, torch.Tensor) else list(inp)
+    torch.autograd.backward(roots, grads)
+    dxs = []
+    for t in inputs:
+        if not t.requires_grad:
+            dxs.append(None)
+            continue
+        dx, t.grad = t.grad, None
+        dxs.append(dx if dx is not None else torch.zeros_like(t))
+    return dxs[0] if isinstance(inp, torch.Tensor) else None if inp is None else dxs
 
 
 def input_backward(
-    output: torch.Tensor,
-    grad_output: torch.Tensor | None,
-    inp: torch.Tensor | None,
+    output: torch.Tensor | Sequence[torch.Tensor],
+    grad_output: torch.Tensor | Sequence | None,
+    inp: torch.Tensor | Sequence[torch.Tensor] | None,
     params: Sequence[torch.nn.Parameter],
     extra_inputs: Sequence[torch.Tensor] = (),
-) -> tuple[torch.Tensor | None, WeightGradWork]:
+) -> tuple[torch.Tensor | list[torch.Tensor] | None, WeightGradWork]:
     """B: return the gradient of `inp` and the work W will do later.
 
+    Several roots or inputs as in `fused_backward` (several roots are joined into one
+    scalar root, `_one_root`, so that W has one root node to start from).
     extra_inputs: leaf tensors whose gradient B must produce as well (with sequence chunks,
     the earlier chunks' K/V leaves, see sequence.py); it is accumulated into their `.grad`.
     """
+    if not isinstance(output, torch.Tensor):
+        output, grad_output = _one_root(output, grad_output)
+        if output is None:
+            return None, WeightGradWork([])
+    inputs = [] if inp is None else [inp] if isinstance(inp, torch.Tensor) else list(inp)
     root = output.grad_fn
     grad = torch.ones_like(output) if grad_output is None else grad_output
     trainable = [p for p in params if p.requires_grad]
     extras = [t for t in extra_inputs if t.requires_grad]
-    if root is None or not trainable and not extras and (inp is None or not inp.requires_grad):
+    needed = [t for t in inputs if t.requires_grad]
+    if root is None or not trainable and not extras and not needed:
         return None, WeightGradWork([])
-    needs_input = inp is not None and inp.requires_grad
-    targets = ([inp] if needs_input else []) + extras
+    targets = needed + extras
     children = _graph(root)
     on_input_path = _reaches(children, [get_gradient_edge(t).node for t in targets])
     on_input_path.add(root)
@@ -144,7 +166,7 @@ def input_backward(
     root_grads: list[torch.Tensor | None] = [None] * max(1, _num_outputs(root, output))
     root_grads[output.output_nr] = grad
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {root: tuple(root_grads)}
-    dx: torch.Tensor | None = None
+    dxs: dict[int, torch.Tensor] = {}
     if targets:
         handles = []
         try:
@@ -156,15 +178,34 @@ def input_backward(
         finally:
             for handle in handles:
                 handle.remove()
-        if needs_input:
-            dx = results[0] if results[0] is not None else torch.zeros_like(inp)
+        for t, g in zip(needed, results):
+            dxs[id(t)] = g if g is not None else torch.zeros_like(t)
         for leaf, g in zip(extras, results[len(results) - len(extras):]):
             if g is not None:
                 leaf.grad = g if leaf.grad is None else leaf.grad + g
     for group in groups:
         group.grads = [captured.get(node) for node in group.nodes]
     python_nodes = any(isinstance(n, torch._C._FunctionBase) for g in groups for n in g.nodes)
-    return dx, WeightGradWork(groups, keep_alive=output if python_nodes else None)
+    work = WeightGradWork(groups, keep_alive=output if python_nodes else None)
+    if isinstance(inp, torch.Tensor):
+        return dxs.get(id(inp)), work
+    return (None if inp is None else [dxs.get(id(t)) for t in inputs]), work
+
+
+def _one_root(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, None]:
+    """One scalar root for several roots: the sum of (output * its gradient).sum(), whose
+    gradient with respect to each output is exactly that output's gradient (1 * g). A single
+    root with a graph is returned as it is; roots that need no gradient are skipped."""
+    pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
+    if not pairs:
+        return None, None
+    if len(pairs) == 1 and pairs[0][0].grad_fn is not None:
+        return pairs[0]
+    with torch.enable_grad():
+        total = (pairs[0][0] * pairs[0][1]).sum()
+        for o, g in pairs[1:]:
+            total = total + (o * g).sum()
+    return total, None
 
 
 def _capture(store: dict, node: Node):

@@ -1,12 +1,15 @@
 """Point-to-point transfers for the executor: tags, the receive-posting plan, the mailbox.
 
 * Tags. Every tensor of a step has its own tag, from its `Comm.key` (payload, producing
-  stage, microbatch, sequence chunk), so a message can only land in its own buffer.
+  stage, microbatch, sequence chunk) and its leaf index in the activation (a tuple or dict
+  activation crosses as one message per leaf; shapes.py), so a message can only land in
+  its own buffer. The leaf index varies slowest, so tags grow with leaves only when used.
 * Posting plan. A receive is posted one compute action before the action that consumes
   it (so the transfer overlaps that compute) and waited for just before use. Backends
   without tags (NCCL) match messages per peer in issue order, so receives from one peer
   are posted in the order that peer sends them: the plan moves a receive earlier when a
-  later-consumed tensor is sent first.
+  later-consumed tensor is sent first. The leaves of one activation are sent together,
+  in leaf order, and their receives are posted together in the same order.
 * Mailbox. Sends and receives are queued and issued together right before the next
   compute or wait (sends never block). Every wait has a timeout. NCCL gets one
   `batch_isend_irecv` (it coalesces the batch). Gloo does not coalesce, and there the
@@ -25,7 +28,7 @@ import torch.distributed as dist
 from ..core.actions import Action
 from ..core.program import Comm, Program
 
-__all__ = ["PeerTimeoutError", "Tags", "receive_posts", "Mailbox"]
+__all__ = ["PeerTimeoutError", "Tags", "leaf_key", "receive_posts", "Mailbox"]
 
 
 class PeerTimeoutError(TimeoutError):
@@ -34,19 +37,28 @@ class PeerTimeoutError(TimeoutError):
 
 @dataclass(frozen=True)
 class Tags:
-    """Tags for one Program's tensors and for the shape pass."""
+    """Tags for one Program's tensors and for the shape pass (two messages per stage input:
+    the length of the metadata stream, then the stream; shapes.py)."""
 
     num_stages: int
     m: int
     seq_chunks: int
 
-    def data(self, key: tuple[str, int, int, int]) -> int:
+    def data(self, key: tuple[str, int, int, int], leaf: int = 0) -> int:
         payload, producer, mb, chunk = key
         kind = 0 if payload == "F" else 1
-        return 1 + ((kind * self.num_stages + producer) * self.m + mb) * self.seq_chunks + chunk
+        per_leaf = 2 * self.num_stages * self.m * self.seq_chunks  # tensors of one leaf index
+        index = ((kind * self.num_stages + producer) * self.m + mb) * self.seq_chunks + chunk
+        return 1 + 2 * self.num_stages + leaf * per_leaf + index
 
-    def shapes(self, stage: int) -> int:
-        return 1 + 2 * self.num_stages * self.m * self.seq_chunks + stage
+    def shapes(self, stage: int, part: int = 0) -> int:
+        """part 0: the stream's length; part 1: the stream."""
+        return 1 + 2 * stage + part
+
+
+def leaf_key(key: tuple, leaf: int) -> tuple:
+    """The mailbox key of one leaf of the tensor `key` names (leaf 0 keeps the key itself)."""
+    return key if leaf == 0 else (*key, leaf)
 
 
 def receive_posts(program: Program, rank: int) -> dict[int, list[Comm]]:

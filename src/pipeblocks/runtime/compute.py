@@ -3,6 +3,14 @@
 The executor owns order, communication and timing; a compute object owns the passes.
 `emulate.EmulatedCompute` has the same methods and sleeps instead.
 
+Activations are tensors, or tuples or dicts of tensors (shapes.py); a stage gets its
+input as `shapes.call_stage` passes it, with this microbatch's side inputs as keyword
+arguments. The gradient handed to a backward, and the one it returns, has the form of
+shapes.py: a tensor for an activation that is one floating tensor, else a tuple with one
+tensor per floating leaf. Every floating leaf of a stage input (stage > 0) requires grad;
+the floating outputs that require grad are the roots of its backward, each with its
+received gradient.
+
 Per (stage, microbatch[, sequence chunk]) the forward returns a `Unit` that the backward
 passes consume:
     forward        F: run the stage (and, on the last stage, the loss divided by m; for a
@@ -12,22 +20,24 @@ passes consume:
     full_backward  BW: both at once
 
 A (stage, microbatch) whose forward is recomputed (a RECOMPUTE op in the Program) runs F
-as `forward(..., keep=False)`: without autograd, keeping only the stage input (counted
-as a saved activation) and the random-number state; `recompute` then re-runs the
-forward with autograd from that input and state just before the backward, so the graph
-B and W use is the one a plain forward would have built, bit for bit.
+as `forward(..., keep=False)`: without autograd, keeping only the stage input (every leaf
+counted as a saved activation), its side inputs and the random-number state; `recompute`
+then re-runs the forward with autograd from that input and state just before the
+backward, so the graph B and W use is the one a plain forward would have built, bit for
+bit.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from .backward import WeightGradWork, fused_backward, input_backward
 from .memory import SavedTensorTracker
 from .sequence import KVCache, SequenceChunk
+from .shapes import call_stage, flatten, floating_leaves, leaves_of
 
 __all__ = ["Unit", "ModuleCompute", "RecomputeState"]
 
@@ -36,8 +46,8 @@ __all__ = ["Unit", "ModuleCompute", "RecomputeState"]
 class Unit:
     """State of one (stage, microbatch) between its passes."""
 
-    inp: torch.Tensor | None
-    root: torch.Tensor | None  # stage output, or the scaled loss on the last stage
+    inp: Any  # the stage input (an activation), None once its backward ran
+    root: Any  # stage output (an activation), or the scaled loss on the last stage
     loss: torch.Tensor | None = None  # unscaled loss (last stage)
     work: WeightGradWork | None = None
     chunk: SequenceChunk | None = None  # with sequence chunks: which one
@@ -52,6 +62,7 @@ class RecomputeState:
     target: torch.Tensor | None  # the loss target on the last stage
     rng: tuple[torch.Tensor, torch.Tensor | None]  # CPU and accelerator generator states at F
     handle: object | None = None  # the tracker's count of the kept input (a saved activation)
+    side: Mapping[str, Any] | None = None  # the microbatch's side inputs
 
 
 class ModuleCompute:
@@ -82,10 +93,11 @@ class ModuleCompute:
         self._params[stage] = params
 
     def forward(
-        self, stage: int, x: torch.Tensor, target: torch.Tensor | None, chunk: SequenceChunk | None = None,
-        *, keep: bool = True,
-    ) -> tuple[torch.Tensor | None, Unit]:
-        """Returns (tensor for the next stage or None on the last stage, unit state).
+        self, stage: int, x: Any, target: torch.Tensor | None, chunk: SequenceChunk | None = None,
+        *, keep: bool = True, side: Mapping[str, Any] | None = None,
+    ) -> tuple[Any, Unit]:
+        """Returns (activation for the next stage or None on the last stage, unit state).
+        side: this microbatch's side inputs, keyword arguments of the stage's forward.
         keep=False: run without autograd, for a unit that `recompute` rebuilds later."""
         if not keep:
             if chunk is not None:
@@ -93,39 +105,41 @@ class ModuleCompute:
                     f"stage {stage}: recomputing a sequence chunk is not supported (its K/V would be appended "
                     "twice); drop --recompute or --seq-chunks"
                 )
-            kept = RecomputeState(target, _rng_state(x.device), self.tracker.hold(x))
+            leaves = leaves_of(x)
+            held = self.tracker.hold(x) if isinstance(x, torch.Tensor) else tuple(self.tracker.hold(t) for t in leaves)
+            kept = RecomputeState(target, _rng_state(leaves[0].device), held, side)
             with torch.no_grad():
-                out, unit = self._forward(stage, x, target, None)
+                out, unit = self._forward(stage, x, target, None, side)
             unit.kept, unit.root = kept, None
             return out, unit
-        return self._forward(stage, x, target, chunk)
+        return self._forward(stage, x, target, chunk, side)
 
     def recompute(self, stage: int, unit: Unit) -> None:
         """Re-run the forward of `unit` with autograd, from its kept input and random state."""
         kept = unit.kept
         if kept is None:
             raise RuntimeError(f"stage {stage}: recompute of a unit whose forward kept its graph")
-        with _rng_restored(kept.rng, unit.inp.device):
-            _, fresh = self._forward(stage, unit.inp, kept.target, None)
+        with _rng_restored(kept.rng, leaves_of(unit.inp)[0].device):
+            _, fresh = self._forward(stage, unit.inp, kept.target, None, kept.side)
         unit.root, unit.kept = fresh.root, None
         # dropped after the graph saved the input again: one storage, counted once throughout
         kept.handle = None
 
     def _forward(
-        self, stage: int, x: torch.Tensor, target: torch.Tensor | None, chunk: SequenceChunk | None
-    ) -> tuple[torch.Tensor | None, Unit]:
-        if stage > 0 and x.is_floating_point():
-            x.requires_grad_(True)
+        self, stage: int, x: Any, target: torch.Tensor | None, chunk: SequenceChunk | None,
+        side: Mapping[str, Any] | None = None,
+    ) -> tuple[Any, Unit]:
+        if stage > 0:
+            for leaf in floating_leaves(x):
+                leaf.requires_grad_(True)
         if chunk is not None:
             chunk = replace(chunk, cache=self.kv_cache)
             self.kv_cache.take_used()
         with self.tracker.saving():
-            out = self.modules[stage](x) if chunk is None else self.modules[stage](x, chunk=chunk)
+            out = call_stage(self.modules[stage], x, side, chunk)
             leaves = self.kv_cache.take_used() if chunk is not None else ()
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(f"stage {stage} returned {type(out).__name__}; a stage module must return one tensor")
             if stage != self.last_stage:
-                return out.detach(), Unit(x, out, chunk=chunk, leaves=leaves)
+                return _detached(out, stage), Unit(x, out, chunk=chunk, leaves=leaves)
             loss = self.loss_fn(out, target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(
@@ -136,9 +150,10 @@ class ModuleCompute:
             loss = loss * (chunk.length / chunk.total)
         return None, Unit(x, loss / self.m, loss.detach(), chunk=chunk, leaves=leaves)
 
-    def input_grad(self, stage: int, unit: Unit, grad: torch.Tensor | None) -> torch.Tensor | None:
-        inp = unit.inp if stage > 0 else None
-        dx, unit.work = input_backward(unit.root, grad, inp, self._params[stage], unit.leaves)
+    def input_grad(self, stage: int, unit: Unit, grad: Any) -> Any:
+        root, grad, inp = _backward_args(stage, unit, grad)
+        dx, unit.work = input_backward(root, grad, inp, self._params[stage], unit.leaves)
+        dx = _input_gradient(stage, unit.inp, dx)
         unit.root = None  # frees the graph above the join nodes
         unit.inp = None
         self._backward_done(unit)
@@ -149,9 +164,9 @@ class ModuleCompute:
             unit.work.run()
         unit.work = None
 
-    def full_backward(self, stage: int, unit: Unit, grad: torch.Tensor | None) -> torch.Tensor | None:
-        inp = unit.inp if stage > 0 else None
-        dx = fused_backward(unit.root, grad, inp)
+    def full_backward(self, stage: int, unit: Unit, grad: Any) -> Any:
+        root, grad, inp = _backward_args(stage, unit, grad)
+        dx = _input_gradient(stage, unit.inp, fused_backward(root, grad, inp))
         unit.root = unit.inp = None
         self._backward_done(unit)
         return dx
@@ -161,6 +176,38 @@ class ModuleCompute:
         unit.leaves = ()
         if unit.chunk is not None and unit.chunk.index == 0:
             self.kv_cache.release(unit.chunk.stage, unit.chunk.microbatch)
+
+
+def _detached(out: Any, stage: int) -> Any:
+    """What the next stage gets: the output, cut from this stage's graph."""
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    layout, leaves = flatten(out, f"stage {stage}'s output")
+    return layout.build([t.detach() for t in leaves])
+
+
+def _backward_args(stage: int, unit: Unit, grad: Any) -> tuple[Any, Any, Any]:
+    """(roots, their gradients, inputs) for backward.py: the tensors themselves for a stage
+    whose output and input are one floating tensor each (the loss is the root of the last
+    stage), else lists: the floating outputs and their gradients, the floating inputs."""
+    root, inp = unit.root, unit.inp if stage > 0 else None
+    if not (isinstance(root, torch.Tensor) and (grad is None or isinstance(grad, torch.Tensor))):
+        root, grad = floating_leaves(root), leaves_of(grad)
+        if len(root) != len(grad):
+            raise ValueError(f"stage {stage}: {len(grad)} gradients for {len(root)} floating outputs")
+    if inp is not None and not (isinstance(inp, torch.Tensor) and inp.is_floating_point()):
+        inp = floating_leaves(inp) or None
+    return root, grad, inp
+
+
+def _input_gradient(stage: int, inp: Any, dx: Any) -> Any:
+    """The gradient of the stage input in the form of shapes.py (None: the backward reached
+    none of the input's floating leaves; on stage 0 always None)."""
+    if stage == 0 or isinstance(dx, torch.Tensor):
+        return dx if stage > 0 else None
+    if not floating_leaves(inp):
+        return ()  # nothing to send back
+    return None if dx is None else tuple(dx)
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

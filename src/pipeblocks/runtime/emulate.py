@@ -3,8 +3,9 @@
 With `PipelineRunner(..., compute=EmulatedCompute(costs, stages))` the runner executes the
 schedule exactly as in training (same Program, same receives, sends, hand-overs and
 waits, tensors of the real shapes and dtypes), but a forward sleeps `f_ms` per layer and
-returns zeros of the stage's output spec, B sleeps `b_ms` per layer and returns zeros
-of the input's spec, W sleeps `w_ms` per layer, and a fused BW sleeps B + W. Comparing the
+returns zeros of the stage's output spec (a tensor, tuple or dict, as the module returns),
+B sleeps `b_ms` per layer and returns a zero gradient of the input (shapes.py), W sleeps
+`w_ms` per layer, and a fused BW sleeps B + W. Comparing the
 measured Timeline with `simulate(schedule, costs.sim_costs(schedule))` shows the runtime's
 own overhead and bubbles on a machine far smaller than the model.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -27,7 +28,7 @@ from ..core.schedule import Schedule
 from ..core.costs import Costs
 from .backward import WeightGradWork
 from .compute import Unit
-from .shapes import TensorSpec, infer_output_spec
+from .shapes import ActivationSpec, TensorSpec, infer_output_spec, zero_gradient
 
 __all__ = ["EmulatedCosts", "EmulatedCompute", "precise_sleep"]
 
@@ -88,21 +89,23 @@ class EmulatedCompute:
         self.stages = stages
         self.num_stages = num_stages
         self.device = torch.device(device)
-        self._out: dict[tuple[int, TensorSpec], TensorSpec] = {}
+        self._out: dict[tuple, ActivationSpec] = {}
 
     def _sleep(self, ms_per_layer: float, stage: int) -> None:
         seconds = ms_per_layer * self.costs.layers_of(stage, self.num_stages) / 1000.0
         precise_sleep(seconds)
 
-    def forward(self, stage: int, x: torch.Tensor, target: torch.Tensor | None, *,
-                keep: bool = True) -> tuple[torch.Tensor | None, Unit]:
+    def forward(self, stage: int, x: Any, target: torch.Tensor | None, *, keep: bool = True,
+                side: Mapping[str, Any] | None = None) -> tuple[Any, Unit]:
         self._sleep(self.costs.f_ms, stage)
         if stage == self.num_stages - 1:
             return None, Unit(x, x, loss=torch.zeros(()))
-        key = (stage, TensorSpec.of(x))
+        spec = ActivationSpec.of(x)
+        key = (stage, spec, tuple((k, TensorSpec.of(v)) for k, v in side.items()) if side else ())
         if key not in self._out:
-            self._out[key] = infer_output_spec(self.stages[stage], key[1], self.device)
-        return torch.zeros(self._out[key].shape, dtype=self._out[key].dtype, device=self.device), Unit(x, x)
+            self._out[key] = infer_output_spec(self.stages[stage], spec, self.device, side)
+        out = self._out[key]
+        return out.layout.build([torch.zeros(s.shape, dtype=s.dtype, device=self.device) for s in out.leaves]), Unit(x, x)
 
     def use_parameters(self, stage: int, params) -> None:
         """A sharded chunk's gathered parameters: nothing to learn, the passes only sleep."""
@@ -111,9 +114,9 @@ class EmulatedCompute:
         """A recomputation takes the forward's time again."""
         self._sleep(self.costs.f_ms, stage)
 
-    def input_grad(self, stage: int, unit: Unit, grad: torch.Tensor | None) -> torch.Tensor | None:
+    def input_grad(self, stage: int, unit: Unit, grad: Any) -> Any:
         self._sleep(self.costs.b_ms, stage)
-        dx = torch.zeros_like(unit.inp) if stage > 0 else None
+        dx = zero_gradient(unit.inp) if stage > 0 else None
         unit.root = unit.inp = None
         unit.work = WeightGradWork([])
         return dx
@@ -122,8 +125,8 @@ class EmulatedCompute:
         self._sleep(self.costs.w_ms, stage)
         unit.work = None
 
-    def full_backward(self, stage: int, unit: Unit, grad: torch.Tensor | None) -> torch.Tensor | None:
+    def full_backward(self, stage: int, unit: Unit, grad: Any) -> Any:
         self._sleep(self.costs.b_ms + self.costs.w_ms, stage)
-        dx = torch.zeros_like(unit.inp) if stage > 0 else None
+        dx = zero_gradient(unit.inp) if stage > 0 else None
         unit.root = unit.inp = None
         return dx

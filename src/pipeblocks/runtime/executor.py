@@ -3,7 +3,9 @@
 The executor walks `program.ranks[rank]` in order and knows nothing about schedules:
 
     Action F    take the input (step input on stage 0, a received or locally handed-over
-                activation otherwise), run the forward, hand the output on
+                activation otherwise), run the forward (with the microbatch's side
+                inputs, if any), check the output against the shape pass's spec, hand
+                it on
     Action B    take the output gradient (received, handed over, or the loss), compute the
                 input gradient, hand it on; what W needs stays in the unit
     Action W    weight gradients of that unit
@@ -18,6 +20,10 @@ The executor walks `program.ranks[rank]` in order and knows nothing about schedu
     STEP        an optimizer step inside the Program (asynchronous training): handed to
                 the compute object's `optimizer_step(stage, step)`; only a compute object
                 that has that method runs a Program with steps
+
+An activation may be a tuple or dict of tensors (shapes.py): each of its leaves is a
+receive and a send of its own (one tag per leaf), and a gradient has one leaf per
+floating leaf of its activation (none: nothing crosses).
 
 With sequence chunks (schedule.seq_chunks = k > 1) the step's inputs and targets come cut
 into m*k units (index microbatch*k + chunk) and each forward gets the unit's
@@ -38,10 +44,10 @@ from ..core.actions import Action, Kind
 from ..core.ops import ACTION, DP, P2P, RECOMPUTE, STEP, require_known
 from ..core.program import Comm, DPOp, OptimizerStep, Program, Recompute
 from ..core.recompute import recompute_units
-from .comm import Mailbox, Tags, receive_posts
+from .comm import Mailbox, Tags, leaf_key, receive_posts
 from .compute import Unit
 from .sequence import SequenceChunk
-from .shapes import SpecMismatchError, TensorSpec
+from .shapes import TENSOR, ActivationSpec, SpecMismatchError, TensorSpec, activation_spec, leaves_of
 
 __all__ = ["RankExecutor", "RankRecord", "ActionError"]
 
@@ -62,9 +68,11 @@ class RankRecord:
 
 
 class RankExecutor:
-    """Executes `program.ranks[rank]`; `specs` maps every received key to its TensorSpec and
-    `out_specs[(stage, mb, chunk)]` is what this rank's stages must send on; `chunks` maps
-    (stage, mb, chunk) to its SequenceChunk when the schedule has sequence chunks."""
+    """Executes `program.ranks[rank]`; `specs` maps every received key to the spec of its
+    activation (for a "B" key, the activation whose gradient it is; a TensorSpec is one
+    tensor's) and `out_specs[(stage, mb, chunk)]` is what this rank's stages must produce;
+    `chunks` maps (stage, mb, chunk) to its SequenceChunk when the schedule has sequence
+    chunks."""
 
     def __init__(
         self,
@@ -73,8 +81,8 @@ class RankExecutor:
         compute,
         mailbox: Mailbox,
         device: torch.device,
-        specs: dict[tuple, TensorSpec],
-        out_specs: dict[tuple[int, int, int], TensorSpec],
+        specs: dict[tuple, ActivationSpec | TensorSpec],
+        out_specs: dict[tuple[int, int, int], ActivationSpec | TensorSpec],
         clock: Callable[[], float] = time.perf_counter,
         chunks: dict[tuple[int, int, int], SequenceChunk] | None = None,
         data_parallel=None,
@@ -87,8 +95,8 @@ class RankExecutor:
         self.compute = compute
         self.mailbox = mailbox
         self.device = device
-        self.specs = specs
-        self.out_specs = out_specs
+        self.specs = {key: activation_spec(spec) for key, spec in specs.items()}
+        self.out_specs = {key: activation_spec(spec) for key, spec in out_specs.items()}
         self.clock = clock
         self.chunks = chunks
         self.k = schedule.seq_chunks
@@ -109,15 +117,15 @@ class RankExecutor:
 
     def _compile(self) -> list[tuple]:
         """Per op, everything the step loop needs that does not change between steps: the
-        receives to post (key, spec, peer, tag), the op's key, peer, tag (for a receive: the
-        index of the pass after it) and error label. At a few milliseconds per pass every
+        receives to post (leaf key, spec, peer, tag), the op's key, peer, tag (for a receive:
+        the index of the pass after it) and labels. At a few milliseconds per pass every
         microsecond between two passes is bubble, so the loop looks nothing up and formats
         no text."""
         plan = []
         next_compute = len(self.ops) - 1
         for index in reversed(range(len(self.ops))):
             op = self.ops[index]
-            posts = tuple((r.key, self.specs[r.key], r.peer, self.tags.data(r.key)) for r in self.posts.get(index, ()))
+            posts = tuple(post for r in self.posts.get(index, ()) for post in self._leaf_posts(r))
             if isinstance(op, Action):
                 next_compute = index
                 plan.append((posts, _COMPUTE, op, None, 0, 0, None))
@@ -128,15 +136,39 @@ class RankExecutor:
             elif type(op) is OptimizerStep:
                 plan.append((posts, _STEP, op, None, 0, 0, None))
             elif op.send:
-                expected = self.out_specs[(op.stage, op.microbatch, op.seq_chunk or 0)] if op.payload == "F" else None
-                plan.append((posts, _SEND, op, op.key, op.peer, self.tags.data(op.key), (str(op), expected)))
+                count = len(self._sent_spec(op.key).leaves)
+                leaves = tuple((self.tags.data(op.key, i), str(op) if count == 1 else f"{op} (leaf {i})")
+                               for i in range(count))
+                plan.append((posts, _SEND, op, op.key, op.peer, 0, leaves))
             else:
-                plan.append((posts, _RECV, op, op.key, op.peer, next_compute, f"{op} from rank {op.peer}"))
+                spec = self._received_spec(op.key)
+                keys = tuple(leaf_key(op.key, i) for i in range(len(spec.leaves)))
+                plan.append((posts, _RECV, op, op.key, op.peer, next_compute,
+                             (f"{op} from rank {op.peer}", spec.layout, keys)))
         plan.reverse()
         return plan
 
-    def run(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None) -> RankRecord:
-        ready: dict[tuple, torch.Tensor] = {}  # activations/gradients handed to a local consumer or a SEND
+    def _received_spec(self, key: tuple) -> ActivationSpec:
+        spec = self.specs[key]
+        return spec.gradient() if key[0] == "B" else spec
+
+    def _sent_spec(self, key: tuple) -> ActivationSpec:
+        payload, stage, mb, chunk = key
+        if payload == "F":
+            return self.out_specs[(stage, mb, chunk)]
+        received = ("F", stage - 1, mb, chunk)  # the input whose gradient this is
+        spec = self.specs[received] if received in self.specs else self.out_specs[(stage - 1, mb, chunk)]
+        return spec.gradient()
+
+    def _leaf_posts(self, recv: Comm) -> list[tuple]:
+        spec = self._received_spec(recv.key)
+        return [(leaf_key(recv.key, i), leaf, recv.peer, self.tags.data(recv.key, i))
+                for i, leaf in enumerate(spec.leaves)]
+
+    def run(self, inputs: list | None, targets: list | None, side: list[dict] | None = None) -> RankRecord:
+        """One step. inputs and targets: per unit (microbatch * k + chunk) on the ranks of
+        the first and last stage; side: per microbatch, the side inputs every forward gets."""
+        ready: dict[tuple, object] = {}  # activations/gradients handed to a local consumer or a SEND
         units: dict[tuple, Unit] = {}
         losses: dict[int, float] = {}
         events: list[tuple[Action, float, float]] = []
@@ -149,14 +181,19 @@ class RankExecutor:
                     mailbox.recv(recv_key, spec.empty(device), recv_peer, recv_tag)
                 posted = index
             if code is _SEND:
-                tensor = ready.pop(key)
-                label, expected = extra
-                if expected is not None:
-                    self._check_sent(op, tensor, expected)
-                mailbox.send(tensor, peer, tag, label)
+                value = ready.pop(key)
+                leaves = [value] if isinstance(value, torch.Tensor) else leaves_of(value)
+                if len(leaves) != len(extra):
+                    raise ActionError(
+                        f"rank {self.rank}: {op} has {len(leaves)} tensors to send, but the shape pass planned "
+                        f"{len(extra)}: a backward must return one gradient per floating leaf of its input"
+                    )
+                for tensor, (leaf_tag, label) in zip(leaves, extra):
+                    mailbox.send(tensor if tensor.is_contiguous() else tensor.contiguous(), peer, leaf_tag, label)
                 continue
             if code is _RECV:
-                if not mailbox.arrived(key):
+                label, layout, keys = extra
+                if not all(map(mailbox.arrived, keys)):
                     # Idle until the transfer lands: post the receives due before the next pass
                     # now, so that their cost is not paid between the hand-over and that pass.
                     for ahead in range(posted + 1, tag + 1):
@@ -164,7 +201,10 @@ class RankExecutor:
                             mailbox.recv(recv_key, spec.empty(device), recv_peer, recv_tag)
                     posted = max(posted, tag)
                 start = clock()
-                ready[key] = mailbox.wait(key, extra)
+                if layout is TENSOR:
+                    ready[key] = mailbox.wait(key, label)
+                else:
+                    ready[key] = layout.build([mailbox.wait(k, label) for k in keys])
                 wait_s += clock() - start
                 continue
             if code is _DP:
@@ -183,7 +223,7 @@ class RankExecutor:
                 if code is _RECOMPUTE:
                     self.compute.recompute(op.stage, units[key])
                 else:
-                    self._compute(op, ready, units, losses, inputs, targets)
+                    self._compute(op, ready, units, losses, inputs, targets, side)
             except (SpecMismatchError, ActionError):
                 raise
             except Exception as err:
@@ -197,21 +237,25 @@ class RankExecutor:
             raise RuntimeError(f"rank {self.rank}: step ended with unconsumed state {leftover or list(ready)}")
         return RankRecord(tuple(events), tuple(losses[i] for i in sorted(losses)), wait_s)
 
-    def _compute(self, op: Action, ready, units, losses, inputs, targets) -> None:
+    def _compute(self, op: Action, ready, units, losses, inputs, targets, side) -> None:
         s, mb, chunk = op.stage, op.microbatch, op.seq_chunk or 0
         compute = self.compute
         if op.kind is Kind.F:
             unit_index = mb * self.k + chunk
             x = inputs[unit_index] if s == 0 else ready.pop(("F", s - 1, mb, chunk))
             target = targets[unit_index] if s == self.last else None
+            extra = {"side": side[mb]} if side else {}  # only then: compute objects without side inputs work
             if (s, mb, chunk) in self.recomputed:
-                out, unit = compute.forward(s, x, target, keep=False)
+                out, unit = compute.forward(s, x, target, keep=False, **extra)
             elif self.chunks is None:
-                out, unit = compute.forward(s, x, target)
+                out, unit = compute.forward(s, x, target, **extra)
             else:
-                out, unit = compute.forward(s, x, target, chunk=self.chunks[(s, mb, chunk)])
+                out, unit = compute.forward(s, x, target, chunk=self.chunks[(s, mb, chunk)], **extra)
             units[(s, mb, chunk)] = unit
             if out is not None:
+                expected = self.out_specs.get((s, mb, chunk))
+                if expected is not None:
+                    self._check_output(op, out, expected)
                 ready[("F", s, mb, chunk)] = out
             elif unit.loss is not None:
                 losses[mb] = losses.get(mb, 0.0) + float(unit.loss)  # chunk losses are weighted to sum
@@ -233,13 +277,22 @@ class RankExecutor:
                 )
             ready[("B", s, mb, chunk)] = dx
 
-    def _check_sent(self, op: Comm, tensor: torch.Tensor, expected: TensorSpec) -> None:
-        if tensor.shape == expected.shape and tensor.dtype == expected.dtype:
+    def _check_output(self, op: Action, out: object, expected: ActivationSpec) -> None:
+        """Before the output goes anywhere: the spec the shape pass announced to the next stage
+        (whose receive buffers have it), or a SpecMismatchError on this rank."""
+        if isinstance(out, torch.Tensor) and expected.layout.kind == "tensor":
+            leaf = expected.leaves[0]
+            if out.shape == leaf.shape and out.dtype == leaf.dtype:
+                return
+        problem = expected.mismatch(out)
+        if problem is None:
             return
-        got = TensorSpec.of(tensor)
-        if got != expected:
-            raise SpecMismatchError(
-                f"rank {self.rank}: stage {op.stage} produced {got} for microbatch {op.microbatch}, but the shape "
-                f"pass of the first step announced {expected} to stage {op.stage + 1}; stage outputs must keep "
-                "the shape and dtype of the first step"
-            )
+        path, got, want = problem
+        chunk = f", sequence chunk {op.seq_chunk}" if op.seq_chunk is not None else ""
+        whole = f" (the whole output: {expected})" if path != "output" else ""
+        raise SpecMismatchError(
+            f"rank {self.rank}: stage {op.stage}, microbatch {op.microbatch}{chunk}: {path} is {got}, but the shape "
+            f"pass of the first step announced {want} to stage {op.stage + 1}{whole}; stage outputs must keep their "
+            "shapes and dtypes across microbatches and steps: pad them to one shape (passing a mask as a side "
+            "input or an output), or build a new PipelineRunner for new shapes"
+        )

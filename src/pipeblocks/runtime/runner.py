@@ -3,6 +3,11 @@
     runner = PipelineRunner(schedule, {0: stage0}, loss_fn, rank=rank)
     for batch in data:
         result = runner.step(inputs, targets)   # m microbatches; then optimizer.step()
+        # or, with tensors every stage needs (the same on every rank; never sent):
+        result = runner.step(inputs, targets, side_inputs={"mask": mask})
+
+Activations (stage inputs and outputs) are tensors, or tuples or dicts of tensors; see the
+package docstring for how a stage is called with them, and shapes.py for how they cross.
 
 With a sequence-chunk schedule (Seq1F1B, `schedule.seq_chunks` = k > 1) the runner cuts each
 microbatch's inputs and targets along dim 1 into k chunks (`seq_lengths`, default even) and
@@ -24,17 +29,17 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from ..core.lowering import lower_for
 from ..core.program import Program
-from ..core.recompute import all_pairs
+from ..core.recompute import recompute_pairs
 from ..core.schedule import Schedule
-from ..core.validate import validate
 from ..core.timeline import Timeline
 from .comm import Mailbox, Tags
 from .compute import ModuleCompute
 from .executor import RankExecutor
 from .memory import SavedTensorTracker
 from .sequence import SequenceChunk, chunk_bounds
-from .shapes import MAX_DIMS, SpecMismatchError, TensorSpec, decode_specs, encode_specs, infer_output_spec
+from .shapes import ActivationSpec, SpecMismatchError, TensorSpec, decode_specs, encode_specs, flatten, infer_output_spec
 from .timeline import gather_timeline
 
 if TYPE_CHECKING:
@@ -96,11 +101,11 @@ class PipelineRunner:
     recompute: (stage, microbatch) pairs whose forward runs without keeping its autograd
         graph (only the stage input and the random state) and is re-run, with the graph,
         just before the pair's backward (`core.recompute.add_recompute` places the RECOMPUTE
-        ops); the gradients are those without recomputation. None: every pair when the
-        schedule's options say recompute="all" (`1f1b-r`), else none. Not with sequence
-        chunks (ValueError).
-    program: a lowered Program of `schedule` to run instead of `validate(schedule)`'s, such
-        as an asynchronous one (`pipeblocks.schedules.asynchronous`) whose OPTIMIZER_STEP
+        ops); the gradients are those without recomputation. None or none given: every pair
+        when the schedule's options say recompute="all" (`1f1b-r`), else none
+        (`core.recompute.recompute_pairs`). Not with sequence chunks (ValueError).
+    program: a lowered Program of `schedule` to run instead of `core.lowering.lower_for`'s,
+        such as an asynchronous one (`pipeblocks.schedules.asynchronous`) whose OPTIMIZER_STEP
         ops go to `compute.optimizer_step(stage, step)`; then one `step` call runs the
         whole Program (all its optimizer steps, one flush at the end).
     """
@@ -149,9 +154,7 @@ class PipelineRunner:
             self.recompute = frozenset()
             self.program = program
         else:
-            if recompute is None and schedule.options and schedule.option("recompute") == "all":
-                recompute = all_pairs(schedule)
-            self.recompute = frozenset(recompute or ())
+            self.recompute = recompute_pairs(schedule, recompute)
             if self.recompute and schedule.seq_chunks > 1:
                 raise ValueError(
                     f"schedule {schedule.name!r} cuts sequences into {schedule.seq_chunks} chunks: the runtime does not "
@@ -191,7 +194,8 @@ class PipelineRunner:
             data_parallel.compute = self.compute
             data_parallel.tracker = self.tracker
         self._executor: RankExecutor | None = None
-        self._input_specs: list[TensorSpec] | None = None
+        self._input_specs: list[ActivationSpec] | None = None
+        self._side_specs: list[dict[str, TensorSpec]] | None = None
 
     @property
     def holds_first_stage(self) -> bool:
@@ -203,21 +207,39 @@ class PipelineRunner:
 
     def step(
         self,
-        inputs: Sequence[torch.Tensor] | torch.Tensor | None = None,
-        targets: Sequence[torch.Tensor] | torch.Tensor | None = None,
+        inputs: Sequence | torch.Tensor | Mapping | None = None,
+        targets: Sequence | torch.Tensor | Mapping | None = None,
+        side_inputs: Mapping[str, torch.Tensor | Sequence[torch.Tensor]] | None = None,
     ) -> StepResult:
         """Run one step: every action of this rank's Program, then the flush.
 
-        inputs: the m microbatches of stage-0 input (a sequence of m tensors, or one tensor
-            split into m equal parts along dim 0); needed only on the rank holding stage 0.
+        inputs: the stage-0 input of the step's batch, needed only on the rank holding stage
+            0: a tensor, or a dict of tensors, each split into m equal parts along dim 0;
+            or a list (or tuple) of the m microbatches, each a tensor, a tuple or a dict of
+            tensors (a tuple at the top level is the m microbatches, as `x.chunk(m)` gives).
         targets: likewise for the loss targets, on the rank holding the last stage.
+        side_inputs: name -> tensor every stage's forward gets as a keyword argument (masks,
+            position ids): a tensor of the batch, split into m along dim 0, or a list of m.
+            They are not sent between ranks: give the same side inputs on every rank (each
+            from its own data loader). With sequence chunks every chunk of a microbatch gets
+            the whole microbatch's side inputs (slice them with `chunk.offset`/`chunk.length`).
+            Their shapes, like those of the inputs, are fixed by the first step.
         """
         m = self.schedule.m
         xs = _microbatches(inputs, m, "inputs") if self.holds_first_stage else None
         ys = _microbatches(targets, m, "targets") if self.holds_last_stage else None
+        side = _side_microbatches(side_inputs, m, self.device)
+        side_specs = [{name: TensorSpec.of(t) for name, t in mb.items()} for mb in side] if side else []
+        if self._side_specs is not None and side_specs != self._side_specs:
+            raise SpecMismatchError(
+                f"side inputs have specs {_side_text(side_specs)} but the first step had "
+                f"{_side_text(self._side_specs)}: shapes are fixed after the first step; pad the batch or build "
+                "a new PipelineRunner"
+            )
+        self._side_specs = side_specs
         if xs is not None:
-            xs = self._cut([x.to(self.device) for x in xs], "inputs")
-            specs = [TensorSpec.of(x) for x in xs]
+            xs = self._cut([_to(x, self.device) for x in xs], "inputs")
+            specs = [ActivationSpec.of(x, "the step inputs") for x in xs]
             if self._input_specs is not None and specs != self._input_specs:
                 raise SpecMismatchError(
                     f"step inputs have specs {[str(s) for s in specs]} but the first step had "
@@ -226,10 +248,10 @@ class PipelineRunner:
                 )
             self._input_specs = specs
         if ys is not None:
-            ys = self._cut([y.to(self.device) for y in ys], "targets")
+            ys = self._cut([_to(y, self.device) for y in ys], "targets")
         dp = self.data_parallel
         if self._executor is None:
-            self._executor = self._build_executor(xs)
+            self._executor = self._build_executor(xs, side)
             if dp is not None:
                 dp.after_shape_pass()
             if ys is not None and self._executor.chunks is not None:
@@ -241,7 +263,7 @@ class PipelineRunner:
         self.tracker.reset_peak()
         if dp is not None:
             dp.reset_step()
-        record = self._executor.run(xs, ys)
+        record = self._executor.run(xs, ys, side)
         if dp is not None:
             dp.finish()
         duration = time.perf_counter() - origin
@@ -272,15 +294,16 @@ class PipelineRunner:
         )
 
     # ---- sequence chunks -------------------------------------------------------
-    def _cut(self, parts: list[torch.Tensor], name: str) -> list[torch.Tensor]:
-        """m microbatches -> m*k units (microbatch-major), cut along dim 1."""
+    def _cut(self, parts: list, name: str) -> list:
+        """m microbatches -> m*k units (microbatch-major), every tensor cut along dim 1."""
         k = self.schedule.seq_chunks
         if k == 1:
             return parts
-        seq = parts[0].shape[1] if parts[0].dim() >= 2 else 0
+        first = flatten(parts[0], name)[1][0]
+        seq = first.shape[1] if first.dim() >= 2 else 0
         if seq < k:
             raise ValueError(
-                f"{name} have {seq} tokens per sequence (dim 1 of {tuple(parts[0].shape)}) but schedule "
+                f"{name} have {seq} tokens per sequence (dim 1 of {tuple(first.shape)}) but schedule "
                 f"{self.schedule.name!r} cuts every sequence into {k} chunks: use at most {seq} chunks "
                 "(--seq-chunks) or longer sequences"
             )
@@ -290,8 +313,19 @@ class PipelineRunner:
                 f"seq_lengths {list(lengths)} sum to {sum(lengths)} tokens but the {name} have {seq} per sequence: "
                 f"give chunk lengths that sum to {seq}"
             )
-        # clones: each unit owns its storage, so what autograd saves of it is freed with the unit
-        return [part[:, a:a + n].clone() for part in parts for a, n in chunk_bounds(lengths)]
+        units = []
+        for part in parts:
+            layout, leaves = flatten(part, name)
+            for leaf in leaves:
+                if leaf.dim() < 2 or leaf.shape[1] != seq:
+                    raise ValueError(
+                        f"{name} hold a tensor of shape {tuple(leaf.shape)} beside one of {seq} tokens (dim 1): "
+                        "with sequence chunks every tensor of the inputs and targets is [batch, tokens, ...]; "
+                        "pass other tensors as side inputs"
+                    )
+            # clones: each unit owns its storage, so what autograd saves of it is freed with the unit
+            units += [layout.build([leaf[:, a:a + n].clone() for leaf in leaves]) for a, n in chunk_bounds(lengths)]
+        return units
 
     def _check_target_chunks(self, ys: list[torch.Tensor]) -> None:
         last = self.schedule.num_stages - 1
@@ -299,14 +333,15 @@ class PipelineRunner:
         for mb in range(self.schedule.m):
             for c in range(k):
                 chunk = self._executor.chunks[(last, mb, c)]
-                if ys[mb * k + c].shape[1] != chunk.length:
+                length = flatten(ys[mb * k + c])[1][0].shape[1]
+                if length != chunk.length:
                     raise ValueError(
-                        f"rank {self.rank}: targets of microbatch {mb}, chunk {c} have {ys[mb * k + c].shape[1]} "
+                        f"rank {self.rank}: targets of microbatch {mb}, chunk {c} have {length} "
                         f"tokens but the last stage receives {chunk.length}: give every rank the same seq_lengths"
                     )
 
     # ---- first step: shapes ---------------------------------------------------
-    def _build_executor(self, xs: list[torch.Tensor] | None) -> RankExecutor:
+    def _build_executor(self, xs: list | None, side: list[dict] | None) -> RankExecutor:
         schedule = self.schedule
         if dist.get_backend(self.group) != "gloo":
             # NCCL wants every rank in the first call of a communicator; p2p calls come later
@@ -314,27 +349,21 @@ class PipelineRunner:
         placement = schedule.placement
         S, m, k = schedule.num_stages, schedule.m, schedule.seq_chunks
         tags = Tags(S, m, k)
-        in_specs: dict[int, list[TensorSpec]] = {}
-        out_specs: dict[int, list[TensorSpec]] = {}
+        in_specs: dict[int, list[ActivationSpec]] = {}
+        out_specs: dict[int, list[ActivationSpec]] = {}
         for stage in placement.stages_of(self.rank):
             if stage == 0:
-                specs = [TensorSpec.of(x) for x in xs]
+                specs = [ActivationSpec.of(x) for x in xs]
             elif placement.rank_of(stage - 1) == self.rank:
                 specs = out_specs[stage - 1]
             else:
-                peer = placement.rank_of(stage - 1)
-                buffer = torch.empty((m * k, 2 + MAX_DIMS), dtype=torch.int64, device=self.device)
-                self.mailbox.recv(("shapes", stage), buffer, peer, tags.shapes(stage))
-                specs = decode_specs(self.mailbox.wait(("shapes", stage), f"the shapes for stage {stage} from rank {peer}"))
+                specs = self._receive_specs(stage, placement.rank_of(stage - 1), tags)
             in_specs[stage] = specs
-            out_specs[stage] = self._infer(stage, specs)
+            out_specs[stage] = self._infer(stage, specs, side)
             if stage < S - 1 and placement.rank_of(stage + 1) != self.rank:
-                self.mailbox.send(encode_specs(out_specs[stage]).to(self.device), placement.rank_of(stage + 1),
-                                  tags.shapes(stage + 1),
-                                  f"the shapes for stage {stage + 1}")
-                self.mailbox.flush()
+                self._send_specs(stage + 1, out_specs[stage], placement.rank_of(stage + 1), tags)
         self.mailbox.finish()
-        recv_specs: dict[tuple, TensorSpec] = {}
+        recv_specs: dict[tuple, ActivationSpec] = {}
         for stage in placement.stages_of(self.rank):
             for mb in range(m):
                 for c in range(k):
@@ -345,13 +374,32 @@ class PipelineRunner:
         return RankExecutor(self.program, self.rank, self.compute, self.mailbox, self.device, recv_specs, sent,
                             chunks=chunks, data_parallel=self.data_parallel)
 
-    def _chunks(self, in_specs: dict[int, list[TensorSpec]]) -> dict[tuple[int, int, int], SequenceChunk]:
-        """Every unit's SequenceChunk, from the lengths of its stage input (dim 1)."""
+    def _send_specs(self, stage: int, specs: list[ActivationSpec], peer: int, tags: Tags) -> None:
+        """The input specs of `stage`, as two messages: the stream's length, then the stream
+        (each flushed alone: NCCL then never holds the stream's send in one batch with the
+        length's, whose receive the peer must complete before it can post the stream's)."""
+        stream = encode_specs(specs).to(self.device)
+        length = torch.tensor([stream.numel()], dtype=torch.int64, device=self.device)
+        self.mailbox.send(length, peer, tags.shapes(stage, 0), f"the size of the shapes for stage {stage}")
+        self.mailbox.flush()
+        self.mailbox.send(stream, peer, tags.shapes(stage, 1), f"the shapes for stage {stage}")
+        self.mailbox.flush()
+
+    def _receive_specs(self, stage: int, peer: int, tags: Tags) -> list[ActivationSpec]:
+        length = torch.empty(1, dtype=torch.int64, device=self.device)
+        self.mailbox.recv(("shapes", stage, 0), length, peer, tags.shapes(stage, 0))
+        size = int(self.mailbox.wait(("shapes", stage, 0), f"the shapes for stage {stage} from rank {peer}").item())
+        stream = torch.empty(size, dtype=torch.int64, device=self.device)
+        self.mailbox.recv(("shapes", stage, 1), stream, peer, tags.shapes(stage, 1))
+        return decode_specs(self.mailbox.wait(("shapes", stage, 1), f"the shapes for stage {stage} from rank {peer}"))
+
+    def _chunks(self, in_specs: dict[int, list[ActivationSpec]]) -> dict[tuple[int, int, int], SequenceChunk]:
+        """Every unit's SequenceChunk, from the lengths of its stage input (dim 1 of its first leaf)."""
         k = self.schedule.seq_chunks
         out = {}
         for stage, specs in in_specs.items():
             for mb in range(self.schedule.m):
-                units = specs[mb * k:(mb + 1) * k]
+                units = [spec.leaves[0] for spec in specs[mb * k:(mb + 1) * k]]
                 if any(len(spec.shape) < 2 for spec in units):
                     raise SpecMismatchError(
                         f"stage {stage} takes {units[0]} for microbatch {mb}; with sequence chunks stage inputs must "
@@ -362,51 +410,39 @@ class PipelineRunner:
                     out[(stage, mb, c)] = SequenceChunk(stage, mb, c, k, offset, n, sum(lengths))
         return out
 
-    def _infer(self, stage: int, specs: list[TensorSpec]) -> list[TensorSpec]:
+    def _infer(self, stage: int, specs: list[ActivationSpec], side: list[dict] | None) -> list[ActivationSpec]:
         if self.data_parallel is not None:
             self.data_parallel.before_compute(stage)  # a sharded chunk runs gathered (every replica alike)
-        cache: dict[TensorSpec, TensorSpec] = {}
+        k = self.schedule.seq_chunks
+        cache: dict[tuple, ActivationSpec] = {}
         out = []
-        for mb, spec in enumerate(specs):
-            if spec not in cache:
+        for unit, spec in enumerate(specs):
+            mb = unit // k
+            given = side[mb] if side else None
+            key = (spec, tuple((name, TensorSpec.of(t)) for name, t in given.items()) if given else ())
+            if key not in cache:
                 try:
-                    cache[spec] = infer_output_spec(self.stages[stage], spec, self.device)
+                    cache[key] = infer_output_spec(self.stages[stage], spec, self.device, given)
                 except SpecMismatchError as err:
                     source = "the step inputs" if stage == 0 else f"the output of stage {stage - 1}"
+                    with_side = f" with side inputs {_side_text([dict(key[1])])}" if given else ""
                     raise SpecMismatchError(
-                        f"stage {stage} (rank {self.rank}) cannot take {source}, {spec} (microbatch {mb}): {err}; "
-                        "make neighbouring stage modules agree on shape and dtype"
+                        f"stage {stage} (rank {self.rank}) cannot take {source}, {spec} (microbatch {mb}){with_side}: "
+                        f"{err}; make neighbouring stage modules agree on shape and dtype"
                     ) from err.__cause__
-            out.append(cache[spec])
+                except TypeError as err:
+                    raise TypeError(f"stage {stage} (rank {self.rank}): {err}") from err
+            out.append(cache[key])
         return out
 
 
-def _lower(schedule: Schedule, dp: DataParallel | None, recompute: frozenset[tuple[int, int]]):
-    """The Program with the DP ops the policies need and the recomputations, proved free of
-    deadlock and well placed."""
-    if dp is None and not recompute:
-        return validate(schedule)
-    from ..core.lower import PASSES, check_deadlock, lower
-    from ..core.passes_dp import check_dp_ops, dp_passes, dp_passes_at_end
-    from ..core.recompute import add_recompute, check_recompute
-    from ..core.sharding import per_stage
-    from ..core.validate import check_structure
-
-    check_structure(schedule)
-    passes = PASSES
-    policies = None
-    if dp is not None:
-        policies = per_stage(dp.policies, schedule.num_stages)
-        passes += (dp_passes_at_end if dp.reduce_at_end else dp_passes)(policies, dp.d)
-    if recompute:
-        passes += (add_recompute(recompute),)
-    program = lower(schedule, passes)
-    check_deadlock(program)
-    if policies is not None:
-        check_dp_ops(program, policies)
-    if recompute:
-        check_recompute(program)
-    return program
+def _lower(schedule: Schedule, dp: DataParallel | None, recompute: frozenset[tuple[int, int]]) -> Program:
+    """The Program with the DP ops this rank's `dp` needs and the recomputations
+    (`lowering.lower_for`), proved free of deadlock and well placed."""
+    if dp is None:
+        return lower_for(schedule, recompute=recompute, check=True)
+    return lower_for(schedule, policies=dp.policies, dp=dp.d, recompute=recompute, reduce_at_end=dp.reduce_at_end,
+                     check=True)
 
 
 def _even(seq: int, k: int) -> tuple[int, ...]:
@@ -468,18 +504,55 @@ def _module_device(stages: Mapping[int, torch.nn.Module]) -> torch.device:
     return torch.device("cpu")
 
 
-def _microbatches(value, m: int, name: str) -> list[torch.Tensor]:
+def _microbatches(value, m: int, name: str) -> list:
+    """m microbatches: of a tensor or a dict of tensors (split along dim 0), or as given (a
+    list or tuple of m)."""
     if value is None:
         raise ValueError(f"{name} are required on this rank: it holds the stage that consumes them")
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0 or value.shape[0] % m:
-            raise ValueError(
-                f"{name} has leading dimension {value.shape[0] if value.dim() else 0}, not divisible by m={m}: "
-                f"give a batch size that is a multiple of {m}, or a list of {m} microbatches"
-            )
+    if isinstance(value, (torch.Tensor, Mapping)):
+        layout, leaves = flatten(value, name)
+        for leaf in leaves:
+            if leaf.dim() == 0 or leaf.shape[0] % m:
+                raise ValueError(
+                    f"{name} has leading dimension {leaf.shape[0] if leaf.dim() else 0}, not divisible by m={m}: "
+                    f"give a batch size that is a multiple of {m}, or a list of {m} microbatches"
+                )
         # clones: each microbatch owns its storage, so what autograd saves of it is freed with it
-        return [part.clone() for part in value.chunk(m)]
+        parts = [[part.clone() for part in leaf.chunk(m)] for leaf in leaves]
+        return [layout.build([p[i] for p in parts]) for i in range(m)]
     value = list(value)
     if len(value) != m:
         raise ValueError(f"{name} has {len(value)} microbatches but the schedule has m={m}: give exactly {m}")
     return value
+
+
+def _side_microbatches(side, m: int, device: torch.device) -> list[dict[str, torch.Tensor]] | None:
+    """Per microbatch, name -> tensor (on `device`); None without side inputs."""
+    if not side:
+        return None
+    if not isinstance(side, Mapping):
+        raise TypeError(f"side_inputs must be a dict name -> tensor, got {type(side).__name__}")
+    per_name = {}
+    for name, value in side.items():
+        if not isinstance(name, str) or name == "chunk":
+            raise ValueError(f"side input name {name!r}: names are str keywords of the stages' forward, not 'chunk'")
+        parts = _microbatches(value, m, f"side input {name!r}")
+        bad = [type(t).__name__ for t in parts if not isinstance(t, torch.Tensor)]
+        if bad:
+            raise TypeError(f"side input {name!r} has a microbatch of type {bad[0]}: give tensors")
+        per_name[name] = [t.to(device) for t in parts]
+    return [{name: parts[i] for name, parts in per_name.items()} for i in range(m)]
+
+
+def _side_text(specs: list[dict[str, TensorSpec]]) -> str:
+    if not specs:
+        return "(none)"
+    return str([{name: str(spec) for name, spec in mb.items()} for mb in specs])
+
+
+def _to(value, device: torch.device):
+    """An input or target (a tensor, or a tuple or dict of tensors) on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    layout, leaves = flatten(value, "an input")
+    return layout.build([t.to(device) for t in leaves])
