@@ -27,8 +27,9 @@ from pipeblocks.models import GPTConfig
 from pipeblocks.runtime.emulate import EmulatedCosts
 from pipeblocks.schedules import get
 from pipeblocks.schedules.asynchronous import async_1f1b
-from pipeblocks.train import async_run, loop
-from pipeblocks.train.async_mode import AsyncMode
+from pipeblocks.train import loop
+from pipeblocks.train.asynchronous import run as async_run
+from pipeblocks.core.async_mode import AsyncMode
 from pipeblocks.train.run import prepare
 
 from _output import write_json

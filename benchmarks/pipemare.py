@@ -9,7 +9,7 @@ embedding rides on stage 0, the head on the last), p stages, N microbatches per 
 step (`--configs PxN`), so delays are large: up to p-1 steps at N = 1. The data is the
 embedded corpus (byte tokens); every variant of one configuration sees the same
 microbatches and starts from the same weights. Training runs through the one-process
-replay (`pipeblocks.train.async_reference.replay`), which is the specification of each
+replay (`pipeblocks.train.asynchronous.reference.replay`), which is the specification of each
 mode that the multi-process runtime is verified against: its losses are the ones the
 runtime would produce. Optimizer (`--optimizer`): Adam (the default) or SGD with momentum 0.9,
 constant base learning rate, at a normal and an aggressive rate (`--lrs`; the defaults per
@@ -55,8 +55,8 @@ from pipeblocks.data.text import TokenWindows
 from pipeblocks.models import GPTConfig, build_stages, cross_entropy
 from pipeblocks.schedules import get
 from pipeblocks.schedules.asynchronous import async_1f1b
-from pipeblocks.train.async_mode import AsyncMode
-from pipeblocks.train.async_reference import replay
+from pipeblocks.core.async_mode import AsyncMode
+from pipeblocks.train.asynchronous.reference import replay
 
 from _output import write_json
 

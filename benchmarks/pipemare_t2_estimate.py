@@ -4,7 +4,7 @@
 
 The model is p stages y = x + w_s (a quadratic in all weights under a squared loss), the
 inputs are noise around a fixed target, and the delays are those of asynchronous 1F1B
-with N microbatches per step. The one-process replay (`pipeblocks.train.async_reference`)
+with N microbatches per step. The one-process replay (`pipeblocks.train.asynchronous.reference`)
 runs mode pipemare without T1 (K = 0) and measures, at every delayed backward after the
 first quarter of the run,
 
@@ -26,8 +26,8 @@ from torch import nn
 
 from pipeblocks.core import weight_versions
 from pipeblocks.schedules.asynchronous import async_1f1b
-from pipeblocks.train.async_mode import AsyncMode
-from pipeblocks.train.async_reference import replay
+from pipeblocks.core.async_mode import AsyncMode
+from pipeblocks.train.asynchronous.reference import replay
 
 from _output import write_json
 

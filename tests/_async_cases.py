@@ -1,7 +1,7 @@
 """Spawned body for the asynchronous runtime tests: several runs in one set of processes."""
 from __future__ import annotations
 
-from pipeblocks.train.async_run import async_rank
+from pipeblocks.train.asynchronous.run import async_rank
 
 
 def async_worker(ctx, cfgs) -> list:

@@ -13,8 +13,8 @@ from torch import nn
 from pipeblocks.core import WeightVersions, weight_versions
 from pipeblocks.models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
 from pipeblocks.schedules.asynchronous import async_1f1b
-from pipeblocks.train.async_mode import MODES, AsyncMode, lookahead, t1_multiplier, weight_memory
-from pipeblocks.train.async_reference import replay
+from pipeblocks.core.async_mode import MODES, AsyncMode, lookahead, t1_multiplier, weight_memory
+from pipeblocks.train.asynchronous.reference import replay
 
 pytestmark = pytest.mark.torch
 

@@ -11,8 +11,8 @@ from pipeblocks.models import GPT, GPTConfig, cross_entropy
 from pipeblocks.runtime import spawn
 from pipeblocks.schedules import get
 from pipeblocks.schedules.asynchronous import one_f_one_b_delay
-from pipeblocks.train.async_mode import AsyncMode
-from pipeblocks.train.async_run import check_against_replay
+from pipeblocks.core.async_mode import AsyncMode
+from pipeblocks.train.asynchronous.run import check_against_replay
 from pipeblocks.train.config import TrainConfig
 
 from _async_cases import async_worker

@@ -7,7 +7,7 @@ import pytest
 from pipeblocks.cli.main import main
 from pipeblocks.models import GPTConfig
 from pipeblocks.schedules import get
-from pipeblocks.train.async_mode import AsyncMode
+from pipeblocks.core.async_mode import AsyncMode
 from pipeblocks.train.config import TrainConfig
 
 

@@ -14,7 +14,7 @@ from ..core.simulate import simulate, simulate_program
 from ..core.steady import steady_state
 from ..core.versions import weight_versions
 from ..schedules.asynchronous import ASYNC_FORMS
-from ..train.async_mode import (
+from ..core.async_mode import (
     DEFAULT_DISCREPANCY_DECAY, DEFAULT_LR_WARMUP_STEPS, MODES, AsyncMode, weight_memory,
 )
 from .common import Built, print_json

@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         async_mode=async_mode,
     )
     if async_mode is not None:
-        from ..train import async_run
+        from ..train.asynchronous import run as async_run
 
         return async_run.verify_async(cfg, data) if args.verify else async_run.train_async(cfg, data)
     if args.dry_run:

@@ -15,7 +15,7 @@ from ..core.recompute import recompute_pairs
 from ..core.schedule import Schedule
 from ..core.sharding import ShardingPolicy, per_stage
 from ..models.config import GPTConfig
-from .async_mode import AsyncMode
+from ..core.async_mode import AsyncMode
 
 __all__ = ["TrainConfig"]
 
@@ -78,7 +78,7 @@ class TrainConfig:
     backward (--recompute); empty: those the schedule asks for (`1f1b-r`: all), else none."""
     async_mode: AsyncMode | None = None
     """Train asynchronously in this mode (no flush; `steps` optimizer steps of m microbatches,
-    async_run.py); None: synchronous training."""
+    asynchronous/run.py); None: synchronous training."""
 
     def __post_init__(self) -> None:
         for name in ("microbatch_size", "steps", "timeout_s", "lr"):

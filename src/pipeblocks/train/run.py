@@ -55,7 +55,7 @@ def prepare(
     built = build(request)  # with --sharding auto, the policies the simulator chose are in built.request
     request, schedule = built.request, built.schedule
     if train_options.get("async_mode") is not None:
-        from .async_run import check_async
+        from .asynchronous.run import check_async
 
         check_async(request, schedule, train_options["async_mode"], train_options, emulate)
     dp = request.mesh.dp

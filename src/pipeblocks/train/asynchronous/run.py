@@ -14,7 +14,7 @@ microbatches, as synchronous training does.
 
 Every rank measures the delay of every microbatch at its stages (the versions its
 backward and its forward saw); `verify_async` checks them against the Program's and
-replays the run in one process (`async_reference.replay`, the specification) with the
+replays the run in one process (`reference.replay`, the specification) with the
 same weights, data and delays, comparing every step's loss and every weight at the end.
 """
 from __future__ import annotations
@@ -24,13 +24,13 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ..core.program import Program
-from ..core.request import ScheduleRequest
-from ..core.schedule import Schedule
-from ..core.versions import WeightVersions, weight_versions
-from ..schedules.asynchronous import ASYNC_FORMS
-from .async_mode import AsyncMode
-from .config import TrainConfig
+from ...core.program import Program
+from ...core.request import ScheduleRequest
+from ...core.schedule import Schedule
+from ...core.versions import WeightVersions, weight_versions
+from ...schedules.asynchronous import ASYNC_FORMS
+from ...core.async_mode import AsyncMode
+from ..config import TrainConfig
 
 __all__ = [
     "AsyncRankResult", "ReplayCheck", "async_rank", "check_against_replay", "check_async",
@@ -110,7 +110,7 @@ def run_plan(schedule: Schedule, steps: int, mode: AsyncMode) -> tuple[Program |
 
 
 def launch_async(cfg: TrainConfig) -> list[AsyncRankResult]:
-    from ..runtime.launch import spawn
+    from ...runtime.launch import spawn
 
     p = cfg.schedule.p
     return spawn(async_rank, p, args=(cfg,), timeout_s=cfg.timeout_s, threads_per_rank=cfg.threads_for(p))
@@ -131,12 +131,12 @@ def async_rank(ctx, cfg: TrainConfig) -> AsyncRankResult:
     """The body of one rank: build its stages, run the warm-up Programs, then the asynchronous one."""
     import torch
 
-    from ..data import TokenWindows
-    from ..models.gpt import cross_entropy
-    from ..models.split import build_stages
-    from ..runtime import PipelineRunner
-    from .async_compute import AsyncCompute
-    from .async_stage import AsyncStage
+    from ...data import TokenWindows
+    from ...models.gpt import cross_entropy
+    from ...models.split import build_stages
+    from ...runtime import PipelineRunner
+    from .compute import AsyncCompute
+    from .stage import AsyncStage
 
     schedule, mode = cfg.schedule, cfg.async_mode
     n, w, last = schedule.m, mode.sync_warmup_steps, schedule.num_stages - 1
@@ -197,9 +197,9 @@ def async_rank(ctx, cfg: TrainConfig) -> AsyncRankResult:
 
 
 def _emulated(cfg: TrainConfig, modules, device, on_step):
-    from ..models.split import layer_counts
-    from ..runtime.emulate import EmulatedCosts
-    from .async_compute import EmulatedAsyncCompute
+    from ...models.split import layer_counts
+    from ...runtime.emulate import EmulatedCosts
+    from .compute import EmulatedAsyncCompute
 
     f, b, w = cfg.emulate
     S = cfg.schedule.num_stages
@@ -208,7 +208,7 @@ def _emulated(cfg: TrainConfig, modules, device, on_step):
 
 
 def _launch(cfg: TrainConfig) -> list[AsyncRankResult] | None:
-    from .loop import launch_or_report
+    from ..loop import launch_or_report
 
     return launch_or_report(lambda: launch_async(cfg))
 
@@ -299,9 +299,9 @@ def check_against_replay(cfg: TrainConfig, data, results: list[AsyncRankResult])
     """Replay `cfg`'s run in this process and compare the ranks' `results` with it."""
     import torch
 
-    from ..models import GPT, cross_entropy, split_gpt
-    from .async_reference import replay
-    from .reference import TOLERANCE, relative_difference, torch_threads
+    from ...models import GPT, cross_entropy, split_gpt
+    from .reference import replay
+    from ..reference import TOLERANCE, relative_difference, torch_threads
 
     schedule, mode = cfg.schedule, cfg.async_mode
     _, program, versions = run_plan(schedule, cfg.steps, mode)

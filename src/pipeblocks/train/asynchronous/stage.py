@@ -1,7 +1,7 @@
 """One stage's side of an asynchronous mode: the only place a mode's weights are chosen.
 
-Both the one-process replay (`async_reference.replay`, the specification) and the
-multi-process runtime (`async_compute.AsyncCompute`, one per rank) drive an `AsyncStage`
+Both the one-process replay (`reference.replay`, the specification) and the
+multi-process runtime (`compute.AsyncCompute`, one per rank) drive an `AsyncStage`
 per stage, so what a mode computes is written once:
 
     begin(m, version)        F(m) sees the stage at `version` (default: the current one)
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from .async_mode import AsyncMode, lookahead, t1_multiplier
+from ...core.async_mode import AsyncMode, lookahead, t1_multiplier
 
 __all__ = ["STASHING", "AsyncStage"]
 

@@ -1,4 +1,5 @@
-"""What an asynchronous training mode is (no torch here; `async_reference.py` runs it).
+"""What an asynchronous training mode is (no torch here; `pipeblocks.train.asynchronous.reference`
+runs it; the simulator and the planner price it).
 
 In an asynchronous run (`pipeblocks.schedules.asynchronous`) the forward of microbatch m
 at stage s sees the stage's weights of version v_F, and its backward runs when the
@@ -41,8 +42,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..core.program import Program
-from ..core.versions import stashed_versions, weight_versions
+from .program import Program
+from .versions import stashed_versions, weight_versions
 
 __all__ = [
     "MODES", "AsyncMode", "DEFAULT_LR_WARMUP_STEPS", "DEFAULT_DISCREPANCY_DECAY", "t1_multiplier", "weight_memory",

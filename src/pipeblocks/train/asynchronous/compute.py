@@ -11,7 +11,7 @@ executor walks the rank's ops in order and calls
                                      backpropagate (AsyncStage.backward)
     optimizer_step(stage, step)      STEP: T1's rate, the step, the next version, T2
 
-exactly as the one-process replay (`async_reference.replay`) does, so the two agree.
+exactly as the one-process replay (`reference.replay`) does, so the two agree.
 
 A run may be cut into several Programs that follow each other (a synchronous warm-up of
 one-step Programs, then the asynchronous one): `start(program, microbatch_offset,
@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..core.actions import Action, Kind
-from ..core.program import Program
-from ..core.versions import WeightVersions
-from ..runtime.compute import Unit
-from ..runtime.emulate import EmulatedCompute
-from .async_stage import AsyncStage
+from ...core.actions import Action, Kind
+from ...core.program import Program
+from ...core.versions import WeightVersions
+from ...runtime.compute import Unit
+from ...runtime.emulate import EmulatedCompute
+from .stage import AsyncStage
 
 __all__ = ["AsyncCompute", "AsyncUnit", "EmulatedAsyncCompute"]
 

@@ -42,9 +42,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..core.versions import WeightVersions
-from .async_mode import AsyncMode
-from .async_stage import AsyncStage
+from ...core.versions import WeightVersions
+from ...core.async_mode import AsyncMode
+from .stage import AsyncStage
 
 __all__ = ["Discrepancy", "ReplayResult", "replay"]
 
