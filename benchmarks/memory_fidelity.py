@@ -45,7 +45,7 @@ def measure(case: str, model: GPTConfig, microbatch: int) -> tuple:
                               sharding=(sharding,))
     cfg, _ = prepare(request, model=model, steps=2, microbatch_size=microbatch, quiet=True, threads_per_rank=1)
     results = launch(cfg)
-    return cfg.schedule, {(r.rank, r.dp_rank): (r.static_bytes_measured, r.peak_activation_bytes) for r in results}
+    return cfg.schedule.schedule, {(r.rank, r.dp_rank): (r.static_bytes_measured, r.peak_activation_bytes) for r in results}
 
 
 def main() -> None:

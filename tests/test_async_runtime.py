@@ -13,7 +13,8 @@ from pipeblocks.schedules import get
 from pipeblocks.schedules.asynchronous import one_f_one_b_delay
 from pipeblocks.core.async_mode import AsyncMode
 from pipeblocks.train.asynchronous.run import check_against_replay
-from pipeblocks.train.config import TrainConfig
+from pipeblocks.core.precision import precision_policy
+from pipeblocks.train.config import EmulationSpec, MeshSpec, ModelSpec, ScheduleSpec, TrainConfig
 
 from _async_cases import async_worker
 
@@ -32,12 +33,13 @@ CASES = {
 
 def _cfg(mode: AsyncMode, p: int = P, **extra) -> TrainConfig:
     options = {"verify": True, **extra}
-    return TrainConfig(schedule=get("1f1b")(p=p, m=N), model=MODEL, steps=STEPS, microbatch_size=2, lr=1e-2,
-                       async_mode=mode, threads_per_rank=1, timeout_s=60.0, **options)
+    return TrainConfig(schedule=ScheduleSpec(get("1f1b")(p=p, m=N)), model=ModelSpec("gpt", MODEL),
+                       precision=precision_policy(MODEL.dtype), mesh=MeshSpec(threads_per_rank=1), steps=STEPS,
+                       microbatch_size=2, lr=1e-2, async_mode=mode, timeout_s=60.0, **options)
 
 
 CONFIGS = {name: _cfg(mode) for name, mode in CASES.items()}
-CONFIGS["emulated"] = _cfg(AsyncMode("naive"), emulate=(1.0, 1.0, 0.0), verify=False)
+CONFIGS["emulated"] = _cfg(AsyncMode("naive"), emulation=EmulationSpec((1.0, 1.0, 0.0)), verify=False)
 
 
 @pytest.fixture(scope="module")

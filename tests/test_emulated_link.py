@@ -55,7 +55,7 @@ def test_emulate_with_fsdp_policies_takes_the_given_link(sharding):
     request = ScheduleRequest(name="zb-v", m=2, mesh=Mesh(pp=2, dp=2), sharding=parse_sharding(sharding),
                               costs=CostSpec(dp_bandwidth=2.0, dp_latency=5.0))
     cfg, _ = training.prepare(request, model=GPTConfig(layers=4, hidden=8, heads=2, seq=8), emulate=(1.0, 1.0, 1.0))
-    assert cfg.emulated_link == pytest.approx((2e9, 5e-6))
+    assert cfg.emulation.link == pytest.approx((2e9, 5e-6))
 
 
 def test_a_zero3_gather_is_waited_at_its_deadline():
@@ -70,7 +70,7 @@ def test_emulate_with_zero1_takes_the_given_link():
     request = ScheduleRequest(name="zb-v", m=2, mesh=Mesh(pp=2, dp=2), sharding=parse_sharding("zero1"),
                               costs=CostSpec(dp_bandwidth=2.0, dp_latency=5.0))
     cfg, _ = training.prepare(request, model=GPTConfig(layers=4, hidden=8, heads=2, seq=8), emulate=(1.0, 1.0, 1.0))
-    assert cfg.emulated_link == pytest.approx((2e9, 5e-6))
+    assert cfg.emulation.link == pytest.approx((2e9, 5e-6))
 
 
 @pytest.mark.spawn

@@ -47,7 +47,7 @@ def runs():
 @pytest.mark.parametrize("case", list(CASES))
 def test_verify_passes(runs, case):
     cfg, data, results = runs[case]
-    pairs = cfg.recompute_pairs
+    pairs = cfg.schedule.recompute
     mode = CASES[case][2]
     if mode == "none" and case != "1f1b-r":
         assert not pairs

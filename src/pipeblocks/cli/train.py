@@ -1,6 +1,9 @@
-"""`pipeblocks train`: train the reference GPT with a schedule, one local process per rank.
+"""`pipeblocks train`: train a model with a schedule, one process per rank (local, or torchrun's).
 
     pipeblocks train                                         # 8-layer GPT, v-half, p=2, m=4, 40 steps
+    pipeblocks train --model-family llama --kv-heads 2 --precision bf16-mixed   # Llama-style, bf16 compute
+    pipeblocks train --model-family hf-llama --schedule zb-v -p 2 -m 4          # transformers' LlamaForCausalLM
+    torchrun --nproc-per-node 4 -m pipeblocks train --schedule v-half -p 4       # one process per GPU
     pipeblocks train --schedule 1f1b -p 4 -m 8 --steps 20 --report run.json   # + run.png
     pipeblocks train --schedule zb-h1 -p 2 -m 4 --dtype float64 --verify      # one step vs one process
     pipeblocks train --schedule 1f1b -p 2 -m 4 --emulate 5,5,3 --steps 5   # sleep 5/5/3 ms per layer
@@ -13,6 +16,22 @@
     pipeblocks train --schedule zb-v -p 4 -m 8 --layers 8 --dry-run   # predicted memory and time, no launch
     pipeblocks train --schedule zb-v -p 2 -m 4 --dp 2 --sharding zero3 --dtype float64 --verify   # 2 x 2 mesh
 
+`--model-family` picks the model: gpt (the reference GPT), llama (the built-in Llama-style
+model: RMSNorm, rotary positions, SwiGLU, grouped-query attention with --kv-heads), or
+hf-llama (Hugging Face transformers' LlamaForCausalLM of the same size, random weights;
+needs `pip install -e .[hf]`). Your own model: docs/your-model.md.
+
+`--precision` is fp32 (default), fp64, or bf16-mixed: bfloat16 compute and activations,
+float32 master weights, AdamW state, gradient accumulation and reduction, and loss
+(`--dtype float32|float64` is the older name of fp32|fp64). `--device auto` (default)
+trains on CUDA when there is a GPU for every local rank, else on the CPU; `--device cuda`
+with fewer GPUs than ranks is refused before anything starts.
+
+Under torchrun (`torchrun --nnodes N --nproc-per-node G -m pipeblocks train ...`, the
+environment rendezvous detected) each process is one rank, p x dp must equal the world
+size, the rank holding the last stage prints the progress and global rank 0 writes the
+report; the options are those of a local run.
+
 Each step prints `step, loss, tokens/s`. At the end it prints, per rank, the measured peak
 saved-activation bytes beside the simulator's prediction, and the measured iteration time
 and bubble beside the simulated ones, with costs profiled from this run (report.py in
@@ -20,8 +39,9 @@ pipeblocks.train). `--report FILE` writes that as JSON and `--plot FILE` (defaul
 report's name with .png) draws the measured timeline under the simulated one.
 
 `--verify` runs one step and compares the loss and every gradient with one process
-training the whole model: it prints the largest relative difference and exits 1 beyond
-the tolerance (float64 1e-10, float32 1e-5).
+training the whole model in the same precision: it prints the largest relative difference
+and exits 1 beyond the tolerance (fp64 1e-10, fp32 1e-5, bf16-mixed 1e-2: see
+pipeblocks.train.reference.TOLERANCE for why).
 
 `--clip-grad X` clips the gradients by their global norm over all ranks; with or without
 it, a step whose gradient is non-finite on any rank is skipped on every rank. Neither adds
@@ -69,8 +89,10 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..core.precision import PRECISION_NAMES
 from ..core.request import CostSpec
 from ..models.config import GPTConfig
+from ..models.family import family_names
 from ..train.config import TrainConfig
 from ..train.run import DEFAULT_SCHEDULE, FALLBACK_SCHEDULE, default_schedule
 from .argtypes import nonneg_int, plot_file, positive_float, positive_int
@@ -85,21 +107,31 @@ ASYNC_DEFAULT_SCHEDULE = next(iter(ASYNC_FORMS))
 
 def register(sub) -> None:
     parser = sub.add_parser(
-        "train", help="train the reference GPT with a schedule on local processes; report measured vs simulated",
+        "train", help="train a model (GPT, Llama, Hugging Face Llama) with a schedule; report measured vs simulated",
         description=__doc__.split("\n\n")[0],
     )
     add_generator_options(parser, name="option", p=2, m=4,
                           name_help=f"schedule name (default {DEFAULT_SCHEDULE}, or {FALLBACK_SCHEDULE} if absent)")
     model = parser.add_argument_group("model and data")
+    model.add_argument("--model-family", default="gpt", choices=family_names(),
+                       help="gpt (the reference GPT, default), llama (built-in Llama-style), hf-llama (transformers' "
+                       "LlamaForCausalLM; pip install -e .[hf])")
     # defaults come from GPTConfig and TrainConfig, the one place they are set
     model.add_argument("--layers", type=positive_int, default=GPTConfig.layers,
                        help=f"transformer blocks (default {GPTConfig.layers}: enough for V schedules up to p=4)")
     model.add_argument("--hidden", type=positive_int, default=GPTConfig.hidden, help=f"model width (default {GPTConfig.hidden})")
     model.add_argument("--heads", type=positive_int, default=GPTConfig.heads,
                        help=f"attention heads (default {GPTConfig.heads})")
+    model.add_argument("--kv-heads", type=positive_int, default=None,
+                       help="key/value heads of grouped-query attention (llama, hf-llama; default: --heads)")
     model.add_argument("--seq", type=positive_int, default=GPTConfig.seq, help=f"tokens per sequence (default {GPTConfig.seq})")
-    model.add_argument("--dtype", default=GPTConfig.dtype, choices=("float32", "float64"),
-                       help=f"default {GPTConfig.dtype}")
+    model.add_argument("--precision", default=None, choices=PRECISION_NAMES,
+                       help="fp32 (default), fp64, or bf16-mixed (bfloat16 compute, float32 weights, optimizer "
+                       "state, gradient sums and loss)")
+    model.add_argument("--dtype", default=None, choices=("float32", "float64"),
+                       help="the older name of --precision fp32 / fp64")
+    model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                       help="auto (default: CUDA when there is a GPU for every local rank, else the CPU), cpu, cuda")
     model.add_argument("--data", default=None, metavar="FILE",
                        help="a text file to train on (default: Python's own pydoc topics, no download)")
     train = parser.add_argument_group("training")
@@ -148,6 +180,7 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..data import ByteTokenizer
+    from ..models.family import FAMILIES
     from ..train import run as training
 
     emulate = args.emulate
@@ -157,30 +190,33 @@ def run(args: argparse.Namespace) -> int:
             if given:
                 raise ValueError(f"--async with {flag} is not supported yet: drop {flag} (simulate 1f1b --async "
                                  "predicts the asynchronous steady state)")
+    precision = _precision(args.precision, args.dtype)
     # cost-aware generators see the emulated ratios (unit costs otherwise)
     costs = CostSpec(times=None if emulate is None else ",".join(map(str, emulate)), seq_split=args.seq_split)
-    # the asynchronous form exists for 1F1B (async_run.check_async names the ones that have one)
+    # the asynchronous form exists for 1F1B (asynchronous.run.check_async names the ones that have one)
     default = ASYNC_DEFAULT_SCHEDULE if async_mode is not None else default_schedule()
     request = request_from_args(args, name=args.name or default, costs=costs)
-    model = GPTConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
-                      vocab=ByteTokenizer.vocab_size, dtype=args.dtype)
+    # the weights' dtype: float64 for fp64, float32 otherwise (bf16-mixed keeps float32 masters)
+    model = FAMILIES[args.model_family].config(
+        layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, seq=args.seq,
+        vocab=ByteTokenizer.vocab_size, dtype="float64" if precision == "fp64" else "float32")
     cfg, data = training.prepare(
-        request, model=model, emulate=emulate, microbatch_size=args.microbatch_size, steps=args.steps, lr=args.lr,
-        seed=args.seed, data=args.data, checkpoint=args.checkpoint, resume=args.resume, save_every=args.save_every,
-        verify=args.verify, timeout_s=args.timeout, quiet=args.quiet, overwrite=args.overwrite,
-        clip_grad=args.clip_grad, inject_nonfinite=args.inject_nonfinite, optimistic_step=not args.step_barrier,
-        async_mode=async_mode,
+        request, model=model, family=args.model_family, precision=precision, device=args.device, emulate=emulate,
+        microbatch_size=args.microbatch_size, steps=args.steps, lr=args.lr, seed=args.seed, data=args.data,
+        checkpoint=args.checkpoint, resume=args.resume, save_every=args.save_every, verify=args.verify,
+        timeout_s=args.timeout, quiet=args.quiet, overwrite=args.overwrite, clip_grad=args.clip_grad,
+        inject_nonfinite=args.inject_nonfinite, optimistic_step=not args.step_barrier, async_mode=async_mode,
     )
-    if async_mode is not None:
-        from ..train.asynchronous import run as async_run
+    return training.execute(cfg, data, dry=args.dry_run, report=args.report, plot=args.plot)
 
-        return async_run.verify_async(cfg, data) if args.verify else async_run.train_async(cfg, data)
-    if args.dry_run:
-        training.dry_run(cfg, data)
-        return 0
-    if args.verify:
-        return training.verify(cfg, data)
-    return training.train(cfg, data, report=args.report, plot=args.plot)
+
+def _precision(precision: str | None, dtype: str | None) -> str:
+    """--precision, or its older name --dtype (not both, unless they agree); default fp32."""
+    from ..core.precision import precision_policy
+
+    if dtype is not None and precision is not None and precision_policy(dtype).name != precision:
+        raise ValueError(f"--dtype {dtype} and --precision {precision} disagree: give --precision alone")
+    return precision or (precision_policy(dtype).name if dtype is not None else "fp32")
 
 
 def _emulate_arg(text: str) -> tuple[float, float, float]:

@@ -167,6 +167,8 @@ class DataParallel:
         timeout_s: float = 300.0,
         link: EmulatedLink | None = None,
         reduce_at_end: bool = False,
+        mp_policy=None,
+        extra_static: Callable[[], Iterable[torch.Tensor]] | None = None,
     ) -> None:
         self.dp_mesh = dp_mesh
         self.group = dp_mesh.get_group()
@@ -180,10 +182,12 @@ class DataParallel:
                 raise ValueError(f"stage {stage} has no sharding policy: give one policy per stage ({len(policies)})")
             policy = ShardingPolicy(policies[stage])
             if policy in _FSDP:
-                fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+                extra = {"mp_policy": mp_policy} if mp_policy is not None else {}
+                fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, **extra)
                 _accumulate_only(module)
             self.chunks[stage] = _Chunk(stage, policy, module, list(module.parameters()))
         self.policies = tuple(ShardingPolicy(p) for p in policies)
+        self.extra_static = extra_static  # tensors held beside the chunks' (the compute copies of bf16-mixed)
         self.compute = None  # set by the runner: its compute object learns the gathered parameters
         self.tracker = None  # set by the runner: gathered parameters are not activations
         self.optimizers: ChunkOptimizers | None = None
@@ -293,6 +297,10 @@ class DataParallel:
             for param in (*chunk.own_params, *chunk.module.parameters()):
                 tensors.append(param)
                 tensors.append(param.grad)
+            if chunk.policy in _FSDP:
+                tensors.extend(_accumulated_grads(chunk.module))
+        if self.extra_static is not None:
+            tensors.extend(self.extra_static())
         if self.optimizers is not None:
             tensors.extend(self.optimizers.state_tensors())
         return tensors
@@ -344,6 +352,17 @@ class DataParallel:
             self.compute.use_parameters(chunk.stage, [p for p in params if p.requires_grad])
         if self.tracker is not None:
             self.tracker.also_exclude(params)
+
+
+def _accumulated_grads(module: FSDPModule) -> list[torch.Tensor]:
+    """The gradients FSDP2 accumulates beside the parameters when its reduce dtype differs
+    from its parameter dtype (bf16-mixed: float32 sums of the bfloat16 microbatch gradients,
+    held unsharded until the reduce-scatter). Read from FSDP2's internals where they are
+    (torch 2.13); a torch without them shows none."""
+    state = getattr(module, "_get_fsdp_state", None)
+    group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
+    params = getattr(group, "fsdp_params", ()) if group is not None else ()
+    return [t for t in (getattr(p, "unsharded_accumulated_grad", None) for p in params) if t is not None]
 
 
 def _accumulate_only(module: FSDPModule) -> None:

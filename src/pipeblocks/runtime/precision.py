@@ -93,6 +93,8 @@ class ComputeCopies:
                     )
         self.stages = {s: CastStage(module, self, s) for s, module in self.modules.items()}
         self._copies: dict[int, dict[str, torch.Tensor]] = {}
+        self.step_bytes = 0
+        """bytes of the copies of the latest step (held from its start to its end)"""
 
     def begin_step(self) -> list[torch.Tensor]:
         """Cast every parameter (once per step); returns the copies (not activations: the
@@ -104,7 +106,9 @@ class ComputeCopies:
                     name: param.to(self.dtype) if param.is_floating_point() else param
                     for name, param in module.named_parameters()
                 }
-        return self.held()
+        held = self.held()
+        self.step_bytes = sum(t.numel() * t.element_size() for t in held)
+        return held
 
     def end_step(self) -> None:
         """Drop the copies: the step's graphs, which held them, are gone."""

@@ -44,6 +44,7 @@ from .timeline import gather_timeline
 
 if TYPE_CHECKING:
     from .data_parallel import DataParallel
+    from .precision import ComputeCopies
 
 __all__ = ["PipelineRunner", "StepResult"]
 
@@ -108,6 +109,11 @@ class PipelineRunner:
         such as an asynchronous one (`pipeblocks.schedules.asynchronous`) whose OPTIMIZER_STEP
         ops go to `compute.optimizer_step(stage, step)`; then one `step` call runs the
         whole Program (all its optimizer steps, one flush at the end).
+    precision: a `precision.ComputeCopies` whose `stages` (the `CastStage`s) are among
+        `stages`: every step casts their parameters once (`begin_step`) before the first
+        pass and drops the copies (`end_step`) when the step's work is done, before the
+        optimizer may step; the copies are not counted as activations. Chunks sharded by
+        FSDP2 cast through FSDP2's own MixedPrecisionPolicy instead.
     """
 
     def __init__(
@@ -128,6 +134,7 @@ class PipelineRunner:
         data_parallel: DataParallel | None = None,
         recompute: Iterable[tuple[int, int]] | None = None,
         program: Program | None = None,
+        precision: ComputeCopies | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -145,6 +152,7 @@ class PipelineRunner:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.schedule = schedule
         self.data_parallel = data_parallel
+        self.precision = precision
         if program is not None:
             if program.schedule is not schedule:
                 raise ValueError("program= must be lowered from the schedule given: pass program.schedule as schedule")
@@ -250,6 +258,7 @@ class PipelineRunner:
         if ys is not None:
             ys = self._cut([_to(y, self.device) for y in ys], "targets")
         dp = self.data_parallel
+        copies = self.precision.begin_step() if self.precision is not None else []
         if self._executor is None:
             self._executor = self._build_executor(xs, side)
             if dp is not None:
@@ -259,6 +268,7 @@ class PipelineRunner:
         if self.tracker.enabled:
             self.tracker.exclude([*(p for mod in self.stages.values() for p in mod.parameters()),
                                   *(b for mod in self.stages.values() for b in mod.buffers())])
+            self.tracker.also_exclude(copies)  # the weights' compute copies are not activations
         origin = time.perf_counter()
         self.tracker.reset_peak()
         if dp is not None:
@@ -266,6 +276,8 @@ class PipelineRunner:
         record = self._executor.run(xs, ys, side)
         if dp is not None:
             dp.finish()
+        if self.precision is not None:
+            self.precision.end_step()
         duration = time.perf_counter() - origin
         kv_cache = getattr(self.compute, "kv_cache", None)
         if kv_cache is not None and len(kv_cache):
@@ -475,6 +487,12 @@ def _check_seq_lengths(schedule: Schedule, lengths: Sequence[int] | None) -> tup
 def _check_chunk_support(schedule: Schedule, stages: Mapping[int, torch.nn.Module], compute: object | None) -> None:
     """Every stage must take `chunk=` (attend over earlier chunks' K/V); checked before any step."""
     for stage, module in sorted(stages.items()):
+        if not getattr(module, "supports_sequence_chunks", True):
+            raise ValueError(
+                f"schedule {schedule.name!r} cuts sequences into {schedule.seq_chunks} chunks, but stage {stage} "
+                f"({type(module).__name__}) says it cannot run sequence chunks (supports_sequence_chunks is False): "
+                "use a schedule without sequence chunks (drop --seq-chunks)"
+            )
         if not _takes_chunk(module.forward):
             raise ValueError(
                 f"schedule {schedule.name!r} cuts sequences into {schedule.seq_chunks} chunks, but stage {stage} "

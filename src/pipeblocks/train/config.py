@@ -1,84 +1,241 @@
-"""What one `pipeblocks train` run is: a typed, frozen config (no torch import here).
+"""What one `pipeblocks train` run is: a typed, frozen config in sections (no torch here).
 
     >>> from pipeblocks.schedules import get
-    >>> cfg = TrainConfig(schedule=get("v-half")(p=2, m=4), model=GPTConfig(), steps=40)
+    >>> cfg = TrainConfig(model=ModelSpec("llama", LlamaConfig(layers=4)), schedule=ScheduleSpec(get("v-half")(p=2, m=4)),
+    ...                   precision=precision_policy("bf16-mixed"), steps=40)
+    >>> cfg.schedule.p, cfg.schedule.schedule        # the section answers what the schedule answers
+    (2, Schedule(...))
     >>> cfg.batch_size, cfg.tokens_per_step
     (16, 1024)
+
+Sections, each holding resolved values only (`train.run.prepare` resolves them once, from
+the command line or a request; nothing here calls into the simulator):
+
+    model       ModelSpec: the model family ("gpt", "llama", "hf-llama") and its config
+    schedule    ScheduleSpec: the schedule, its sequence-chunk lengths, the recomputed pairs
+    mesh        MeshSpec: data-parallel replicas, sharding per chunk, the device type
+    precision   core.precision.PrecisionPolicy: fp32, fp64 or bf16-mixed
+    checkpoint  CheckpointSpec: where and when to save, whether to resume (None: no checkpoints)
+    emulation   EmulationSpec: sleep instead of computing (None: real compute)
+
+and the loop's own settings (microbatch size, steps, learning rate, seed, data, clipping,
+timeouts, the asynchronous mode) as plain fields.
 """
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from ..core.recompute import recompute_pairs
+from ..core.async_mode import AsyncMode
+from ..core.precision import PrecisionPolicy, precision_policy
 from ..core.schedule import Schedule
 from ..core.sharding import ShardingPolicy, per_stage
 from ..models.config import GPTConfig
-from ..core.async_mode import AsyncMode
 
-__all__ = ["TrainConfig"]
+__all__ = ["CheckpointSpec", "EmulationSpec", "MeshSpec", "ModelSpec", "ScheduleSpec", "TrainConfig"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What is trained: a model family (`pipeblocks.models.family`) and its config."""
+
+    family: str = "gpt"
+    config: Any = field(default_factory=GPTConfig)
+    """GPTConfig for "gpt", LlamaConfig for "llama" and "hf-llama"; its dtype is the master dtype."""
+
+    def __post_init__(self) -> None:
+        from ..models.family import family_names
+
+        if self.family not in family_names():
+            raise ValueError(f"model family {self.family!r}: choose one of {', '.join(family_names())}")
+
+    @property
+    def layers(self) -> int:
+        return self.config.layers
+
+    @property
+    def seq(self) -> int:
+        return self.config.seq
+
+    @property
+    def hidden(self) -> int:
+        return self.config.hidden
+
+    def family_object(self):
+        """The `models.family.Family` (checks that an optional package it needs is installed)."""
+        from ..models.family import get_family
+
+        return get_family(self.family)
+
+    def describe(self) -> str:
+        """'8-layer Llama (hidden 64, 4 heads, 2 KV heads)'."""
+        return self.family_object().describe(self.config)
+
+    def to_json(self) -> dict:
+        return {"family": self.family, **self.config.to_json()}
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """The schedule each rank runs, with what prepare resolved for it."""
+
+    schedule: Schedule
+    seq_lengths: tuple[int, ...] | None = None
+    """tokens per sequence chunk (None without sequence chunks)"""
+    recompute: frozenset[tuple[int, int]] = frozenset()
+    """(stage, microbatch) pairs whose forward keeps only its input and is re-run before its
+    backward: --recompute's, or the schedule's own (`1f1b-r`: all)"""
+
+    def __post_init__(self) -> None:
+        k = self.schedule.seq_chunks
+        if (self.seq_lengths is None) != (k == 1) or (self.seq_lengths is not None and len(self.seq_lengths) != k):
+            raise ValueError(f"schedule {self.schedule.name!r} has {k} sequence chunks but seq_lengths is "
+                             f"{self.seq_lengths!r}: give {k} lengths (None for 1)")
+        object.__setattr__(self, "recompute", frozenset((int(s), int(mb)) for s, mb in self.recompute))
+        if self.recompute and k > 1:
+            raise ValueError(
+                f"the runtime does not recompute sequence chunks (schedule {self.schedule.name!r} cuts sequences into "
+                f"{k}): a chunk's recomputation would append its K/V twice; drop --recompute "
+                "(or use 1f1b instead of 1f1b-r) or --seq-chunks"
+            )
+
+    # what the schedule answers, asked of its section
+    @property
+    def name(self) -> str:
+        return self.schedule.name
+
+    @property
+    def p(self) -> int:
+        return self.schedule.p
+
+    @property
+    def m(self) -> int:
+        return self.schedule.m
+
+    @property
+    def v(self) -> int:
+        return self.schedule.v
+
+    @property
+    def num_stages(self) -> int:
+        return self.schedule.num_stages
+
+    @property
+    def seq_chunks(self) -> int:
+        return self.schedule.seq_chunks
+
+    @property
+    def placement(self):
+        return self.schedule.placement
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """Where the ranks run: p pipeline ranks (the schedule's) x dp replicas, on one device type."""
+
+    dp: int = 1
+    """data-parallel replicas of the pipeline: p x dp processes; a step trains on dp x m microbatches"""
+    sharding: tuple[ShardingPolicy, ...] = (ShardingPolicy.REPLICATE,)
+    """the sharding policy of every chunk (one, or one per stage)"""
+    device: str = "cpu"
+    """"cpu" or "cuda" (resolved from --device auto|cpu|cuda before launch)"""
+    threads_per_rank: int | None = None
+    """torch threads in each rank (None: the cores divided among the ranks on this machine)"""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1:
+            raise ValueError(f"--dp must be an integer >= 1, got {self.dp!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r}: resolve --device to cpu or cuda before building the config")
+        object.__setattr__(self, "sharding", tuple(ShardingPolicy(p) for p in self.sharding))
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether ranks run with a mesh and per-chunk sharding (more than one replica, or a
+        policy other than replicate)."""
+        return self.dp > 1 or any(p is not ShardingPolicy.REPLICATE for p in self.sharding)
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """Per-rank (or, with data parallelism, torch.distributed.checkpoint) checkpoints."""
+
+    directory: str
+    resume: bool = False
+    """continue from the newest complete checkpoint in `directory`"""
+    save_every: int = 0
+    """also save every this many steps (0: only after the last step, and when a run stops early)"""
+    overwrite: bool = False
+    """a new run may replace the checkpoints of another run in `directory` (else it refuses)"""
+
+    def __post_init__(self) -> None:
+        if not self.directory:
+            raise ValueError("a checkpoint directory must be named: --checkpoint DIR")
+        if self.save_every < 0:
+            raise ValueError(f"save_every must be >= 0, got {self.save_every}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the checkpoints that --overwrite would replace: choose one")
+
+
+@dataclass(frozen=True)
+class EmulationSpec:
+    """Sleep instead of computing: the runtime's own overhead and bubbles, on a small machine."""
+
+    times_ms: tuple[float, float, float]
+    """(F, B, W) milliseconds per layer per microbatch"""
+    link: tuple[float, float] | None = None
+    """with dp > 1: the DP link (bytes per second, seconds per ring step) each DP collective
+    also takes its modelled time on"""
+
+    def __post_init__(self) -> None:
+        if len(self.times_ms) != 3 or any(not math.isfinite(t) or t < 0 for t in self.times_ms):
+            raise ValueError(f"emulated times {self.times_ms!r}: give three finite milliseconds F,B,W >= 0")
+
+    def stage_seconds(self, layers: tuple[int, ...]) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+        """(F, B, W) seconds of one microbatch on each stage, for `layers` blocks per stage: the
+        one rule by which an emulated pass lasts its per-layer time times the stage's blocks."""
+        return tuple(tuple(ms * 1e-3 * n for n in layers) for ms in self.times_ms)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run. Defaults are visible here and in `pipeblocks train --help`."""
 
-    schedule: Schedule
-    """What each rank runs; p processes are launched."""
-    model: GPTConfig
-    """The reference GPT (vocab must cover the data's tokens: 256 for bytes)."""
+    model: ModelSpec
+    schedule: ScheduleSpec
+    mesh: MeshSpec = field(default_factory=MeshSpec)
+    precision: PrecisionPolicy = field(default_factory=lambda: precision_policy("fp32"))
+    checkpoint: CheckpointSpec | None = None
+    emulation: EmulationSpec | None = None
     microbatch_size: int = 4
-    """Sequences per microbatch b; a step trains on m*b sequences."""
+    """sequences per microbatch b; a step trains on m*b sequences per replica"""
     steps: int = 40
-    """Train until this many optimizer steps are done (counting steps before a resume)."""
+    """train until this many optimizer steps are done (counting steps before a resume)"""
     lr: float = 3e-3
     seed: int = 0
-    """Seeds the weights and the data order."""
+    """seeds the weights and the data order"""
     data: str | None = None
-    """A text file; None: the embedded corpus (pydoc_data.topics)."""
-    checkpoint: str | None = None
-    """Directory for per-rank checkpoints; None: no checkpoints."""
-    resume: bool = False
-    """Continue from the newest complete checkpoint in `checkpoint`."""
-    save_every: int = 0
-    """Also save every this many steps (0: only after the last step)."""
-    overwrite: bool = False
-    """A new run may replace the checkpoints of another run in `checkpoint` (else it refuses)."""
-    emulate: tuple[float, float, float] | None = None
-    """(F, B, W) milliseconds per layer per microbatch: sleep instead of computing (no learning)."""
-    emulated_link: tuple[float, float] | None = None
-    """Under `emulate` with dp > 1: the DP link (bytes per second, seconds per ring step) whose
-    modelled time each DP collective also takes."""
+    """a text file; None: the embedded corpus (pydoc_data.topics)"""
     verify: bool = False
-    """Run one step and return every gradient, for comparison with one process."""
+    """run one step and return every gradient, for comparison with one process"""
     timeout_s: float = 300.0
-    """A receive, a collective or one step of a rank that makes no progress this long stops the run
-    (start-up gets at least 60 s); a run that keeps completing steps is never stopped."""
-    threads_per_rank: int | None = None
-    """torch threads in each rank (None: the cores divided among the ranks)."""
+    """a receive, a collective or one step of a rank that makes no progress this long stops the run
+    (start-up gets at least 60 s); a run that keeps completing steps is never stopped"""
     quiet: bool = False
-    """No per-step progress lines."""
-    seq_split: str = "balanced"
-    """With a sequence-chunk schedule: "balanced" (equal FLOPs under causal attention) or "even" chunks."""
+    """no per-step progress lines"""
     clip_grad: float | None = None
-    """Clip the global gradient norm (all ranks) to this; None: no clipping. Either way a step
-    whose gradient is non-finite on any rank is skipped on every rank (post_validation.py)."""
+    """clip the global gradient norm (all ranks) to this; None: no clipping. Either way a step
+    whose gradient is non-finite on any rank is skipped on every rank (post_validation.py)"""
     optimistic_step: bool = True
-    """Step before the global norm is known and undo if needed (AdamW keeps a spare copy of the
-    parameters and both moments for it); False: wait for the norm first (a barrier)."""
+    """step before the global norm is known and undo if needed (AdamW keeps a spare copy of the
+    parameters and both moments for it); False: wait for the norm first (a barrier)"""
     inject_nonfinite: int | None = None
-    """Test hook: make one gradient of the last rank infinite in this step (1-based)."""
-    dp: int = 1
-    """Data-parallel replicas of the pipeline: p x dp processes; a step trains on dp x m microbatches."""
-    sharding: tuple[ShardingPolicy, ...] = (ShardingPolicy.REPLICATE,)
-    """Sharding policy for every chunk (one) or per chunk (one per stage, in stage order)."""
-    recompute: tuple[tuple[int, int], ...] = ()
-    """(stage, microbatch) pairs whose forward keeps only its input and is re-run before its
-    backward (--recompute); empty: those the schedule asks for (`1f1b-r`: all), else none."""
+    """test hook: make one gradient of the last rank infinite in this step (1-based)"""
     async_mode: AsyncMode | None = None
-    """Train asynchronously in this mode (no flush; `steps` optimizer steps of m microbatches,
-    asynchronous/run.py); None: synchronous training."""
+    """train asynchronously in this mode (no flush; `steps` optimizer steps of m microbatches,
+    asynchronous/run.py); None: synchronous training"""
 
     def __post_init__(self) -> None:
         for name in ("microbatch_size", "steps", "timeout_s", "lr"):
@@ -90,21 +247,12 @@ class TrainConfig:
             raise ValueError(f"clip_grad must be a finite number > 0, got {self.clip_grad!r}")
         if self.inject_nonfinite is not None and not 1 <= self.inject_nonfinite <= self.steps:
             raise ValueError(f"inject_nonfinite must be a step in 1..{self.steps}, got {self.inject_nonfinite!r}")
-        if self.save_every < 0:
-            raise ValueError(f"save_every must be >= 0, got {self.save_every}")
-        if self.resume and not self.checkpoint:
-            raise ValueError("--resume needs --checkpoint DIR: the directory to resume from")
-        if self.schedule.seq_chunks > 1:
-            self.seq_lengths()  # k larger than the sequence, or an empty chunk, fails here
-        if not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1:
-            raise ValueError(f"--dp must be an integer >= 1, got {self.dp!r}")
-        object.__setattr__(self, "sharding", per_stage(self.sharding, self.schedule.num_stages))
-        object.__setattr__(self, "recompute", tuple(sorted((int(s), int(mb)) for s, mb in self.recompute)))
-        if self.recompute_pairs and self.schedule.seq_chunks > 1:
+        object.__setattr__(self, "mesh", MeshSpec(self.mesh.dp, per_stage(self.mesh.sharding, self.num_stages),
+                                                  self.mesh.device, self.mesh.threads_per_rank))
+        if self.precision.master != self.model.config.dtype:
             raise ValueError(
-                f"the runtime does not recompute sequence chunks (schedule {self.schedule.name!r} cuts sequences into "
-                f"{self.schedule.seq_chunks}): a chunk's recomputation would append its K/V twice; drop --recompute "
-                "(or use 1f1b instead of 1f1b-r) or --seq-chunks"
+                f"precision {self.precision.name} keeps {self.precision.master} weights but the model is built in "
+                f"{self.model.config.dtype}: build it in {self.precision.master}"
             )
         if self.async_mode is not None and self.async_mode.sync_warmup_steps >= self.steps:
             w = self.async_mode.sync_warmup_steps
@@ -113,47 +261,31 @@ class TrainConfig:
                 f"(W in 0..{self.steps - 1}) or raise --steps"
             )
 
+    # ---- shorthands ----------------------------------------------------------------
     @property
-    def recompute_pairs(self) -> frozenset[tuple[int, int]]:
-        """The pairs the runtime recomputes: `recompute`, or the schedule's own (`1f1b-r`)."""
-        return recompute_pairs(self.schedule, self.recompute)
+    def num_stages(self) -> int:
+        return self.schedule.num_stages
+
+    @property
+    def dp(self) -> int:
+        return self.mesh.dp
+
+    @property
+    def sharding(self) -> tuple[ShardingPolicy, ...]:
+        return self.mesh.sharding
 
     @property
     def data_parallel(self) -> bool:
-        """Whether ranks run with a mesh and per-chunk sharding (more than one replica, or a
-        policy other than replicate)."""
-        return self.dp > 1 or any(p is not ShardingPolicy.REPLICATE for p in self.sharding)
+        return self.mesh.data_parallel
 
     @property
     def world_size(self) -> int:
-        return self.schedule.p * self.dp
+        return self.schedule.p * self.mesh.dp
 
     def threads_for(self, processes: int) -> int:
-        """torch threads in each of `processes` processes sharing this machine: threads_per_rank
-        when given, else the cores divided among them."""
-        return self.threads_per_rank or max(1, (os.cpu_count() or 1) // processes)
-
-    def seq_lengths(self) -> tuple[int, ...] | None:
-        """Tokens per sequence chunk (None without sequence chunks), from `seq_split`."""
-        k = self.schedule.seq_chunks
-        if k == 1:
-            return None
-        from ..sim.analytic import TransformerConfig
-        from ..sim.sequence_split import SPLITS, split_lengths
-
-        if self.seq_split not in SPLITS:
-            raise ValueError(f"seq_split must be one of {', '.join(SPLITS)}, got {self.seq_split!r}")
-        if k > self.model.seq:
-            raise ValueError(
-                f"schedule {self.schedule.name!r} cuts every sequence into {k} chunks but sequences have "
-                f"{self.model.seq} tokens: use --seq-chunks {self.model.seq} or fewer, or a longer --seq"
-            )
-        m = self.model
-        analytic = TransformerConfig(layers=m.layers, hidden=m.hidden, heads=m.heads, seq=m.seq, vocab=m.vocab)
-        lengths = split_lengths(m.seq, k, self.seq_split, analytic)
-        if min(lengths) < 1:
-            raise ValueError(f"the {self.seq_split} split {list(lengths)} leaves an empty chunk: use fewer chunks")
-        return lengths
+        """torch threads in each of `processes` processes sharing this machine: the mesh's
+        threads_per_rank when given, else the cores divided among them."""
+        return self.mesh.threads_per_rank or max(1, (os.cpu_count() or 1) // processes)
 
     @property
     def batch_size(self) -> int:
@@ -164,7 +296,7 @@ class TrainConfig:
     def global_batch_size(self) -> int:
         """Sequences per step over all replicas: dp x m microbatches; replica r trains on the
         r-th slice of `batch_size` sequences."""
-        return self.dp * self.batch_size
+        return self.mesh.dp * self.batch_size
 
     @property
     def tokens_per_step(self) -> int:
@@ -174,9 +306,11 @@ class TrainConfig:
         """What a checkpoint must agree on to be resumed by this run."""
         s = self.schedule
         return {
-            "model": self.model.to_json(), "schedule": s.name, "p": s.p, "m": s.m,
+            "model": self.model.config.to_json(), "schedule": s.name, "p": s.p, "m": s.m,
             "placement": list(s.placement.stage_to_rank), "microbatch_size": self.microbatch_size,
             "lr": self.lr, "seed": self.seed, "data": data_source, "clip_grad": self.clip_grad,
-            "seq_chunks": s.seq_chunks, "seq_lengths": list(self.seq_lengths() or ()),
+            "seq_chunks": s.seq_chunks, "seq_lengths": list(self.schedule.seq_lengths or ()),
+            **({"family": self.model.family} if self.model.family != "gpt" else {}),
+            **({"precision": self.precision.name} if self.precision.name not in ("fp32", "fp64") else {}),
             **({"dp": self.dp, "sharding": [str(p) for p in self.sharding]} if self.data_parallel else {}),
         }

@@ -1,17 +1,16 @@
 """The training loop behind `pipeblocks train`: one process per pipeline rank.
 
-    >>> from pipeblocks.schedules import get
-    >>> cfg = TrainConfig(schedule=get("1f1b")(p=2, m=4), model=GPTConfig(layers=4), steps=20)
-    >>> results = launch(cfg)       # p local processes; one RankResult per rank
+    >>> cfg, data = prepare(ScheduleRequest(name="1f1b", m=4, mesh=Mesh(pp=2)), model=GPTConfig(layers=4), steps=20)
+    >>> results = launch(cfg)       # p local processes (or this one, under torchrun); one RankResult per rank
 
-Each rank builds only its own stages from the seed (`build_stages`, so the weights are
-those of `GPT(cfg.model, seed=cfg.seed)`), an AdamW over their parameters, and a
-`PipelineRunner`. Step k feeds the batch `TokenWindows.batch(k, m*b, seed)` (the runner
+Each rank builds what `rank_setup.setup_rank` builds (only its own stages, with the weights
+of the whole model of the same seed; the precision; the data-parallel wrapper), an AdamW
+over their parameters, and a `PipelineRunner`. Step k feeds the batch `TokenWindows.batch(k, m*b, seed)` (the runner
 cuts it into m microbatches), then steps the optimizer. The rank that holds the last
 stage prints one progress line per step. The optimizer steps through a `PostValidator`
 (post_validation.py): `clip_grad` clips by the global gradient norm, and a step whose
 gradient is non-finite on any rank is skipped on every rank, with no barrier before the
-step. Checkpoints go to `cfg.checkpoint` every `save_every` steps and after the last one
+step. Checkpoints go to `cfg.checkpoint.directory` every `save_every` steps and after the last one
 (see checkpoint.py); `resume` continues from the newest step intact on every rank (each
 rank verifies its own files, then the ranks agree). With data parallelism or sharding
 they go through torch.distributed.checkpoint instead (sharded_checkpoint.py), loadable at
@@ -38,8 +37,6 @@ from typing import TypeVar
 import torch
 
 from ..data import TokenWindows
-from ..models.gpt import cross_entropy
-from ..models.split import build_stages, layer_counts
 from . import checkpoint as ckpt
 from . import sharded_checkpoint as sharded
 from .config import TrainConfig
@@ -54,23 +51,40 @@ KEEP_TIMELINES = 32
 """Rank 0 returns the measured timelines of at most this many of the latest steps."""
 
 
-def launch(cfg: TrainConfig) -> list[RankResult]:
-    """Run `cfg` in p x dp local processes (gloo on CPU); a failure on any rank raises here."""
-    from ..runtime.launch import spawn
+def launch(cfg: TrainConfig) -> list[RankResult] | None:
+    """Run `cfg` in p x dp processes: local ones (gloo on CPU, NCCL on CUDA), or, under
+    torchrun, this process as its rank. A failure on any rank raises here. Returns every
+    rank's result, on the launching process (rank 0 under torchrun; None on the others)."""
+    from ..runtime.launch import run_here, spawn, under_torchrun
     from ..runtime.mesh import check_world_size
 
-    if cfg.checkpoint and not cfg.resume and not cfg.verify:
-        removed = ckpt.claim_directory(cfg.checkpoint, overwrite=cfg.overwrite)
-        removed += sharded.claim_sharded(cfg.checkpoint, overwrite=cfg.overwrite)
+    torchrun = under_torchrun()
+    ck = cfg.checkpoint
+    if ck is not None and not ck.resume and not cfg.verify and (not torchrun or reporting_process()):
+        removed = ckpt.claim_directory(ck.directory, overwrite=ck.overwrite)
+        removed += sharded.claim_sharded(ck.directory, overwrite=ck.overwrite)
         if removed:
             print(f"--overwrite: removed {len(removed)} checkpoint file(s) of an earlier run from "
-                  f"{cfg.checkpoint!r}", file=sys.stderr, flush=True)
+                  f"{ck.directory!r}", file=sys.stderr, flush=True)
     world = cfg.world_size
     check_world_size(cfg.schedule.p, cfg.dp, world)
+    if torchrun:
+        return run_here(train_rank, args=(cfg,), world_size=world, timeout_s=cfg.timeout_s, device=cfg.mesh.device,
+                        threads_per_rank=cfg.mesh.threads_per_rank)
     return spawn(
         train_rank, world, args=(cfg,), timeout_s=cfg.timeout_s, threads_per_rank=cfg.threads_for(world),
-        schedule=None if cfg.data_parallel else cfg.schedule,
+        schedule=None if cfg.data_parallel else cfg.schedule.schedule, device=cfg.mesh.device,
     )
+
+
+def reporting_process() -> bool:
+    """Whether this process prints the run's header and report: the launcher, or global rank
+    0 under torchrun."""
+    import os
+
+    from ..runtime.launch import under_torchrun
+
+    return not under_torchrun() or os.environ.get("RANK") == "0"
 
 
 def train_rank(ctx, cfg: TrainConfig) -> RankResult:
@@ -85,53 +99,44 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
 
 def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
     from ..runtime import PipelineRunner
+    from .rank_setup import setup_rank
 
-    schedule = cfg.schedule
-    mesh = dp = None
-    if cfg.data_parallel:
-        from ..runtime.data_parallel import DataParallel
-        from ..runtime.mesh import init_mesh
-
-        mesh = init_mesh(schedule.p, cfg.dp, ctx.device)
-    rank, replica = (mesh.pp_rank, mesh.dp_rank) if mesh is not None else (ctx.rank, 0)
-    mine = schedule.placement.stages_of(rank)
-    built = build_stages(cfg.model, seed=cfg.seed, num_stages=schedule.num_stages, stages=mine, device=ctx.device)
-    stages = {stage.index: stage for stage in built}
-    shapes = {stage.index: [tuple(p.shape) for p in stage.parameters() if p.requires_grad] for stage in built}
-    element_size = next(p.element_size() for stage in built for p in stage.parameters())
-    if mesh is not None:
-        # FSDP2 replaces the parameters by their shards: the optimizer is built over those
-        dp = DataParallel(stages, cfg.sharding, mesh.dp_mesh, timeout_s=cfg.timeout_s,
-                          link=_emulated_link(cfg, stages))
+    setup = setup_rank(ctx, cfg)
+    schedule = cfg.schedule.schedule
+    rank, replica, mesh, dp, data = setup.rank, setup.replica, setup.mesh, setup.data_parallel, setup.data
+    built, stages = setup.stages, setup.modules
+    mine = tuple(sorted(stages))
+    shapes = {s: [tuple(p.shape) for p in m.parameters() if p.requires_grad] for s, m in stages.items()}
+    if dp is not None:
         optimizer = dp.optimizer(torch.optim.AdamW, lr=cfg.lr)
     else:
-        optimizer = torch.optim.AdamW([p for stage in built for p in stage.parameters()], lr=cfg.lr)
-    params = [p for stage in built for p in stage.parameters()]
-    data = TokenWindows.load(cfg.data, seq=cfg.model.seq)
-    torch.manual_seed(cfg.seed)
+        optimizer = torch.optim.AdamW(setup.params, lr=cfg.lr)
+    params = setup.params
 
     start = 0
+    ck = cfg.checkpoint
     use_dcp = uses_sharded_checkpoints(cfg)
-    if cfg.checkpoint and not use_dcp:
-        ckpt.remove_temporaries(cfg.checkpoint, ranks=[rank])  # no save of this rank is under way yet
-    if cfg.resume and use_dcp:
+    if ck is not None and not use_dcp:
+        ckpt.remove_temporaries(ck.directory, ranks=[rank])  # no save of this rank is under way yet
+    if ck is not None and ck.resume and use_dcp:
         start = _resume_sharded(cfg, stages, optimizer)
-    elif cfg.resume:
+    elif ck is not None and ck.resume:
         start = _resume(cfg, ctx, stages, optimizer, data.source)
     # with data parallelism the optimizer steps directly (prepare refuses --clip-grad there)
     validator = None if dp is not None else PostValidator(
         optimizer, max_norm=cfg.clip_grad, optimistic=cfg.optimistic_step, timeout_s=cfg.timeout_s)
 
-    compute = _emulated_compute(cfg, stages, ctx.device) if cfg.emulate is not None else None
+    compute = _emulated_compute(cfg, stages, ctx.device) if cfg.emulation is not None else None
     runner = PipelineRunner(
-        schedule, stages, cross_entropy, rank=rank, device=ctx.device, timeout_s=cfg.timeout_s,
-        record_timeline=not cfg.verify and replica == 0, compute=compute, seq_lengths=cfg.seq_lengths(),
-        group=mesh.pp_group if mesh is not None else None, data_parallel=dp, recompute=cfg.recompute_pairs,
+        schedule, setup.runner_stages, setup.loss_fn, rank=rank, device=ctx.device, timeout_s=cfg.timeout_s,
+        record_timeline=not cfg.verify and replica == 0, compute=compute, seq_lengths=cfg.schedule.seq_lengths,
+        group=setup.pp_group, data_parallel=dp, recompute=cfg.schedule.recompute,
+        precision=setup.copies if compute is None else None,
     )
-    static_predicted = _predict_static(cfg, runner.program, rank, replica, shapes, element_size)
+    static_predicted = _predict_static(cfg, runner.program, rank, replica, shapes)
     link = None
-    if cfg.emulated_link is not None:
-        link = cfg.emulated_link  # the simulated column models the link the collectives emulate
+    if cfg.emulation is not None and cfg.emulation.link is not None:
+        link = cfg.emulation.link  # the simulated column models the link the collectives emulate
     elif mesh is not None and cfg.dp > 1 and not cfg.verify:
         from ..runtime.data_parallel import measure_link
 
@@ -150,6 +155,9 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
         result = runner.step(inputs if runner.holds_first_stage else None, targets if runner.holds_last_stage else None)
         if cfg.inject_nonfinite == step + 1 and rank == schedule.p - 1:
             next(p.grad for p in params if p.grad is not None).view(-1)[0] = float("inf")
+        if dp is None:
+            # the step's peak: full gradients, the state of the previous step, the compute copies
+            static = max(static, _static_now(built, optimizer) + (setup.copies.step_bytes if setup.copies else 0))
         grads = _full_grads(built) if cfg.verify and cfg.clip_grad is None else None
         with control.critical():  # an interrupt must not leave half the parameters stepped
             if validator is not None:
@@ -167,7 +175,7 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
         if cfg.verify:
             # the step is taken; with clipping, the gradients it used (clipped) are compared
             grads = grads if grads is not None else _full_grads(built)
-            return RankResult(rank, tuple(mine), ((step, loss),) if loss is not None else (),
+            return RankResult(rank, mine, ((step, loss),) if loss is not None else (),
                               grads=grads, params=_full_params(built),
                               checks=() if check is None or cfg.clip_grad is None else ((step, check),),
                               dp_rank=replica, static_bytes_measured=static,
@@ -184,19 +192,19 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
         if loss is not None:
             losses.append((step, loss))
             if not cfg.quiet and replica == 0:
-                shown = "emulated" if cfg.emulate else f"{loss:.4f}"
+                shown = "emulated" if cfg.emulation else f"{loss:.4f}"
                 print(f"step {step + 1:>5}/{cfg.steps}  loss {shown}  "
                       f"{cfg.tokens_per_step / (t1 - t0):>9,.0f} tokens/s  {(t1 - t0) * 1e3:7.1f} ms"
                       + ("" if check is None else _check_note(check, cfg.clip_grad)), flush=True)
         done = step + 1
         stop = control.step_done(done)  # True on every rank after the same step
-        if cfg.checkpoint and (stop or done == last or (cfg.save_every and done % cfg.save_every == 0)):
+        if ck is not None and (stop or done == last or (ck.save_every and done % ck.save_every == 0)):
             with control.critical():
                 if use_dcp:
-                    sharded.save_sharded(cfg.checkpoint, step=done, stages=stages,
+                    sharded.save_sharded(ck.directory, step=done, stages=stages,
                                          optimizers=_chunk_optimizers(optimizer), meta=cfg.meta(data.source))
                 else:
-                    ckpt.save_rank(cfg.checkpoint, rank=rank, step=done, stages=stages, optimizer=optimizer,
+                    ckpt.save_rank(ck.directory, rank=rank, step=done, stages=stages, optimizer=optimizer,
                                    meta=cfg.meta(data.source))
                 last_good.saved = done
             control.beat()
@@ -205,7 +213,7 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
     sys.stdout.flush()
     # the optimizer state exists from the second step on: the steady-state peak
     predicted = static_predicted[1] if len(spans) > 1 else static_predicted[0]
-    return RankResult(rank, tuple(mine), tuple(losses), tuple(spans), peak, tuple(timelines),
+    return RankResult(rank, mine, tuple(losses), tuple(spans), peak, tuple(timelines),
                       skipped_steps=tuple(skipped), dp_rank=replica, static_bytes_measured=static,
                       static_bytes_predicted=predicted, dp_wait_s=tuple(dp_waits), dp_link=link)
 
@@ -253,13 +261,13 @@ def _static_now(built, optimizer) -> int:
     return held_bytes(tensors)
 
 
-def _predict_static(cfg: TrainConfig, program, rank: int, replica: int, shapes, element_size: int) -> tuple[int, int]:
+def _predict_static(cfg: TrainConfig, program, rank: int, replica: int, shapes) -> tuple[int, int]:
     """(first step, later steps) predicted peak static bytes of this rank."""
     from ..runtime.static_memory import predict_static_peak
 
     return tuple(
         predict_static_peak(program, rank, shapes, cfg.sharding, dp=cfg.dp, dp_rank=replica,
-                            element_size=element_size, optimizer_state=held)
+                            precision=cfg.precision, optimizer_state=held)
         for held in (False, True)
     )
 
@@ -268,24 +276,26 @@ def _resume(cfg: TrainConfig, ctx, stages, optimizer, data_source: str) -> int:
     """Verify this rank's checkpoints, agree with the other ranks on a step, restore it."""
     import torch.distributed as dist
 
-    mine = ckpt.verify_rank(cfg.checkpoint, ctx.rank)
+    directory = cfg.checkpoint.directory
+    mine = ckpt.verify_rank(directory, ctx.rank)
     checks: list = [None] * ctx.world_size
     dist.all_gather_object(checks, mine)
     step = ckpt.agree_step(checks)
     ckpt.warn_damaged(mine, step)
     if step is None:
-        raise ValueError(ckpt.no_intact_message(cfg.checkpoint, checks))
-    state = ckpt.load_rank(cfg.checkpoint, rank=ctx.rank, step=step)
-    ckpt.check_meta(state["meta"], cfg.meta(data_source), cfg.checkpoint)
+        raise ValueError(ckpt.no_intact_message(directory, checks))
+    state = ckpt.load_rank(directory, rank=ctx.rank, step=step)
+    ckpt.check_meta(state["meta"], cfg.meta(data_source), directory)
     return ckpt.restore_rank(state, stages, optimizer)
 
 
 def uses_sharded_checkpoints(cfg: TrainConfig) -> bool:
     """Whether the run's checkpoints go through torch.distributed.checkpoint: always with data
     parallelism or sharding, and when resuming such a checkpoint (at any dp size)."""
-    if not cfg.checkpoint:
+    ck = cfg.checkpoint
+    if ck is None:
         return False
-    return cfg.data_parallel or (cfg.resume and sharded.has_sharded(cfg.checkpoint))
+    return cfg.data_parallel or (ck.resume and sharded.has_sharded(ck.directory))
 
 
 def _chunk_optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -300,10 +310,11 @@ def _chunk_optimizers(optimizer) -> list[torch.optim.Optimizer]:
 
 def _resume_sharded(cfg: TrainConfig, stages, optimizer) -> int:
     """Restore the newest complete DCP checkpoint (prepare checked it and its run description)."""
-    step = sharded.latest_sharded_step(cfg.checkpoint)
+    directory = cfg.checkpoint.directory
+    step = sharded.latest_sharded_step(directory)
     if step is None:
-        raise ValueError(f"--resume: no complete checkpoint in {cfg.checkpoint!r}: drop --resume to start from step 0")
-    return sharded.load_sharded(cfg.checkpoint, step=step, stages=stages, optimizers=_chunk_optimizers(optimizer))
+        raise ValueError(f"--resume: no complete checkpoint in {directory!r}: drop --resume to start from step 0")
+    return sharded.load_sharded(directory, step=step, stages=stages, optimizers=_chunk_optimizers(optimizer))
 
 
 def _check_note(check, clip_grad: float | None) -> str:
@@ -334,14 +345,14 @@ class _LastGood:
     def save_on_the_way_out(self, cfg: TrainConfig, control) -> None:
         """Save the last completed step if it is newer than the last save; a failing save
         is reported and must not hide the error that stopped the rank."""
-        if not cfg.checkpoint or self.stages is None or self.done <= self.saved:
+        if cfg.checkpoint is None or self.stages is None or self.done <= self.saved:
             return
         with control.critical():
             try:
                 torch.set_rng_state(self.rng)
-                ckpt.save_rank(cfg.checkpoint, rank=self.rank, step=self.done, stages=self.stages,
+                ckpt.save_rank(cfg.checkpoint.directory, rank=self.rank, step=self.done, stages=self.stages,
                                optimizer=self.optimizer, meta=self.meta)
-                print(f"rank {self.rank}: saved step {self.done} to {cfg.checkpoint} on the way out",
+                print(f"rank {self.rank}: saved step {self.done} to {cfg.checkpoint.directory} on the way out",
                       file=sys.stderr, flush=True)
             except Exception as err:  # noqa: BLE001 - reported; the original error goes on
                 print(f"rank {self.rank}: could not save step {self.done} on the way out: {err}",
@@ -366,39 +377,22 @@ def launch_or_report(start: Callable[[], T], note: Callable[[], str] | None = No
 
 def checkpoint_note(cfg: TrainConfig) -> str:
     """One line for a run that ended early: what its checkpoint directory now resumes from."""
-    if not cfg.checkpoint:
+    if cfg.checkpoint is None:
         return "no checkpoint was written: give --checkpoint DIR to save when a run stops"
+    directory = cfg.checkpoint.directory
     if uses_sharded_checkpoints(cfg):
-        step = sharded.latest_sharded_step(cfg.checkpoint)
+        step = sharded.latest_sharded_step(directory)
         if step is None:
-            return f"no complete data-parallel checkpoint in {cfg.checkpoint}"
-        return f"checkpoint: step {step} is complete in {cfg.checkpoint}: continue with --resume"
-    step = ckpt.latest_step(cfg.checkpoint, cfg.schedule.p)
+            return f"no complete data-parallel checkpoint in {directory}"
+        return f"checkpoint: step {step} is complete in {directory}: continue with --resume"
+    step = ckpt.latest_step(directory, cfg.schedule.p)
     if step is None:
-        return f"no step was saved by every rank in {cfg.checkpoint}"
-    return f"checkpoint: every rank has step {step} in {cfg.checkpoint}: continue with --resume"
-
-
-def _emulated_link(cfg: TrainConfig, stages):
-    """Under --emulate with dp > 1: each DP collective also takes its modelled time on the
-    run's link, sized by the parameters of this rank's stages (other stages: never issued)."""
-    if cfg.emulate is None or cfg.emulated_link is None:
-        return None
-    from ..core.dp_model import DPCostModel, Link
-    from ..runtime.emulated_link import EmulatedLink
-
-    params = [0.0] * cfg.schedule.num_stages
-    for index, module in stages.items():
-        params[index] = float(sum(q.numel() for q in module.parameters()))
-    model = DPCostModel(dp=cfg.dp, sharding=tuple(cfg.sharding), link=Link(*cfg.emulated_link))
-    return EmulatedLink(model, params)
+        return f"no step was saved by every rank in {directory}"
+    return f"checkpoint: every rank has step {step} in {directory}: continue with --resume"
 
 
 def _emulated_compute(cfg: TrainConfig, stages, device):
-    from ..runtime.emulate import EmulatedCompute, EmulatedCosts
+    from ..runtime.emulate import EmulatedCompute
+    from .rank_setup import emulated_costs
 
-    f, b, w = cfg.emulate
-    S = cfg.schedule.num_stages
-    costs = EmulatedCosts(f_ms=f, b_ms=b, w_ms=w, layers=layer_counts(cfg.model.layers, S))
-    return EmulatedCompute(costs, stages, S, device)
-
+    return EmulatedCompute(emulated_costs(cfg), stages, cfg.num_stages, device)

@@ -3,10 +3,14 @@
     >>> loss, grads = reference_step(cfg, seed=0, inputs=x, targets=y, microbatches=8)
     >>> worst = compare_grads(pipeline_grads, grads)     # GradDiff(name, relative difference)
 
-One process builds the whole GPT from the same seed, runs the step's m microbatches one
-after another with loss/m each (the pipeline's per-step loss is the mean of its
+One process builds the whole model from the same seed (`model`: a GPTConfig or a
+LlamaConfig, or a `config.ModelSpec` that names the family), runs the step's m microbatches
+one after another with loss/m each (the pipeline's per-step loss is the mean of its
 microbatch losses), and keeps every parameter's gradient by name. The names are the ones
-the stage modules use, so a pipeline's gradients compare one to one.
+the stage modules use, so a pipeline's gradients compare one to one. Under bf16-mixed
+(`precision=`) it computes as the ranks do: one bfloat16 copy of the weights for the step
+(`runtime.precision.ComputeCopies`), the gradients accumulated in float32 into the float32
+weights, the loss in float32.
 
 With gradient clipping the reference is synchronous clipping in one process:
 `torch.nn.utils.clip_grad_norm_` over the whole model, then AdamW.
@@ -17,17 +21,18 @@ With gradient clipping the reference is synchronous clipping in one process:
 """
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from ..models import GPT, GPTConfig, cross_entropy
+from ..core.precision import PrecisionPolicy
 
 __all__ = [
     "TOLERANCE",
+    "whole_model",
     "GradDiff",
     "compare_grads",
     "reference_apply",
@@ -38,9 +43,19 @@ __all__ = [
     "torch_threads",
 ]
 
-TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
+TOLERANCE = {"fp64": 1e-10, "fp32": 1e-5, "bf16-mixed": 1e-2}
 """Largest relative difference `train --verify` (and `train --async MODE --verify`) accepts, by
-dtype: every schedule computes the gradients of one process, up to the order of sums."""
+precision: every schedule computes the gradients of one process, up to the order of sums.
+
+Under bf16-mixed the one process computes each microbatch in bfloat16 as the ranks do
+(the same weights' copy, the same operations, the float32 accumulation in microbatch
+order), so a difference comes only from sums taken in another order: a matrix product
+split differently among threads, or microbatch gradients added in another order into the
+float32 sum. One such reordering moves a bfloat16 result by up to a rounding, 2^-8 = 3.9e-3
+of its size, and the difference is measured against the largest element of each gradient
+(`relative_difference`), so 1e-2 holds with room for two or three such roundings. (Measured
+on CPU: 0 for llama with zb-v and v-half at p = 2, the ranks and the reference run with
+one thread each.)"""
 
 
 class GradDiff(NamedTuple):
@@ -48,32 +63,43 @@ class GradDiff(NamedTuple):
     relative: float
 
 
+def whole_model(model, *, seed: int) -> tuple[torch.nn.Module, Callable[[Tensor, Tensor], Tensor]]:
+    """(the whole model of `seed`, its loss function) for a config or a `ModelSpec`."""
+    from ..models.config import GPTConfig
+    from ..models.family import get_family
+
+    family = getattr(model, "family", None) or ("gpt" if isinstance(model, GPTConfig) else "llama")
+    config = getattr(model, "config", model)
+    chosen = get_family(family)
+    return chosen.build_model(config, seed=seed), chosen.loss_fn
+
+
 def reference_step(
-    cfg: GPTConfig, *, seed: int, inputs: Tensor, targets: Tensor, microbatches: int
+    cfg, *, seed: int, inputs: Tensor, targets: Tensor, microbatches: int, precision: PrecisionPolicy | None = None,
 ) -> tuple[float, dict[str, Tensor]]:
     """(mean microbatch loss, gradient of every parameter by name) for one step."""
     if inputs.size(0) % microbatches:
         raise ValueError(f"a batch of {inputs.size(0)} does not split into {microbatches} equal microbatches")
-    model = GPT(cfg, seed=seed)
-    loss = _accumulate(model, inputs, targets, microbatches)
+    model, loss_fn = whole_model(cfg, seed=seed)
+    loss = _accumulate(model, loss_fn, inputs, targets, microbatches, precision)
     return loss, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
 def reference_update(
-    cfg: GPTConfig, *, seed: int, inputs: Tensor, targets: Tensor, microbatches: int, lr: float,
-    max_norm: float | None,
+    cfg, *, seed: int, inputs: Tensor, targets: Tensor, microbatches: int, lr: float,
+    max_norm: float | None, precision: PrecisionPolicy | None = None,
 ) -> tuple[float, dict[str, Tensor], dict[str, Tensor], float]:
     """One step with synchronous clipping: (loss, clipped gradients, parameters after AdamW, global norm)."""
-    model = GPT(cfg, seed=seed)
+    model, loss_fn = whole_model(cfg, seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    loss = _accumulate(model, inputs, targets, microbatches)
+    loss = _accumulate(model, loss_fn, inputs, targets, microbatches, precision)
     norm = _clip(model, max_norm)
     optimizer.step()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return loss, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, norm
 
 
-def reference_apply(cfg: GPTConfig, *, seed: int, grads: Mapping[str, Tensor], lr: float) -> dict[str, Tensor]:
+def reference_apply(cfg, *, seed: int, grads: Mapping[str, Tensor], lr: float) -> dict[str, Tensor]:
     """The parameters after one AdamW step from the seed's weights with the given gradients.
 
     `train --verify` checks the ranks' optimizer step with this, on the gradients the ranks
@@ -83,7 +109,7 @@ def reference_apply(cfg: GPTConfig, *, seed: int, grads: Mapping[str, Tensor], l
     whose gradient is near zero by very different amounts. Those gradients are compared
     with the reference's own; the step is compared with the step the reference optimizer
     takes from the same gradients, which is well conditioned."""
-    model = GPT(cfg, seed=seed)
+    model, _ = whole_model(cfg, seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     for name, param in model.named_parameters():
         if name not in grads:
@@ -94,33 +120,44 @@ def reference_apply(cfg: GPTConfig, *, seed: int, grads: Mapping[str, Tensor], l
 
 
 def reference_losses(
-    cfg: GPTConfig, *, seed: int, batches: Iterable[tuple[Tensor, Tensor]], microbatches: int, lr: float,
+    cfg, *, seed: int, batches: Iterable[tuple[Tensor, Tensor]], microbatches: int, lr: float,
     max_norm: float | None = None, skip: Container[int] = (),
 ) -> list[float]:
     """Each step's loss over `batches`, clipping synchronously; the steps in `skip` (0-based) compute
     their loss but make no update, as a run without that batch's update."""
-    model = GPT(cfg, seed=seed)
+    model, loss_fn = whole_model(cfg, seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for step, (inputs, targets) in enumerate(batches):
         optimizer.zero_grad(set_to_none=True)
-        losses.append(_accumulate(model, inputs, targets, microbatches))
+        losses.append(_accumulate(model, loss_fn, inputs, targets, microbatches))
         if step not in skip:
             _clip(model, max_norm)
             optimizer.step()
     return losses
 
 
-def _accumulate(model: GPT, inputs: Tensor, targets: Tensor, microbatches: int) -> float:
+def _accumulate(model: torch.nn.Module, loss_fn, inputs: Tensor, targets: Tensor, microbatches: int,
+                precision: PrecisionPolicy | None = None) -> float:
+    """Each microbatch forward and backward with loss/m, in `precision` (None: the weights' own)."""
+    run, copies = model, None
+    if precision is not None and precision.mixed:
+        from ..runtime.precision import ComputeCopies, torch_dtype
+
+        copies = ComputeCopies({0: model}, torch_dtype(precision.compute))
+        run = copies.stages[0]
+        copies.begin_step()
     total = 0.0
     for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches)):
-        loss = cross_entropy(model(x), y)
+        loss = loss_fn(run(x), y)
         (loss / microbatches).backward()
         total += loss.item()
+    if copies is not None:
+        copies.end_step()
     return total / microbatches
 
 
-def _clip(model: GPT, max_norm: float | None) -> float:
+def _clip(model: torch.nn.Module, max_norm: float | None) -> float:
     params = list(model.parameters())
     if max_norm is None:
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])).item()

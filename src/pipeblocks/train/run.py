@@ -10,16 +10,17 @@ The CLI (`pipeblocks.cli.train`) only parses options into these arguments.
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
+from ..core.recompute import recompute_pairs
 from ..core.request import ScheduleRequest
 from ..core.jsontext import json_text
 from ..core.schedule import write_atomically
 from ..core.validate import validate
-from ..models.config import GPTConfig
 from ..schedules import names
 from ..sim.build import build
 from .config import TrainConfig
@@ -28,15 +29,15 @@ from .report import format_bytes
 if TYPE_CHECKING:  # torch enters only when a run starts, so `pipeblocks list` stays fast
     from ..data import TokenWindows
 
-__all__ = ["DEFAULT_SCHEDULE", "FALLBACK_SCHEDULE", "default_schedule", "prepare", "dry_run", "train", "verify", "judge"]
+__all__ = [
+    "DEFAULT_SCHEDULE", "FALLBACK_SCHEDULE", "default_schedule", "describe", "dry_run", "execute", "judge", "prepare",
+    "profiled_stages", "train", "verify",
+]
 
 # Memory-efficient by default: V-Half holds about half of 1F1B's activations.
 DEFAULT_SCHEDULE = "v-half"
 FALLBACK_SCHEDULE = "1f1b"
 WARMUP_STEPS = 2
-# fp32 AdamW keeps, per parameter, the parameter, its gradient and two moments: 4+4+8 bytes;
-# in units of the parameter's own size that is 1 + 1 + 2.
-STATIC_COPIES = 4
 # the optimistic (post-validated) step keeps a spare parameter and two spare moments
 SPARE_COPIES = 3
 
@@ -46,32 +47,52 @@ def default_schedule() -> str:
 
 
 def prepare(
-    request: ScheduleRequest, *, model: GPTConfig, emulate: tuple[float, float, float] | None = None, **train_options,
+    request: ScheduleRequest, *, model: Any, family: str | None = None, precision: str | None = None,
+    device: str = "cpu", emulate: tuple[float, float, float] | None = None, checkpoint: str | None = None,
+    resume: bool = False, save_every: int = 0, overwrite: bool = False, threads_per_rank: int | None = None,
+    **train_options,
 ) -> tuple[TrainConfig, TokenWindows]:
-    """The run's config and data, with every user error raised here (ValueError)."""
-    from ..data import TokenWindows
-    from ..models.split import layer_counts
+    """The run's config and data, with every user error raised here (ValueError), before
+    anything is launched.
 
+    model: the family's config (GPTConfig, or LlamaConfig for "llama" and "hf-llama"; its
+        dtype is the weights' dtype: float32 under bf16-mixed). family: None takes "gpt" for
+        a GPTConfig and "llama" for a LlamaConfig. precision: "fp32", "fp64" or "bf16-mixed"
+        (None: the model's dtype, fp32 or fp64). device: "auto", "cpu" or "cuda", resolved
+        here against the GPUs this machine has for its local ranks. The other options are
+        `TrainConfig`'s loop settings.
+    """
+    from ..core.precision import precision_policy
+    from ..core.split import layer_counts
+    from ..data import TokenWindows
+    from ..models.config import GPTConfig
+    from .config import CheckpointSpec, EmulationSpec, MeshSpec, ModelSpec, ScheduleSpec
+
+    family = family or ("gpt" if isinstance(model, GPTConfig) else "llama")
+    spec = ModelSpec(family, model)
+    spec.family_object()  # hf-llama without transformers fails here, in one line
+    policy = precision_policy(precision or model.dtype)
     built = build(request)  # with --sharding auto, the policies the simulator chose are in built.request
     request, schedule = built.request, built.schedule
-    if train_options.get("async_mode") is not None:
+    if resume and not checkpoint:
+        raise ValueError("--resume needs --checkpoint DIR: the directory to resume from")
+    ck = CheckpointSpec(checkpoint, resume=resume, save_every=save_every, overwrite=overwrite) if checkpoint else None
+    if save_every and ck is None:
+        raise ValueError(f"--save-every {save_every} needs --checkpoint DIR: where to save")
+    async_mode = train_options.get("async_mode")
+    if async_mode is not None:
         from .asynchronous.run import check_async
 
-        check_async(request, schedule, train_options["async_mode"], train_options, emulate)
+        check_async(request, schedule, async_mode, {**train_options, "checkpoint": checkpoint, "resume": resume},
+                    emulate, policy)
     dp = request.mesh.dp
     sharded = dp > 1 or any(str(p) != "replicate" for p in request.sharding)
-    emulated_link = None
-    if sharded and emulate is not None:
-        emulated_link = _emulated_link(request)
     if sharded and train_options.get("clip_grad") is not None:
         raise ValueError(
             "--clip-grad is not supported with data parallelism or sharding yet (the global norm over sharded "
             "and replicated gradients): drop --clip-grad, or use --dp 1 --sharding replicate"
         )
-    if train_options.get("resume") and train_options.get("overwrite"):
-        raise ValueError("--resume continues the checkpoints that --overwrite would replace: choose one")
-    if train_options.get("verify") and (emulate is not None or train_options.get("checkpoint")
-                                        or train_options.get("resume")):
+    if train_options.get("verify") and (emulate is not None or ck is not None):
         raise ValueError("--verify runs one real step from the seed: drop --emulate, --checkpoint and --resume")
     validate(schedule)
     if schedule.seq_chunks > 1 and emulate is not None:
@@ -79,25 +100,78 @@ def prepare(
             f"--emulate does not run sequence chunks (schedule {schedule.name!r} has {schedule.seq_chunks}): "
             "drop --emulate or --seq-chunks"
         )
+    if schedule.seq_chunks > 1 and not spec.family_object().supports_sequence_chunks:
+        raise ValueError(
+            f"--model-family {family} cannot run sequence chunks (schedule {schedule.name!r} cuts sequences into "
+            f"{schedule.seq_chunks}): its attention takes no K/V of earlier chunks; use --model-family llama or gpt, "
+            "or drop --seq-chunks"
+        )
     layer_counts(model.layers, schedule.num_stages)
+    emulation = None
+    if emulate is not None:
+        emulation = EmulationSpec(tuple(emulate), _emulated_link(request) if sharded else None)
+    mesh = MeshSpec(dp, request.sharding, _device(device, schedule.p * dp, policy), threads_per_rank)
+    seq_lengths = _seq_lengths(schedule, request.costs.seq_split, model)
     data = TokenWindows.load(train_options.get("data"), seq=model.seq)
-    cfg = TrainConfig(schedule=schedule, model=model, emulate=emulate, emulated_link=emulated_link, seq_split=request.costs.seq_split,
-                      dp=dp, sharding=request.sharding, recompute=tuple(built.recompute), **train_options)
+    pairs = recompute_pairs(schedule, built.recompute)  # --recompute's, or the schedule's own (1f1b-r)
+    cfg = TrainConfig(model=spec, schedule=ScheduleSpec(schedule, seq_lengths, pairs), mesh=mesh, precision=policy,
+                      checkpoint=ck, emulation=emulation, **train_options)
     if dp > 1 and cfg.global_batch_size > data.num_windows:
         raise ValueError(
             f"--dp {dp}: a step takes dp x m x microbatch = {dp} x {schedule.m} x {cfg.microbatch_size} = "
             f"{cfg.global_batch_size} sequences but the data ({data.source}) holds only {data.num_windows} windows "
             f"of {model.seq + 1} tokens: lower --dp, -m or --microbatch-size, or give more data (--data)"
         )
-    if cfg.resume:
+    if ck is not None and ck.resume:
         _check_resume(cfg, data)
-    elif cfg.checkpoint:
+    elif ck is not None:
         from . import checkpoint as ckpt
         from . import sharded_checkpoint as sharded_ckpt
 
-        ckpt.claim_directory(cfg.checkpoint, overwrite=cfg.overwrite, dry_run=True)
-        sharded_ckpt.claim_sharded(cfg.checkpoint, overwrite=cfg.overwrite, dry_run=True)
+        ckpt.claim_directory(ck.directory, overwrite=ck.overwrite, dry_run=True)
+        sharded_ckpt.claim_sharded(ck.directory, overwrite=ck.overwrite, dry_run=True)
     return cfg, data
+
+
+def _device(requested: str, ranks: int, policy) -> str:
+    """The device type for `ranks` processes (on this machine, or this node under torchrun),
+    and a precision the device runs."""
+    import os
+
+    from ..runtime.launch import choose_device, under_torchrun
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) if under_torchrun() else ranks
+    kind = choose_device(requested, local, note=_progress)
+    if kind == "cuda" and policy.compute == "bfloat16":
+        import torch
+
+        if not torch.cuda.is_bf16_supported():
+            raise ValueError(f"--precision {policy.name}: this GPU ({torch.cuda.get_device_name()}) has no bfloat16: "
+                             "use --precision fp32, or --device cpu")
+    return kind
+
+
+def _seq_lengths(schedule, split: str, model) -> tuple[int, ...] | None:
+    """Tokens per sequence chunk (None without sequence chunks), balanced or even."""
+    k = schedule.seq_chunks
+    if k == 1:
+        return None
+    from ..sim.analytic import TransformerConfig
+    from ..sim.sequence_split import SPLITS, split_lengths
+
+    if split not in SPLITS:
+        raise ValueError(f"seq_split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if k > model.seq:
+        raise ValueError(
+            f"schedule {schedule.name!r} cuts every sequence into {k} chunks but sequences have "
+            f"{model.seq} tokens: use --seq-chunks {model.seq} or fewer, or a longer --seq"
+        )
+    analytic = TransformerConfig(layers=model.layers, hidden=model.hidden, heads=model.heads, seq=model.seq,
+                                 vocab=model.vocab)
+    lengths = split_lengths(model.seq, k, split, analytic)
+    if min(lengths) < 1:
+        raise ValueError(f"the {split} split {list(lengths)} leaves an empty chunk: use fewer chunks")
+    return tuple(lengths)
 
 
 def _emulated_link(request: ScheduleRequest) -> tuple[float, float]:
@@ -121,16 +195,17 @@ def _check_resume(cfg: TrainConfig, data: TokenWindows) -> None:
         return
     # the ranks verify and agree again themselves (and warn about damaged files); this is
     # here so that a resume that cannot work fails before anything is launched
-    checks = [ckpt.verify_rank(cfg.checkpoint, r) for r in range(cfg.schedule.p)]
+    directory = cfg.checkpoint.directory
+    checks = [ckpt.verify_rank(directory, r) for r in range(cfg.schedule.p)]
     step = ckpt.agree_step(checks)
     if step is None:
         if not any(c.intact or c.damaged for c in checks):
             raise ValueError(
-                f"--resume: no complete checkpoint for {cfg.schedule.p} ranks in {cfg.checkpoint!r}: "
+                f"--resume: no complete checkpoint for {cfg.schedule.p} ranks in {directory!r}: "
                 "drop --resume to start from step 0"
             )
-        raise ValueError(f"--resume: {ckpt.no_intact_message(cfg.checkpoint, checks)}")
-    ckpt.check_meta(ckpt.load_rank(cfg.checkpoint, rank=0, step=step)["meta"], cfg.meta(data.source), cfg.checkpoint)
+        raise ValueError(f"--resume: {ckpt.no_intact_message(directory, checks)}")
+    ckpt.check_meta(ckpt.load_rank(directory, rank=0, step=step)["meta"], cfg.meta(data.source), directory)
     if step >= cfg.steps:
         raise ValueError(f"--resume: the checkpoint is at step {step} already: raise --steps above {step}")
 
@@ -139,16 +214,29 @@ def _check_sharded_resume(cfg: TrainConfig, data: TokenWindows) -> None:
     from . import checkpoint as ckpt
     from . import sharded_checkpoint as sharded_ckpt
 
-    step = sharded_ckpt.latest_sharded_step(cfg.checkpoint)
+    directory = cfg.checkpoint.directory
+    step = sharded_ckpt.latest_sharded_step(directory)
     if step is None:
         raise ValueError(
             f"--resume: no complete data-parallel checkpoint (a dcp-step directory with "
-            f"{sharded_ckpt.MARKER}) in {cfg.checkpoint!r}: drop --resume to start from step 0"
+            f"{sharded_ckpt.MARKER}) in {directory!r}: drop --resume to start from step 0"
         )
-    saved = sharded_ckpt.read_marker(cfg.checkpoint, step)["meta"]
-    ckpt.check_meta(saved, sharded_ckpt.portable_meta(cfg.meta(data.source)), cfg.checkpoint)
+    saved = sharded_ckpt.read_marker(directory, step)["meta"]
+    ckpt.check_meta(saved, sharded_ckpt.portable_meta(cfg.meta(data.source)), directory)
     if step >= cfg.steps:
         raise ValueError(f"--resume: the checkpoint is at step {step} already: raise --steps above {step}")
+
+
+def describe(cfg: TrainConfig) -> str:
+    """'8-layer Llama (hidden 64, 4 heads, 2 KV heads), bf16-mixed, schedule v-half p=2 m=4 v=2,
+    microbatch 4x64 tokens' and the mesh, for headers and reports."""
+    s = cfg.schedule
+    return (f"{cfg.model.describe()}, {cfg.precision.name}, schedule {s.name} p={s.p} m={s.m} v={s.v}, microbatch "
+            f"{cfg.microbatch_size}x{cfg.model.seq} tokens"
+            + (f" in {s.seq_chunks} chunks {list(s.seq_lengths)}" if s.seq_chunks > 1 else "")
+            + (f", dp={cfg.dp} sharding {','.join(map(str, cfg.sharding))} ({cfg.world_size} processes)"
+               if cfg.data_parallel else "")
+            + (f", on {cfg.mesh.device}" if cfg.mesh.device != "cpu" else ""))
 
 
 # ---- before launch: what the run will hold and how long a step takes ----------------------
@@ -157,42 +245,34 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) 
     rank and the predicted iteration time; launch nothing. Returns the figures printed.
 
     Activation bytes per stage are measured on this process's copy of the stage modules
-    (one microbatch, the runtime's own forward and split backward); static bytes are the
-    stage modules' parameters times (parameter + gradient + AdamW's two moments, and the
-    optimistic step's spare parameter and moments unless `optimistic_step` is off; with data
-    parallelism, what the sharding policies hold at the step's peak, replica 0:
-    `runtime.static_memory`). Pass
+    (one microbatch, the runtime's own forward and split backward, in the run's compute
+    dtype); static bytes are what the precision and the sharding policies hold at the
+    step's peak (`core.static_memory.predict_static_peak`: parameters, gradients, AdamW's
+    two moments, bf16-mixed's compute copy), plus, without data parallelism, the
+    optimistic step's spare parameter and moments unless `optimistic_step` is off. Pass
     times are those --emulate sleeps, or measured here on one microbatch otherwise, with
     the torch threads one rank of the run would have. The timeline is drawn at unit costs
     (as `show` draws it) unless the times are emulated.
     """
+    from ..core.costs import Costs
     from ..core.simulate import simulate
     from ..sim.text_timeline import render_text_timeline
-
-    from ..core.costs import Costs
 
     out = out or sys.stdout
     s = cfg.schedule
     stages, costs = _stage_costs(cfg, data)
-    pairs = cfg.recompute_pairs
-    timeline = simulate(s, costs, recompute=pairs)
+    pairs = s.recompute
+    timeline = simulate(s.schedule, costs, recompute=pairs)
     # shown as `show` shows it: measured times are not multiples of one cell, emulated ones are
-    shown = timeline if cfg.emulate is not None else simulate(s, Costs(), recompute=pairs)
-    if cfg.data_parallel:
-        static = _static_predicted(cfg, stages)
-    else:
-        static = [0] * s.p
-        for stage in stages:
-            copies = STATIC_COPIES + (SPARE_COPIES if cfg.optimistic_step else 0)
-            static[s.placement.rank_of(stage.index)] += copies * sum(
-                p.numel() * p.element_size() for p in stage.parameters()
-            )
+    shown = timeline if cfg.emulation is not None else simulate(s.schedule, Costs(), recompute=pairs)
+    static = _static_predicted(cfg, stages)
     figures = {
         "schedule": s.name, "p": s.p, "m": s.m, "v": s.v, "seq_chunks": s.seq_chunks,
+        "model": cfg.model.to_json(), "precision": cfg.precision.name,
         "dp": cfg.dp, "sharding": [str(p) for p in cfg.sharding],
         "iteration_time_predicted_s": timeline.makespan,
         "bubble_ratio_predicted": timeline.bubble_ratio,
-        "times_from": "emulate" if cfg.emulate is not None else "profiled in this process",
+        "times_from": "emulate" if cfg.emulation is not None else "profiled in this process",
         "ranks": [
             {"rank": r, "stages": list(s.placement.stages_of(r)),
              "activation_bytes_predicted": timeline.peak_activation[r], "static_bytes_predicted": static[r]}
@@ -200,10 +280,7 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) 
         ],
     }
     print(render_text_timeline(shown), end="", file=out)
-    print(f"dry run: {cfg.model.layers}-layer GPT (hidden {cfg.model.hidden}, {cfg.model.dtype}), schedule {s.name} "
-          f"p={s.p} m={s.m} v={s.v}, microbatch {cfg.microbatch_size}x{cfg.model.seq} tokens"
-          + (f", dp={cfg.dp} sharding {','.join(map(str, cfg.sharding))} ({cfg.world_size} processes)"
-             if cfg.data_parallel else ""), file=out)
+    print(f"dry run: {describe(cfg)}", file=out)
     print(f"predicted iteration time {timeline.makespan * 1e3:.1f} ms   bubble ratio {timeline.bubble_ratio:.4f}   "
           f"(pass times {figures['times_from']})", file=out)
     print("rank  stages   activation (peak)   static (params+grads+AdamW)   total", file=out)
@@ -218,43 +295,57 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) 
 
 def _static_predicted(cfg: TrainConfig, stages) -> list[int]:
     """Peak static bytes per pipeline rank (replica 0) in a steady-state step: parameters,
-    gradients and AdamW state as the mesh's policies hold them (runtime.static_memory)."""
+    gradients, AdamW state and bf16-mixed's compute copies as the precision and the mesh's
+    policies hold them (runtime.static_memory); without data parallelism also the
+    optimistic step's spare parameter and two moments (in the master dtype)."""
     from ..core.lowering import lower_for
     from ..runtime.static_memory import predict_static_peak
 
     s = cfg.schedule
-    program = lower_for(s, policies=cfg.sharding, dp=cfg.dp, recompute=cfg.recompute_pairs)
+    program = lower_for(s.schedule, policies=cfg.sharding, dp=cfg.dp, recompute=s.recompute)
     shapes = {st.index: [tuple(p.shape) for p in st.parameters() if p.requires_grad] for st in stages}
-    element_size = next(p.element_size() for st in stages for p in st.parameters())
+    spare = SPARE_COPIES * cfg.precision.master_bytes if cfg.optimistic_step and not cfg.data_parallel else 0
     return [
         predict_static_peak(program, r, {i: shapes[i] for i in s.placement.stages_of(r)}, cfg.sharding, dp=cfg.dp,
-                            dp_rank=0, element_size=element_size)
+                            dp_rank=0, precision=cfg.precision)
+        + spare * sum(math.prod(shape) for i in s.placement.stages_of(r) for shape in shapes[i])
         for r in range(s.p)
     ]
+
+
+def profiled_stages(cfg: TrainConfig):
+    """All stage modules of the run's model in this process, in the compute dtype (bf16-mixed:
+    bfloat16 weights, which save what the ranks' compute copies save), and the loss function."""
+    from ..runtime.precision import torch_dtype
+
+    family = cfg.model.family_object()
+    model = family.build_model(cfg.model.config, seed=cfg.seed)
+    if cfg.precision.mixed:
+        model = model.to(torch_dtype(cfg.precision.compute))
+    return family.split(model, cfg.num_stages), family.loss_fn
 
 
 def _stage_costs(cfg: TrainConfig, data: TokenWindows):
     """All stage modules (this process) and the costs to simulate the run with: seconds and bytes."""
     from ..core.costs import Costs
-    from ..models import GPT, cross_entropy, split_gpt
-    from ..models.split import layer_counts
     from ..runtime.profile import profile_chunk_memory, profile_stage_memory, profile_stage_times
+    from .rank_setup import emulated_costs
     from .reference import torch_threads
 
     s = cfg.schedule
     x, y = data.batch(0, cfg.microbatch_size, seed=cfg.seed)
-    stages = split_gpt(GPT(cfg.model, seed=cfg.seed), s.num_stages)
-    memory = profile_stage_memory(stages, x, cross_entropy, y)
-    seq_mem = profile_chunk_memory(stages, x, cross_entropy, y, cfg.seq_lengths()) if s.seq_chunks > 1 else None
-    if cfg.emulate is not None:
-        layers = layer_counts(cfg.model.layers, s.num_stages)
-        f, b, w = (tuple(ms * 1e-3 * n for n in layers) for ms in cfg.emulate)
+    stages, loss_fn = profiled_stages(cfg)
+    memory = profile_stage_memory(stages, x, loss_fn, y)
+    seq_mem = profile_chunk_memory(stages, x, loss_fn, y, s.seq_lengths) if s.seq_chunks > 1 else None
+    if cfg.emulation is not None:
+        ms = emulated_costs(cfg).sim_costs(s.schedule)
+        f, b, w = (tuple(t * 1e-3 for t in times) for times in (ms.t_f, ms.t_b, ms.t_w))
     else:
         with torch_threads(cfg.threads_for(s.p)):
-            times = profile_stage_times(stages, x, cross_entropy, y)
+            times = profile_stage_times(stages, x, loss_fn, y)
         f, b, w = (tuple(t[i] for t in times) for i in range(3))
     total = sum(x.m_b for x in memory)
-    ratio = min(1.0, sum(x.m_w for x in memory) / total) if s.has_split_backward and total > 0 else 1.0
+    ratio = min(1.0, sum(x.m_w for x in memory) / total) if s.schedule.has_split_backward and total > 0 else 1.0
     costs = Costs(t_f=f, t_b=b, t_w=w, mem_b=tuple(float(x.m_b) for x in memory), mem_w_ratio=ratio,
                   seq_mem=tuple(seq_mem) if seq_mem is not None else None,
                   recompute_input_ratio=tuple(x.input_ratio for x in memory))
@@ -268,30 +359,49 @@ def _launch(cfg: TrainConfig):
     return launch_or_report(lambda: launch(cfg), note=lambda: checkpoint_note(cfg))
 
 
+def execute(cfg: TrainConfig, data: TokenWindows, *, dry: bool = False, report: str | None = None,
+            plot: str | None = None) -> int:
+    """Run what the command line asked for: the one place where synchronous and asynchronous
+    training part ways (`--dry-run`, `--verify`, or training with its report)."""
+    if cfg.async_mode is not None:
+        from .asynchronous import run as asynchronous
+
+        return asynchronous.verify_async(cfg, data) if cfg.verify else asynchronous.train_async(cfg, data)
+    if dry:
+        dry_run(cfg, data)
+        return 0
+    if cfg.verify:
+        return verify(cfg, data)
+    return train(cfg, data, report=report, plot=plot)
+
+
 def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, plot: str | None = None) -> int:
     """Train, then print measured against simulated (and write --report / --plot)."""
-    from ..models import GPT, cross_entropy, split_gpt
     from ..runtime.profile import profile_chunk_memory, profile_stage_memory
+    from .loop import reporting_process
     from .report import build_report, format_report, write_timeline_plot
 
     s = cfg.schedule
-    print(f"training {cfg.model.layers}-layer GPT (hidden {cfg.model.hidden}, {cfg.model.dtype}) on {data.source}: "
-          f"schedule {s.name}, p={s.p} m={s.m} v={s.v}, microbatch {cfg.microbatch_size}x{cfg.model.seq} tokens"
-          + (f" in {s.seq_chunks} chunks {list(cfg.seq_lengths())}" if s.seq_chunks > 1 else ""),
-          flush=True)
+    if reporting_process():
+        print(f"training {describe(cfg)} on {data.source}", flush=True)
     results = _launch(cfg)
+    if not reporting_process():
+        return 0  # under torchrun, global rank 0 reports
     if results is None:
         return 1
     # Per-stage activation bytes of one microbatch, measured the way the runtime counts them.
     x, y = data.batch(0, cfg.microbatch_size, seed=cfg.seed)
-    stages = split_gpt(GPT(cfg.model, seed=cfg.seed), s.num_stages)
-    memory = profile_stage_memory(stages, x, cross_entropy, y)
-    seq_mem = profile_chunk_memory(stages, x, cross_entropy, y, cfg.seq_lengths()) if s.seq_chunks > 1 else None
+    stages, loss_fn = profiled_stages(cfg)
+    memory = profile_stage_memory(stages, x, loss_fn, y)
+    seq_mem = profile_chunk_memory(stages, x, loss_fn, y, s.seq_lengths) if s.seq_chunks > 1 else None
     warmup = min(WARMUP_STEPS, max(0, len(results[0].step_spans) - 1))
-    built = build_report(s, results, memory, warmup=warmup, emulated=cfg.emulate is not None, seq_mem=seq_mem,
-                         dp=cfg.dp, sharding=[str(p) for p in cfg.sharding], recompute=cfg.recompute_pairs,
-                         stage_param_bytes=[sum(q.numel() * q.element_size() for q in st.parameters())
+    built = build_report(s.schedule, results, memory, warmup=warmup, emulated=cfg.emulation is not None,
+                         seq_mem=seq_mem, dp=cfg.dp, sharding=[str(p) for p in cfg.sharding], recompute=s.recompute,
+                         stage_param_bytes=[sum(q.numel() for q in st.parameters()) * cfg.precision.master_bytes
                                             for st in stages])
+    built.data["model"] = cfg.model.to_json()
+    built.data["precision"] = cfg.precision.name
+    built.data["device"] = cfg.mesh.device
     skipped = [[step + 1 for step in r.skipped_steps] for r in results]
     built.data["skipped_steps"] = skipped  # 1-based, per rank
     print(format_report(built.data))
@@ -314,11 +424,16 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
 def verify(cfg: TrainConfig, data: TokenWindows) -> int:
     """One step on the ranks against one process on the whole model and the whole (global)
     batch; 0 within tolerance (`judge` says how the two are compared)."""
+    from .loop import reporting_process
+
     # Starting p processes that each import torch takes seconds to a minute on a small
     # machine: say what is happening (on stderr, so stdout keeps only the verdict).
     started = time.monotonic()
-    _progress(f"verify: starting {cfg.world_size} processes for one {cfg.schedule.name} step ...")
+    if reporting_process():
+        _progress(f"verify: starting {cfg.world_size} processes for one {cfg.schedule.name} step ...")
     results = _launch(cfg)
+    if not reporting_process():
+        return 0
     if results is None:
         return 1
     _progress(f"verify: pipeline step done ({time.monotonic() - started:.0f} s); one-process reference step ...")
@@ -328,22 +443,25 @@ def verify(cfg: TrainConfig, data: TokenWindows) -> int:
 
 
 def judge(cfg: TrainConfig, data: TokenWindows, results) -> tuple[float, float, list[str]]:
-    """(largest relative difference, the dtype's tolerance, the report lines) of a --verify
-    step's `results` (one RankResult per process).
+    """(largest relative difference, the precision's tolerance, the report lines) of a
+    --verify step's `results` (one RankResult per process).
 
     The ranks take the optimizer step; the loss and every gradient (on every replica) are
-    compared with one process, and every parameter after the step with the step one
-    process takes from the same gradients (`reference.reference_apply`: AdamW's first
-    step is a sign of each gradient element, so comparing it with the reference's own
-    step would compare rounding noise on near-zero gradients). With clipping the ranks'
-    step is post-validated, and the one process clips synchronously."""
+    compared with one process (in the same precision, `reference.reference_update`), and
+    every parameter after the step with the step one process takes from the same gradients
+    (`reference.reference_apply`: AdamW's first step is a sign of each gradient element,
+    so comparing it with the reference's own step would compare rounding noise on
+    near-zero gradients). With clipping the ranks' step is post-validated, and the one
+    process clips synchronously."""
     from .reference import TOLERANCE, GradDiff, compare_grads, reference_apply, reference_update, relative_difference
+    from .reference import torch_threads
 
     loss = next(value for r in results for _, value in r.losses)
     inputs, targets = data.batch(0, cfg.global_batch_size, seed=cfg.seed)  # the step the ranks ran
-    ref_loss, ref_grads, ref_params, ref_norm = reference_update(
-        cfg.model, seed=cfg.seed, inputs=inputs, targets=targets, microbatches=cfg.dp * cfg.schedule.m, lr=cfg.lr,
-        max_norm=cfg.clip_grad)
+    with torch_threads(cfg.threads_for(cfg.world_size)):  # products round as on the ranks
+        ref_loss, ref_grads, ref_params, ref_norm = reference_update(
+            cfg.model, seed=cfg.seed, inputs=inputs, targets=targets, microbatches=cfg.dp * cfg.schedule.m,
+            lr=cfg.lr, max_norm=cfg.clip_grad, precision=cfg.precision)
     worst = GradDiff("", 0.0)
     for replica in range(cfg.dp):
         mine = [r for r in results if r.dp_rank == replica]
@@ -361,16 +479,15 @@ def judge(cfg: TrainConfig, data: TokenWindows, results) -> tuple[float, float, 
         clipped = (f" clip-grad {cfg.clip_grad:g}: global norm {check.norm:.6g} vs one process {ref_norm:.6g}, "
                    f"{check.outcome}, {undone} rank(s) undid an optimistic step;")
     loss_diff = relative_difference(loss, ref_loss)
-    tolerance = TOLERANCE[cfg.model.dtype]
+    tolerance = TOLERANCE[cfg.precision.name]
     largest = max(worst.relative, loss_diff)
     s = cfg.schedule
-    chunks = f" seq_chunks={s.seq_chunks} {list(cfg.seq_lengths())}" if s.seq_chunks > 1 else ""
+    chunks = f" seq_chunks={s.seq_chunks} {list(s.seq_lengths)}" if s.seq_chunks > 1 else ""
     mesh = f" dp={cfg.dp} sharding={','.join(map(str, cfg.sharding))}" if cfg.data_parallel else ""
-    pairs = cfg.recompute_pairs
-    recomputed = f" recompute={len(pairs)} (stage, microbatch) pairs" if pairs else ""
+    recomputed = f" recompute={len(s.recompute)} (stage, microbatch) pairs" if s.recompute else ""
     what = "gradients and weights after the " + ("clipped step" if cfg.clip_grad is not None else "optimizer step")
-    lines = [f"verify {s.name} p={s.p} m={s.m}{chunks}{mesh}{recomputed} {cfg.model.dtype}:{clipped} "
-             f"loss {loss:.10g} vs one process {ref_loss:.10g} (relative difference {loss_diff:.3g}); "
+    lines = [f"verify {cfg.model.family} {s.name} p={s.p} m={s.m}{chunks}{mesh}{recomputed} {cfg.precision.name}:"
+             f"{clipped} loss {loss:.10g} vs one process {ref_loss:.10g} (relative difference {loss_diff:.3g}); "
              f"{len(ref_grads)} {what}, largest relative difference {worst.relative:.3g} ({worst.name})"]
     if cfg.data_parallel:
         for r in sorted(results, key=lambda r: (r.dp_rank, r.rank)):

@@ -71,8 +71,13 @@ class AsyncRankResult:
 
 
 def check_async(request: ScheduleRequest, schedule: Schedule, mode: AsyncMode, options: dict,
-                emulate: object | None) -> None:
+                emulate: object | None, precision=None) -> None:
     """Raise ValueError for what an asynchronous run cannot do (before anything starts)."""
+    if precision is not None and precision.mixed:
+        raise ValueError(
+            f"--async with --precision {precision.name} is not supported yet (the modes' weight stashes and "
+            "corrections are kept in the weights' own dtype): use --precision fp32 or fp64"
+        )
     if request.mesh.dp > 1 or any(str(p) != "replicate" for p in request.sharding):
         raise ValueError(
             f"--async with --dp {request.mesh.dp} or --sharding is not supported yet: use --dp 1 --sharding replicate"
@@ -113,7 +118,8 @@ def launch_async(cfg: TrainConfig) -> list[AsyncRankResult]:
     from ...runtime.launch import spawn
 
     p = cfg.schedule.p
-    return spawn(async_rank, p, args=(cfg,), timeout_s=cfg.timeout_s, threads_per_rank=cfg.threads_for(p))
+    return spawn(async_rank, p, args=(cfg,), timeout_s=cfg.timeout_s, threads_per_rank=cfg.threads_for(p),
+                 device=cfg.mesh.device)
 
 
 def _microbatches(cfg: TrainConfig, data, steps: range) -> tuple[list, list]:
@@ -131,25 +137,20 @@ def async_rank(ctx, cfg: TrainConfig) -> AsyncRankResult:
     """The body of one rank: build its stages, run the warm-up Programs, then the asynchronous one."""
     import torch
 
-    from ...data import TokenWindows
-    from ...models.gpt import cross_entropy
-    from ...models.split import build_stages
     from ...runtime import PipelineRunner
+    from ..rank_setup import setup_rank
     from .compute import AsyncCompute
     from .stage import AsyncStage
 
-    schedule, mode = cfg.schedule, cfg.async_mode
+    schedule, mode = cfg.schedule.schedule, cfg.async_mode
     n, w, last = schedule.m, mode.sync_warmup_steps, schedule.num_stages - 1
     warm, program, versions = run_plan(schedule, cfg.steps, mode)
-    mine = schedule.placement.stages_of(ctx.rank)
-    built = build_stages(cfg.model, seed=cfg.seed, num_stages=schedule.num_stages, stages=mine, device=ctx.device)
-    modules = {st.index: st for st in built}
+    setup = setup_rank(ctx, cfg)
+    mine, modules, data, loss_fn = tuple(sorted(setup.modules)), setup.modules, setup.data, setup.loss_fn
     stages = {
         s: AsyncStage(module, torch.optim.AdamW(module.parameters(), lr=cfg.lr), mode, versions.max_delay(s))
         for s, module in modules.items()
     }
-    data = TokenWindows.load(cfg.data, seq=cfg.model.seq)
-    torch.manual_seed(cfg.seed)
     step_times: list[float] = []
 
     def on_step(stage: int, step: int) -> None:
@@ -157,10 +158,13 @@ def async_rank(ctx, cfg: TrainConfig) -> AsyncRankResult:
         if stage == mine[0]:
             step_times.append(time.perf_counter())
 
-    if cfg.emulate is not None:
-        compute = _emulated(cfg, modules, ctx.device, on_step)
+    if cfg.emulation is not None:
+        from ..rank_setup import emulated_costs
+        from .compute import EmulatedAsyncCompute
+
+        compute = EmulatedAsyncCompute(emulated_costs(cfg), modules, schedule.num_stages, ctx.device, on_step=on_step)
     else:
-        compute = AsyncCompute(stages, versions, cross_entropy, last_stage=last, rank=ctx.rank, on_step=on_step)
+        compute = AsyncCompute(stages, versions, loss_fn, last_stage=last, rank=ctx.rank, on_step=on_step)
     first, has_last = 0 in mine, last in mine
     xs, ys = _microbatches(cfg, data, range(cfg.steps))
 
@@ -170,7 +174,7 @@ def async_rank(ctx, cfg: TrainConfig) -> AsyncRankResult:
         return runner.step(xs[a:b] if first else None, ys[a:b] if has_last else None)
 
     def runner_for(prog: Program):
-        return PipelineRunner(prog.schedule, modules, cross_entropy, rank=ctx.rank, device=ctx.device,
+        return PipelineRunner(prog.schedule, modules, loss_fn, rank=ctx.rank, device=ctx.device,
                               timeout_s=cfg.timeout_s, compute=compute, measure_memory=False, program=prog)
 
     losses: list[float] = []
@@ -185,7 +189,7 @@ def async_rank(ctx, cfg: TrainConfig) -> AsyncRankResult:
     losses.extend(run(program, runner_for(program), w, cfg.steps - w).losses)
     done = time.perf_counter()
     per_step = tuple(sum(losses[k * n:(k + 1) * n]) / n for k in range(cfg.steps)) if has_last else ()
-    if cfg.emulate is not None:
+    if cfg.emulation is not None:
         return AsyncRankResult(ctx.rank, tuple(mine), (), {}, {}, warmed - started, done - warmed, tuple(step_times))
     delays = {s: tuple(st.delays[mb] for mb in range(versions.microbatches)) for s, st in stages.items()}
     params = None
@@ -194,17 +198,6 @@ def async_rank(ctx, cfg: TrainConfig) -> AsyncRankResult:
     return AsyncRankResult(ctx.rank, tuple(mine), per_step, delays, {s: tuple(v) for s, v in compute.lrs.items()},
                            warmed - started, done - warmed, tuple(step_times), params,
                            {s: st.most_versions for s, st in stages.items()})
-
-
-def _emulated(cfg: TrainConfig, modules, device, on_step):
-    from ...models.split import layer_counts
-    from ...runtime.emulate import EmulatedCosts
-    from .compute import EmulatedAsyncCompute
-
-    f, b, w = cfg.emulate
-    S = cfg.schedule.num_stages
-    costs = EmulatedCosts(f_ms=f, b_ms=b, w_ms=w, layers=layer_counts(cfg.model.layers, S))
-    return EmulatedAsyncCompute(costs, modules, S, device, on_step=on_step)
 
 
 def _launch(cfg: TrainConfig) -> list[AsyncRankResult] | None:
@@ -232,8 +225,8 @@ def _describe(cfg: TrainConfig) -> str:
     elif mode.name == "nesterov":
         extra = f" D={mode.d:g}"
     return (f"asynchronous {s.name} ({mode.name}{extra}), p={s.p}, {s.m} microbatches per step, {cfg.steps} steps "
-            f"({mode.sync_warmup_steps} synchronous), {cfg.model.layers}-layer GPT (hidden {cfg.model.hidden}, "
-            f"{cfg.model.dtype}), microbatch {cfg.microbatch_size}x{cfg.model.seq} tokens")
+            f"({mode.sync_warmup_steps} synchronous), {cfg.model.describe()}, {cfg.precision.name}, microbatch "
+            f"{cfg.microbatch_size}x{cfg.model.seq} tokens")
 
 
 def _delay_lines(results: list[AsyncRankResult], w: int, n: int) -> list[str]:
@@ -252,15 +245,15 @@ def train_async(cfg: TrainConfig, data) -> int:
     if results is None:
         return 1
     n, w = cfg.schedule.m, cfg.async_mode.sync_warmup_steps
-    losses = next(r.losses for r in results if r.losses) if cfg.emulate is None else ()
+    losses = next(r.losses for r in results if r.losses) if cfg.emulation is None else ()
     if not cfg.quiet:
         for k, loss in enumerate(losses):
             print(f"step {k + 1:>5}/{cfg.steps}  loss {loss:.4f}" + ("  (synchronous)" if k < w else ""))
-    if cfg.emulate is None:
+    if cfg.emulation is None:
         print("\n".join(_delay_lines(results, w, n)))
     async_s = max(r.async_s for r in results)
     warm_s = max(r.warmup_s for r in results)
-    tokens, emulated = cfg.tokens_per_step, " (emulated)" if cfg.emulate is not None else ""
+    tokens, emulated = cfg.tokens_per_step, " (emulated)" if cfg.emulation is not None else ""
     print(f"asynchronous steps: {cfg.steps - w} in {async_s:.3f} s, {tokens * (cfg.steps - w) / async_s:,.0f} "
           f"tokens/s{emulated}, fill and drain included")
     steady = steady_step_s(results, w)
@@ -299,17 +292,17 @@ def check_against_replay(cfg: TrainConfig, data, results: list[AsyncRankResult])
     """Replay `cfg`'s run in this process and compare the ranks' `results` with it."""
     import torch
 
-    from ...models import GPT, cross_entropy, split_gpt
     from .reference import replay
     from ..reference import TOLERANCE, relative_difference, torch_threads
 
-    schedule, mode = cfg.schedule, cfg.async_mode
+    schedule, mode = cfg.schedule.schedule, cfg.async_mode
     _, program, versions = run_plan(schedule, cfg.steps, mode)
     xs, ys = _microbatches(cfg, data, range(cfg.steps))
-    stages = split_gpt(GPT(cfg.model, seed=cfg.seed), schedule.num_stages)
+    family = cfg.model.family_object()
+    stages = family.split(family.build_model(cfg.model.config, seed=cfg.seed), schedule.num_stages)
     # the ranks' thread count: matrix products then round as on the ranks
     with torch_threads(cfg.threads_for(schedule.p)):
-        expected = replay(stages, weight_versions(program), list(zip(xs, ys)), loss_fn=cross_entropy,
+        expected = replay(stages, weight_versions(program), list(zip(xs, ys)), loss_fn=family.loss_fn,
                           optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr), mode=mode)
     losses = next(r.losses for r in results if r.losses)
     loss_diff = max(relative_difference(a, b) for a, b in zip(losses, expected.losses, strict=True))
@@ -322,7 +315,7 @@ def check_against_replay(cfg: TrainConfig, data, results: list[AsyncRankResult])
                   for a, b in zip(r.lrs[s], (row[s] for row in expected.lrs), strict=True))
     delays_equal = all(r.delays[s] == versions.delays(s) for r in results for s in r.stages)
     return ReplayCheck(loss_diff, lr_diff, worst, worst_key, delays_equal, len(want),
-                       TOLERANCE[cfg.model.dtype])
+                       TOLERANCE[cfg.precision.name])
 
 
 def verify_async(cfg: TrainConfig, data) -> int:
@@ -334,7 +327,7 @@ def verify_async(cfg: TrainConfig, data) -> int:
     check = check_against_replay(cfg, data, results)
     schedule, mode = cfg.schedule, cfg.async_mode
     print(f"verify asynchronous {schedule.name} {mode.name} p={schedule.p} m={schedule.m} steps={cfg.steps} "
-          f"(W={mode.sync_warmup_steps}) {cfg.model.dtype}: {cfg.steps} step losses vs the one-process replay, "
+          f"(W={mode.sync_warmup_steps}) {cfg.precision.name}: {cfg.steps} step losses vs the one-process replay, "
           f"largest relative difference {check.losses:.3g}; learning rates {check.lrs:.3g}; {check.num_weights} "
           f"weights after the run, largest relative difference {check.weights:.3g} "
           f"(stage {check.worst_weight[0]} {check.worst_weight[1]})")

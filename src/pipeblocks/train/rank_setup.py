@@ -1,0 +1,126 @@
+"""What every rank of a run builds before its first step, synchronous or asynchronous.
+
+    setup = setup_rank(ctx, cfg)           # ctx: the runtime's DistContext
+    runner = PipelineRunner(cfg.schedule.schedule, setup.runner_stages, setup.loss_fn,
+                            rank=setup.rank, group=setup.pp_group, data_parallel=setup.data_parallel,
+                            precision=setup.copies, ...)
+
+In order: the (pp, dp) mesh when the run is data-parallel; this rank's stages of the model,
+and only those, with the weights the whole model of the same seed has
+(`models.family.Family.build_stages`); the precision (bf16-mixed: FSDP2's
+MixedPrecisionPolicy on the chunks it shards, `runtime.precision.ComputeCopies` on the
+others); the data-parallel wrapper (FSDP2, ZeroRedundancyOptimizer) before any optimizer is
+built over the parameters; the data; the seed of torch's generator.
+
+`emulated_costs` is the one rule for emulated compute: each pass sleeps its per-layer
+time times the blocks of its stage (`core.split.layer_counts`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core.split import layer_counts
+from ..data import TokenWindows
+from .config import TrainConfig
+
+__all__ = ["RankSetup", "emulated_costs", "setup_rank"]
+
+
+@dataclass
+class RankSetup:
+    """One rank's share of the run."""
+
+    rank: int
+    """the pipeline rank (rank in the pp group)"""
+    replica: int
+    """the data-parallel replica (rank in the dp group; 0 without data parallelism)"""
+    mesh: Any
+    """runtime.mesh.PipelineMesh, or None without data parallelism"""
+    modules: dict[int, torch.nn.Module]
+    """global stage -> its module, holding the master weights (what the optimizer, the
+    checkpoints and `--verify` see)"""
+    runner_stages: dict[int, torch.nn.Module]
+    """global stage -> what the runner calls (a CastStage under bf16-mixed, else the module)"""
+    copies: Any
+    """runtime.precision.ComputeCopies under bf16-mixed (for the chunks FSDP2 does not shard), else None"""
+    data_parallel: Any
+    """runtime.data_parallel.DataParallel, or None"""
+    data: TokenWindows
+    loss_fn: Any
+
+    @property
+    def stages(self) -> list[torch.nn.Module]:
+        """This rank's stage modules in stage order."""
+        return [self.modules[s] for s in sorted(self.modules)]
+
+    @property
+    def pp_group(self):
+        return self.mesh.pp_group if self.mesh is not None else None
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for module in self.stages for p in module.parameters()]
+
+
+def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
+    """Build this rank's stages, precision, data parallelism and data (see the module doc)."""
+    from ..core.sharding import ShardingPolicy
+    from ..runtime.precision import ComputeCopies, fsdp_policy, torch_dtype
+
+    family = cfg.model.family_object()
+    mesh = None
+    if cfg.data_parallel:
+        from ..runtime.mesh import init_mesh
+
+        mesh = init_mesh(cfg.schedule.p, cfg.dp, ctx.device)
+    rank, replica = (mesh.pp_rank, mesh.dp_rank) if mesh is not None else (ctx.rank, 0)
+    mine = cfg.schedule.placement.stages_of(rank)
+    built = family.build_stages(cfg.model.config, seed=cfg.seed, num_stages=cfg.num_stages, stages=mine,
+                                device=ctx.device)
+    modules = {stage.index: stage for stage in built}
+    precision = cfg.precision
+    fsdp = (ShardingPolicy.ZERO2, ShardingPolicy.ZERO3)
+    cast = {s: m for s, m in modules.items() if precision.mixed and not (mesh is not None and cfg.sharding[s] in fsdp)}
+    copies = ComputeCopies(cast, torch_dtype(precision.compute)) if cast else None
+    runner_stages = {s: copies.stages[s] if s in cast else m for s, m in modules.items()}
+    data_parallel = None
+    if mesh is not None:
+        from ..runtime.data_parallel import DataParallel
+
+        # FSDP2 replaces the parameters by their shards: build the optimizer after this
+        data_parallel = DataParallel(
+            modules, cfg.sharding, mesh.dp_mesh, timeout_s=cfg.timeout_s, link=_emulated_link(cfg, modules),
+            mp_policy=fsdp_policy(torch_dtype(precision.compute), torch_dtype(precision.reduce))
+            if precision.mixed else None,
+            extra_static=copies.held if copies is not None else None,
+        )
+    data = TokenWindows.load(cfg.data, seq=cfg.model.seq)
+    torch.manual_seed(cfg.seed)
+    return RankSetup(rank, replica, mesh, modules, runner_stages, copies, data_parallel, data, family.loss_fn)
+
+
+def emulated_costs(cfg: TrainConfig):
+    """The emulated pass times of `cfg.emulation`: per-layer milliseconds, times the blocks
+    of each stage."""
+    from ..runtime.emulate import EmulatedCosts
+
+    f, b, w = cfg.emulation.times_ms
+    return EmulatedCosts(f_ms=f, b_ms=b, w_ms=w, layers=layer_counts(cfg.model.layers, cfg.num_stages))
+
+
+def _emulated_link(cfg: TrainConfig, stages):
+    """Under emulation with dp > 1: each DP collective also takes its modelled time on the
+    run's link, sized by the parameters of this rank's stages (other stages: never issued)."""
+    if cfg.emulation is None or cfg.emulation.link is None:
+        return None
+    from ..core.dp_model import DPCostModel, Link
+    from ..runtime.emulated_link import EmulatedLink
+
+    params = [0.0] * cfg.num_stages
+    for index, module in stages.items():
+        params[index] = float(sum(q.numel() for q in module.parameters()))
+    model = DPCostModel(dp=cfg.dp, sharding=tuple(cfg.sharding), link=Link(*cfg.emulation.link))
+    return EmulatedLink(model, params)
