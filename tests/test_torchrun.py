@@ -1,4 +1,5 @@
 """The torchrun path: environment rendezvous, one process per rank, the example script."""
+import json
 import os
 import re
 import subprocess
@@ -69,3 +70,37 @@ def test_sigterm_under_torchrun_stops_every_rank_after_one_step_and_saves(tmp_pa
         proc.kill()
         kill_all(seen)
         proc.wait(10)
+
+
+def _torchrun_train(tmp_path, *options, nproc: int = 2, timeout: int = 240):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         "-m", "pipeblocks", "train", *options],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path,
+    )
+
+
+def test_pipeblocks_train_runs_under_torchrun_with_the_local_options(tmp_path):
+    """`torchrun -m pipeblocks train` with the options of a local run: one rank prints the
+    progress, rank 0 alone the header and the report (written once)."""
+    proc = _torchrun_train(tmp_path, "--schedule", "zb-v", "-p", "2", "-m", "4", "--steps", "3", "--layers", "4",
+                           "--hidden", "32", "--model-family", "llama", "--kv-heads", "2", "--precision", "bf16-mixed",
+                           "--report", "run.json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("training 4-layer Llama") == 1 and out.count("iteration time") == 1, out
+    assert len(re.findall(r"^step +\d+/3  loss", out, flags=re.M)) == 3, out
+    report = json.loads((tmp_path / "run.json").read_text())
+    assert report["precision"] == "bf16-mixed" and report["model"]["family"] == "llama"
+
+
+def test_verify_under_torchrun_and_a_world_that_does_not_fit(tmp_path):
+    proc = _torchrun_train(tmp_path, "--schedule", "v-half", "-p", "2", "-m", "4", "--layers", "4", "--hidden", "16",
+                           "--seq", "16", "--precision", "fp64", "--verify")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("tolerance 1e-10: OK") == 1, proc.stdout
+    bad = _torchrun_train(tmp_path, "--schedule", "1f1b", "-p", "4", "--steps", "1")
+    assert bad.returncode != 0
+    said = [line for line in bad.stderr.splitlines() if line.startswith("pipeblocks train: error:")]
+    assert len(said) == 1 and "needs p x dp = 4 processes but torchrun started 2" in said[0], bad.stderr[-2000:]

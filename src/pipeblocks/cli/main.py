@@ -53,11 +53,22 @@ def main(argv: list[str] | None = None) -> int:
         _silence_stdout()
         return BROKEN_PIPE_STATUS
     except (ValueError, OSError) as err:
-        print(f"pipeblocks {args.command}: error: {err}", file=sys.stderr)
+        if not _said_by_rank_zero():
+            print(f"pipeblocks {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _said_by_rank_zero() -> bool:
+    """Under torchrun, an error found before the ranks met (bad input, checked alike by every
+    process) is printed by global rank 0 alone; an error of a rank's own run is printed by it."""
+    rank = os.environ.get("RANK")
+    if rank in (None, "0") or "LOCAL_RANK" not in os.environ:
+        return False
+    dist = sys.modules.get("torch.distributed")
+    return not (dist is not None and dist.is_available() and dist.is_initialized())
 
 
 class _StderrHandler(logging.StreamHandler):

@@ -110,6 +110,7 @@ def prepare(
     emulation = None
     if emulate is not None:
         emulation = EmulationSpec(tuple(emulate), _emulated_link(request) if sharded else None)
+    _check_torchrun_world(schedule.p * dp)
     mesh = MeshSpec(dp, request.sharding, _device(device, schedule.p * dp, policy), threads_per_rank)
     seq_lengths = _seq_lengths(schedule, request.costs.seq_split, model)
     data = TokenWindows.load(train_options.get("data"), seq=model.seq)
@@ -131,6 +132,20 @@ def prepare(
         ckpt.claim_directory(ck.directory, overwrite=ck.overwrite, dry_run=True)
         sharded_ckpt.claim_sharded(ck.directory, overwrite=ck.overwrite, dry_run=True)
     return cfg, data
+
+
+def _check_torchrun_world(world: int) -> None:
+    """Under torchrun, the processes it started must be the run's p x dp."""
+    import os
+
+    from ..runtime.launch import under_torchrun
+
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != world:
+        started = int(os.environ["WORLD_SIZE"])
+        raise ValueError(
+            f"the run needs p x dp = {world} processes but torchrun started {started} (WORLD_SIZE): give torchrun "
+            f"--nnodes x --nproc-per-node = {world}, or choose -p and --dp whose product is {started}"
+        )
 
 
 def _device(requested: str, ranks: int, policy) -> str:
