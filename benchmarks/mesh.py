@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="6.2b")
     parser.add_argument("--hardware", default="cloud")
     parser.add_argument("--dp-bandwidth", type=float, default=None, metavar="GB/s")
-    parser.add_argument("--mixed-precision", action="store_true", help="bf16 gradients and parameters on the wire")
+    parser.add_argument("--mixed-precision", action="store_true", help="bf16-mixed: bf16 parameter gathers, fp32 gradient reductions")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--emulated", action="store_true",
@@ -157,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         print()
         return 0
     link = f"{args.dp_bandwidth} GB/s" if args.dp_bandwidth else f"{args.hardware} profile"
-    precision = "bf16" if args.mixed_precision else "fp32"
+    precision = "bf16-mixed" if args.mixed_precision else "fp32"
     print(f"p={args.p} m={args.m} dp={args.dp} sharding={args.sharding} model {args.model}, DP link {link}, "
-          f"{precision} gradients (seconds)")
+          f"{precision} (seconds)")
     print(f"{'schedule':<17} {'v':>2} {'compute':>8} {'comm':>7} {'end step':>9} {'end exp':>8} "
           f"{'ovl step':>9} {'ovl exp':>8} {'saved':>6}")
     for r in rows:

@@ -77,11 +77,19 @@ def test_estimate_shards_static_memory_and_keeps_activations():
     for r in range(2):
         assert zero3.rank(r).static_bytes == pytest.approx(plain.rank(r).static_bytes * 14 / 16, rel=1e-3)
     assert plain.peak == max(r.total for r in plain.ranks)
+    # bf16-mixed ("mixed"): float32 master 4 + bfloat16 compute copy 2 + float32 gradient 4
+    # + AdamW state 8 bytes per parameter, and bfloat16 activations: the same estimate as a
+    # bf16 model's under "auto"
     mixed = estimate_memory(ANALYTIC, schedule, precision="mixed")
-    assert mixed.rank(0).static_bytes == pytest.approx(plain.stage_params[0] * 16)  # 2 + 2 + 12 bytes
-    # mixed zero2 at the peak: bf16 parameters, their shard, bf16 gradients, half the fp32 state
+    assert mixed.rank(0).static_bytes == pytest.approx(plain.stage_params[0] * 18)
+    bf16 = estimate_memory(dataclasses.replace(ANALYTIC, dtype="bf16"), schedule)
+    assert [(r.static_bytes, r.activation_bytes) for r in bf16.ranks] == [
+        (r.static_bytes, r.activation_bytes) for r in mixed.ranks]
+    assert all(m.activation_bytes < 0.6 * r.activation_bytes for m, r in zip(mixed.ranks, plain.ranks))
+    # mixed zero2 at the peak: the float32 shard, bf16 gathered parameters, full float32
+    # gradients, half the state
     mixed2 = estimate_memory(ANALYTIC, schedule, dp=2, sharding=("zero2",), precision="mixed")
-    assert mixed2.rank(1, dp_rank=1).static_bytes == pytest.approx(plain.stage_params[1] * (2 + 1 + 2 + 6))
+    assert mixed2.rank(1, dp_rank=1).static_bytes == pytest.approx(plain.stage_params[1] * (2 + 2 + 4 + 4))
     with pytest.raises(ValueError, match=r"no process \(rank 2, replica 0\): ranks are 0..1, replicas 0..1"):
         mixed2.rank(2)
 

@@ -16,6 +16,7 @@ from pipeblocks.core.dp_model import (
     all_reduce_time,
     reduce_scatter_time,
     static_bytes,
+    static_peak_bytes,
 )
 from pipeblocks.core.sharding import ShardingPolicy
 from pipeblocks.schedules import get
@@ -86,20 +87,47 @@ def test_link_formulas():
 
 @pytest.mark.parametrize("d", [2, 4, 8])
 def test_static_memory_follows_the_zero_closed_forms(d):
-    fp32, mixed = PRECISIONS["fp32"], PRECISIONS["mixed"]
+    fp32, mixed = PRECISIONS["fp32"], PRECISIONS["bf16-mixed"]
     replicate = static_bytes(1000, ShardingPolicy.REPLICATE, d, fp32)
     assert replicate == 16000
     ratios = {p: static_bytes(1000, ShardingPolicy(p), d, fp32) / replicate for p in ("zero1", "zero2", "zero3")}
     assert ratios["zero1"] == pytest.approx((8 + 8 / d) / 16)
     assert ratios["zero2"] == pytest.approx((4 + 12 / d) / 16)
     assert ratios["zero3"] == pytest.approx(1 / d)
-    # mixed precision (ZeRO paper): 16, 4 + 12/d, 2 + 14/d, 16/d bytes per parameter
-    got = [static_bytes(1, ShardingPolicy(p), d, mixed) for p in ("replicate", "zero1", "zero2", "zero3")]
-    assert got == pytest.approx([16, 4 + 12 / d, 2 + 14 / d, 16 / d])
+    # bf16-mixed between steps holds what fp32 does (float32 masters, gradients and state;
+    # the bf16 copy lives inside the step): 16, 8 + 8/d, 4 + 12/d, 16/d bytes per parameter
+    policies = ("replicate", "zero1", "zero2", "zero3")
+    got = [static_bytes(1, ShardingPolicy(p), d, mixed) for p in policies]
+    assert got == pytest.approx([16, 8 + 8 / d, 4 + 12 / d, 16 / d])
+    # at the step's peak: the bf16 copy (replicate, zero1) or the bf16 gathered parameters
+    # beside the float32 shard (zero2, zero3), and full float32 gradients
+    peak = [static_peak_bytes(1, ShardingPolicy(p), d, mixed) for p in policies]
+    assert peak == pytest.approx([4 + 2 + 4 + 8, 4 + 2 + 4 + 8 / d, 4 / d + 2 + 4 + 8 / d, 4 / d + 2 + 4 + 8 / d])
+    fp32_peak = [static_peak_bytes(1, ShardingPolicy(p), d, fp32) for p in policies]
+    assert fp32_peak == pytest.approx([16, 8 + 8 / d, 8 + 12 / d, 8 + 12 / d])
     # and the simulator reports them per rank (unit costs: 1 parameter per full stage)
     for policy, ratio in [("replicate", 1.0), *ratios.items()]:
         t = simulate(get("zb-v")(p=2, m=4), _dp(policy, d=d))
         assert t.static_memory == pytest.approx((16 * ratio,) * 2)
+
+
+def test_dp_traffic_moves_the_bytes_of_the_precision():
+    """bf16-mixed gathers bfloat16 parameters (UNSHARD, zero2's regather after the step),
+    reduces float32 gradients, and zero1 broadcasts the float32 masters it updated; fp32
+    moves 4 bytes everywhere, and "mixed" is bf16-mixed."""
+    link = Link(bandwidth=1.0)
+    fp32, mixed = (DPCostModel(dp=4, link=link, precision=name) for name in ("fp32", "mixed"))
+    assert mixed.precision == "bf16-mixed" and mixed.bytes == PRECISIONS["bf16-mixed"]
+    z1, z2, z3 = ShardingPolicy.ZERO1, ShardingPolicy.ZERO2, ShardingPolicy.ZERO3
+    for model, (gather, grad, master) in ((fp32, (4, 4, 4)), (mixed, (2, 4, 4))):
+        assert model.op_time("UNSHARD", 100, z3) == pytest.approx(all_gather_time(100 * gather, 4, link))
+        assert model.op_time("REDUCE_GRAD", 100, z3) == pytest.approx(reduce_scatter_time(100 * grad, 4, link))
+        assert model.op_time("REDUCE_GRAD", 100, z1) == pytest.approx(all_reduce_time(100 * grad, 4, link))
+        assert model.after_step_time(100, z1) == pytest.approx(all_gather_time(100 * master, 4, link))
+        assert model.after_step_time(100, z2) == pytest.approx(all_gather_time(100 * gather, 4, link))
+        assert model.after_step_time(100, z3) == 0.0
+    with pytest.raises(ValueError, match="precision 'fp8': choose one of fp32, fp64, bf16-mixed"):
+        DPCostModel(precision="fp8")
 
 
 def test_static_memory_per_chunk_policies_and_analytic_parameters():

@@ -84,7 +84,7 @@ def test_rank_static_peak_takes_the_worst_replica_and_folds_in_tp():
     assert rank_static_peak(config, 2, (0,), ("zero2",), dp=4, precision="fp32") == max(exact)
     params = sum(math.prod(s) for s in shapes[0])
     mixed = rank_static_peak(config, 2, (0,), ("zero1",), dp=4, precision="mixed", tp=2)
-    assert mixed == pytest.approx(params / 2 * (2 + 2 + 12 / 4))
+    assert mixed == pytest.approx(params / 2 * (4 + 2 + 4 + 8 / 4))  # bf16-mixed: master, copy, gradient, state/d
     with pytest.raises(ValueError, match="tp must be an integer >= 1, got 0"):
         rank_static_peak(config, 2, (0,), ("zero1",), dp=4, precision="fp32", tp=0)
 
@@ -99,8 +99,9 @@ def test_a_sharding_the_mesh_cannot_run_is_refused():
 def test_the_planner_refuses_an_unknown_precision_or_w_keeps():
     base = dict(model=TransformerConfig(layers=4, hidden=64, heads=4, seq=64), hardware=HARDWARE["a100-80g"],
                 gpus=2, gpu_memory=80e9, global_batch=4)
-    with pytest.raises(ValueError, match="--precision 'bf16': choose one of fp32, mixed"):
-        PlanProblem(**base, precision="bf16")
+    with pytest.raises(ValueError, match="--precision 'fp8': choose one of fp32, fp64, bf16-mixed"):
+        PlanProblem(**base, precision="fp8")
+    assert PlanProblem(**base, precision="mixed").precision == "bf16-mixed"
     with pytest.raises(ValueError, match="--w-keeps 'all': choose one of graph, weights"):
         PlanProblem(**base, w_keeps="all")
 

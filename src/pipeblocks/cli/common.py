@@ -106,7 +106,9 @@ def add_mesh_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--mixed-precision", action="store_true",
-        help="static memory and collectives at 2+2+12 bytes per parameter instead of fp32 AdamW's 4+4+8",
+        help="static memory and collectives of bf16-mixed training (fp32 master, gradient and AdamW state plus a "
+        "bf16 compute copy: 4+2+4+8 bytes per parameter; bf16 parameter gathers, fp32 gradient reductions) "
+        "instead of fp32 AdamW's 4+4+8",
     )
 
 

@@ -74,7 +74,9 @@ def register(sub) -> None:
                         "reach less of the peak, by their arithmetic intensity against the profile's memory "
                         "bandwidth; off: one efficiency for every shape, the pass times of `simulate`")
     parser.add_argument("--fp32", action="store_true",
-                        help="static memory of fp32 AdamW (16 bytes per parameter, as mixed) with fp32 DP traffic")
+                        help="price training in fp32 (`train --precision fp32`): 4+4+8 bytes per parameter, fp32 "
+                        "activations and DP traffic (default: bf16-mixed, fp32 master, gradient and AdamW state plus "
+                        "a bf16 compute copy, 4+2+4+8, with bf16 activations)")
     parser.add_argument("--no-dropout", dest="dropout", action="store_false", default=True,
                         help="the model trains without dropout (no masks saved), as the reference GPT of "
                         "`pipeblocks train`; default: with dropout, Megatron's accounting")
@@ -108,7 +110,7 @@ def problem_from_args(args: argparse.Namespace) -> PlanProblem:
     return PlanProblem(
         model=model, hardware=hardware, gpus=args.gpus, gpu_memory=args.gpu_memory * 1e9,
         global_batch=args.global_batch, schedules=schedules, microbatch_sizes=args.microbatch_sizes,
-        precision="fp32" if args.fp32 else "mixed", seq_chunks=args.seq_chunks, tp_degrees=args.tp,
+        precision="fp32" if args.fp32 else "bf16-mixed", seq_chunks=args.seq_chunks, tp_degrees=args.tp,
         extrapolate=not args.exact, intensity=args.intensity_model == "on", w_keeps=args.w_keeps,
     )
 

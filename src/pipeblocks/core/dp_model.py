@@ -7,43 +7,64 @@ per-step latency a (each ring step pays a once)::
     reduce-scatter    (d-1)/d * n/bw +  (d-1)*a
     all-gather        (d-1)/d * n/bw +  (d-1)*a       (n: the full, gathered size)
 
-What each op moves, for a stage of P parameters (bytes per element from the precision):
+What each op moves, for a stage of P parameters (bytes per element from the precision,
+`Precision`: m master, c compute, g gradient)::
 
-    policy     REDUCE_GRAD                 UNSHARD            after the optimizer step
-    replicate  all-reduce of gradients     -                  -
-    zero1      all-reduce of gradients     -                  all-gather of parameters
-    zero2      reduce-scatter of gradients -                  all-gather of parameters
-    zero3      reduce-scatter of gradients all-gather of      -
-                                           parameters
+    policy     REDUCE_GRAD                      UNSHARD                  after the optimizer step
+    replicate  all-reduce of gradients (g)      -                        -
+    zero1      all-reduce of gradients (g)      -                        masters (m)
+    zero2      reduce-scatter of gradients (g)  -                        gather of parameters (c)
+    zero3      reduce-scatter of gradients (g)  all-gather of            -
+                                                parameters (c)
 
 zero1 and zero2 keep full parameters but each replica updates only its shard, so the
-updated parameters are gathered once after the step (torch's ZeroRedundancyOptimizer; FSDP2
-without resharding after forward gathers them at the next step's first forward instead, the
-same volume). The simulator counts that gather at the end of the step, where nothing
-overlaps it.
+updated parameters are gathered once after the step: torch's ZeroRedundancyOptimizer
+broadcasts the masters it updated; FSDP2 without resharding after forward gathers the
+compute-dtype parameters at the next step's first pass instead. The simulator counts that
+gather at the end of the step, where nothing overlaps it. Under bf16-mixed gradients are
+reduced in float32 (g = 4) and parameters gathered in bfloat16 (c = 2).
 
-Static bytes per parameter (parameter + gradient + optimizer state), sharded by policy:
-fp32 AdamW is 4 + 4 + 8 = 16; mixed precision is 2 + 2 + 12 (bf16 parameter and gradient,
-fp32 master copy and moments)::
+Bytes per parameter (`Precision`, from `core.precision.PrecisionPolicy`; AdamW, two moments
+in the master dtype)::
 
-    replicate  p + g + o            (16)
-    zero1      p + g + o/d          (8 + 8/d)
-    zero2      p + (g + o)/d        (4 + 12/d)
-    zero3      (p + g + o)/d        (16/d)
+    precision   master m  copy k  gathered c  gradient g  optimizer o
+    fp32        4         0       4           4           8
+    fp64        8         0       8           8           16
+    bf16-mixed  4         2       2           4           8
+
+k is the compute copy of a chunk FSDP2 does not shard (replicate, zero1): the runtime casts
+the masters once at the step's start and drops the copy at its end; zero2 and zero3 hold
+FSDP2's gathered parameters (c) instead. "mixed" names bf16-mixed here (the planner's and
+the simulator's `--mixed-precision`).
+
+Static bytes between steps (parameters, gradients, optimizer state; no copies and nothing
+gathered), the textbook ZeRO figures, `static_bytes` (fp32 and bf16-mixed alike: 4 + 4 + 8;
+FSDP2's zero2 holds less, its parameters sharded)::
+
+    replicate  m + g + o            (16)
+    zero1      m + g + o/d          (8 + 8/d)
+    zero2      m + (g + o)/d        (4 + 12/d)
+    zero3      (m + g + o)/d        (16/d)
 
 Inside the step the rank holds more (the static memory at the step's peak, `static_peak_bytes`):
-gradients accumulate at full size over the microbatches until the stage's REDUCE_GRAD, and
-a sharded stage's parameters are gathered for all of its passes (FSDP2: zero2 from its
-first pass to its REDUCE_GRAD, zero3 from its UNSHARD to its RESHARD), beside the shard
-the replica keeps. At the peak, per parameter::
+gradients accumulate at full size over the microbatches until the stage's REDUCE_GRAD, a
+chunk FSDP2 does not shard holds its compute copy, and a sharded stage's parameters are
+gathered for all of its passes (FSDP2: zero2 from its first pass to its REDUCE_GRAD, zero3
+from its UNSHARD to its RESHARD), beside the shard the replica keeps. At the peak, per
+parameter::
 
-    replicate  p + g + o       zero1  p + g + o/d      zero2, zero3  p + p/d + g + o/d
+    policy        formula              fp32          bf16-mixed
+    replicate     m + k + g + o        16            18
+    zero1         m + k + g + o/d      8 + 8/d       10 + 8/d
+    zero2, zero3  m/d + c + g + o/d    8 + 12/d      6 + 12/d
 
 so sharding saves optimizer state at the peak, and parameters and gradients only between
 steps (which is where a checkpoint or another model lives). These are the holdings of
 `core.static_memory` (which follows torch's FSDP2 and ZeroRedundancyOptimizer) for a stage
 whose parameters split evenly: no dim-0 padding, zero1's partition even. The textbook
-ZeRO-2 peak, p + g + o/d, leaves out the shard FSDP2 keeps beside the gathered parameters.
+ZeRO-2 peak, m + g + o/d, leaves out the shard FSDP2 keeps beside the gathered parameters;
+the ZeRO paper's mixed precision (2 + 2 + 12: fp16 parameters and gradients) is not what
+the runtime holds, which accumulates and reduces gradients in float32.
 
 Units. Under the analytic model, sizes are bytes and times seconds: --dp-bandwidth is in
 GB/s and --dp-latency in microseconds. Under unit costs (no --model) a full stage holds one
@@ -57,11 +78,12 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from .precision import PRECISION_NAMES, PrecisionPolicy, precision_policy
 from .sharding import ShardingPolicy, per_stage
 
 __all__ = [
     "PRECISIONS", "UNIT_LINK", "DPCostModel", "Link", "Precision", "all_gather_time", "all_reduce_time",
-    "reduce_scatter_time", "static_bytes", "static_peak_bytes",
+    "precision_bytes", "reduce_scatter_time", "resolve_precision", "static_bytes", "static_peak_bytes",
 ]
 
 
@@ -89,22 +111,56 @@ UNIT_LINK = Link(bandwidth=4.0, latency=0.0)
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per parameter of the parameter, its gradient and the optimizer state."""
+    """Bytes per parameter a rank holds and moves under one training precision, derived from
+    its `core.precision.PrecisionPolicy` (`Precision.of`)."""
 
     name: str
-    param: float
+    master: float
+    """the parameter kept and updated (its shard, where FSDP2 shards it)"""
+    copy: float
+    """the compute copy a chunk FSDP2 does not shard holds during the step (0: it computes
+    with the masters)"""
+    gathered: float
+    """a parameter FSDP2 gathers for the passes (the compute dtype)"""
     grad: float
+    """the gradient, accumulated over the microbatches and reduced in this size"""
     optim: float
+    """AdamW's two moments"""
+
+    @classmethod
+    def of(cls, policy: PrecisionPolicy) -> Precision:
+        return cls(policy.name, policy.master_bytes, policy.compute_bytes if policy.mixed else 0,
+                   policy.compute_bytes, policy.grad_bytes, policy.optimizer_bytes)
 
     @property
     def total(self) -> float:
-        return self.param + self.grad + self.optim
+        """Bytes per parameter between steps, unsharded: master, gradient and optimizer state."""
+        return self.master + self.grad + self.optim
 
 
-PRECISIONS = {
-    "fp32": Precision("fp32", 4, 4, 8),
-    "mixed": Precision("mixed", 2, 2, 12),
-}
+PRECISIONS = {name: Precision.of(precision_policy(name)) for name in PRECISION_NAMES}
+# the planner's and the simulator's name for the one mixed precision the runtime runs
+_ALIASES = {"mixed": "bf16-mixed"}
+
+
+def resolve_precision(precision: str | PrecisionPolicy) -> PrecisionPolicy:
+    """The policy of `precision`: a policy, or its name ("fp32", "fp64", "bf16-mixed"; "mixed"
+    is bf16-mixed; the old dtype names "float32", "float64", "bf16" too)."""
+    if isinstance(precision, PrecisionPolicy):
+        return precision
+    if not isinstance(precision, str):
+        raise TypeError(f"precision must be a name or a PrecisionPolicy, got {type(precision).__name__}")
+    try:
+        return precision_policy(_ALIASES.get(precision, precision))
+    except ValueError:
+        raise ValueError(
+            f"precision {precision!r}: choose one of {', '.join(PRECISION_NAMES)} (mixed: bf16-mixed)"
+        ) from None
+
+
+def precision_bytes(precision: str | PrecisionPolicy) -> Precision:
+    """The bytes per parameter of `precision` (a policy or a name, as `resolve_precision`)."""
+    return Precision.of(resolve_precision(precision))
 
 
 def all_reduce_time(size: float, d: int, link: Link) -> float:
@@ -119,30 +175,32 @@ all_gather_time = reduce_scatter_time  # the same ring, run the other way
 
 
 def static_bytes(params: float, policy: ShardingPolicy, d: int, precision: Precision) -> float:
-    """Parameter, gradient and optimizer-state bytes one replica holds for `params` parameters."""
-    p, g, o = precision.param, precision.grad, precision.optim
+    """Parameter, gradient and optimizer-state bytes one replica holds for `params` parameters
+    between steps (the textbook ZeRO figures)."""
+    m, g, o = precision.master, precision.grad, precision.optim
     if policy is ShardingPolicy.REPLICATE:
-        per = p + g + o
+        per = m + g + o
     elif policy is ShardingPolicy.ZERO1:
-        per = p + g + o / d
+        per = m + g + o / d
     elif policy is ShardingPolicy.ZERO2:
-        per = p + (g + o) / d
+        per = m + (g + o) / d
     else:
-        per = (p + g + o) / d
+        per = (m + g + o) / d
     return params * per
 
 
 def static_peak_bytes(params: float, policy: ShardingPolicy, d: int, precision: Precision) -> float:
     """Static bytes at the step's peak: full-size accumulated gradients before the
-    reduction and, for zero2 and zero3 (FSDP2), the gathered parameters beside the rank's
-    own shard; evenly split (no padding, zero1's partition even)."""
-    p, g, o = precision.param, precision.grad, precision.optim
+    reduction, the compute copy of a chunk FSDP2 does not shard (replicate, zero1) and, for
+    zero2 and zero3 (FSDP2), the gathered parameters beside the rank's own shard; evenly
+    split (no padding, zero1's partition even)."""
+    m, g, o = precision.master, precision.grad, precision.optim
     if policy is ShardingPolicy.REPLICATE:
-        per = p + g + o
+        per = m + precision.copy + g + o
     elif policy is ShardingPolicy.ZERO1:
-        per = p + g + o / d
+        per = m + precision.copy + g + o / d
     else:
-        per = p + p / d + g + o / d
+        per = m / d + precision.gathered + g + o / d
     return params * per
 
 
@@ -155,12 +213,12 @@ class DPCostModel:
     sharding: tuple[ShardingPolicy, ...] = (ShardingPolicy.REPLICATE,)
     link: Link = UNIT_LINK
     precision: str = "fp32"
+    """a `core.precision` policy name ("mixed" or a PrecisionPolicy are taken and kept by name)"""
 
     def __post_init__(self) -> None:
         if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
             raise ValueError(f"--dp must be an integer >= 1, got {self.dp!r}: give 1 or more replicas")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        object.__setattr__(self, "precision", resolve_precision(self.precision).name)
         object.__setattr__(self, "sharding", tuple(ShardingPolicy(p) for p in self.sharding))
 
     @property
@@ -173,8 +231,8 @@ class DPCostModel:
     def op_time(self, kind: str, params: float, policy: ShardingPolicy) -> float:
         """Duration of a DP op of a stage with `params` parameters on the link."""
         d, b = self.dp, self.bytes
-        if kind == "UNSHARD":
-            return all_gather_time(params * b.param, d, self.link)
+        if kind == "UNSHARD":  # FSDP2 gathers the compute dtype
+            return all_gather_time(params * b.gathered, d, self.link)
         if kind == "REDUCE_GRAD":
             if policy in (ShardingPolicy.REPLICATE, ShardingPolicy.ZERO1):
                 return all_reduce_time(params * b.grad, d, self.link)
@@ -182,9 +240,13 @@ class DPCostModel:
         return 0.0  # RESHARD frees memory only
 
     def after_step_time(self, params: float, policy: ShardingPolicy) -> float:
-        """The updated-parameter all-gather after the optimizer step (zero1, zero2)."""
-        if policy in (ShardingPolicy.ZERO1, ShardingPolicy.ZERO2):
-            return all_gather_time(params * self.bytes.param, self.dp, self.link)
+        """The updated-parameter gather after the optimizer step: zero1's masters
+        (ZeroRedundancyOptimizer broadcasts what each replica updated), zero2's compute-dtype
+        parameters (FSDP2 gathers them at the next step's first pass)."""
+        if policy is ShardingPolicy.ZERO1:
+            return all_gather_time(params * self.bytes.master, self.dp, self.link)
+        if policy is ShardingPolicy.ZERO2:
+            return all_gather_time(params * self.bytes.gathered, self.dp, self.link)
         return 0.0
 
     def static_memory(self, stage_params: Iterable[float], stages: Iterable[int], *, peak: bool = False) -> float:

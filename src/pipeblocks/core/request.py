@@ -69,8 +69,9 @@ class CostSpec:
     """data-parallel latency per ring step: microseconds under `model`, time units under
     unit costs (None: the profile's, or 0)"""
     mixed_precision: bool = False
-    """static memory and collectives at 2 + 2 + 12 bytes per parameter (bf16 parameter and
-    gradient, fp32 master and moments) instead of fp32 AdamW's 4 + 4 + 8"""
+    """static memory and collectives of bf16-mixed (`core.dp_model.Precision`: fp32 master,
+    gradient and moments, a bf16 compute copy or bf16 gathered parameters; 4 + 2 + 4 + 8
+    bytes per parameter at replicate) instead of fp32 AdamW's 4 + 4 + 8"""
 
     def __post_init__(self) -> None:
         for flag, value, positive in (("--dp-bandwidth", self.dp_bandwidth, True), ("--dp-latency", self.dp_latency, False)):

@@ -1,10 +1,13 @@
 """The static bytes (parameters, gradients, optimizer state) a rank will hold, predicted
 from the parameter shapes and the Program, the way the runtime (`runtime.data_parallel`) holds them.
 
-    peak = predict_static_peak(program, rank, shapes, policies, dp=2, dp_rank=0)
+    peak = predict_static_peak(program, rank, shapes, policies, dp=2, dp_rank=0,
+                               precision=precision_policy("bf16-mixed"))
 
-No torch here: the prediction needs only shapes, the element size and the op order. It
-follows what torch does (torch 2.13), so that the measured peak can be held to it:
+No torch here: the prediction needs only shapes, the precision (`core.precision`: the bytes
+per element of the masters, the compute copy, the gradients and AdamW's state, as
+`core.dp_model.Precision` lists them) and the op order. It follows what torch does (torch
+2.13), so that the measured peak can be held to it:
 
 * FSDP2 (zero2, zero3) shards each parameter along dim 0 into d chunks of ceil(n0/d) rows,
   padded: every replica stores ceil(n0/d) rows of each parameter, and so does the
@@ -13,14 +16,22 @@ follows what torch does (torch 2.13), so that the measured peak can be held to i
   may hold fewer, or none).
 * ZeroRedundancyOptimizer (zero1) gives whole tensors to replicas, largest first, each to
   the replica with the fewest elements so far.
-* AdamW keeps two moments per parameter element (its step counters, a few bytes per
-  tensor, are left out).
+* AdamW keeps two moments per parameter element in the master dtype (its step counters, a
+  few bytes per tensor, are left out).
+* Mixed precision (bf16-mixed): a chunk FSDP2 shards gathers its parameters in the compute
+  dtype (`MixedPrecisionPolicy(param_dtype=bfloat16)`) beside its float32 shard, and
+  accumulates the full gradient in float32 until REDUCE_GRAD reduce-scatters it; every
+  other chunk (replicate, zero1) keeps float32 masters and holds a compute copy
+  (`runtime.precision.ComputeCopies`) from its first pass of the step to the step's end.
 
 Over one step the bytes change at known ops: a sharded chunk is gathered at its first pass
-(zero2) or its UNSHARD (zero3) and freed at REDUCE_GRAD (zero2) or RESHARD (zero3); its
-full gradient appears at its first weight-gradient pass (W or BW) and, for FSDP2 chunks,
-is replaced by its shard at REDUCE_GRAD. The peak is the largest total before an op that
-frees and after the optimizer step, where the runtime samples it.
+(zero2) or its UNSHARD (zero3) and freed at REDUCE_GRAD (zero2) or RESHARD (zero3); an
+unsharded chunk's compute copy appears at its first pass and goes before the optimizer
+step; its full gradient appears at its first weight-gradient pass (W or BW) and, for FSDP2
+chunks, is replaced by its shard at REDUCE_GRAD. The peak is the largest total before an op
+that frees, at the end of the op walk (before the optimizer step: the copies and the
+accumulated gradients, on one replica with no DP op at all) and after the optimizer step,
+where the runtime samples it.
 """
 from __future__ import annotations
 
@@ -29,13 +40,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .actions import Action, Kind
+from .dp_model import Precision
+from .precision import PrecisionPolicy, precision_policy
 from .program import DPOp, Program
 from .sharding import ShardingPolicy
 
 __all__ = ["ChunkBytes", "chunk_bytes", "predict_static_peak", "zero1_partition"]
 
 _FSDP = (ShardingPolicy.ZERO2, ShardingPolicy.ZERO3)
-ADAM_MOMENTS = 2
+# the dtype of a same-dtype policy (master = compute = reduce) by its element size
+_SAME_DTYPE = {8: "float64", 4: "float32", 2: "bfloat16"}
 
 
 def _rows(n0: int, d: int, rank: int) -> int:
@@ -56,6 +70,24 @@ def zero1_partition(numels: Sequence[int], world: int) -> list[list[int]]:
     return owned
 
 
+def _precision(element_size: int | None, precision: PrecisionPolicy | None) -> Precision:
+    """The bytes of `precision`, or of the same-dtype policy of `element_size`."""
+    if precision is not None:
+        if element_size is not None:
+            raise TypeError("give precision= or element_size=, not both")
+        if not isinstance(precision, PrecisionPolicy):
+            raise TypeError(f"precision must be a PrecisionPolicy (core.precision), got {type(precision).__name__}")
+        return Precision.of(precision)
+    if element_size is None:
+        raise TypeError("give precision= (a core.precision.PrecisionPolicy) or element_size=")
+    dtype = _SAME_DTYPE.get(element_size)
+    if dtype is None:
+        raise ValueError(f"element_size {element_size!r}: give 2, 4 or 8 bytes, or precision= for another policy")
+    name = {"float64": "fp64", "float32": "fp32"}.get(dtype)
+    policy = precision_policy(name) if name else PrecisionPolicy(dtype, dtype, dtype, dtype)
+    return Precision.of(policy)
+
+
 @dataclass(frozen=True)
 class ChunkBytes:
     """One chunk's static bytes on one replica, in the pieces that come and go in a step."""
@@ -64,6 +96,9 @@ class ChunkBytes:
     """parameters held at all times (all of them, or this replica's padded shards)"""
     gathered: int
     """parameters gathered for the step on top of `params` (0 unless zero2/zero3)"""
+    copy: int
+    """the compute copy of a chunk FSDP2 does not shard, held from its first pass to the
+    step's end (0 unless mixed precision)"""
     grads_full: int
     """gradients while they accumulate (full size)"""
     grads_reduced: int
@@ -77,15 +112,27 @@ class ChunkBytes:
         optimizer state exists. Every schedule's op walk (`predict_static_peak`) peaks with
         all of a rank's chunks there, since no chunk reduces before the others' first
         weight-gradient pass."""
-        return self.params + self.gathered + self.grads_full + self.optimizer
+        return self.params + self.gathered + self.copy + self.grads_full + self.optimizer
 
 
-def chunk_bytes(shapes: Sequence[tuple[int, ...]], element_size: int, policy: ShardingPolicy, d: int,
-                dp_rank: int) -> ChunkBytes:
-    """The pieces for a chunk whose trainable parameters have `shapes`."""
+def chunk_bytes(
+    shapes: Sequence[tuple[int, ...]],
+    element_size: int | None = None,
+    policy: ShardingPolicy = ShardingPolicy.REPLICATE,
+    d: int = 1,
+    dp_rank: int = 0,
+    *,
+    precision: PrecisionPolicy | None = None,
+) -> ChunkBytes:
+    """The pieces for a chunk whose trainable parameters have `shapes`, under `precision`
+    (or `element_size`: a policy whose master, compute and reduce dtypes all have that size)."""
+    return _chunk(shapes, _precision(element_size, precision), policy, d, dp_rank)
+
+
+def _chunk(shapes: Sequence[tuple[int, ...]], b: Precision, policy: ShardingPolicy, d: int, dp_rank: int) -> ChunkBytes:
     policy = ShardingPolicy(policy)
     numels = [math.prod(s) for s in shapes]
-    full = sum(numels) * element_size
+    total = sum(numels)
     if policy in _FSDP:
         padded = local = 0
         for shape, n in zip(shapes, numels):
@@ -93,12 +140,17 @@ def chunk_bytes(shapes: Sequence[tuple[int, ...]], element_size: int, policy: Sh
             rest = n // n0 if n0 else 0
             padded += math.ceil(n0 / d) * rest
             local += _rows(n0, d, dp_rank) * rest
-        shard = padded * element_size
-        return ChunkBytes(shard, shard * d, full, shard, ADAM_MOMENTS * local * element_size)
+        return ChunkBytes(
+            params=int(padded * b.master), gathered=int(padded * d * b.gathered), copy=0,
+            grads_full=int(total * b.grad), grads_reduced=int(padded * b.grad), optimizer=int(local * b.optim),
+        )
+    owned = total
     if policy is ShardingPolicy.ZERO1:
-        owned = sum(numels[i] for i in zero1_partition(numels, d)[dp_rank]) * element_size
-        return ChunkBytes(full, 0, full, full, ADAM_MOMENTS * owned)
-    return ChunkBytes(full, 0, full, full, ADAM_MOMENTS * full)
+        owned = sum(numels[i] for i in zero1_partition(numels, d)[dp_rank])
+    return ChunkBytes(
+        params=int(total * b.master), gathered=0, copy=int(total * b.copy), grads_full=int(total * b.grad),
+        grads_reduced=int(total * b.grad), optimizer=int(owned * b.optim),
+    )
 
 
 def predict_static_peak(
@@ -109,23 +161,28 @@ def predict_static_peak(
     *,
     dp: int,
     dp_rank: int,
-    element_size: int,
+    element_size: int | None = None,
+    precision: PrecisionPolicy | None = None,
     optimizer_state: bool = True,
 ) -> int:
     """Peak static bytes of pipeline rank `rank`, replica `dp_rank`, over one step.
 
     shapes: stage -> its trainable parameters' shapes (this rank's stages).
-    policies: one per global stage. optimizer_state: whether the state exists when the step
+    policies: one per global stage. precision: the training precision (or element_size, a
+    same-dtype one: 4 is fp32). optimizer_state: whether the state exists when the step
     starts (every step after the first); it exists after the optimizer step regardless.
     """
-    pieces = {s: chunk_bytes(shapes[s], element_size, policies[s], dp, dp_rank) for s in shapes}
+    b = _precision(element_size, precision)
+    pieces = {s: _chunk(shapes[s], b, policies[s], dp, dp_rank) for s in shapes}
     policy = {s: ShardingPolicy(policies[s]) for s in shapes}
     gathered = dict.fromkeys(pieces, False)
+    copied = dict.fromkeys(pieces, False)
     grads: dict[int, int] = dict.fromkeys(pieces, 0)
 
     def total(with_state: bool) -> int:
         return sum(
-            c.params + (c.gathered if gathered[s] else 0) + grads[s] + (c.optimizer if with_state else 0)
+            c.params + (c.gathered if gathered[s] else 0) + (c.copy if copied[s] else 0) + grads[s]
+            + (c.optimizer if with_state else 0)
             for s, c in pieces.items()
         )
 
@@ -133,6 +190,7 @@ def predict_static_peak(
     for op in program.ranks[rank]:
         if type(op) is Action:
             s = op.stage
+            copied[s] = True  # an unsharded chunk's compute copy (if any) lives from its first pass
             if policy[s] is ShardingPolicy.ZERO2 and not gathered[s] and grads[s] == 0:
                 gathered[s] = True  # gathered by its first pass of the step
             if op.kind is Kind.W or op.kind is Kind.BW:
@@ -149,8 +207,11 @@ def predict_static_peak(
                 grads[s] = pieces[s].grads_reduced
                 if policy[s] is ShardingPolicy.ZERO2:
                     gathered[s] = False
-    for s in pieces:  # the optimizer steps after every reduction is done
+    # the end of the walk: copies and accumulated gradients held, the optimizer not yet stepped
+    peak = max(peak, total(optimizer_state))
+    for s in pieces:  # the optimizer steps after every reduction is done, the copies dropped
         gathered[s] = False
+        copied[s] = False
         if grads[s]:
             grads[s] = pieces[s].grads_reduced
     return max(peak, total(True))

@@ -29,7 +29,7 @@ from ..core.costs import Costs
 from ..core.dp_model import DPCostModel, Link, all_reduce_time
 from ..core.sharding import ShardingPolicy
 from ..sim.analytic import Hardware, TransformerConfig, dp_link, layer_split, transformer_costs
-from ..sim.memory_estimate import activation_costs
+from ..sim.memory_estimate import activation_costs, precision_config
 from .intensity import head_efficiency, layer_efficiency
 
 __all__ = ["tp_all_reduce_time", "replica_costs"]
@@ -43,14 +43,16 @@ def tp_all_reduce_time(config: TransformerConfig, hardware: Hardware, tp: int) -
 
 def replica_costs(
     config: TransformerConfig, hardware: Hardware, *, num_stages: int, dp: int, tp: int,
-    sharding: ShardingPolicy = ShardingPolicy.REPLICATE, precision: str = "mixed", intensity: bool = False,
+    sharding: ShardingPolicy = ShardingPolicy.REPLICATE, precision: str = "bf16-mixed", intensity: bool = False,
     seq_chunks: int = 1, w_keeps: str = "graph",
 ) -> Costs:
     """The costs of one pipeline replica of `num_stages` global stages whose ranks each
     hold 1/tp of their stages; the data-parallel side has `dp` replicas under `sharding`.
     `intensity`: slow each pass by its GEMMs' efficiency (`plan.intensity`), whose rows are
     the tokens of one of `seq_chunks` sequence chunks (a chunked microbatch runs smaller GEMMs).
-    `w_keeps`: what a split backward keeps from B until W (`sim.memory_estimate.estimate_memory`)."""
+    `w_keeps`: what a split backward keeps from B until W (`sim.memory_estimate.estimate_memory`).
+    `precision` prices the DP side and sets the activations' dtype (`sim.memory_estimate.precision_config`)."""
+    config, _ = precision_config(config, precision)
     memory = activation_costs(config, num_stages, w_keeps=w_keeps)
     base = dataclasses.replace(
         transformer_costs(config, hardware, num_stages=num_stages), mem_b=memory.mem_b,

@@ -11,11 +11,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ..core.dp_model import PRECISIONS
+from ..core.dp_model import resolve_precision
+from ..core.precision import PRECISION_NAMES
 from ..core.sharding import ShardingPolicy
 from ..schedules import get
 from ..sim.analytic import Hardware, TransformerConfig
-from ..sim.memory_estimate import W_KEEPS
+from ..sim.memory_estimate import W_KEEPS, precision_config
 
 __all__ = ["DEFAULT_SCHEDULES", "DEFAULT_MICROBATCH_SIZES", "SEQUENCE_SCHEDULES", "PlanProblem", "MeshShape", "meshes", "microbatch_sizes"]
 
@@ -47,8 +48,11 @@ class PlanProblem:
         set per candidate). hardware: device, links and gpus_per_node.
     gpus: GPUs in all. gpu_memory: bytes per GPU. global_batch: sequences per step.
     schedules: registered schedule names to try. microbatch_sizes: the sizes b to try.
-    precision: static memory and DP traffic ("mixed": 2 + 2 + 12 bytes per parameter;
-        "fp32": 4 + 4 + 8, as `pipeblocks train` runs the reference GPT).
+    precision: a `core.precision` policy name, as `pipeblocks train --precision` runs it:
+        the static memory, the DP traffic and the activations' dtype ("bf16-mixed", also
+        "mixed": float32 masters, gradients and AdamW state, a bfloat16 compute copy or
+        gathered parameters, 18 bytes per parameter at replicate, bfloat16 activations;
+        "fp32": 4 + 4 + 8 and float32 activations; "fp64"). Kept by its policy name.
     seq_chunks: sequence chunk counts to also try (Seq1F1B split of every schedule); empty
         or (1,): none; None (the default): automatic, `search.AUTO_SEQ_CHUNKS` for a
         sequence of `search.LONG_SEQUENCE` tokens or more, or when nothing fits whole.
@@ -69,7 +73,7 @@ class PlanProblem:
     global_batch: int
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES
     microbatch_sizes: tuple[int, ...] = DEFAULT_MICROBATCH_SIZES
-    precision: str = "mixed"
+    precision: str = "bf16-mixed"
     seq_chunks: tuple[int, ...] | None = None
     tp_degrees: tuple[int, ...] | None = None
     extrapolate: bool = True
@@ -82,8 +86,12 @@ class PlanProblem:
         memory = self.gpu_memory
         if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not math.isfinite(memory) or memory <= 0:
             raise ValueError(f"--gpu-memory must be a finite number of GB > 0, got {memory!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        try:
+            object.__setattr__(self, "precision", resolve_precision(self.precision).name)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"--precision {self.precision!r}: choose one of {', '.join(PRECISION_NAMES)} (mixed: bf16-mixed)"
+            ) from None
         if self.w_keeps not in W_KEEPS:
             raise ValueError(f"--w-keeps {self.w_keeps!r}: choose one of {', '.join(W_KEEPS)}")
         if not self.schedules:
@@ -120,7 +128,9 @@ class PlanProblem:
                 )
 
     def config(self, microbatch_size: int) -> TransformerConfig:
-        return dataclasses.replace(self.model, microbatch_size=microbatch_size)
+        """The model at microbatch size b, its activations in the precision's compute dtype."""
+        config, _ = precision_config(dataclasses.replace(self.model, microbatch_size=microbatch_size), self.precision)
+        return config
 
 
 @dataclass(frozen=True, order=True)

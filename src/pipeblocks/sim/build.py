@@ -174,7 +174,7 @@ def data_parallel(request: ScheduleRequest) -> DPCostModel:
         latency = UNIT_LINK.latency if spec.dp_latency is None else spec.dp_latency
     return DPCostModel(
         dp=dp, sharding=request.sharding, link=Link(bandwidth, latency),
-        precision="mixed" if spec.mixed_precision else "fp32",
+        precision="bf16-mixed" if spec.mixed_precision else "fp32",
     )
 
 

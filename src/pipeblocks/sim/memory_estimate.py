@@ -13,15 +13,17 @@ or profiled.
 Per process (pipeline rank r, replica d) it gives:
 
 * static bytes: parameters, gradients and AdamW state at the step's peak, as the sharding
-  policies hold them (`core.static_memory.predict_static_peak` over the lowered Program,
-  with the reference GPT's parameter shapes per stage: FSDP2's padded shards, the zero1
-  partition of whole tensors). With mixed precision (which the runtime does not run) the
-  same holdings at 2 + 2 + 12 bytes per parameter, without the padding;
+  policies and the precision hold them (`core.static_memory.predict_static_peak` over the
+  lowered Program, with the reference GPT's parameter shapes per stage: FSDP2's padded
+  shards, the zero1 partition of whole tensors; under bf16-mixed the float32 masters,
+  gradients and state, and the bfloat16 compute copy or FSDP2's bfloat16 gathered
+  parameters: 18 bytes per parameter at replicate);
 * activation bytes: the simulator's peak of saved activations for the schedule, fed the
   analytic M_B per stage (`analytic.stage_activation_bytes`: layers, embedding ids on the
   first stage, final LayerNorm and loss on the last) and M_W as the runtime keeps it (B
   frees only the loss: the split backward keeps the rest of the graph for W; `w_keeps`
-  "weights" takes the Zero Bubble paper's M_W instead). Sequence chunks take their share
+  "weights" takes the Zero Bubble paper's M_W instead), at the precision's compute dtype
+  (bf16-mixed: 2 bytes per element). Sequence chunks take their share
   from `sequence_split.chunk_shares`; a recomputed forward (`1f1b-r`) keeps its input;
 * total = static + activation: the sum of the two peaks, as `pipeblocks train` reports
   them (measured apart), so an upper bound of the joint peak.
@@ -33,13 +35,15 @@ step's spare copies.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.costs import Costs
-from ..core.dp_model import PRECISIONS, Precision, static_peak_bytes
+from ..core.dp_model import precision_bytes, resolve_precision, static_peak_bytes
 from ..core.lowering import lower_for
+from ..core.precision import PRECISION_NAMES, PrecisionPolicy
 from ..core.schedule import Schedule
 from ..core.sharding import ShardingPolicy, parse_sharding, per_stage
 from ..core.simulate import simulate
@@ -52,10 +56,11 @@ from .sequence_split import SPLITS, chunk_shares, split_lengths
 
 __all__ = [
     "RankMemory", "MemoryEstimate", "estimate_memory", "stage_param_shapes", "activation_costs", "rank_static_peak",
-    "PRECISION_CHOICES", "W_KEEPS",
+    "precision_config", "PRECISION_CHOICES", "W_KEEPS",
 ]
 
-PRECISION_CHOICES = ("auto", "fp32", "float64", "mixed")
+# also the names `dp_model.resolve_precision` takes: "mixed", "float32", "float64", "bf16"
+PRECISION_CHOICES = ("auto", *PRECISION_NAMES)
 W_KEEPS = ("graph", "weights")
 _MLP_RATIO = 4
 
@@ -118,12 +123,29 @@ def stage_param_shapes(config: TransformerConfig, num_stages: int) -> tuple[tupl
     )
 
 
-def _precision(config: TransformerConfig, precision: str) -> str:
-    if precision not in PRECISION_CHOICES:
-        raise ValueError(f"precision {precision!r}: choose one of {', '.join(PRECISION_CHOICES)}")
-    if precision != "auto":
-        return precision
-    return {4: "fp32", 8: "float64"}.get(config.dtype_bytes, "mixed")
+# TransformerConfig's name of a core.precision dtype where the two differ
+_CONFIG_DTYPE = {"bfloat16": "bf16"}
+
+
+def precision_config(config: TransformerConfig, precision: str | PrecisionPolicy) -> tuple[TransformerConfig, PrecisionPolicy]:
+    """The policy `precision` names, and `config` with activations in its compute dtype.
+
+    "auto": the policy of the config's activation dtype (fp32, float64; a 16-bit dtype is
+    bf16-mixed); any other name or policy, as `dp_model.resolve_precision` ("mixed" is
+    bf16-mixed), and the config's dtype becomes the policy's compute dtype where their sizes
+    differ (bf16-mixed: 2 bytes per activation element)."""
+    if isinstance(precision, str) and precision == "auto":
+        policy = resolve_precision({4: "fp32", 8: "fp64"}.get(config.dtype_bytes, "bf16-mixed"))
+    else:
+        try:
+            policy = resolve_precision(precision)
+        except ValueError:
+            raise ValueError(
+                f"precision {precision!r}: choose one of {', '.join(PRECISION_CHOICES)} (mixed: bf16-mixed)"
+            ) from None
+    if config.dtype_bytes != policy.compute_bytes:
+        config = dataclasses.replace(config, dtype=_CONFIG_DTYPE.get(policy.compute, policy.compute))
+    return config, policy
 
 
 def _w_ratios(config: TransformerConfig, mem_b: tuple[float, ...], w_keeps: str) -> tuple[float, ...]:
@@ -169,28 +191,29 @@ def activation_costs(config: TransformerConfig, num_stages: int, seq_chunks: int
 
 
 def rank_static_peak(config: TransformerConfig, num_stages: int, stages: Sequence[int],
-                     policies: Sequence[str | ShardingPolicy], *, dp: int, precision: str, tp: int = 1) -> float:
+                     policies: Sequence[str | ShardingPolicy], *, dp: int, precision: str | PrecisionPolicy,
+                     tp: int = 1) -> float:
     """Static bytes at the step's peak of a pipeline rank holding `stages`, the most over
     its `dp` replicas: what `estimate_memory` gives that rank.
 
-    fp32 and float64 (tp = 1): the reference GPT's shapes per stage, as FSDP2 pads them and
-    ZeroRedundancyOptimizer partitions them (`core.static_memory`). Mixed precision, or a
-    stage split over `tp` tensor-parallel ranks: the same holdings in closed form
-    (`dp_model.static_peak_bytes`, evenly split) over the stage's parameters / tp.
+    tp = 1: the reference GPT's shapes per stage, as FSDP2 pads them and
+    ZeroRedundancyOptimizer partitions them (`core.static_memory`), in `precision`
+    (`precision_config`). A stage split over `tp` tensor-parallel ranks: the same holdings
+    in closed form (`dp_model.static_peak_bytes`, evenly split) over the stage's
+    parameters / tp.
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be an integer >= 1, got {tp!r}: give 1 or more tensor-parallel ranks")
     policies = per_stage(parse_sharding(list(policies)), num_stages)
-    precision = _precision(config, precision)
+    _, policy = precision_config(config, precision)
     shapes = stage_param_shapes(config, num_stages)
-    if precision == "mixed" or tp > 1:
-        size = 4 if precision == "fp32" else 8
-        bytes_ = PRECISIONS["mixed"] if precision == "mixed" else Precision(precision, size, size, 2 * size)
+    if tp > 1:
+        bytes_ = precision_bytes(policy)
         return sum(static_peak_bytes(sum(math.prod(x) for x in shapes[s]) / tp, ShardingPolicy(policies[s]), dp, bytes_)
                    for s in stages)
-    size = 4 if precision == "fp32" else 8
     return float(max(
-        sum(chunk_bytes(shapes[s], size, policies[s], dp, d).peak for s in stages) for d in range(dp)
+        sum(chunk_bytes(shapes[s], policy=policies[s], d=dp, dp_rank=d, precision=policy).peak for s in stages)
+        for d in range(dp)
     ))
 
 
@@ -210,8 +233,10 @@ def estimate_memory(
     schedule: a built schedule (`pipeblocks.schedules.get(name)(p=..., m=..., **options)`);
         its stage count, placement, B/W split and sequence chunks are what count.
     sharding: one policy for every stage or one per stage (replicate, zero1, zero2, zero3).
-    precision: "auto" (the activation dtype: fp32 or float64 AdamW in that dtype, 16-bit
-        dtypes mixed), "fp32", "float64", or "mixed" (2 + 2 + 12 bytes per parameter).
+    precision: "auto" (the config's activation dtype: fp32 or fp64 AdamW in that dtype,
+        16-bit dtypes bf16-mixed), "fp32", "fp64", "bf16-mixed" ("mixed"), or a
+        `core.precision.PrecisionPolicy`; it prices the static bytes and sets the
+        activations' dtype (`precision_config`).
     seq_split: sequence-chunk boundaries ("balanced" or "even"), as `train --seq-split`.
     w_keeps: what a split backward keeps from B until W: "graph" (pipeblocks' runtime: all
         the forward saved but the loss) or "weights" (only W's GEMM inputs and output
@@ -229,7 +254,7 @@ def estimate_memory(
         raise ValueError(f"dp must be an integer >= 1, got {dp!r}: give 1 or more replicas")
     S = schedule.num_stages
     policies = per_stage(parse_sharding(list(sharding)), S)
-    precision = _precision(config, precision)
+    config, policy = precision_config(config, precision)
     shapes = stage_param_shapes(config, S)
     params = tuple(sum(math.prod(shape) for shape in stage) for stage in shapes)
     costs = activation_costs(config, S, schedule.seq_chunks, seq_split=seq_split, w_keeps=w_keeps)
@@ -239,11 +264,7 @@ def estimate_memory(
     for r in range(schedule.p):
         mine = schedule.placement.stages_of(r)
         for d in range(dp):
-            if precision == "mixed":
-                static = sum(static_peak_bytes(params[s], ShardingPolicy(policies[s]), dp, PRECISIONS["mixed"])
-                             for s in mine)
-            else:
-                static = predict_static_peak(program, r, {s: shapes[s] for s in mine}, policies, dp=dp, dp_rank=d,
-                                             element_size=4 if precision == "fp32" else 8)
+            static = predict_static_peak(program, r, {s: shapes[s] for s in mine}, policies, dp=dp, dp_rank=d,
+                                         precision=policy)
             ranks.append(RankMemory(r, d, tuple(mine), float(static), float(activation[r])))
     return MemoryEstimate(tuple(ranks), tuple(float(x) for x in stage_activation_bytes(config, S)), params)
