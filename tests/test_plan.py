@@ -181,6 +181,7 @@ def test_cli_json_and_plot(tmp_path, capsys):
     best = data["ranked"][0]
     assert (parsed.name, parsed.p, parsed.m, parsed.microbatch_size) == (
         best["schedule"], best["pp"], best["m"], best["microbatch_size"])
+    assert parsed.precision == data["precision"] == "bf16-mixed"  # the precision the memory was priced with
     assert plot.stat().st_size > 1000
 
 

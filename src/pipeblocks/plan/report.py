@@ -86,9 +86,12 @@ def _commands(result: PlanResult, e: Evaluated) -> list[str]:
     # torchrun starts the same number of processes on every node
     per_node = max(d for d in range(1, p.hardware.gpus_per_node + 1) if ranks % d == 0)
     nodes = ranks // per_node
+    # the precision the memory was priced with (train's default is fp32)
+    precision = f" --precision {p.precision}" if p.precision != "fp32" else ""
     train = (
         f"pipeblocks train --schedule {c.schedule} -p {c.pp} -m {c.m}{mesh}{seq} --layers {model.layers} "
         f"--hidden {model.hidden} --heads {model.heads} --seq {model.seq} --microbatch-size {c.microbatch_size}"
+        f"{precision}"
     )
     launch = (
         f"torchrun --nnodes {nodes} --nproc-per-node {per_node} examples/torchrun_gpt.py --schedule {c.schedule} "
