@@ -98,52 +98,24 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
 
 
 def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
-    from ..runtime import PipelineRunner
     from .rank_setup import setup_rank
 
     setup = setup_rank(ctx, cfg)
-    schedule = cfg.schedule.schedule
-    rank, replica, mesh, dp, data = setup.rank, setup.replica, setup.mesh, setup.data_parallel, setup.data
+    rank, replica, dp, data = setup.rank, setup.replica, setup.data_parallel, setup.data
     built, stages = setup.stages, setup.modules
-    mine = tuple(sorted(stages))
-    shapes = {s: [tuple(p.shape) for p in m.parameters() if p.requires_grad] for s, m in stages.items()}
-    if dp is not None:
-        optimizer = dp.optimizer(torch.optim.AdamW, lr=cfg.lr)
-    else:
-        optimizer = torch.optim.AdamW(setup.params, lr=cfg.lr)
-    params = setup.params
-
-    start = 0
-    ck = cfg.checkpoint
-    use_dcp = uses_sharded_checkpoints(cfg)
-    if ck is not None and not use_dcp:
-        ckpt.remove_temporaries(ck.directory, ranks=[rank])  # no save of this rank is under way yet
-    if ck is not None and ck.resume and use_dcp:
-        start = _resume_sharded(cfg, stages, optimizer)
-    elif ck is not None and ck.resume:
-        start = _resume(cfg, ctx, stages, optimizer, data.source)
+    optimizer = dp.optimizer(torch.optim.AdamW, lr=cfg.lr) if dp is not None else torch.optim.AdamW(setup.params,
+                                                                                                    lr=cfg.lr)
+    start = _restore(cfg, ctx, setup, optimizer)
     # with data parallelism the optimizer steps directly (prepare refuses --clip-grad there)
     validator = None if dp is not None else PostValidator(
         optimizer, max_norm=cfg.clip_grad, optimistic=cfg.optimistic_step, timeout_s=cfg.timeout_s)
-
-    compute = _emulated_compute(cfg, stages, ctx.device) if cfg.emulation is not None else None
-    runner = PipelineRunner(
-        schedule, setup.runner_stages, setup.loss_fn, rank=rank, device=ctx.device, timeout_s=cfg.timeout_s,
-        record_timeline=not cfg.verify and replica == 0, compute=compute, seq_lengths=cfg.schedule.seq_lengths,
-        group=setup.pp_group, data_parallel=dp, recompute=cfg.schedule.recompute,
-        precision=setup.copies if compute is None else None,
-    )
+    runner = _runner(cfg, ctx, setup)
+    shapes = {s: [tuple(p.shape) for p in m.parameters() if p.requires_grad] for s, m in stages.items()}
     static_predicted = _predict_static(cfg, runner.program, rank, replica, shapes)
-    link = None
-    if cfg.emulation is not None and cfg.emulation.link is not None:
-        link = cfg.emulation.link  # the simulated column models the link the collectives emulate
-    elif mesh is not None and cfg.dp > 1 and not cfg.verify:
-        from ..runtime.data_parallel import measure_link
-
-        link = measure_link(mesh.dp_group)
+    link = _dp_link(cfg, setup)
     control = ctx.control
     # a DCP save is a collective: a failing rank cannot take part, so none is saved on the way out
-    last_good.track(rank, None if use_dcp else stages, optimizer, cfg.meta(data.source), start)
+    last_good.track(rank, None if uses_sharded_checkpoints(cfg) else stages, optimizer, cfg.meta(data.source), start)
     control.step_done(start)
     last = start + 1 if cfg.verify else cfg.steps
     losses, spans, peak, skipped, static, dp_waits = [], [], 0, [], 0, []
@@ -153,33 +125,27 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
         optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         result = runner.step(inputs if runner.holds_first_stage else None, targets if runner.holds_last_stage else None)
-        if cfg.inject_nonfinite == step + 1 and rank == schedule.p - 1:
-            next(p.grad for p in params if p.grad is not None).view(-1)[0] = float("inf")
+        if cfg.inject_nonfinite == step + 1 and rank == cfg.schedule.p - 1:
+            next(p.grad for p in setup.params if p.grad is not None).view(-1)[0] = float("inf")
         if dp is None:
             # the step's peak: full gradients, the state of the previous step, the compute copies
             static = max(static, _static_now(built, optimizer) + (setup.copies.step_bytes if setup.copies else 0))
         grads = _full_grads(built) if cfg.verify and cfg.clip_grad is None else None
         with control.critical():  # an interrupt must not leave half the parameters stepped
-            if validator is not None:
-                check = validator.step()
-            else:
-                optimizer.step()
-                check = None
+            check = validator.step() if validator is not None else optimizer.step()
             last_good.stepped(step + 1)
         if dp is not None:
             dp.sample_static()  # after the optimizer step: its state is there, gradients not yet freed
             static = max(static, dp.peak_static)
         else:
             static = max(static, _static_now(built, optimizer))
-        loss = _replica_mean(result.loss, mesh) if result.loss is not None else None
+        loss = _replica_mean(result.loss, setup.mesh) if result.loss is not None else None
         if cfg.verify:
             # the step is taken; with clipping, the gradients it used (clipped) are compared
-            grads = grads if grads is not None else _full_grads(built)
-            return RankResult(rank, mine, ((step, loss),) if loss is not None else (),
-                              grads=grads, params=_full_params(built),
+            return RankResult(rank, tuple(stages), ((step, loss),) if loss is not None else (),
+                              grads=grads if grads is not None else _full_grads(built), params=_full_params(built),
                               checks=() if check is None or cfg.clip_grad is None else ((step, check),),
-                              dp_rank=replica, static_bytes_measured=static,
-                              static_bytes_predicted=static_predicted[0])
+                              dp_rank=replica, static_bytes_measured=static, static_bytes_predicted=static_predicted[0])
         if check is not None and check.outcome == "skipped":
             skipped.append(step)
         if dp is not None:
@@ -192,30 +158,82 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
         if loss is not None:
             losses.append((step, loss))
             if not cfg.quiet and replica == 0:
-                shown = "emulated" if cfg.emulation else f"{loss:.4f}"
-                print(f"step {step + 1:>5}/{cfg.steps}  loss {shown}  "
-                      f"{cfg.tokens_per_step / (t1 - t0):>9,.0f} tokens/s  {(t1 - t0) * 1e3:7.1f} ms"
-                      + ("" if check is None else _check_note(check, cfg.clip_grad)), flush=True)
-        done = step + 1
-        stop = control.step_done(done)  # True on every rank after the same step
-        if ck is not None and (stop or done == last or (ck.save_every and done % ck.save_every == 0)):
-            with control.critical():
-                if use_dcp:
-                    sharded.save_sharded(ck.directory, step=done, stages=stages,
-                                         optimizers=_chunk_optimizers(optimizer), meta=cfg.meta(data.source))
-                else:
-                    ckpt.save_rank(ck.directory, rank=rank, step=done, stages=stages, optimizer=optimizer,
-                                   meta=cfg.meta(data.source))
-                last_good.saved = done
-            control.beat()
+                _progress_line(cfg, step, loss, t1 - t0, check)
+        stop = control.step_done(step + 1)  # True on every rank after the same step
+        if _save_if_due(cfg, control, setup, optimizer, step + 1, final=stop or step + 1 == last):
+            last_good.saved = step + 1
         if stop:
             break
     sys.stdout.flush()
     # the optimizer state exists from the second step on: the steady-state peak
     predicted = static_predicted[1] if len(spans) > 1 else static_predicted[0]
-    return RankResult(rank, mine, tuple(losses), tuple(spans), peak, tuple(timelines),
+    return RankResult(rank, tuple(stages), tuple(losses), tuple(spans), peak, tuple(timelines),
                       skipped_steps=tuple(skipped), dp_rank=replica, static_bytes_measured=static,
                       static_bytes_predicted=predicted, dp_wait_s=tuple(dp_waits), dp_link=link)
+
+
+def _restore(cfg: TrainConfig, ctx, setup, optimizer) -> int:
+    """The step to start from: 0, or the resumed checkpoint's (after clearing this rank's
+    temporaries of an interrupted save)."""
+    ck = cfg.checkpoint
+    if ck is None:
+        return 0
+    if not uses_sharded_checkpoints(cfg):
+        ckpt.remove_temporaries(ck.directory, ranks=[setup.rank])  # no save of this rank is under way yet
+    if not ck.resume:
+        return 0
+    if uses_sharded_checkpoints(cfg):
+        return _resume_sharded(cfg, setup.modules, optimizer)
+    return _resume(cfg, ctx, setup.modules, optimizer, setup.data.source)
+
+
+def _runner(cfg: TrainConfig, ctx, setup):
+    """This rank's PipelineRunner over its stages (emulated compute under `cfg.emulation`)."""
+    from ..runtime import PipelineRunner
+
+    compute = _emulated_compute(cfg, setup.modules, ctx.device) if cfg.emulation is not None else None
+    return PipelineRunner(
+        cfg.schedule.schedule, setup.runner_stages, setup.loss_fn, rank=setup.rank, device=ctx.device,
+        timeout_s=cfg.timeout_s, record_timeline=not cfg.verify and setup.replica == 0, compute=compute,
+        seq_lengths=cfg.schedule.seq_lengths, group=setup.pp_group, data_parallel=setup.data_parallel,
+        recompute=cfg.schedule.recompute, precision=setup.copies if compute is None else None,
+    )
+
+
+def _dp_link(cfg: TrainConfig, setup) -> tuple[float, float] | None:
+    """The DP link the report's simulated column models: the emulated one, or one measured
+    on the dp group (with replicas, outside --verify)."""
+    if cfg.emulation is not None and cfg.emulation.link is not None:
+        return cfg.emulation.link
+    if setup.mesh is not None and cfg.dp > 1 and not cfg.verify:
+        from ..runtime.data_parallel import measure_link
+
+        return measure_link(setup.mesh.dp_group)
+    return None
+
+
+def _progress_line(cfg: TrainConfig, step: int, loss: float, seconds: float, check) -> None:
+    shown = "emulated" if cfg.emulation else f"{loss:.4f}"
+    print(f"step {step + 1:>5}/{cfg.steps}  loss {shown}  {cfg.tokens_per_step / seconds:>9,.0f} tokens/s  "
+          f"{seconds * 1e3:7.1f} ms" + ("" if check is None else _check_note(check, cfg.clip_grad)), flush=True)
+
+
+def _save_if_due(cfg: TrainConfig, control, setup, optimizer, done: int, *, final: bool) -> bool:
+    """Save step `done` at the run's last step, at a stop, and every `save_every` steps;
+    whether it saved."""
+    ck = cfg.checkpoint
+    if ck is None or not (final or (ck.save_every and done % ck.save_every == 0)):
+        return False
+    meta = cfg.meta(setup.data.source)
+    with control.critical():
+        if uses_sharded_checkpoints(cfg):
+            sharded.save_sharded(ck.directory, step=done, stages=setup.modules,
+                                 optimizers=_chunk_optimizers(optimizer), meta=meta)
+        else:
+            ckpt.save_rank(ck.directory, rank=setup.rank, step=done, stages=setup.modules, optimizer=optimizer,
+                           meta=meta)
+    control.beat()
+    return True
 
 
 def _replica_batch(cfg: TrainConfig, data: TokenWindows, step: int, replica: int):
