@@ -26,7 +26,7 @@ chooses (norms, softmax), so activations would be of mixed dtypes and the copies
 weights would be made again in every microbatch's forward.
 
 Bytes per parameter held (float32 AdamW): master 4 + copy 2 (during the step) + gradient
-4 + moments 8 = 18, as `core.dp_model.PRECISIONS["mixed"]` prices it.
+4 + moments 8 = 18, as `core.dp_model.PRECISIONS["bf16-mixed"]` prices it.
 """
 from __future__ import annotations
 
