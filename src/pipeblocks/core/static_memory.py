@@ -178,11 +178,16 @@ def predict_static_peak(
     gathered = dict.fromkeys(pieces, False)
     copied = dict.fromkeys(pieces, False)
     grads: dict[int, int] = dict.fromkeys(pieces, 0)
+    # FSDP2 folds a microbatch's gradient into its float32 sum when the chunk's backward reaches
+    # the chunk's input; a split backward's W comes after that, so under mixed precision its
+    # compute-dtype gradients stay on the gathered parameters until the next fold or REDUCE_GRAD
+    split_grads = b.gathered != b.grad
+    pending = dict.fromkeys(pieces, False)
 
     def total(with_state: bool) -> int:
         return sum(
             c.params + (c.gathered if gathered[s] else 0) + (c.copy if copied[s] else 0) + grads[s]
-            + (c.optimizer if with_state else 0)
+            + (c.gathered if pending[s] else 0) + (c.optimizer if with_state else 0)
             for s, c in pieces.items()
         )
 
@@ -195,6 +200,8 @@ def predict_static_peak(
                 gathered[s] = True  # gathered by its first pass of the step
             if op.kind is Kind.W or op.kind is Kind.BW:
                 grads[s] = pieces[s].grads_full
+            if op.kind is Kind.W and split_grads and policy[s] in _FSDP:
+                pending[s] = True
         elif type(op) is DPOp:
             s = op.stage
             if op.kind == "UNSHARD":
@@ -205,6 +212,7 @@ def predict_static_peak(
                 gathered[s] = False
             elif op.kind == "REDUCE_GRAD":
                 grads[s] = pieces[s].grads_reduced
+                pending[s] = False
                 if policy[s] is ShardingPolicy.ZERO2:
                     gathered[s] = False
     # the end of the walk: copies and accumulated gradients held, the optimizer not yet stepped
@@ -212,6 +220,7 @@ def predict_static_peak(
     for s in pieces:  # the optimizer steps after every reduction is done, the copies dropped
         gathered[s] = False
         copied[s] = False
+        pending[s] = False
         if grads[s]:
             grads[s] = pieces[s].grads_reduced
     return max(peak, total(True))

@@ -53,9 +53,12 @@ order), so a difference comes only from sums taken in another order: a matrix pr
 split differently among threads, or microbatch gradients added in another order into the
 float32 sum. One such reordering moves a bfloat16 result by up to a rounding, 2^-8 = 3.9e-3
 of its size, and the difference is measured against the largest element of each gradient
-(`relative_difference`), so 1e-2 holds with room for two or three such roundings. (Measured
-on CPU: 0 for llama with zb-v and v-half at p = 2, the ranks and the reference run with
-one thread each.)"""
+(`relative_difference`), so 1e-2 holds with room for two or three such roundings. Chunks
+that FSDP2 shards (zero2, zero3) round once more: a split backward's W adds its bfloat16
+gradient to the gathered parameter after FSDP2 has folded the microbatch's B into the
+float32 sum, so consecutive W gradients meet in bfloat16 before they are folded. Measured
+on CPU, the ranks and the reference with one thread each: 0 for llama with zb-v and v-half
+at p = 2 (bit for bit); 2.2e-3 with zb-h1 and zb-v at p = 2 x dp = 2 under zero3 and zero2."""
 
 
 class GradDiff(NamedTuple):
