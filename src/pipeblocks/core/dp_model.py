@@ -189,11 +189,14 @@ def static_bytes(params: float, policy: ShardingPolicy, d: int, precision: Preci
     return params * per
 
 
-def static_peak_bytes(params: float, policy: ShardingPolicy, d: int, precision: Precision) -> float:
+def static_peak_bytes(params: float, policy: ShardingPolicy, d: int, precision: Precision, *,
+                      split_backward: bool = False) -> float:
     """Static bytes at the step's peak: full-size accumulated gradients before the
     reduction, the compute copy of a chunk FSDP2 does not shard (replicate, zero1) and, for
     zero2 and zero3 (FSDP2), the gathered parameters beside the rank's own shard; evenly
-    split (no padding, zero1's partition even)."""
+    split (no padding, zero1's partition even). split_backward: the schedule runs W apart
+    from B, which under mixed precision leaves an FSDP2 chunk's compute-dtype gradients on
+    its gathered parameters until the reduction (`core.static_memory`)."""
     m, g, o = precision.master, precision.grad, precision.optim
     if policy is ShardingPolicy.REPLICATE:
         per = m + precision.copy + g + o
@@ -201,6 +204,8 @@ def static_peak_bytes(params: float, policy: ShardingPolicy, d: int, precision: 
         per = m + precision.copy + g + o / d
     else:
         per = m / d + precision.gathered + g + o / d
+        if split_backward and precision.gathered != g:
+            per += precision.gathered
     return params * per
 
 
@@ -249,11 +254,15 @@ class DPCostModel:
             return all_gather_time(params * self.bytes.gathered, self.dp, self.link)
         return 0.0
 
-    def static_memory(self, stage_params: Iterable[float], stages: Iterable[int], *, peak: bool = False) -> float:
+    def static_memory(self, stage_params: Iterable[float], stages: Iterable[int], *, peak: bool = False,
+                      split_backward: bool = False) -> float:
         """Static bytes one replica's rank holds for its `stages`: between steps (the
         textbook ZeRO figures, `static_bytes`), or (with `peak`) at the step's peak as
-        FSDP2 and ZeroRedundancyOptimizer hold it (`static_peak_bytes`)."""
+        FSDP2 and ZeroRedundancyOptimizer hold it (`static_peak_bytes`; `split_backward`:
+        the schedule runs W apart from B)."""
         params = tuple(stage_params)
         policy = self.policies(len(params))
-        rule = static_peak_bytes if peak else static_bytes
-        return sum(rule(params[s], policy[s], self.dp, self.bytes) for s in stages)
+        if not peak:
+            return sum(static_bytes(params[s], policy[s], self.dp, self.bytes) for s in stages)
+        return sum(static_peak_bytes(params[s], policy[s], self.dp, self.bytes, split_backward=split_backward)
+                   for s in stages)

@@ -156,8 +156,10 @@ def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
     static = tuple(
         table.data_parallel.static_memory(table.params, placement.stages_of(r)) for r in range(p)
     )
+    split = table.data_parallel.bytes.gathered != table.data_parallel.bytes.grad and schedule.has_split_backward
     static_peak = tuple(
-        table.data_parallel.static_memory(table.params, placement.stages_of(r), peak=True) for r in range(p)
+        table.data_parallel.static_memory(table.params, placement.stages_of(r), peak=True, split_backward=split)
+        for r in range(p)
     )
     if not any(comm_plans):
         return Timeline(

@@ -106,13 +106,21 @@ class ChunkBytes:
     optimizer: int
     """optimizer state (AdamW's two moments over what this replica updates)"""
 
+    pending: int = 0
+    """under mixed precision, an FSDP2 chunk's compute-dtype gradients of a W run apart from
+    its B, held on the gathered parameters until REDUCE_GRAD (0 otherwise)"""
+
     @property
     def peak(self) -> int:
         """Everything at once: what the chunk holds before its REDUCE_GRAD once the
-        optimizer state exists. Every schedule's op walk (`predict_static_peak`) peaks with
-        all of a rank's chunks there, since no chunk reduces before the others' first
-        weight-gradient pass."""
+        optimizer state exists, for a fused backward. Every schedule's op walk
+        (`predict_static_peak`) peaks with all of a rank's chunks there, since no chunk
+        reduces before the others' first weight-gradient pass."""
         return self.params + self.gathered + self.copy + self.grads_full + self.optimizer
+
+    def step_peak(self, split_backward: bool) -> int:
+        """`peak`, with a split backward's held gradients (`pending`) when W runs apart from B."""
+        return self.peak + (self.pending if split_backward else 0)
 
 
 def chunk_bytes(
@@ -143,6 +151,9 @@ def _chunk(shapes: Sequence[tuple[int, ...]], b: Precision, policy: ShardingPoli
         return ChunkBytes(
             params=int(padded * b.master), gathered=int(padded * d * b.gathered), copy=0,
             grads_full=int(total * b.grad), grads_reduced=int(padded * b.grad), optimizer=int(local * b.optim),
+            # FSDP2 folds a microbatch's gradient into its float32 sum when the backward reaches the
+            # chunk's input; a W run apart from B comes after that fold
+            pending=int(padded * d * b.gathered) if b.gathered != b.grad else 0,
         )
     owned = total
     if policy is ShardingPolicy.ZERO1:
@@ -181,13 +192,12 @@ def predict_static_peak(
     # FSDP2 folds a microbatch's gradient into its float32 sum when the chunk's backward reaches
     # the chunk's input; a split backward's W comes after that, so under mixed precision its
     # compute-dtype gradients stay on the gathered parameters until the next fold or REDUCE_GRAD
-    split_grads = b.gathered != b.grad
     pending = dict.fromkeys(pieces, False)
 
     def total(with_state: bool) -> int:
         return sum(
             c.params + (c.gathered if gathered[s] else 0) + (c.copy if copied[s] else 0) + grads[s]
-            + (c.gathered if pending[s] else 0) + (c.optimizer if with_state else 0)
+            + (c.pending if pending[s] else 0) + (c.optimizer if with_state else 0)
             for s, c in pieces.items()
         )
 
@@ -200,7 +210,7 @@ def predict_static_peak(
                 gathered[s] = True  # gathered by its first pass of the step
             if op.kind is Kind.W or op.kind is Kind.BW:
                 grads[s] = pieces[s].grads_full
-            if op.kind is Kind.W and split_grads and policy[s] in _FSDP:
+            if op.kind is Kind.W:
                 pending[s] = True
         elif type(op) is DPOp:
             s = op.stage

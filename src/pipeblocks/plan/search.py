@@ -179,14 +179,24 @@ def _placement(name: str, pp: int, stages: int) -> Placement:
 
 
 def static_peak(problem: PlanProblem, shape: MeshShape, placement: Placement,
-                policy: ShardingPolicy) -> tuple[float, ...]:
+                policy: ShardingPolicy, name: str) -> tuple[float, ...]:
     """Static bytes per pipeline rank at the step's peak (the most over the replicas):
     `estimate_memory`'s static part, through `sim.memory_estimate.rank_static_peak`."""
     return tuple(
         rank_static_peak(problem.model, placement.num_stages, placement.stages_of(r), (policy,), dp=shape.dp,
-                         precision=problem.precision, tp=shape.tp)
+                         precision=problem.precision, tp=shape.tp, split_backward=split_backward(name))
         for r in range(placement.num_ranks)
     )
+
+
+@functools.cache
+def split_backward(name: str) -> bool:
+    """Whether schedule `name` runs W apart from B (a small instance tells; one that cannot be
+    built without options counts as split, the larger static memory)."""
+    try:
+        return get(name)(p=2, m=4).has_split_backward
+    except (TypeError, ValueError):
+        return True
 
 
 def _policies(shape: MeshShape) -> list[ShardingPolicy]:
@@ -232,7 +242,7 @@ def _entries(problem: PlanProblem, name: str, k: int) -> tuple[list[_Entry], lis
                 break  # the stage count does not depend on b
             placement = _placement(name, shape.pp, stages)
             least, least_policy = min(
-                (max(static_peak(problem, shape, placement, pol)), pol) for pol in _policies(shape)
+                (max(static_peak(problem, shape, placement, pol, name)), pol) for pol in _policies(shape)
             )
             costs = _costs(problem, shape, b, stages, k, least_policy)
             if least > problem.gpu_memory:
@@ -281,7 +291,7 @@ def evaluate(
             raise ValueError(f"no sharding policy of {sorted(map(str, wanted))} applies to dp {shape.dp}: "
                              "with one replica only replicate does")
     costs = {pol: _costs(problem, shape, b, entry.stages, k, pol) for pol in policies}
-    static = {pol: static_peak(problem, shape, placement, pol) for pol in policies}
+    static = {pol: static_peak(problem, shape, placement, pol, name) for pol in policies}
     fitting = [pol for pol in policies if max(static[pol]) <= capacity]
     if not fitting:
         least = min(max(static[pol]) for pol in policies)

@@ -192,7 +192,7 @@ def activation_costs(config: TransformerConfig, num_stages: int, seq_chunks: int
 
 def rank_static_peak(config: TransformerConfig, num_stages: int, stages: Sequence[int],
                      policies: Sequence[str | ShardingPolicy], *, dp: int, precision: str | PrecisionPolicy,
-                     tp: int = 1) -> float:
+                     tp: int = 1, split_backward: bool = False) -> float:
     """Static bytes at the step's peak of a pipeline rank holding `stages`, the most over
     its `dp` replicas: what `estimate_memory` gives that rank.
 
@@ -200,7 +200,8 @@ def rank_static_peak(config: TransformerConfig, num_stages: int, stages: Sequenc
     ZeroRedundancyOptimizer partitions them (`core.static_memory`), in `precision`
     (`precision_config`). A stage split over `tp` tensor-parallel ranks: the same holdings
     in closed form (`dp_model.static_peak_bytes`, evenly split) over the stage's
-    parameters / tp.
+    parameters / tp. split_backward: the schedule runs W apart from B (`Schedule.has_split_backward`),
+    which under mixed precision holds more on FSDP2 chunks (`ChunkBytes.pending`).
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be an integer >= 1, got {tp!r}: give 1 or more tensor-parallel ranks")
@@ -209,10 +210,12 @@ def rank_static_peak(config: TransformerConfig, num_stages: int, stages: Sequenc
     shapes = stage_param_shapes(config, num_stages)
     if tp > 1:
         bytes_ = precision_bytes(policy)
-        return sum(static_peak_bytes(sum(math.prod(x) for x in shapes[s]) / tp, ShardingPolicy(policies[s]), dp, bytes_)
+        return sum(static_peak_bytes(sum(math.prod(x) for x in shapes[s]) / tp, ShardingPolicy(policies[s]), dp, bytes_,
+                                     split_backward=split_backward)
                    for s in stages)
     return float(max(
-        sum(chunk_bytes(shapes[s], policy=policies[s], d=dp, dp_rank=d, precision=policy).peak for s in stages)
+        sum(chunk_bytes(shapes[s], policy=policies[s], d=dp, dp_rank=d, precision=policy).step_peak(split_backward)
+            for s in stages)
         for d in range(dp)
     ))
 
