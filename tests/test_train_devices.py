@@ -88,3 +88,9 @@ def test_dtype_and_precision_must_agree(capsys):
 def test_kv_heads_must_divide_heads(capsys):
     code, _, err = run_cli(capsys, "train", "--model-family", "llama", "--heads", "4", "--kv-heads", "3", "--dry-run")
     assert code == 2 and "kv_heads" in err.replace("-", "_").lower()
+
+
+def test_verify_of_bf16_sequence_chunks_is_refused_with_the_exact_alternative(capsys):
+    code, _, err = run_cli(capsys, "train", "--model-family", "llama", "--precision", "bf16-mixed", "--seq-chunks", "2",
+                           "--verify")
+    assert code == 2 and "--precision fp64" in err and "without --seq-chunks" in err
