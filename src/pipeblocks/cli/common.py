@@ -13,6 +13,7 @@ import dataclasses
 import math
 import sys
 
+from ..core.dp_units import DP_UNIT_GRAINS
 from ..core.errors import ScheduleError
 from ..core.jsontext import json_text
 from ..core.request import RECOMPUTE_MODES, CostSpec, Mesh, ScheduleRequest
@@ -100,6 +101,11 @@ def add_mesh_options(parser: argparse.ArgumentParser) -> None:
         help="DP latency per ring step (default: the profile's; under unit costs, time units)",
     )
     group.add_argument(
+        "--dp-unit", default="chunk", choices=DP_UNIT_GRAINS,
+        help="grain of the DP collectives: chunk (one gather and one reduction per chunk) or block (one per "
+        "block, pipelined with the passes, as FSDP2 per block and DDP buckets do); default chunk",
+    )
+    group.add_argument(
         "--gpu-memory", type=float, default=None, metavar="GB",
         help="--sharding auto, --recompute auto, elastic: memory per device for static memory plus peak activation "
         "(GB under --model; memory units under unit costs)",
@@ -149,7 +155,8 @@ def request_from_args(
         if any(key == given for given, _ in options):
             raise ScheduleError(f"--set {item!r}: option {key!r} is given twice; give it once")
         options.append((key, value))
-    link = {"dp_bandwidth": args.dp_bandwidth, "dp_latency": args.dp_latency, "mixed_precision": args.mixed_precision}
+    link = {"dp_bandwidth": args.dp_bandwidth, "dp_latency": args.dp_latency, "mixed_precision": args.mixed_precision,
+            "dp_unit": args.dp_unit}
     if costs is None:
         costs = CostSpec(
             times=args.costs, mem_w_ratio=args.mem_w_ratio, model=args.model, hardware=args.hardware,

@@ -6,6 +6,11 @@ sequences (one value per global stage) are taken as given, for profiled or analy
 
 Memory per (stage, microbatch), after the ZB paper: F stores M_B; B keeps M_W = ratio*M_B
 until W (the default ratio 1 keeps everything); W or a fused BW frees the rest.
+
+Blocks (`BlockCosts`, optional): per stage, each block's parameters and share of the
+pass times, so that data parallelism at block grain (`dp_units`) can gather and reduce
+per block while a pass runs through the blocks (F in block order, B and W in reverse).
+Without them every stage is one block.
 """
 from __future__ import annotations
 
@@ -16,13 +21,67 @@ from typing import Sequence
 
 from .actions import Kind
 from .dp_model import DPCostModel
+from .dp_units import DPUnits, units_for
 from .errors import ScheduleError
 from .placement import Placement
 from .schedule import Schedule
 
-__all__ = ["Costs", "StageCosts", "parse_costs"]
+__all__ = ["BlockCosts", "Costs", "StageCosts", "parse_costs"]
 
 Value = float | tuple[float, ...]
+PerBlock = tuple[tuple[float, ...], ...]
+
+
+def _check_shares(name: str, table: PerBlock, counts: tuple[int, ...]) -> None:
+    if tuple(len(x) for x in table) != counts:
+        raise ScheduleError(f"block costs {name} have {tuple(len(x) for x in table)} blocks per stage, the "
+                            f"parameters {counts}: give one value per block of every stage")
+    for stage, shares in enumerate(table):
+        if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 for x in shares):
+            raise ScheduleError(f"block costs {name} of stage {stage} must be finite shares >= 0, got {shares}")
+        if shares and not math.isclose(sum(shares), 1.0, rel_tol=1e-9, abs_tol=1e-12) and sum(shares) > 0:
+            raise ScheduleError(f"block costs {name} of stage {stage} must sum to 1 (a share of the stage's pass "
+                                f"time per block), got {sum(shares):g}")
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """Per global stage, its blocks in order: parameters (the first block of the first
+    stage holds the embedding, the last block of the last stage the head) and each block's
+    share of the stage's F, B and W times (shares sum to 1 per stage).
+
+        >>> BlockCosts.even((2, 2), params=(10.0, 12.0)).params
+        ((5.0, 5.0), (6.0, 6.0))
+    """
+
+    params: PerBlock
+    f: PerBlock
+    b: PerBlock
+    w: PerBlock
+
+    def __post_init__(self) -> None:
+        counts = tuple(len(x) for x in self.params)
+        if any(n < 1 for n in counts):
+            raise ScheduleError(f"block costs: every stage needs at least one block, got {counts} per stage")
+        for stage, values in enumerate(self.params):
+            if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0
+                   for x in values):
+                raise ScheduleError(f"block parameters of stage {stage} must be finite and >= 0, got {values}")
+        for name in ("f", "b", "w"):
+            _check_shares(name, getattr(self, name), counts)
+
+    @classmethod
+    def even(cls, blocks: tuple[int, ...], params: tuple[float, ...]) -> BlockCosts:
+        """`blocks[s]` equal blocks in stage s, sharing its `params[s]` and its pass times."""
+        if len(blocks) != len(params):
+            raise ScheduleError(f"{len(blocks)} block counts for {len(params)} stages: give one per stage")
+        table = tuple((1.0 / n,) * n for n in blocks)
+        return cls(tuple((p / n,) * n for n, p in zip(blocks, params)), table, table, table)
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Blocks per stage."""
+        return tuple(len(x) for x in self.params)
 
 
 @dataclass(frozen=True)
@@ -60,6 +119,9 @@ class Costs:
     data_parallel: DPCostModel = DPCostModel()
     t_step: Value = 0.0
     recompute_input_ratio: Value = 0.05
+    blocks: BlockCosts | None = None
+    """per stage, its blocks' parameters and shares of the pass times (None: one block per
+    stage); data parallelism at block grain communicates per block (`dp_units`)"""
 
     def __post_init__(self) -> None:
         for name in ("t_f", "t_b", "t_w", "t_comm", "mem_b", "mem_w_ratio", "params", "t_step", "recompute_input_ratio"):
@@ -110,6 +172,14 @@ class Costs:
                 return tuple(float(x) for x in value)
             return (float(value) * scale,) * S
 
+        blocks = self.blocks
+        if blocks is not None and len(blocks.params) != S:
+            raise ScheduleError(
+                f"block costs are given for {len(blocks.params)} stages but the placement has {S}: build them for "
+                "the schedule's stage count"
+            )
+        units = units_for(self.data_parallel.unit, blocks.counts if blocks is not None else (1,) * S,
+                          prefetch=self.data_parallel.prefetch)
         return StageCosts(
             placement=placement,
             f=per_stage("t_f", frac), b=per_stage("t_b", frac), w=per_stage("t_w", frac),
@@ -119,7 +189,16 @@ class Costs:
             params=per_stage("params", frac), data_parallel=self.data_parallel,
             step=per_stage("t_step", frac),
             recompute_input_ratio=per_stage("recompute_input_ratio", 1.0),
+            blocks=blocks, units=units,
         )
+
+    def dp_units(self, num_stages: int) -> DPUnits | None:
+        """The DP units of `num_stages` stages under these costs' grain and blocks (None at
+        chunk grain): what lowering needs (`lowering.lower_for(units=...)`)."""
+        blocks = self.blocks.counts if self.blocks is not None else (1,) * num_stages
+        if len(blocks) != num_stages:
+            raise ScheduleError(f"block costs are given for {len(blocks)} stages but the schedule has {num_stages}")
+        return units_for(self.data_parallel.unit, blocks, prefetch=self.data_parallel.prefetch)
 
 
 @dataclass(frozen=True)
@@ -140,6 +219,36 @@ class StageCosts:
     step: tuple[float, ...] = ()
     """per stage, the time of its optimizer step"""
     recompute_input_ratio: tuple[float, ...] = ()
+    blocks: BlockCosts | None = None
+    units: DPUnits | None = None
+    """the DP units (None: chunk grain), from the DP model's grain and the blocks"""
+
+    def unit_params(self, stage: int, unit: int | None) -> float:
+        """Parameters of `unit` of `stage` (None: the whole stage)."""
+        if unit is None:
+            return self.params[stage]
+        if self.units is None or self.blocks is None:
+            raise ScheduleError(
+                f"a DP op names unit {unit} of stage {stage} but the costs have no blocks at block grain: simulate "
+                "with Costs(blocks=..., data_parallel=DPCostModel(unit='block')) as the Program was lowered"
+            )
+        return self.params[stage] * _group(self.blocks.params[stage], self.units.blocks_of(stage, unit), True)
+
+    def unit_shares(self, kind: Kind, stage: int) -> tuple[float, ...]:
+        """Each unit's share of a `kind` pass of `stage`, in unit order."""
+        units, blocks = self.units, self.blocks
+        if units is None or blocks is None:
+            return (1.0,)
+        ranges = [units.blocks_of(stage, u) for u in range(units.count(stage))]
+        if kind is Kind.BW:
+            tb, tw = self.b[stage], self.w[stage]
+            total = tb + tw
+            if total <= 0:
+                return tuple(_group(blocks.f[stage], r, False) for r in ranges)
+            return tuple((tb * _group(blocks.b[stage], r, False) + tw * _group(blocks.w[stage], r, False)) / total
+                         for r in ranges)
+        table = blocks.b if kind is Kind.B else blocks.w if kind is Kind.W else blocks.f
+        return tuple(_group(table[stage], r, False) for r in ranges)
 
     def duration(self, kind: Kind, stage: int, seq_chunk: int = 0) -> float:
         share = self.seq_time[seq_chunk]
@@ -165,6 +274,15 @@ class StageCosts:
     def recomputed_share(self, stage: int, seq_chunk: int = 0) -> float:
         """The activation a recomputation adds back: M_B minus the kept input."""
         return self.mem_b[stage] * self.seq_mem[seq_chunk] * (1.0 - self.recompute_input_ratio[stage])
+
+
+def _group(values: tuple[float, ...], blocks: range, normalise: bool) -> float:
+    """The sum of `values` over `blocks`; with `normalise`, as a share of all of them."""
+    part = sum(values[i] for i in blocks)
+    if not normalise:
+        return part
+    total = sum(values)
+    return part / total if total > 0 else 1.0 / len(values) * len(blocks)
 
 
 def _shares(value: Sequence[float] | None, k: int, name: str) -> tuple[float, ...]:

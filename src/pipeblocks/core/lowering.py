@@ -9,9 +9,10 @@ lowers through `lower_for`, so they hold the same Program by construction::
 The passes, in order (`lower.lower` runs them):
 
     add_p2p                         sends and receives (`lower.PASSES`)
-    dp_passes(policies, dp)         UNSHARD/RESHARD for zero3 stages, REDUCE_GRAD
-                                    (`dp_passes_at_end` with reduce_at_end): only when the
-                                    mesh needs DP ops (`passes_dp.needs_dp_ops`)
+    dp_passes(policies, dp, units)  UNSHARD/RESHARD for zero3 stages, REDUCE_GRAD
+                                    (`dp_passes_at_end` with reduce_at_end), one op per
+                                    unit of `units` (`dp_units`; None: per stage): only when
+                                    the mesh needs DP ops (`passes_dp.needs_dp_ops`)
     add_recompute(pairs)            RECOMPUTE before each chosen pair's first backward
     extra_passes                    what the caller adds (the optimizer steps of an
                                     asynchronous program)
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from .dp_units import DPUnits
 from .lower import PASSES, Pass, check_deadlock, lower
 from .passes_dp import check_dp_ops, dp_passes, dp_passes_at_end
 from .program import Program
@@ -47,6 +49,7 @@ def lower_for(
     dp: int = 1,
     recompute: Iterable[Pair] | None = None,
     reduce_at_end: bool = False,
+    units: DPUnits | None = None,
     extra_passes: Sequence[Pass] = (),
     check: bool = False,
 ) -> Program:
@@ -56,6 +59,8 @@ def lower_for(
 
     reduce_at_end: every REDUCE_GRAD at the end of the rank's step (the no-overlap baseline)
         instead of after its stage's last weight gradient.
+    units: the DP units of every stage (`dp_units.units_for`: None at chunk grain): one
+        UNSHARD, REDUCE_GRAD and RESHARD per unit of a stage that has several.
     extra_passes: run after the others, in order.
     check: also prove the schedule's structure (`validate.check_structure`) before lowering
         and the Program free of deadlock (`lower.check_deadlock`) after, as a launch needs.
@@ -63,14 +68,14 @@ def lower_for(
     if check:
         check_structure(schedule)
     stage_policies = per_stage(tuple(policies), schedule.num_stages) if policies else ()
-    dp_lowering = (dp_passes_at_end if reduce_at_end else dp_passes)(stage_policies, dp)
+    dp_lowering = (dp_passes_at_end if reduce_at_end else dp_passes)(stage_policies, dp, units)
     pairs = recompute_pairs(schedule, recompute)
     passes = PASSES + dp_lowering + ((add_recompute(pairs),) if pairs else ()) + tuple(extra_passes)
     program = lower(schedule, passes)
     if check:
         check_deadlock(program)
     if dp_lowering:
-        check_dp_ops(program, stage_policies or None)
+        check_dp_ops(program, stage_policies or None, units)
     if pairs:
         check_recompute(program)
     return program

@@ -73,12 +73,12 @@ def _parse_comm(match: re.Match[str], schedule: Schedule) -> Comm:
 
 
 def _parse_dp(match: re.Match[str], schedule: Schedule) -> DPOp:
-    stage, kind = int(match.group(1)), match.group(2)
+    stage, kind, unit = int(match.group(1)), match.group(2), match.group(3)
     if stage >= schedule.num_stages:
         raise ScheduleError(
             f"op {match.group(0)!r}: stage {stage} does not exist (stages 0..{schedule.num_stages - 1})"
         )
-    return DPOp(kind, stage)
+    return DPOp(kind, stage, None if unit is None else int(unit))
 
 
 ACTION = OpType(
@@ -88,8 +88,11 @@ P2P = OpType(
     "p2p", Comm, Stream.COMMUNICATION, re.compile(r"(\d+)(SEND|RECV)_(F|B)(\d+)(?:\.(\d+))?"), _parse_comm
 )
 
-# Data-parallel collectives and parameter gather/free, named as torch names them.
-DP = OpType("dp", DPOp, Stream.COMMUNICATION, re.compile(r"(\d+)(UNSHARD|RESHARD|REDUCE_GRAD)"), _parse_dp)
+# Data-parallel collectives and parameter gather/free, named as torch names them; `.u`
+# names one unit of the stage's parameters (`dp_units`).
+DP = OpType(
+    "dp", DPOp, Stream.COMMUNICATION, re.compile(r"(\d+)(UNSHARD|RESHARD|REDUCE_GRAD)(?:\.(\d+))?"), _parse_dp
+)
 
 
 
@@ -168,5 +171,5 @@ def parse_op(text: str, schedule: Schedule) -> Op:
             return entry.parse(match, schedule)
     raise UnknownOpError(
         f"cannot parse op {text!r}: expected an action (2F5, 0BW2, 0B3.1), a transfer (2SEND_F5, 3RECV_B5.1), "
-        "a data-parallel op (2UNSHARD, 2RESHARD, 2REDUCE_GRAD), an optimizer step (3STEP0) or a recomputation (2R5, 0R3.1)"
+        "a data-parallel op (2UNSHARD, 2RESHARD, 2REDUCE_GRAD, 2UNSHARD.1), an optimizer step (3STEP0) or a recomputation (2R5, 0R3.1)"
     )

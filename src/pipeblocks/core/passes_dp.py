@@ -27,21 +27,39 @@ changes no memory figure. 1F1B, p=2, m=2, zero3 on both stages::
 the rank's step, in stage order (what a data-parallel wrapper that reduces once after the
 whole pipeline step does); the benchmark compares the two placements.
 
-`dp_passes(policies, dp)` is the list `lowering.lower_for` appends to `lower.PASSES`:
-nothing for a single replicated pipeline, otherwise the passes the policies need. Both
-passes work on any Program (before or after `add_p2p`); DP ops never block on a pipeline
-peer, so the deadlock check passes over them, and `check_dp_ops` proves their placement.
+Units (`dp_units.DPUnits`, block grain): a stage of several units gets one op per unit.
+Its first `prefetch` units (`DPUnits.prefetch`, one by default) are gathered where the
+stage's gather goes; the others right before the stage's first pass (after its
+receives), where they are issued inside that pass, each when the pass reaches the unit
+`prefetch` before it (as FSDP2 gathers the next block while this one computes). Its
+reductions go where the stage's goes, in the order the units' gradients complete (a
+backward runs the blocks in reverse), each issued when the weight-gradient pass before it
+finishes that unit's blocks; its RESHARDs after them. The simulator and the emulated
+link time the passes per block to see this. 1F1B, p=2, m=2, zero3, two blocks per stage::
+
+    0: 0UNSHARD.0 0UNSHARD.1 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0BW0 0RECV_B1 0BW1 0REDUCE_GRAD.1 0REDUCE_GRAD.0 0RESHARD.0 0RESHARD.1
+    1: 1UNSHARD.0 1RECV_F0 1UNSHARD.1 1F0 1BW0 1SEND_B0 1RECV_F1 1F1 1BW1 1SEND_B1 1REDUCE_GRAD.1 1REDUCE_GRAD.0 1RESHARD.0 1RESHARD.1
+
+`dp_passes(policies, dp, units)` is the list `lowering.lower_for` appends to
+`lower.PASSES`: nothing for a single replicated pipeline, otherwise the passes the
+policies need. Both passes work on any Program (before or after `add_p2p`); DP ops never
+block on a pipeline peer, so the deadlock check passes over them, and `check_dp_ops`
+proves their placement.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 from .actions import Action, Kind
+from .dp_units import DPUnits
 from .errors import ScheduleError
 from .program import Comm, DPOp, Op, Program, Recompute
 from .sharding import ShardingPolicy, per_stage
 
-__all__ = ["add_grad_reduce", "add_grad_reduce_at_end", "add_sharding", "check_dp_ops", "dp_passes", "dp_passes_at_end", "needs_dp_ops"]
+__all__ = [
+    "add_grad_reduce", "add_grad_reduce_at_end", "add_sharding", "check_dp_ops", "dp_passes", "dp_passes_at_end",
+    "grad_reduce_pass", "needs_dp_ops", "unit_ids",
+]
 
 UNSHARD, RESHARD, REDUCE_GRAD = "UNSHARD", "RESHARD", "REDUCE_GRAD"
 
@@ -52,15 +70,25 @@ def needs_dp_ops(policies: Iterable[ShardingPolicy], dp: int) -> bool:
     return dp > 1 or any(ShardingPolicy(p) is not ShardingPolicy.REPLICATE for p in policies)
 
 
-def dp_passes(policies: Iterable[ShardingPolicy], dp: int) -> tuple:
-    """The DP lowering passes for `policies` (one, or one per stage) on `dp` replicas."""
+def unit_ids(units: DPUnits | None, stage: int) -> tuple[int | None, ...]:
+    """The unit field of `stage`'s DP ops: (None,) for a stage of one unit (or chunk grain,
+    `units` None), else 0, 1, ... in block order."""
+    if units is None:
+        return (None,)
+    n = units.count(stage)
+    return (None,) if n == 1 else tuple(range(n))
+
+
+def dp_passes(policies: Iterable[ShardingPolicy], dp: int, units: DPUnits | None = None) -> tuple:
+    """The DP lowering passes for `policies` (one, or one per stage) on `dp` replicas, one
+    op per unit of `units` (None: per stage, chunk grain)."""
     policies = tuple(ShardingPolicy(p) for p in policies)
     if not needs_dp_ops(policies, dp):
         return ()
     passes: list = []
     if any(p.shards_parameters for p in policies):
-        passes.append(add_sharding(policies))
-    passes.append(add_grad_reduce)
+        passes.append(add_sharding(policies, units))
+    passes.append(grad_reduce_pass(units))
     return tuple(passes)
 
 
@@ -81,8 +109,12 @@ def _after_sends(ops: tuple[Op, ...], index: int) -> int:
     return pos
 
 
-def add_grad_reduce(program: Program) -> Program:
-    """Insert `sREDUCE_GRAD` after each stage's last weight-gradient pass on its rank."""
+def _reductions(units: DPUnits | None, stage: int) -> list[Op]:
+    """A stage's REDUCE_GRADs in the order its units' gradients complete (the last first)."""
+    return [DPOp(REDUCE_GRAD, stage, u) for u in reversed(unit_ids(units, stage))]
+
+
+def _grad_reduce(program: Program, units: DPUnits | None) -> Program:
     ranks: list[tuple[Op, ...]] = []
     for ops in program.ranks:
         last: dict[int, int] = {}
@@ -91,32 +123,59 @@ def add_grad_reduce(program: Program) -> Program:
                 last[op.stage] = i
         insert_at: dict[int, list[Op]] = {}
         for stage, i in last.items():
-            insert_at.setdefault(_after_sends(ops, i), []).append(DPOp(REDUCE_GRAD, stage))
+            insert_at.setdefault(_after_sends(ops, i), []).extend(_reductions(units, stage))
         ranks.append(_splice(ops, insert_at))
     return Program(program.schedule, tuple(ranks))
 
 
-def add_grad_reduce_at_end(program: Program) -> Program:
-    """Insert every stage's `sREDUCE_GRAD` at the end of its rank's ops (no overlap)."""
+def _grad_reduce_at_end(program: Program, units: DPUnits | None) -> Program:
     ranks = []
     for ops in program.ranks:
         stages = sorted({op.stage for op in ops if _is_weight_grad(op)})
-        ranks.append((*ops, *(DPOp(REDUCE_GRAD, s) for s in stages)))
+        ranks.append((*ops, *(op for s in stages for op in _reductions(units, s))))
     return Program(program.schedule, tuple(ranks))
 
 
-def dp_passes_at_end(policies: Iterable[ShardingPolicy], dp: int) -> tuple:
+def add_grad_reduce(program: Program) -> Program:
+    """Insert `sREDUCE_GRAD` after each stage's last weight-gradient pass on its rank."""
+    return _grad_reduce(program, None)
+
+
+def add_grad_reduce_at_end(program: Program) -> Program:
+    """Insert every stage's `sREDUCE_GRAD` at the end of its rank's ops (no overlap)."""
+    return _grad_reduce_at_end(program, None)
+
+
+def grad_reduce_pass(units: DPUnits | None, *, at_end: bool = False):
+    """The REDUCE_GRAD pass, one op per unit of `units` (None: `add_grad_reduce`, or
+    `add_grad_reduce_at_end` with `at_end`)."""
+    if units is None:
+        return add_grad_reduce_at_end if at_end else add_grad_reduce
+
+    def grad_reduce(program: Program) -> Program:
+        units.check_stages(program.schedule.num_stages)
+        return (_grad_reduce_at_end if at_end else _grad_reduce)(program, units)
+
+    name = "add_grad_reduce_at_end" if at_end else "add_grad_reduce"
+    grad_reduce.__name__ = grad_reduce.__qualname__ = name
+    return grad_reduce
+
+
+def dp_passes_at_end(policies: Iterable[ShardingPolicy], dp: int, units: DPUnits | None = None) -> tuple:
     """As `dp_passes`, with the reductions at the end of the step (the no-overlap baseline)."""
-    return tuple(add_grad_reduce_at_end if p is add_grad_reduce else p for p in dp_passes(policies, dp))
+    passes = dp_passes(policies, dp, units)
+    return passes[:-1] + (grad_reduce_pass(units, at_end=True),) if passes else ()
 
 
-def add_sharding(policies: Iterable[ShardingPolicy]):
+def add_sharding(policies: Iterable[ShardingPolicy], units: DPUnits | None = None):
     """The pass that gathers each ZeRO-3 stage before its first pass and frees it after
-    its last (after its REDUCE_GRAD when that is already placed)."""
+    its last (after its REDUCE_GRAD when that is already placed), one op per unit."""
     given = tuple(ShardingPolicy(p) for p in policies)
 
     def add_sharding_pass(program: Program) -> Program:
         policy = per_stage(given, program.schedule.num_stages)
+        if units is not None:
+            units.check_stages(program.schedule.num_stages)
         ranks: list[tuple[Op, ...]] = []
         for ops in program.ranks:
             first: dict[int, int] = {}
@@ -137,17 +196,25 @@ def add_sharding(policies: Iterable[ShardingPolicy]):
                 elif not (type(op) is Comm and not op.send):
                     start = i + 1
             insert_at: dict[int, list[Op]] = {}
+            in_pass: dict[int, list[Op]] = {}  # right before a stage's first pass, after everything else there
             order = sorted(first, key=first.__getitem__)
             for k, stage in enumerate(order):
                 if policy[stage].shards_parameters:
                     # one stage ahead: where the rank starts on the stage before this one
                     # in first-use order (the step's start for the first two)
                     ahead = own_group[order[k - 1]] if k >= 2 else 0
-                    insert_at.setdefault(min(ahead, previous_group[stage]), []).append(DPOp(UNSHARD, stage))
+                    ids = unit_ids(units, stage)
+                    early = ids if units is None else ids[:units.prefetch]
+                    insert_at.setdefault(min(ahead, previous_group[stage]), []).extend(
+                        DPOp(UNSHARD, stage, u) for u in early
+                    )
+                    in_pass.setdefault(first[stage], []).extend(DPOp(UNSHARD, stage, u) for u in ids[len(early):])
                     end = _after_sends(ops, last[stage])
-                    while end < len(ops) and ops[end] == DPOp(REDUCE_GRAD, stage):
+                    while end < len(ops) and type(ops[end]) is DPOp and ops[end][:2] == (REDUCE_GRAD, stage):
                         end += 1
-                    insert_at.setdefault(end, []).append(DPOp(RESHARD, stage))
+                    insert_at.setdefault(end, []).extend(DPOp(RESHARD, stage, u) for u in ids)
+            for index, gathers in in_pass.items():
+                insert_at.setdefault(index, []).extend(gathers)
             ranks.append(_splice(ops, insert_at))
         return Program(program.schedule, tuple(ranks))
 
@@ -166,47 +233,87 @@ def _splice(ops: tuple[Op, ...], insert_at: dict[int, list[Op]]) -> tuple[Op, ..
     return tuple(out)
 
 
-def check_dp_ops(program: Program, policies: Iterable[ShardingPolicy] | None = None) -> None:
-    """Raise ScheduleError unless the DP ops are well placed: each on its stage's rank; at
-    most one REDUCE_GRAD per stage, after its last weight-gradient pass; a stage's passes
-    only between an UNSHARD and the next RESHARD when it has any (all of them when its
+def check_dp_ops(program: Program, policies: Iterable[ShardingPolicy] | None = None,
+                 units: DPUnits | None = None) -> None:
+    """Raise ScheduleError unless the DP ops are well placed: each on its stage's rank, for
+    a unit the stage has (`units`; None: any, as read from a text form); at most one
+    REDUCE_GRAD per stage and unit, after the stage's last weight-gradient pass; a stage's
+    passes only once every unit is gathered when it has any UNSHARD (all of them when its
     policy is zero3); no UNSHARD left open at the end of the step."""
     schedule = program.schedule
     owner = schedule.placement.stage_to_rank
     policy = per_stage(policies, schedule.num_stages) if policies is not None else None
+    if units is not None:
+        units.check_stages(schedule.num_stages)
+    # per stage, the units its ops name: (None,) for a whole stage
+    named: dict[int, set[int | None]] = {}
     for rank, ops in enumerate(program.ranks):
-        gathered: set[int] = set()
-        reduced: set[int] = set()
+        for pos, op in enumerate(ops):
+            if type(op) is not DPOp:
+                continue
+            where = f"rank {rank}, op {pos} ({op})"
+            if not 0 <= op.stage < schedule.num_stages or owner[op.stage] != rank:
+                raise ScheduleError(f"{where}: stage {op.stage} is not on rank {rank}; move it to its stage's rank")
+            if units is not None and op.unit not in unit_ids(units, op.stage):
+                n = units.count(op.stage)
+                raise ScheduleError(
+                    f"{where}: stage {op.stage} has {n} unit(s), "
+                    + ("so its ops name none" if n == 1 else f"0..{n - 1}") + "; name one of them"
+                )
+            named.setdefault(op.stage, set()).add(op.unit)
+    for stage, ids in named.items():
+        if None in ids and len(ids) > 1:
+            raise ScheduleError(
+                f"stage {stage}: its DP ops name units {sorted(u for u in ids if u is not None)} and the whole stage "
+                "too; give every op of a stage a unit, or none"
+            )
+    for rank, ops in enumerate(program.ranks):
+        gathered: set[tuple[int, int | None]] = set()
+        reduced: set[tuple[int, int | None]] = set()
         sharded = {op.stage for op in ops if type(op) is DPOp and op.kind == UNSHARD}
         if policy is not None:
             sharded |= {s for s, p in enumerate(policy) if p.shards_parameters and owner[s] == rank}
+        expected = {s: {(s, u) for u in (named.get(s) or unit_ids(units, s))} for s in sharded}
         for pos, op in enumerate(ops):
             where = f"rank {rank}, op {pos} ({op})"
             if type(op) is DPOp:
-                if not 0 <= op.stage < schedule.num_stages or owner[op.stage] != rank:
-                    raise ScheduleError(f"{where}: stage {op.stage} is not on rank {rank}; move it to its stage's rank")
+                key = (op.stage, op.unit)
                 if op.kind == UNSHARD:
-                    if op.stage in gathered:
-                        raise ScheduleError(f"{where}: stage {op.stage} is already gathered; RESHARD it first")
-                    gathered.add(op.stage)
+                    if key in gathered:
+                        raise ScheduleError(f"{where}: {_name(key)} is already gathered; RESHARD it first")
+                    gathered.add(key)
                 elif op.kind == RESHARD:
-                    if op.stage not in gathered:
-                        raise ScheduleError(f"{where}: stage {op.stage} is not gathered; UNSHARD it first")
-                    gathered.discard(op.stage)
+                    if key not in gathered:
+                        raise ScheduleError(f"{where}: {_name(key)} is not gathered; UNSHARD it first")
+                    gathered.discard(key)
                 else:
-                    if op.stage in reduced:
-                        raise ScheduleError(f"{where}: stage {op.stage} reduces its gradients twice in one step")
-                    reduced.add(op.stage)
+                    if key in reduced:
+                        raise ScheduleError(f"{where}: {_name(key)} reduces its gradients twice in one step")
+                    reduced.add(key)
             elif type(op) is Action or type(op) is Recompute:  # a recomputation runs the stage's forward
-                if op.stage in sharded and op.stage not in gathered:
+                if op.stage in sharded:
+                    missing = sorted(expected[op.stage] - gathered, key=lambda k: -1 if k[1] is None else k[1])
+                    if missing:
+                        first = DPOp(UNSHARD, *missing[0])
+                        raise ScheduleError(
+                            f"{where}: {_name(missing[0])}'s parameters are sharded here; put {first} before it"
+                        )
+                if _is_weight_grad(op) and any(s == op.stage for s, _ in reduced):
+                    done = next(DPOp(REDUCE_GRAD, s, u) for s, u in reduced if s == op.stage)
                     raise ScheduleError(
-                        f"{where}: stage {op.stage}'s parameters are sharded here; put {op.stage}UNSHARD before it"
-                    )
-                if _is_weight_grad(op) and op.stage in reduced:
-                    raise ScheduleError(
-                        f"{where}: runs after {op.stage}REDUCE_GRAD; reduce after the stage's last weight gradient"
+                        f"{where}: runs after {done}; reduce after the stage's last weight gradient"
                     )
         if gathered:
             raise ScheduleError(
-                f"rank {rank}: stage(s) {sorted(gathered)} still gathered at the end of the step; add a RESHARD"
+                f"rank {rank}: {', '.join(_name(k) for k in sorted(gathered, key=_order))} still gathered at the end "
+                "of the step; add a RESHARD"
             )
+
+
+def _order(key: tuple[int, int | None]) -> tuple[int, int]:
+    return (key[0], -1 if key[1] is None else key[1])
+
+
+def _name(key: tuple[int, int | None]) -> str:
+    stage, unit = key
+    return f"stage {stage}" if unit is None else f"stage {stage} unit {unit}"

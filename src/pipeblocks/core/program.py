@@ -8,11 +8,14 @@ stage on this rank, the payload travels to or from its neighbour stage::
     3SEND_B5   stage 3 sends the gradient of its input, microbatch 5, to stage 2
     2RECV_B5   stage 2 receives the gradient of its output, microbatch 5, from stage 3
 
-Data-parallel ops (`DPOp`) name a stage only, as torch does::
+Data-parallel ops (`DPOp`) name a stage, as torch does, and the unit of the stage's
+parameters they move when the stage has several (`dp_units`: one per block at block grain)::
 
     2UNSHARD      gather stage 2's sharded parameters (ZeRO-3 / FSDP all-gather)
     2RESHARD      free the gathered parameters again
     2REDUCE_GRAD  reduce stage 2's accumulated gradients over the data-parallel replicas
+    2UNSHARD.1    gather unit 1 of stage 2 only (its second block at block grain)
+    2REDUCE_GRAD.0  reduce unit 0's gradients
 
 An optimizer step of one stage (asynchronous programs, which run several steps without a
 flush) reads `<stage>STEP<step>`::
@@ -71,7 +74,8 @@ DP_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 
 
 class DPOp(NamedTuple):
-    """A data-parallel op of one stage on its rank: `kind` is one of DP_KINDS.
+    """A data-parallel op of one stage on its rank: `kind` is one of DP_KINDS; `unit` the
+    unit of the stage's parameters it moves (None: the whole stage).
 
     It runs on the rank's communication stream; every pipeline replica runs the same
     Program, so the collective is symmetric across the replicas and never waits on a
@@ -80,9 +84,10 @@ class DPOp(NamedTuple):
 
     kind: str
     stage: int
+    unit: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind}"
+        return f"{self.stage}{self.kind}" if self.unit is None else f"{self.stage}{self.kind}.{self.unit}"
 
 
 class OptimizerStep(NamedTuple):

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from .dp_units import check_dp_unit
 from .sharding import ShardingPolicy, parse_sharding
 
 __all__ = ["Mesh", "CostSpec", "ScheduleRequest", "RECOMPUTE_MODES"]
@@ -72,8 +73,12 @@ class CostSpec:
     """static memory and collectives of bf16-mixed (`core.dp_model.Precision`: fp32 master,
     gradient and moments, a bf16 compute copy or bf16 gathered parameters; 4 + 2 + 4 + 8
     bytes per parameter at replicate) instead of fp32 AdamW's 4 + 4 + 8"""
+    dp_unit: str = "chunk"
+    """the grain of data-parallel communication (`core.dp_units`): "chunk" (one gather and
+    one reduction per chunk) or "block" (one per block, pipelined with the passes)"""
 
     def __post_init__(self) -> None:
+        check_dp_unit(self.dp_unit)
         for flag, value, positive in (("--dp-bandwidth", self.dp_bandwidth, True), ("--dp-latency", self.dp_latency, False)):
             if value is None:
                 continue

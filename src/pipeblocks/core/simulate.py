@@ -16,6 +16,19 @@ the step waits for every REDUCE_GRAD, then runs the zero1/zero2 parameter gather
 compute stream's waits are the rank's exposed communication. Point-to-point transfers keep
 their own model (t_comm after the send) and do not occupy the DP stream.
 
+At block grain (`dp_units`: DP ops that name a unit, `2UNSHARD.1`) a pass of a stage with
+several units runs through them in sub-intervals (F in unit order, B, W and BW in
+reverse; each unit's share of the pass from `Costs.blocks`), where the DP ops meet it:
+
+* a unit's gather has to be done only when the pass reaches the unit's first block;
+* unit u >= prefetch of a stage is gathered no earlier than when the stage's next pass
+  reaches unit u - prefetch (`DPCostModel.prefetch`: one unit ahead by default, as FSDP2);
+* a unit's REDUCE_GRAD placed after its stage's weight-gradient pass is issued when that
+  pass finishes the unit's blocks, so the reductions pipeline with the pass.
+
+A pass that waits inside is drawn as one event that ends where the last sub-interval
+ends and lasts its compute time (the waits show as the gap before it).
+
 An optimizer step (`OptimizerStep`, asynchronous programs) occupies the compute stream for
 its cost `t_step` and shows in the timeline as an event of its own.
 
@@ -30,7 +43,7 @@ from collections.abc import Callable
 
 from .actions import Action, Kind
 from .collector import collector_paused
-from .errors import DeadlockError
+from .errors import DeadlockError, ScheduleError
 from .lower import check_deadlock
 from .lowering import lower_for
 from .ops import ACTION, DP, P2P, RECOMPUTE, STEP, unsupported
@@ -41,6 +54,8 @@ from .costs import Costs, StageCosts
 from .timeline import CommEvent, Event, Timeline
 
 __all__ = ["simulate", "simulate_program"]
+
+_WEIGHT = (Kind.W, Kind.BW)
 
 
 def simulate(schedule: Schedule, costs: Costs | None = None, *, recompute=()) -> Timeline:
@@ -55,7 +70,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, recompute=()) ->
         check_structure(schedule)
 
         def lowered() -> Program:
-            return lower_for(schedule, policies=data_parallel.sharding, dp=data_parallel.dp, recompute=recompute)
+            return lower_for(schedule, policies=data_parallel.sharding, dp=data_parallel.dp, recompute=recompute,
+                             units=costs.dp_units(schedule.num_stages))
 
         compiled = _compile_program(lowered(), costs)
         # the compiled lists hold all the loop needs: the ops (a transfer object per send and
@@ -124,9 +140,14 @@ def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
                         if t > now:
                             now = t
             gate = gates[pos]
-            if gate is not None:
+            if gate is None:
+                end = now + durations[pos]
+            elif type(gate) is int:
                 now = streams[r].wait(gate, now)
-            end = now + durations[pos]
+                end = now + durations[pos]
+            else:  # a pass through units that meets the DP stream inside
+                end = gate.run(streams[r], now)
+                now = end - durations[pos]
             evs.append(new_event(Event, (actions[pos], now, end)))
             alloc = allocs[pos]
             if alloc:
@@ -218,8 +239,14 @@ class _CommStream:
         """Run the DP ops up to and including plan[upto]."""
         compute = self.compute
         while self.pos <= upto:
-            before, text, duration = self.plan[self.pos]
-            issued = compute[before - 1].end if before else 0.0
+            before, text, duration, anchor = self.plan[self.pos]
+            if anchor is None:
+                issued = compute[before - 1].end if before else 0.0
+            else:  # inside a pass: a boundary between its units
+                passed, boundary = anchor
+                issued = passed.times[boundary]
+                if issued is None:  # the lowering's placement guarantees the pass ran first
+                    raise RuntimeError(f"{text} is anchored in a pass that has not run yet")
             start = max(issued, self.free)
             self.free = start + duration
             self.events.append(CommEvent(text, start, self.free))
@@ -256,8 +283,10 @@ def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list[tup
     it, a receive to the action after it. A key is `Comm.key` as one int:
     ((microbatch * k + chunk) * S + producing stage) * 2 + (1 for a gradient). `gate` is
     None, or the index in the DP plan of the gather the action waits for (the first pass
-    of a stage after its UNSHARD). The plan: per DP collective, (index of the compute
-    action it is issued before, its text, its duration)."""
+    of a stage after its UNSHARD), or a `_UnitPass` for a pass through units that meets the
+    DP stream inside (block grain). The plan: per DP collective, (index of the compute
+    action it is issued before, its text, its duration, and None or the (`_UnitPass`,
+    boundary) inside a pass where it is issued)."""
     stages, chunks = schedule.num_stages, schedule.seq_chunks
     receives: list = []
     actions: list = []
@@ -268,8 +297,9 @@ def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list[tup
     gates: list = []
     cost_of: dict[tuple, tuple[float, float, float]] = {}
     waiting = None  # receive key(s) for the next action
-    plan: list[tuple[int, str, float]] = []
+    plan: list[tuple[int, str, float, tuple | None]] = []
     pending: dict[int, int] = {}  # stage -> plan index of its UNSHARD, until its first pass
+    units = _Units(table, schedule, gates) if table.units is not None else None
     policies = None
     # which forwards keep only their input: a set-of-types test first, so a program
     # without recomputation pays no Python-level scan
@@ -308,6 +338,8 @@ def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list[tup
             releases.append(cost[2])
             sends.append(None)
             gates.append(pending.pop(op.stage, None) if pending else None)
+            if units is not None:
+                units.on_pass(op, len(actions) - 1, cost[0], plan)
         elif kind is OptimizerStep:  # compute stream, no activation memory
             receives.append(waiting)
             waiting = None
@@ -327,15 +359,120 @@ def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list[tup
             releases.append(0.0)
             sends.append(None)
             gates.append(pending.pop(op.stage, None) if pending else None)
+            if units is not None:
+                units.on_pass(op, len(actions) - 1, durations[-1], plan)
         elif kind is DPOp:
             if op.kind == "RESHARD":
                 continue  # frees memory only: nothing on the link
             dp = table.data_parallel
             if policies is None:
                 policies = dp.policies(len(table.params))
+            duration = dp.op_time(op.kind, table.unit_params(op.stage, op.unit), policies[op.stage])
+            if op.unit is not None:
+                if units is None:
+                    table.unit_params(op.stage, op.unit)  # raises: the costs have no units
+                units.on_dp_op(op, len(actions), str(op), duration, plan)
+                continue
             if op.kind == "UNSHARD":
                 pending[op.stage] = len(plan)
-            plan.append((len(actions), str(op), dp.op_time(op.kind, table.params[op.stage], policies[op.stage])))
+            plan.append((len(actions), str(op), duration, None))
         else:
             raise unsupported(op, "the simulator", (ACTION, P2P, DP, STEP, RECOMPUTE))
     return (receives, actions, durations, allocs, releases, sends, gates), plan
+
+
+class _UnitPass:
+    """One pass through a stage's units, timed per unit: `durations` and `waits` (a plan
+    index or None) in the order it runs them (`order`: the unit of each position); `times`
+    are its boundaries once it has run (position j starts at times[j], the pass ends at
+    times[-1])."""
+
+    __slots__ = ("order", "durations", "waits", "times")
+
+    def __init__(self, order: tuple[int, ...], durations: list[float]) -> None:
+        self.order = order
+        self.durations = durations
+        self.waits: list[int | None] = [None] * len(order)
+        self.times: list[float | None] = [None] * (len(order) + 1)
+
+    def position(self, unit: int) -> int:
+        return self.order.index(unit)
+
+    def run(self, stream: _CommStream, now: float) -> float:
+        """Run from `now`, waiting where a unit's gather is not done; returns the end."""
+        times, t = self.times, now
+        for j, duration in enumerate(self.durations):
+            wait = self.waits[j]
+            if wait is not None:
+                t = stream.wait(wait, t)
+            times[j] = t
+            t += duration
+        times[-1] = t
+        return t
+
+
+class _Units:
+    """Block grain in `_compile`: which passes run per unit, and where the per-unit DP ops
+    are issued and waited (see the module doc)."""
+
+    def __init__(self, table: StageCosts, schedule: Schedule, gates: list) -> None:
+        self.table = table
+        self.gates = gates  # `_compile`'s gate per compute action
+        self.prefetch = table.data_parallel.prefetch
+        self.counts = tuple(table.units.count(s) for s in range(schedule.num_stages))
+        self.gathers: dict[int, dict[int, int]] = {}  # stage -> unit -> plan index, until its next pass
+        self.anchored: dict[int, list[tuple[int, int]]] = {}  # stage -> (plan index, unit) issued in its next pass
+        self.last: dict[int, tuple[Action | Recompute, int, float]] = {}  # stage -> its last pass, index, duration
+        self.passes: dict[int, _UnitPass] = {}  # action index -> its unit pass
+
+    def _pass(self, op, index: int, duration: float) -> _UnitPass:
+        found = self.passes.get(index)
+        if found is not None:
+            return found
+        stage = op.stage
+        kind = Kind.F if type(op) is Recompute else op.kind
+        shares = self.table.unit_shares(kind, stage)
+        n = len(shares)
+        order = tuple(range(n)) if kind is Kind.F else tuple(reversed(range(n)))
+        unit_pass = _UnitPass(order, [duration * shares[u] for u in order])
+        gates = self.gates
+        gate = gates[index]
+        if gate is not None:  # a whole-stage gather (a stage of one unit) waits at the start
+            unit_pass.waits[0] = gate
+        gates[index] = unit_pass
+        self.passes[index] = unit_pass
+        return unit_pass
+
+    def on_pass(self, op, index: int, duration: float, plan: list) -> None:
+        """A pass of a stage was compiled at `index`: it waits for the units gathered for it,
+        and issues the gathers anchored in it."""
+        stage = op.stage
+        self.last[stage] = (op, index, duration)
+        waiting = self.gathers.pop(stage, None)
+        anchored = self.anchored.pop(stage, None)
+        if not waiting and not anchored:
+            return
+        unit_pass = self._pass(op, index, duration)
+        for unit, where in (waiting or {}).items():
+            unit_pass.waits[unit_pass.position(unit)] = where
+        for where, unit in anchored or ():
+            before, text, length, _ = plan[where]
+            plan[where] = (before, text, length, (unit_pass, unit_pass.position(unit)))
+
+    def on_dp_op(self, op: DPOp, before: int, text: str, duration: float, plan: list) -> None:
+        stage, unit = op.stage, op.unit
+        if unit >= self.counts[stage]:
+            raise ScheduleError(f"{text}: stage {stage} has {self.counts[stage]} unit(s) under these costs")
+        anchor = None
+        if op.kind == "UNSHARD":
+            self.gathers.setdefault(stage, {})[unit] = len(plan)
+            if unit >= self.prefetch:
+                self.anchored.setdefault(stage, []).append((len(plan), unit - self.prefetch))
+        elif op.kind == "REDUCE_GRAD":
+            last = self.last.get(stage)
+            # right after the stage's weight-gradient pass: issued when the pass finishes the unit
+            if last is not None and last[1] == before - 1 and type(last[0]) is Action and last[0].kind in _WEIGHT:
+                passed, index, length = last
+                unit_pass = self._pass(passed, index, length)
+                anchor = (unit_pass, unit_pass.position(unit) + 1)
+        plan.append((before, text, duration, anchor))

@@ -11,7 +11,9 @@ our BW torch's B), transfers and DP ops as they are in our text form (`2SEND_F5`
 transfer by the stage on the rank that runs it. Sequence chunks have no torch form, and
 neither has a recomputation (`RECOMPUTE`) nor an optimizer step: a Program holding one is
 refused with the option to drop, not written without it (torch recomputes inside the
-module, by activation checkpointing, which the CSV does not carry).
+module, by activation checkpointing, which the CSV does not carry). torch's DP actions are
+per stage, so a Program whose DP ops name a unit (`--dp-unit block`, `2UNSHARD.1`) is
+refused too, with `--dp-unit chunk` as the fix.
 """
 from __future__ import annotations
 
@@ -51,6 +53,13 @@ def program_to_torch_rows(program: Program) -> list[list[str]]:
                 "recompute action, so a recomputing program cannot be exported as torch's CSV: drop the "
                 "recomputation (--recompute none, or the schedule without -r, e.g. 1f1b for 1f1b-r) and checkpoint "
                 "the modules' activations in torch instead"
+            )
+        unit = next((op for op in ops if type(op) is DPOp and op.unit is not None), None)
+        if unit is not None:
+            raise ScheduleError(
+                f"rank {rank} holds {format_op(unit)}, a DP op of one unit of stage {unit.stage}: "
+                "torch.distributed.pipelining's UNSHARD, RESHARD and REDUCE_GRAD act on a whole stage, so a program at "
+                "block grain cannot be exported as torch's CSV: lower it with --dp-unit chunk"
             )
         names = iter(next(compute))
         rows.append([next(names) if type(op) is Action else format_op(op) for op in ops])

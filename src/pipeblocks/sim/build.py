@@ -27,6 +27,7 @@ from ..schedules.sequence import split_sequence
 from .analytic import HARDWARE, dp_link, parse_model, transformer_costs
 from ..core.recompute import all_pairs
 from .auto_sharding import choose_sharding
+from .blocks import transformer_blocks
 from .elastic_plan import choose_elastic_plan
 from .recompute_auto import choose_recompute
 from .sequence_split import chunk_shares, split_lengths
@@ -56,7 +57,8 @@ class Built:
         """The Program the simulator and the runtime run for this request: its mesh's DP ops
         and its recomputations (`core.lowering.lower_for`)."""
         dp = self.costs.data_parallel
-        return lower_for(self.schedule, policies=dp.sharding, dp=dp.dp, recompute=self.recompute)
+        return lower_for(self.schedule, policies=dp.sharding, dp=dp.dp, recompute=self.recompute,
+                         units=self.costs.dp_units(self.schedule.num_stages))
 
 
 def build(request: ScheduleRequest) -> Built:
@@ -174,7 +176,7 @@ def data_parallel(request: ScheduleRequest) -> DPCostModel:
         latency = UNIT_LINK.latency if spec.dp_latency is None else spec.dp_latency
     return DPCostModel(
         dp=dp, sharding=request.sharding, link=Link(bandwidth, latency),
-        precision="bf16-mixed" if spec.mixed_precision else "fp32",
+        precision="bf16-mixed" if spec.mixed_precision else "fp32", unit=spec.dp_unit,
     )
 
 
@@ -194,6 +196,7 @@ def resolve_costs(spec: CostSpec, num_stages: int, seq_chunks: int = 1) -> Costs
         costs = transformer_costs(config, HARDWARE[spec.hardware], num_stages=num_stages)
         if spec.mem_w_ratio is not None:
             costs = dataclasses.replace(costs, mem_w_ratio=spec.mem_w_ratio)
+        costs = dataclasses.replace(costs, blocks=transformer_blocks(config, num_stages=num_stages))
         if seq_chunks > 1:
             lengths = split_lengths(config.seq, seq_chunks, spec.seq_split, config)
             seq_time, seq_mem = chunk_shares(lengths, config)
