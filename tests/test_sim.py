@@ -88,11 +88,16 @@ def test_analytic_formulas():
     costs = transformer_costs(cfg, hw, num_stages=4)
     s, b, h, a, V = 32, 2, 64, 4, 100
     rate = hw.flops * hw.efficiency
-    # stage 0: one layer
-    assert costs.t_f[0] == approx(s * b * h * (24 * h + 4 * s) / rate)
-    assert costs.t_b[0] == approx(s * b * h * (24 * h + 8 * s) / rate)
-    assert costs.t_w[0] == approx(24 * s * b * h * h / rate)
-    assert costs.t_b[0] + costs.t_w[0] == approx(2 * costs.t_f[0])
+    # one layer per stage; stage 1 splits its backward as the Zero Bubble paper counts it
+    assert costs.t_f[1] == approx(s * b * h * (24 * h + 4 * s) / rate)
+    assert costs.t_b[1] == approx(s * b * h * (24 * h + 8 * s) / rate)
+    assert costs.t_w[1] == approx(24 * s * b * h * h / rate)
+    assert costs.t_b[1] + costs.t_w[1] == approx(2 * costs.t_f[1])
+    # stage 0's input (token ids) needs no gradient: its B does nothing, W the whole backward
+    assert costs.t_f[0] == approx(costs.t_f[1])
+    assert costs.t_b[0] == 0.0 and costs.t_w[0] == approx(costs.t_b[1] + costs.t_w[1])
+    split = transformer_costs(cfg, hw, num_stages=4, stage0_input_grad=True)  # sequence chunks: K/V gradients in B
+    assert split.t_b[0] == approx(costs.t_b[1]) and split.t_w[0] == approx(costs.t_w[1])
     # Megatron's 34h + 5as per token (dropout, 16-bit), the LayerNorms' fp32 statistics (16
     # bytes per token), and the embedding's int64 ids and dropout mask on the first stage
     layer = s * b * (34 * h + 5 * a * s + 16)

@@ -18,7 +18,8 @@ from ..core.errors import ScheduleError
 from ..core.jsontext import json_text
 from ..core.request import RECOMPUTE_MODES, CostSpec, Mesh, ScheduleRequest
 from ..core.sharding import parse_sharding
-from ..sim.analytic import HARDWARE, MODELS
+from ..sim.analytic import MODELS
+from ..sim.hardware_profile import check_hardware_text, hardware_names_text
 from ..sim.build import Built, build
 from ..sim.sequence_split import SPLITS
 from .argtypes import costs_text, positive_float, positive_int, setting_text, unit_float
@@ -132,7 +133,11 @@ def add_cost_options(parser: argparse.ArgumentParser) -> None:
         "--model", default=None, metavar="PRESET|L,H,A,S[,V[,B]]",
         help=f"analytic transformer costs instead of unit costs (presets: {', '.join(MODELS)}); memory then in bytes",
     )
-    group.add_argument("--hardware", default="a100", choices=sorted(HARDWARE), help="hardware profile for --model")
+    group.add_argument(
+        "--hardware", default="a100", type=check_hardware_text, metavar="NAME|PROFILE.json",
+        help=f"hardware for --model: a preset ({hardware_names_text()}; default a100) or a profile file written by "
+        "`pipeblocks calibrate`",
+    )
     group.add_argument(
         "--flash-attention", action="store_true", help="--model: attention that does not store the s x s scores"
     )

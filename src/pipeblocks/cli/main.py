@@ -18,7 +18,7 @@ from .. import __version__
 
 __all__ = ["main", "COMMANDS"]
 
-COMMANDS = ("list_cmd", "show", "simulate_cmd", "compare", "plot", "export", "train", "plan")
+COMMANDS = ("list_cmd", "show", "simulate_cmd", "compare", "plot", "export", "train", "plan", "calibrate")
 BROKEN_PIPE_STATUS = 128 + 13  # 128 + SIGPIPE
 
 

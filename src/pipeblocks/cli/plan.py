@@ -22,7 +22,8 @@ from ..plan import PlanProblem, search
 from ..plan.plot import plot_plan
 from ..plan.report import commands, table, to_json
 from ..plan.space import DEFAULT_MICROBATCH_SIZES, DEFAULT_SCHEDULES
-from ..sim.analytic import HARDWARE, MODELS, parse_model
+from ..sim.analytic import MODELS, parse_model
+from ..sim.hardware_profile import check_hardware_text, hardware_names_text, resolve_hardware
 from ..sim.memory_estimate import W_KEEPS
 from .argtypes import plot_file, positive_float, positive_int
 from .common import print_json, progress
@@ -50,7 +51,9 @@ def register(sub) -> None:
     parser.add_argument("--gpus", type=positive_int, required=True, help="GPUs in all")
     parser.add_argument("--gpus-per-node", type=positive_int, default=None,
                         help="GPUs sharing the intra-node link (default: the hardware profile's)")
-    parser.add_argument("--hardware", default="a100-80g", choices=sorted(HARDWARE), help="device and links (default a100-80g)")
+    parser.add_argument("--hardware", default="a100-80g", type=check_hardware_text, metavar="NAME|PROFILE.json",
+                        help=f"device and links: a preset ({hardware_names_text()}; default a100-80g) or a profile "
+                        "file written by `pipeblocks calibrate`")
     parser.add_argument("--gpu-memory", type=positive_float, required=True, metavar="GB", help="memory per GPU")
     parser.add_argument("--global-batch", type=positive_int, required=True, help="sequences per optimizer step")
     parser.add_argument("--seq", type=positive_int, default=None, help="tokens per sequence (default: the model's)")
@@ -103,7 +106,7 @@ def problem_from_args(args: argparse.Namespace) -> PlanProblem:
         model, seq=args.seq or model.seq, microbatch_size=1, flash_attention=args.flash_attention,
         dropout=args.dropout,
     )
-    hardware = HARDWARE[args.hardware]
+    hardware = resolve_hardware(args.hardware)
     if args.gpus_per_node is not None:
         hardware = dataclasses.replace(hardware, gpus_per_node=args.gpus_per_node)
     schedules = tuple(x.strip() for x in args.schedules.split(",") if x.strip())
@@ -111,8 +114,19 @@ def problem_from_args(args: argparse.Namespace) -> PlanProblem:
         model=model, hardware=hardware, gpus=args.gpus, gpu_memory=args.gpu_memory * 1e9,
         global_batch=args.global_batch, schedules=schedules, microbatch_sizes=args.microbatch_sizes,
         precision="fp32" if args.fp32 else "bf16-mixed", seq_chunks=args.seq_chunks, tp_degrees=args.tp,
-        extrapolate=not args.exact, intensity=args.intensity_model == "on", w_keeps=args.w_keeps,
+        extrapolate=not args.exact, intensity=_intensity(args.intensity_model, hardware), w_keeps=args.w_keeps,
     )
+
+
+def _intensity(setting: str, hardware) -> bool:
+    """The planner's intensity model, unless a calibrated profile's fits already carry the
+    shape (they are fractions at the layer's intensity: applying the model again would
+    count small GEMMs twice)."""
+    if setting == "on" and hardware.passes is not None:
+        progress(f"plan: --hardware {hardware.name} is a calibrated profile whose pass fractions depend on the "
+                 "arithmetic intensity already: the intensity model is off")
+        return False
+    return setting == "on"
 
 
 def _short_model(text: str):

@@ -28,7 +28,7 @@ import dataclasses
 from ..core.costs import Costs
 from ..core.dp_model import DPCostModel, Link, all_reduce_time
 from ..core.sharding import ShardingPolicy
-from ..sim.analytic import Hardware, TransformerConfig, dp_link, layer_split, transformer_costs
+from ..sim.analytic import Hardware, TransformerConfig, dp_link, layer_split, stage0_backward_in_w, transformer_costs
 from ..sim.memory_estimate import activation_costs, precision_config
 from .intensity import head_efficiency, layer_efficiency
 
@@ -55,11 +55,13 @@ def replica_costs(
     config, _ = precision_config(config, precision)
     memory = activation_costs(config, num_stages, w_keeps=w_keeps)
     base = dataclasses.replace(
-        transformer_costs(config, hardware, num_stages=num_stages), mem_b=memory.mem_b,
+        transformer_costs(config, hardware, num_stages=num_stages, stage0_input_grad=True), mem_b=memory.mem_b,
         mem_w_ratio=memory.mem_w_ratio, recompute_input_ratio=memory.recompute_input_ratio,
     )
     if intensity:
         base = _with_intensity(base, config, hardware, tp, seq_chunks)
+    if seq_chunks == 1:  # stage 0's B has nothing to do (with sequence chunks: earlier K/V gradients)
+        base = stage0_backward_in_w(base)
     data_parallel = DPCostModel(dp=dp, sharding=(sharding,), link=dp_link(hardware, dp * tp), precision=precision)
     if tp == 1:
         return dataclasses.replace(base, data_parallel=data_parallel)

@@ -20,16 +20,25 @@ node (on the last stage: the loss, e.g. cross-entropy's log-softmax). B therefor
 little (M_W is close to M_B; `profile.profile_stage_memory` measures both per stage) and W
 frees the rest. On a stage whose input needs no gradient (stage 0: token ids), B has no
 work at all and W runs the whole backward from the output.
+
+The partition (which nodes are on the input path, the join nodes and parameter groups) is
+a function of the graph's structure alone, and a stage builds the same graph for every
+microbatch. A `PartitionCache` (one per stage; the runtime's compute keeps one) remembers it
+by the graph's structure: one walk of the graph lists its nodes with their children, the
+kind of each node and, for leaves, which parameter or input they are; a graph equal in all
+of that gets the remembered partition, mapped onto its own nodes, and anything else is
+partitioned afresh. So the gradients are those of the uncached split, bit for bit.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["WeightGradWork", "fused_backward", "input_backward"]
+__all__ = ["WeightGradWork", "PartitionCache", "fused_backward", "input_backward"]
 
 
 @dataclass
@@ -137,6 +146,8 @@ def input_backward(
     inp: torch.Tensor | Sequence[torch.Tensor] | None,
     params: Sequence[torch.nn.Parameter],
     extra_inputs: Sequence[torch.Tensor] = (),
+    *,
+    partitions: PartitionCache | None = None,
 ) -> tuple[torch.Tensor | list[torch.Tensor] | None, WeightGradWork]:
     """B: return the gradient of `inp` and the work W will do later.
 
@@ -144,6 +155,8 @@ def input_backward(
     scalar root, `_one_root`, so that W has one root node to start from).
     extra_inputs: leaf tensors whose gradient B must produce as well (with sequence chunks,
     the earlier chunks' K/V leaves, see sequence.py); it is accumulated into their `.grad`.
+    partitions: the stage's `PartitionCache`, to reuse the partition of an earlier
+    microbatch whose graph has the same structure (None: partition afresh).
     """
     if not isinstance(output, torch.Tensor):
         output, grad_output = _one_root(output, grad_output)
@@ -158,10 +171,10 @@ def input_backward(
     if root is None or not trainable and not extras and not needed:
         return None, WeightGradWork([])
     targets = needed + extras
-    children = _graph(root)
-    on_input_path = _reaches(children, [get_gradient_edge(t).node for t in targets])
-    on_input_path.add(root)
-    groups = _param_groups(children, on_input_path, trainable)
+    if partitions is not None:
+        groups = partitions.groups(root, targets, trainable)
+    else:
+        groups = _partition(_graph(root), root, targets, trainable)
     # The root's gradient is known without running the engine.
     root_grads: list[torch.Tensor | None] = [None] * max(1, _num_outputs(root, output))
     root_grads[output.output_nr] = grad
@@ -190,6 +203,115 @@ def input_backward(
     if isinstance(inp, torch.Tensor):
         return dxs.get(id(inp)), work
     return (None if inp is None else [dxs.get(id(t)) for t in inputs]), work
+
+
+def _partition(children: dict[Node, list[Node]], root: Node, targets: Sequence[torch.Tensor],
+               params: list) -> list[_Group]:
+    on_input_path = _reaches(children, [get_gradient_edge(t).node for t in targets])
+    on_input_path.add(root)
+    return _param_groups(children, on_input_path, params)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A partition by node positions in the walk: per group, its parameters (indices into
+    the parameter list), its join nodes and its parameters' gradient-edge nodes."""
+
+    groups: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]
+
+    def build(self, order: list[Node], params: list) -> list[_Group]:
+        return [
+            _Group([params[k] for k in members], [order[j] for j in joins], edges=[GradientEdge(order[j], 0)
+                                                                                   for j in edge_nodes])
+            for members, joins, edge_nodes in self.groups
+        ]
+
+
+class PartitionCache:
+    """Remembered partitions of one stage's graph, by the graph's structure (module
+    docstring). `hits` and `misses` count the lookups. At most `size` structures are kept
+    (a sequence-chunk schedule builds one per chunk); a new parameter list starts afresh."""
+
+    def __init__(self, size: int = 16) -> None:
+        self.size = size
+        self.hits = 0
+        self.misses = 0
+        self._plans: dict[tuple, _Plan] = {}
+        self._param_ids: tuple[int, ...] = ()
+        self._param_index: dict[int, int] = {}
+        self._leaf_params = True
+
+    def groups(self, root: Node, targets: Sequence[torch.Tensor], params: list) -> list[_Group]:
+        ids = tuple(id(p) for p in params)
+        if ids != self._param_ids:
+            self._plans.clear()
+            self._param_ids = ids
+            self._param_index = {i: k for k, i in enumerate(ids)}
+            # a parameter that is not a leaf has no AccumulateGrad node to recognise it by
+            self._leaf_params = all(p.grad_fn is None for p in params)
+        if not self._leaf_params or any(t.grad_fn is not None for t in targets):
+            self.misses += 1
+            return _partition(_graph(root), root, targets, params)
+        order, kids, key, acc = _walk(root, {id(t): k for k, t in enumerate(targets)}, self._param_index)
+        plan = self._plans.get(key)
+        if plan is not None:
+            self.hits += 1
+            return plan.build(order, params)
+        self.misses += 1
+        children = {node: [order[j] for j in kids[i] if j >= 0] for i, node in enumerate(order)}
+        groups = _partition(children, root, targets, params)
+        position = {node: i for i, node in enumerate(order)}
+        index = {id(p): k for k, p in enumerate(params)}
+        if all(acc.get(index[id(p)]) == position[e.node] and e.output_nr == 0
+               for g in groups for p, e in zip(g.params, g.edges)):
+            if len(self._plans) >= self.size:
+                self._plans.clear()
+            self._plans[key] = _Plan(tuple(
+                (tuple(index[id(p)] for p in g.params), tuple(position[n] for n in g.nodes),
+                 tuple(position[e.node] for e in g.edges)) for g in groups))
+        return groups
+
+
+def _walk(root: Node, targets: dict[int, int], params: dict[int, int]) -> tuple[list[Node], list, tuple, dict]:
+    """Every node reachable from root in breadth-first order; each node's children as
+    positions (-1: no function); the structure key (per node: its type, its children, and
+    for a leaf which parameter or target it is); parameter index -> its leaf's position."""
+    order, position, kids, key, acc = [root], {root: 0}, [], [], {}
+    accumulate = _accumulate_grad_type()
+    i = 0
+    while i < len(order):
+        node = order[i]
+        mine = []
+        for fn, _ in node.next_functions:
+            if fn is None:
+                mine.append(-1)
+                continue
+            j = position.get(fn)
+            if j is None:
+                j = position[fn] = len(order)
+                order.append(fn)
+            mine.append(j)
+        mine = tuple(mine)
+        kids.append(mine)
+        kind = type(node)
+        if kind is accumulate:
+            leaf = id(node.variable)
+            k = params.get(leaf)
+            if k is not None:
+                acc[k] = i
+                key.append((kind, mine, "p", k))
+            else:
+                key.append((kind, mine, "t", targets.get(leaf, -1)))
+        else:
+            key.append((kind, mine))
+        i += 1
+    return order, kids, tuple(key), acc
+
+
+@functools.cache
+def _accumulate_grad_type() -> type:
+    leaf = torch.zeros(1, requires_grad=True)
+    return type(get_gradient_edge(leaf).node)
 
 
 def _one_root(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, None]:

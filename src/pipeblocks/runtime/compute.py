@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .backward import WeightGradWork, fused_backward, input_backward
+from .backward import PartitionCache, WeightGradWork, fused_backward, input_backward
 from .memory import SavedTensorTracker
 from .sequence import KVCache, SequenceChunk
 from .shapes import call_stage, flatten, floating_leaves, leaves_of
@@ -85,6 +85,8 @@ class ModuleCompute:
         self.m = m
         self.tracker = tracker
         self._params = {s: [p for p in mod.parameters() if p.requires_grad] for s, mod in modules.items()}
+        # one B/W partition per stage, reused by every microbatch whose graph has its structure
+        self.partitions = {s: PartitionCache() for s in modules}
         self.kv_cache = KVCache()
 
     def use_parameters(self, stage: int, params: list[torch.nn.Parameter]) -> None:
@@ -152,7 +154,8 @@ class ModuleCompute:
 
     def input_grad(self, stage: int, unit: Unit, grad: Any) -> Any:
         root, grad, inp = _backward_args(stage, unit, grad)
-        dx, unit.work = input_backward(root, grad, inp, self._params[stage], unit.leaves)
+        dx, unit.work = input_backward(root, grad, inp, self._params[stage], unit.leaves,
+                                       partitions=self.partitions[stage])
         dx = _input_gradient(stage, unit.inp, dx)
         unit.root = None  # frees the graph above the join nodes
         unit.inp = None

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .backward import input_backward
+from .backward import PartitionCache, input_backward
 from .compute import ModuleCompute
 from .memory import SavedTensorTracker, StageMemory
 from .sequence import SequenceChunk, chunk_bounds
@@ -129,12 +129,15 @@ def profile_stage_times(
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[tuple[float, float, float], ...]:
     """Per stage, the (F, B, W) seconds of one microbatch: the median of `repeats` runs
-    after one warm-up run. Parameter `.grad` is left as it was."""
+    after one warm-up run, which also finds each stage's B/W partition, reused by the timed
+    runs as the runtime reuses it (`backward.PartitionCache`). Parameter `.grad` is left as
+    it was."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     params = [p for stage in stages for p in stage.parameters()]
     before = [None if p.grad is None else p.grad.clone() for p in params]
     runs: list[list[tuple[float, float, float]]] = []
+    partitions = [PartitionCache() for _ in stages]
     for _ in range(repeats + 1):
         x, outputs, forward = inputs, [], []
         for index, stage in enumerate(stages):
@@ -151,7 +154,8 @@ def profile_stage_times(
         for index in reversed(range(len(stages))):
             x, out = outputs[index]
             start = clock()
-            dx, work = input_backward(out, grad, x if index > 0 else None, list(stages[index].parameters()))
+            dx, work = input_backward(out, grad, x if index > 0 else None, list(stages[index].parameters()),
+                                      partitions=partitions[index])
             middle = clock()
             work.run()
             times[index] = (forward[index], middle - start, clock() - middle)

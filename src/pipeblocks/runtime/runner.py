@@ -94,7 +94,10 @@ class PipelineRunner:
         sequence length of the step's inputs); None: an even split (earlier chunks get the
         extra token). `pipeblocks.sim.sequence_split.split_lengths` gives balanced ones.
     measure_memory: count saved-activation bytes (a hook on every saved tensor, a few
-        percent of a small stage's step time); off, `peak_saved_bytes` is None.
+        percent of a small stage's step time); off, `peak_saved_bytes` is None and the
+        memory trace empty. An attribute too: set `runner.measure_memory` between steps to
+        measure only the steps that need it (`pipeblocks train` measures the first steps
+        and the last, which its report draws).
     data_parallel: this rank's `data_parallel.DataParallel` when the pipeline is one replica
         of several (`group` is then the mesh's pp group): the Program is lowered with its
         DP ops (REDUCE_GRAD, and UNSHARD/RESHARD for zero3 chunks), which it runs; the step
@@ -206,6 +209,15 @@ class PipelineRunner:
         self._side_specs: list[dict[str, TensorSpec]] | None = None
 
     @property
+    def measure_memory(self) -> bool:
+        """Whether the next step counts saved-activation bytes (settable between steps)."""
+        return self.tracker.enabled
+
+    @measure_memory.setter
+    def measure_memory(self, on: bool) -> None:
+        self.tracker.enabled = bool(on)
+
+    @property
     def holds_first_stage(self) -> bool:
         return 0 in self.stages
 
@@ -290,15 +302,17 @@ class PipelineRunner:
             if dp is not None:
                 dp.sample_static()
             self.optimizer.zero_grad(set_to_none=True)
-        trace = tuple((t - origin, b) for t, b in self.tracker.trace)
+        measured = self.tracker.enabled
+        trace = tuple((t - origin, b) for t, b in self.tracker.trace) if measured else ()
         timeline = None
         if self.record_timeline:
-            timeline = gather_timeline(self.schedule, record, trace, self.tracker.peak, self.group, origin)
+            timeline = gather_timeline(self.schedule, record, trace, self.tracker.peak if measured else 0, self.group,
+                                       origin)
         losses = record.losses
         return StepResult(
             loss=sum(losses) / m if self.holds_last_stage else None,
             losses=losses,
-            peak_saved_bytes=self.tracker.peak if self.tracker.enabled else None,
+            peak_saved_bytes=self.tracker.peak if measured else None,
             wait_s=record.wait_s,
             duration_s=duration,
             timeline=timeline,

@@ -33,6 +33,7 @@ runs at the inter-node link (`dp_link`).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -45,7 +46,7 @@ from ..core.split import layer_counts
 __all__ = [
     "TransformerConfig", "Hardware", "MODELS", "HARDWARE", "layer_split", "layer_activation_bytes", "transformer_costs",
     "parse_model", "stage_params", "dp_link", "stage_activation_bytes", "loss_activation_bytes",
-    "transformer_w_ratio",
+    "transformer_w_ratio", "PassEfficiency", "layer_intensity", "head_intensity", "stage0_backward_in_w",
 ]
 
 _DTYPE_BYTES = MappingProxyType({"fp32": 4, "float32": 4, "bf16": 2, "fp16": 2, "float16": 2, "float64": 8})
@@ -93,6 +94,27 @@ class TransformerConfig:
 
 
 @dataclass(frozen=True)
+class PassEfficiency:
+    """The achievable fraction of the peak for one pass kind, as a function of the arithmetic
+    intensity I (FLOPs per byte) of the pass's matrix products: ceiling / (1 + ridge / I),
+    the planner's roofline form (`plan.intensity`); ridge 0 is a constant fraction."""
+
+    ceiling: float
+    ridge: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.ceiling) and math.isfinite(self.ridge) and self.ceiling > 0 and self.ridge >= 0):
+            raise ScheduleError(f"pass efficiency needs a finite ceiling > 0 and ridge >= 0, got ceiling="
+                                f"{self.ceiling}, ridge={self.ridge}")
+
+    def at(self, intensity: float) -> float:
+        """The fraction at `intensity` (FLOPs per byte; 0 or less: no matrix product, the ceiling)."""
+        if self.ridge == 0 or intensity <= 0:
+            return self.ceiling
+        return self.ceiling / (1.0 + self.ridge / intensity)
+
+
+@dataclass(frozen=True)
 class Hardware:
     """A device, its pipeline link and its data-parallel links.
 
@@ -104,6 +126,8 @@ class Hardware:
     memory_bandwidth: the device memory's bytes/s (HBM), or None when unknown. The
         simulator's pass times do not use it; the planner's kernel-efficiency model
         (`plan.intensity`) does.
+    passes: (F, B, W) fitted fractions of a calibrated profile (`sim.hardware_profile`),
+        used instead of `efficiency` for the pass times; None for the built-in profiles.
     """
 
     name: str
@@ -117,6 +141,7 @@ class Hardware:
     inter_bandwidth: float = 25e9
     inter_latency: float = 10e-6
     memory_bandwidth: float | None = None
+    passes: tuple[PassEfficiency, PassEfficiency, PassEfficiency] | None = None
 
     def __post_init__(self) -> None:
         values = (self.flops, self.efficiency, self.bandwidth, self.latency)
@@ -137,6 +162,13 @@ class Hardware:
             raise ScheduleError(
                 f"hardware {self.name!r}: memory_bandwidth must be a finite number of bytes/s > 0 or None, got {memory}"
             )
+        if self.passes is not None and (len(self.passes) != 3 or not all(isinstance(x, PassEfficiency)
+                                                                         for x in self.passes)):
+            raise ScheduleError(f"hardware {self.name!r}: passes must be three PassEfficiency (F, B, W) or None")
+
+    def fraction(self, kind: int, intensity: float) -> float:
+        """The achievable fraction for pass `kind` (0 F, 1 B, 2 W) at `intensity` FLOPs per byte."""
+        return self.efficiency if self.passes is None else self.passes[kind].at(intensity)
 
 
 # Models of the Zero Bubble paper's experiments (§9.1 of the algorithms reference).
@@ -275,28 +307,63 @@ def transformer_w_ratio(config: TransformerConfig) -> float:
     return 16 * s * config.microbatch_size * config.hidden * config.dtype_bytes / layer_activation_bytes(config, s, s)
 
 
-def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stages: int) -> Costs:
-    """Per-stage costs (seconds, bytes) for `num_stages` global stages of `config`."""
+def layer_intensity(config: TransformerConfig) -> float:
+    """FLOPs per byte of a layer's four matrix products (QKV h x 3h, projection h x h, MLP
+    h x 4h and 4h x h, s*b rows each): their FLOPs over the bytes of their operands and
+    results. F, B and W multiply the same three sides, so one intensity serves all three."""
+    rows, h, e = config.seq * config.microbatch_size, config.hidden, config.dtype_bytes
+    sides = ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h))
+    flops = sum(2 * rows * k * n for k, n in sides)
+    return flops / (e * sum(rows * k + k * n + rows * n for k, n in sides))
+
+
+def head_intensity(config: TransformerConfig) -> float:
+    """FLOPs per byte of the LM head's s*b x h by h x V product."""
+    rows, h, V, e = config.seq * config.microbatch_size, config.hidden, config.vocab, config.dtype_bytes
+    return 2 * rows * h * V / (e * (rows * h + h * V + rows * V))
+
+
+def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stages: int,
+                      stage0_input_grad: bool = False) -> Costs:
+    """Per-stage costs (seconds, bytes) for `num_stages` global stages of `config`.
+
+    Stage 0's B is 0 and its W the whole backward, as the runtime runs it (its input, token
+    ids, needs no gradient); `stage0_input_grad=True` splits it like any other stage (with
+    sequence chunks, whose earlier K/V need their gradient in B)."""
     s, b, h, V = config.seq, config.microbatch_size, config.hidden, config.vocab
-    rate = hardware.flops * hardware.efficiency
-    layer_f = s * b * h * (24 * h + 4 * s)
-    layer_b = s * b * h * (24 * h + 8 * s)
-    layer_w = 24 * s * b * h * h
+    peak = hardware.flops
+    layer_i, head_i = layer_intensity(config), head_intensity(config)
+    layer = (s * b * h * (24 * h + 4 * s), s * b * h * (24 * h + 8 * s), 24 * s * b * h * h)  # F, B, W
     head = 2 * s * b * h * V
     counts = layer_split(config.layers, num_stages)
     last = num_stages - 1
-    t_f = tuple((n * layer_f + (head if i == last else 0)) / rate for i, n in enumerate(counts))
-    t_b = tuple((n * layer_b + (head if i == last else 0)) / rate for i, n in enumerate(counts))
-    t_w = tuple((n * layer_w + (head if i == last else 0)) / rate for i, n in enumerate(counts))
+
+    def time(kind: int, stage: int) -> float:
+        n = counts[stage]
+        seconds = n * layer[kind] / (peak * hardware.fraction(kind, layer_i))
+        if stage == last:
+            seconds += head / (peak * hardware.fraction(kind, head_i))
+        return seconds
+
+    t_f, t_b, t_w = (tuple(time(kind, i) for i in range(num_stages)) for kind in range(3))
     mem_b = stage_activation_bytes(config, num_stages)
     t_comm = hardware.latency + s * b * h * config.dtype_bytes / hardware.bandwidth
     # a recomputed stage keeps only its input, one hidden state per token
     kept = tuple(min(1.0, s * b * h * config.dtype_bytes / m) if m > 0 else 1.0 for m in mem_b)
-    return Costs(
+    costs = Costs(
         recompute_input_ratio=kept,
         t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, mem_b=mem_b, mem_w_ratio=transformer_w_ratio(config),
         params=tuple(float(n) for n in stage_params(config, num_stages)),
     )
+    return costs if stage0_input_grad else stage0_backward_in_w(costs)
+
+
+def stage0_backward_in_w(costs: Costs) -> Costs:
+    """`costs` (per-stage tuples) with stage 0's B folded into its W: the runtime's split on
+    a stage whose input needs no gradient."""
+    t_b, t_w = list(costs.t_b), list(costs.t_w)
+    t_b[0], t_w[0] = 0.0, t_b[0] + t_w[0]
+    return dataclasses.replace(costs, t_b=tuple(t_b), t_w=tuple(t_w))
 
 
 def parse_model(text: str) -> TransformerConfig:

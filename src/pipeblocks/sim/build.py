@@ -24,11 +24,12 @@ from ..core.schedule import Schedule, read_text_file
 from ..interop import from_torch_csv, program_from_torch_csv
 from ..schedules import get
 from ..schedules.sequence import split_sequence
-from .analytic import HARDWARE, dp_link, parse_model, transformer_costs
+from .analytic import dp_link, parse_model, transformer_costs
 from ..core.recompute import all_pairs
 from .auto_sharding import choose_sharding
 from .blocks import transformer_blocks
 from .elastic_plan import choose_elastic_plan
+from .hardware_profile import resolve_hardware
 from .recompute_auto import choose_recompute
 from .sequence_split import chunk_shares, split_lengths
 
@@ -168,7 +169,7 @@ def data_parallel(request: ScheduleRequest) -> DPCostModel:
     spec = request.costs
     dp = request.mesh.dp
     if spec.model:
-        base = dp_link(HARDWARE[spec.hardware], dp)
+        base = dp_link(resolve_hardware(spec.hardware), dp)
         bandwidth = base.bandwidth if spec.dp_bandwidth is None else spec.dp_bandwidth * 1e9
         latency = base.latency if spec.dp_latency is None else spec.dp_latency * 1e-6
     else:  # unit costs: the override is in the units of the costs (see core.dp_model)
@@ -177,6 +178,7 @@ def data_parallel(request: ScheduleRequest) -> DPCostModel:
     return DPCostModel(
         dp=dp, sharding=request.sharding, link=Link(bandwidth, latency),
         precision="bf16-mixed" if spec.mixed_precision else "fp32", unit=spec.dp_unit,
+        prefetch=spec.dp_prefetch,
     )
 
 
@@ -193,7 +195,9 @@ def resolve_costs(spec: CostSpec, num_stages: int, seq_chunks: int = 1) -> Costs
     (unit costs by default)."""
     if spec.model:
         config = dataclasses.replace(parse_model(spec.model), flash_attention=spec.flash_attention)
-        costs = transformer_costs(config, HARDWARE[spec.hardware], num_stages=num_stages)
+        # with sequence chunks stage 0's B has work: the earlier chunks' K/V need their gradient
+        costs = transformer_costs(config, resolve_hardware(spec.hardware), num_stages=num_stages,
+                                  stage0_input_grad=seq_chunks > 1)
         if spec.mem_w_ratio is not None:
             costs = dataclasses.replace(costs, mem_w_ratio=spec.mem_w_ratio)
         costs = dataclasses.replace(costs, blocks=transformer_blocks(config, num_stages=num_stages))

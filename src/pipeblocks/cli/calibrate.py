@@ -1,0 +1,240 @@
+"""`pipeblocks calibrate`: measure this device's pass times and write the hardware profile
+that `--hardware PROFILE.json` reads (simulate, compare, plot, plan, train --dry-run).
+
+    pipeblocks calibrate -o cpu.json                              # the default grid, this CPU, fp32
+    pipeblocks calibrate --threads 1 -o cpu.json                  # as one of 2 ranks on 2 cores sees it
+    pipeblocks calibrate --device cuda --precision bf16-mixed -o h100.json
+    pipeblocks calibrate --shapes 64x32x1,128x64x2 --no-links -o tiny.json --json
+
+Per shape (HIDDENxSEQxMICROBATCH[xHEADS]) it times F, B and W of one block, the embedding
+and the head with the runtime's own forward and split backward, counts their FLOPs, and
+measures the block's saved bytes; it measures the peak (a large matmul's FLOP/s in the
+precision: on a CPU there is no data-sheet figure to trust) and the memory bandwidth, and,
+unless --no-links, the point-to-point and all-reduce latency and bandwidth between two
+local processes (gloo on CPU, NCCL with two GPUs). Then it fits the achieved fraction of
+the peak per pass kind, constant or as a function of arithmetic intensity, and says which
+fits better with the residuals (`pipeblocks.sim.hardware_profile`). A shape that does not
+fit in memory is skipped with a line saying so. Progress goes to stderr; the table (or,
+with --json, the profile) to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+from ..core.precision import PRECISION_NAMES
+from .argtypes import positive_int
+from .common import print_json, progress
+
+__all__ = ["register", "run", "parse_shapes", "DEFAULT_CPU_SHAPES", "DEFAULT_CUDA_SHAPES"]
+
+DEFAULT_CPU_SHAPES = "64x64x2,64x128x4,128x64x2,128x128x4,256x64x2,256x128x4,512x64x2,512x128x4"
+DEFAULT_CUDA_SHAPES = ("1024x1024x1x16,1024x2048x2x16,2048x1024x1x16,2048x2048x2x16,4096x1024x1x32,"
+                       "4096x2048x1x32,8192x1024x1x64")
+
+
+def parse_shapes(text: str) -> list:
+    """'HxSxB[xA],...' -> Shapes (heads by default: hidden / 128 for a hidden of 1024 or more that
+    128 divides, else 4)."""
+    from ..runtime.calibrate import Shape
+
+    shapes = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            values = [int(v) for v in item.lower().split("x")]
+        except ValueError:
+            values = []
+        if len(values) not in (3, 4):
+            raise ValueError(f"--shapes {item!r}: expected HIDDENxSEQxMICROBATCH[xHEADS], e.g. 128x64x2")
+        hidden = values[0] if values else 0
+        heads = values[3] if len(values) == 4 else (hidden // 128 if hidden >= 1024 and hidden % 128 == 0 else 4)
+        shapes.append(Shape(values[0], values[1], values[2], heads))
+    if not shapes:
+        raise ValueError("--shapes: give at least one HIDDENxSEQxMICROBATCH[xHEADS]")
+    return shapes
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("calibrate", help="measure pass times on this device; write a hardware profile",
+                            description=__doc__.split("\n\n")[0])
+    parser.add_argument("-o", "--output", required=True, metavar="PROFILE.json", help="where to write the profile")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="auto (default: CUDA when there is a GPU), cpu, cuda")
+    parser.add_argument("--model-family", default="gpt", choices=("gpt", "llama"),
+                        help="whose blocks to time (default gpt, the reference GPT)")
+    parser.add_argument("--precision", default="fp32", choices=PRECISION_NAMES,
+                        help="fp32 (default), fp64 or bf16-mixed (blocks computed in bfloat16)")
+    parser.add_argument("--shapes", default=None, metavar="HxSxB[xA],...",
+                        help=f"hidden x seq x microbatch [x heads] per point (default on CPU {DEFAULT_CPU_SHAPES}; "
+                        f"on CUDA {DEFAULT_CUDA_SHAPES})")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch threads on a CPU (default: torch's, all cores). Time as a rank will run: "
+                        "`pipeblocks train` gives each of p local ranks cores / p")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per shape, median (default 5)")
+    parser.add_argument("--vocab", type=positive_int, default=256, help="vocabulary of the timed head (default 256)")
+    parser.add_argument("--links", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure point-to-point and all-reduce between 2 local processes (default on; "
+                        "--no-links writes an assumed link and says so)")
+    parser.add_argument("--name", default=None, help="the profile's name (default: device, family, precision)")
+    parser.add_argument("--json", action="store_true", help="print the profile as JSON instead of the table")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..core.jsontext import json_text
+    from ..core.schedule import write_atomically
+    from ..runtime.calibrate import resolve_device
+
+    device = resolve_device(args.device)
+    shapes = parse_shapes(args.shapes or (DEFAULT_CUDA_SHAPES if device.type == "cuda" else DEFAULT_CPU_SHAPES))
+    out = Path(args.output)
+    if out.suffix.lower() != ".json":
+        raise ValueError(f"-o {args.output!r}: a profile is JSON; give a name ending in .json")
+    profile = calibrate(args, device, shapes)
+    write_atomically(out, json_text(profile, indent=1) + "\n")
+    if args.json:
+        print_json(profile)
+    else:
+        print(format_profile(profile))
+        print(f"profile  {out}   (use it as --hardware {out})")
+    return 0
+
+
+def calibrate(args: argparse.Namespace, device, shapes) -> dict:
+    """Measure everything and build the profile document."""
+    import torch
+
+    from ..runtime import calibrate as measure
+    from ..sim.hardware_profile import build_profile, link_fields
+
+    if args.threads is not None and device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    started = time.monotonic()
+    peak, peak_how = measure.peak_flops(args.precision, device)
+    progress(f"calibrate: peak {peak / 1e9:.1f} GFLOP/s ({peak_how})")
+    bandwidth, bandwidth_how = measure.memory_bandwidth(device)
+    element = torch.empty((), dtype=measure.COMPUTE_DTYPES[args.precision]).element_size()
+    points, skipped, notes = [], [], []
+    for number, shape in enumerate(shapes, 1):
+        need, free = measure.shape_bytes(shape, args.vocab, element), measure.available_memory(device)
+        if need > 0.8 * free:
+            reason = (f"needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free on {device.type}: skipped; "
+                      "give smaller shapes")
+            progress(f"calibrate: shape {shape.text}: {reason}")
+            skipped.append({"shape": shape.text, "reason": reason})
+            continue
+        try:
+            point = measure.measure_shape(args.model_family, shape, precision=args.precision, device=device,
+                                          vocab=args.vocab, repeats=args.repeats)
+        except torch.OutOfMemoryError:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            reason = f"out of memory on {device.type}: skipped; give smaller shapes"
+            progress(f"calibrate: shape {shape.text}: {reason}")
+            skipped.append({"shape": shape.text, "reason": reason})
+            continue
+        notes += [f"{shape.text}: {note}" for note in point.notes]
+        block = point.parts["block"]
+        progress(f"calibrate: shape {number}/{len(shapes)} {shape.text}: block F/B/W "
+                 f"{block['F'].seconds * 1e3:.2f}/{block['B'].seconds * 1e3:.2f}/{block['W'].seconds * 1e3:.2f} ms "
+                 f"({time.monotonic() - started:.0f} s)")
+        points += _point_rows(args, point, element)
+    links = None
+    if args.links:
+        progress("calibrate: links between 2 local processes ...")
+        raw = measure.measure_links(device)
+        links = {**link_fields(raw["p2p"], raw["all_reduce"], raw["ranks"]), "backend": raw["backend"]}
+    about = {
+        "device": _device_about(device),
+        "model_family": args.model_family, "precision": args.precision, "vocab": args.vocab,
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "torch": torch.__version__, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": "pipeblocks " + " ".join(sys.argv[1:]) if sys.argv and "pipeblocks" in sys.argv[0] else None,
+        "memory_bandwidth_how": bandwidth_how, "skipped": skipped, "notes": notes,
+    }
+    name = args.name or f"{device.type}-{args.model_family}-{args.precision}"
+    profile = build_profile(name=name, peak_flops=peak, peak_how=peak_how, points=points, links=links,
+                            memory_bandwidth=bandwidth, about=about,
+                            ranks_per_node=torch.cuda.device_count() if device.type == "cuda" else os.cpu_count() or 1)
+    profile["seconds"] = time.monotonic() - started
+    return profile
+
+
+def _point_rows(args, point, element: int) -> list[dict]:
+    """One row per (part, pass) of a measured shape; the block's F row carries its saved bytes
+    and, for the GPT family, the analytic model's (sim.analytic.layer_activation_bytes)."""
+    shape = point.shape
+    rows = []
+    for part, passes in point.parts.items():
+        for kind, measure in passes.items():
+            row = {"part": part, "pass": kind, "hidden": shape.hidden, "seq": shape.seq,
+                   "microbatch": shape.microbatch, "heads": shape.heads, "seconds": measure.seconds,
+                   "flops": measure.flops, "intensity": measure.intensity}
+            if part == "block" and kind == "F":
+                row["saved_bytes"] = point.saved_bytes
+                row["kept_for_w_bytes"] = point.kept_for_w_bytes
+                if args.model_family == "gpt":
+                    row["saved_bytes_analytic"] = _analytic_saved(shape, args.vocab, element)
+            rows.append(row)
+    return rows
+
+
+def _analytic_saved(shape, vocab: int, element: int) -> float:
+    from ..sim.analytic import TransformerConfig, layer_activation_bytes
+
+    dtype = {2: "bf16", 4: "fp32", 8: "float64"}[element]
+    config = TransformerConfig(layers=1, hidden=shape.hidden, heads=shape.heads, seq=shape.seq, vocab=vocab,
+                               microbatch_size=shape.microbatch, dtype=dtype, flash_attention=True, dropout=False)
+    return layer_activation_bytes(config, shape.seq, shape.seq)
+
+
+def _device_about(device) -> dict:
+    import torch
+
+    if device.type == "cuda":
+        return {"type": "cuda", "name": torch.cuda.get_device_name(device), "count": torch.cuda.device_count()}
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            name = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return {"type": "cpu", "name": name, "cores": os.cpu_count()}
+
+
+def format_profile(profile: dict) -> str:
+    """The block points and the fits as a table."""
+    peak = profile["peak"]["flops"]
+    lines = [f"profile {profile['name']}: peak {peak / 1e9:,.1f} GFLOP/s ({profile['peak']['how']})",
+             f"{'shape':>16} {'part':>9} {'pass':>4} {'ms':>9} {'GFLOP':>8} {'FLOP/B':>7} {'fraction':>8} "
+             f"{'residual':>8}"]
+    for x in profile["points"]:
+        if x["part"] != "block" and not x["flops"]:
+            continue
+        shape = f"{x['hidden']}x{x['seq']}x{x['microbatch']}x{x['heads']}"
+        fraction = "-" if x.get("fraction") is None else f"{x['fraction']:.3f}"
+        residual = "-" if x.get("residual") is None else f"{x['residual']:+.3f}"
+        lines.append(f"{shape:>16} {x['part']:>9} {x['pass']:>4} {x['seconds'] * 1e3:9.3f} {x['flops'] / 1e9:8.3f} "
+                     f"{x['intensity']:7.1f} {fraction:>8} {residual:>8}")
+    lines.append("fits (fraction of the peak; residuals are relative time errors over the block points):")
+    for kind, fit in profile["fits"].items():
+        c, r = fit["constant"], fit["roofline"]
+        lines.append(f"  {kind}: constant {c['ceiling']:.3f} (rms {c['rms_residual']:.3f}, max {c['max_residual']:.3f});"
+                     f" roofline {r['ceiling']:.3f} / (1 + {r['ridge']:.1f} / I) (rms {r['rms_residual']:.3f}, max "
+                     f"{r['max_residual']:.3f}): {fit['chosen']} fits better")
+    links = profile["links"]
+    if links.get("measured"):
+        p2p, ring = links["p2p"], links["all_reduce"]
+        lines.append(f"links ({links.get('backend', '?')}, {ring['ranks']} processes): p2p {p2p['latency_s'] * 1e6:.1f} us + "
+                     f"bytes / {p2p['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; all-reduce ring step "
+                     f"{ring['latency_s'] * 1e6:.1f} us, {ring['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")
+    else:
+        lines.append(f"links: {links.get('note', 'not measured')}")
+    for item in profile.get("skipped", []):
+        lines.append(f"skipped {item['shape']}: {item['reason']}")
+    return "\n".join(lines)

@@ -1,0 +1,65 @@
+"""Pass times of a run's stages predicted from a hardware profile, for `train --dry-run
+--hardware PROFILE.json`: what the profile says this device does, instead of timing here.
+
+    >>> hardware = resolve_hardware("cpu.json")          # written by `pipeblocks calibrate`
+    >>> f, b, w, t_comm = predicted_times(stages, tokens, loss_fn, targets, hardware)
+
+Per stage and pass, the FLOPs of one microbatch are counted on the run's own stage modules
+(`runtime.calibrate.count_stage_passes`, the counter `calibrate` measured with: matrix
+products and fused attention) and divided by the peak times the profile's fraction for that
+pass kind at the pass's arithmetic intensity. Stage 0 has no input gradient: its B counts
+nothing and its W the whole backward, priced at the FLOP-weighted mean of the B and W
+fractions (half of a layer's backward FLOPs are each's). A hop between ranks takes the
+profile's point-to-point latency plus the activation's bytes over its bandwidth. A profile
+measured with other torch threads than a rank of the run has predicts another machine: the
+dry run says so.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Sequence
+
+__all__ = ["predicted_times", "profile_threads"]
+
+
+def predicted_times(stages: Sequence, inputs, loss_fn: Callable, target, hardware) -> tuple[
+        tuple[float, ...], tuple[float, ...], tuple[float, ...], float]:
+    """(t_f, t_b, t_w per stage, t_comm) in seconds for one microbatch (module docstring)."""
+    import torch
+
+    from ..runtime.calibrate import count_stage_passes
+
+    counts = count_stage_passes(stages, inputs, loss_fn, target)
+    peak = hardware.flops
+
+    def seconds(kind: int, count) -> float:
+        return count.flops / (peak * hardware.fraction(kind, count.intensity)) if count.flops else 0.0
+
+    f, b, w = [], [], []
+    for index, (cf, cb, cw) in enumerate(counts):
+        f.append(seconds(0, cf))
+        b.append(seconds(1, cb))
+        if index == 0 and not cb.flops:  # the whole backward runs in W
+            mixed = 2.0 / (1.0 / hardware.fraction(1, cw.intensity) + 1.0 / hardware.fraction(2, cw.intensity))
+            w.append(cw.flops / (peak * mixed) if cw.flops else 0.0)
+        else:
+            w.append(seconds(2, cw))
+    with torch.no_grad():
+        activation = stages[0](inputs)
+    leaves = [activation] if isinstance(activation, torch.Tensor) else list(activation)
+    size = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+    t_comm = hardware.latency + size / hardware.bandwidth if len(stages) > 1 else 0.0
+    return tuple(f), tuple(b), tuple(w), t_comm
+
+
+def profile_threads(text: str) -> int | None:
+    """The torch threads a profile file was measured with (None: a preset, or not said)."""
+    path = Path(text)
+    if not path.is_file():
+        return None
+    try:
+        threads = json.loads(path.read_text()).get("threads")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return threads if isinstance(threads, int) and not isinstance(threads, bool) else None
