@@ -73,7 +73,8 @@ def register(sub) -> None:
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch threads on a CPU (default: torch's, all cores). Time as a rank will run: "
                         "`pipeblocks train` gives each of p local ranks cores / p")
-    parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per shape, median (default 5)")
+    parser.add_argument("--repeats", type=positive_int, default=7,
+                        help="timed runs per shape; the fastest is kept, as other work only slows a pass (default 7)")
     parser.add_argument("--vocab", type=positive_int, default=256, help="vocabulary of the timed head (default 256)")
     parser.add_argument("--links", action=argparse.BooleanOptionalAction, default=True,
                         help="measure point-to-point and all-reduce between 2 local processes (default on; "
@@ -110,7 +111,7 @@ def calibrate(args: argparse.Namespace, device, shapes) -> dict:
     import torch
 
     from ..runtime import calibrate as measure
-    from ..sim.hardware_profile import build_profile, link_fields
+    from ..sim.hardware_profile import UNMEASURED_LINKS, build_profile, link_fields
 
     if args.threads is not None and device.type == "cpu":
         torch.set_num_threads(args.threads)
@@ -145,7 +146,10 @@ def calibrate(args: argparse.Namespace, device, shapes) -> dict:
                  f"({time.monotonic() - started:.0f} s)")
         points += _point_rows(args, point, element)
     links = None
-    if args.links:
+    if args.links and device.type == "cuda" and torch.cuda.device_count() < 2:
+        progress("calibrate: one GPU: no link between GPUs to measure; the profile's link is assumed (say so)")
+        links = {**UNMEASURED_LINKS, "note": "not measured: one GPU (NCCL needs a GPU per rank); an assumed link"}
+    elif args.links:
         progress("calibrate: links between 2 local processes ...")
         raw = measure.measure_links(device)
         links = {**link_fields(raw["p2p"], raw["all_reduce"], raw["ranks"]), "backend": raw["backend"]}

@@ -127,11 +127,12 @@ def profile_stage_times(
     *,
     repeats: int = 3,
     clock: Callable[[], float] = time.perf_counter,
+    reduce: Callable[[list[float]], float] = statistics.median,
 ) -> tuple[tuple[float, float, float], ...]:
-    """Per stage, the (F, B, W) seconds of one microbatch: the median of `repeats` runs
-    after one warm-up run, which also finds each stage's B/W partition, reused by the timed
-    runs as the runtime reuses it (`backward.PartitionCache`). Parameter `.grad` is left as
-    it was."""
+    """Per stage, the (F, B, W) seconds of one microbatch: the median (or `reduce`) of
+    `repeats` runs after one warm-up run, which also finds each stage's B/W partition,
+    reused by the timed runs as the runtime reuses it (`backward.PartitionCache`).
+    Parameter `.grad` is left as it was."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     params = [p for stage in stages for p in stage.parameters()]
@@ -165,5 +166,5 @@ def profile_stage_times(
         p.grad = g
     timed = runs[1:]  # the first run warms up allocators and kernels
     return tuple(
-        tuple(statistics.median(run[s][i] for run in timed) for i in range(3)) for s in range(len(stages))
+        tuple(reduce([run[s][i] for run in timed]) for i in range(3)) for s in range(len(stages))
     )

@@ -188,6 +188,13 @@ MODELS = MappingProxyType({
 # Dense 16-bit peak, a typical achievable fraction, and an inter-node link (one NIC) for the
 # pipeline. Data-parallel links: NVLink inside a node (nominal per-GPU figures), the NIC
 # between nodes. `cloud`: A100-class nodes of 8 joined by slow Ethernet (50 Gb/s per GPU).
+# The fractions 0.5 (a100, cloud) and 0.45 (h100) are round figures from published
+# end-to-end MFU of large GPT training (Megatron-LM, Narayanan et al. 2021: 52% of an A100's
+# peak with bubbles and communication), left as they were; one measurement agrees that they
+# are conservative for large layers: on one H200 (989 TFLOP/s dense bf16, the H100's
+# compute) with torch 2.11, the reference GPT's block reached 0.49-0.70 of the peak in F,
+# 0.37-0.62 in B and 0.42-0.59 in W at hidden 2048-8192, varying with shape.
+# `pipeblocks calibrate` measures the user's own device instead (sim.hardware_profile).
 HARDWARE = MappingProxyType({
     "a100": Hardware(
         "a100", flops=312e12, efficiency=0.5, bandwidth=25e9, latency=10e-6,

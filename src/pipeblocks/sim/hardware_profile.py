@@ -169,7 +169,7 @@ def link_fields(p2p: Sequence[tuple[float, float]], all_reduce: Sequence[tuple[f
 
 UNMEASURED_LINKS = {
     "measured": False,
-    "note": "not measured (calibrate --no-links): gloo over loopback, an order of magnitude",
+    "note": "not measured (calibrate --no-links): an assumed link, gloo over loopback's order of magnitude",
     "p2p": {"latency_s": 50e-6, "bandwidth_bytes_per_s": 1e9},
     "all_reduce": {"latency_s": 50e-6, "bandwidth_bytes_per_s": 1e9},
 }
