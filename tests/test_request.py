@@ -76,8 +76,9 @@ def test_train_reads_the_same_generator_options_as_simulate():
 def test_request_bad_input_names_the_fix():
     with pytest.raises(ValueError, match="give either --model"):
         CostSpec(times="1,1,1", model="1.5b")
-    with pytest.raises(ValueError, match="tensor parallelism is not supported yet"):
-        Mesh(pp=2, tp=2)
+    with pytest.raises(ValueError, match="give 1 or more tensor-parallel ranks"):
+        Mesh(pp=2, tp=0)
+    assert Mesh(pp=2, dp=2, tp=2).world_size == 8
     with pytest.raises(ValueError, match=r"m must be an integer >= 1, got 0"):
         ScheduleRequest(name="1f1b", m=0, mesh=Mesh(pp=2))
     with pytest.raises(ValueError, match="needs a schedule name or a file"):

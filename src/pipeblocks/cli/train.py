@@ -15,6 +15,7 @@
     pipeblocks train --clip-grad 1.0                         # global-norm clipping, no barrier before the step
     pipeblocks train --schedule zb-v -p 4 -m 8 --layers 8 --dry-run   # predicted memory and time, no launch
     pipeblocks train --schedule zb-v -p 2 -m 4 --dp 2 --sharding zero3 --dtype float64 --verify   # 2 x 2 mesh
+    pipeblocks train --model-family llama -p 2 --tp 2 --precision bf16-mixed   # 2 pipeline x 2 tensor-parallel
 
 `--model-family` picks the model: gpt (the reference GPT), llama (the built-in Llama-style
 model: RMSNorm, rotary positions, SwiGLU, grouped-query attention with --kv-heads), or
@@ -28,7 +29,7 @@ trains on CUDA when there is a GPU for every local rank, else on the CPU; `--dev
 with fewer GPUs than ranks is refused before anything starts.
 
 Under torchrun (`torchrun --nnodes N --nproc-per-node G -m pipeblocks train ...`, the
-environment rendezvous detected) each process is one rank, p x dp must equal the world
+environment rendezvous detected) each process is one rank, p x dp x tp must equal the world
 size, the rank holding the last stage prints the progress and global rank 0 writes the
 report; the options are those of a local run.
 
@@ -69,6 +70,11 @@ exits without starting a process.
 a step trains on D x m microbatches) and `--sharding` shards each chunk over them:
 replicate, zero1, zero2, zero3, or one policy per chunk (docs/mesh.md).
 
+`--tp T` splits every stage over T processes with torch's tensor parallelism (DTensor:
+column- and row-wise projections, sequence parallelism between them; p x dp x T processes
+on a ("pp", "dp", "tp") mesh, tp innermost). T must divide the heads, KV heads, MLP width,
+vocabulary and sequence length; with --dp, sharding is zero2 or zero3 (docs/tensor-parallel.md).
+
 `--async MODE` (pipedream, naive, pipemare, nesterov) trains with 1F1B's asynchronous
 form: no flush, each stage steps its optimizer once its m backwards of a step are done;
 `--steps` counts optimizer steps, `--sync-warmup-steps W` runs the first W synchronously,
@@ -87,6 +93,7 @@ starts, with exit status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 from ..core.precision import PRECISION_NAMES
@@ -134,6 +141,8 @@ def register(sub) -> None:
                        help="auto (default: CUDA when there is a GPU for every local rank, else the CPU), cpu, cuda")
     model.add_argument("--data", default=None, metavar="FILE",
                        help="a text file to train on (default: Python's own pydoc topics, no download)")
+    model.add_argument("--tp", type=positive_int, default=1, metavar="T",
+                       help="tensor-parallel processes per stage (default 1: none); p x dp x T processes in all")
     train = parser.add_argument_group("training")
     train.add_argument("--microbatch-size", type=positive_int, default=TrainConfig.microbatch_size,
                        help=f"sequences per microbatch (default {TrainConfig.microbatch_size})")
@@ -196,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
     # the asynchronous form exists for 1F1B (asynchronous.run.check_async names the ones that have one)
     default = ASYNC_DEFAULT_SCHEDULE if async_mode is not None else default_schedule()
     request = request_from_args(args, name=args.name or default, costs=costs)
+    request = dataclasses.replace(request, mesh=dataclasses.replace(request.mesh, tp=args.tp))
     # the weights' dtype: float64 for fp64, float32 otherwise (bf16-mixed keeps float32 masters)
     model = FAMILIES[args.model_family].config(
         layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, seq=args.seq,

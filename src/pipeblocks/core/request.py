@@ -33,14 +33,12 @@ class Mesh:
     dp: int = 1
     """data-parallel replicas of the pipeline, each on its own shard of the global batch"""
     tp: int = 1
-    """tensor-parallel ranks inside a stage (reserved: only 1 is run today)"""
+    """tensor-parallel ranks inside a stage (`pipeblocks train --tp`; runtime.tensor_parallel)"""
 
     def __post_init__(self) -> None:
         _positive("p", self.pp, "give -p 1 or more (pipeline ranks)")
         _positive("dp", self.dp, "give 1 or more data-parallel replicas")
         _positive("tp", self.tp, "give 1 or more tensor-parallel ranks")
-        if self.tp != 1:
-            raise ValueError(f"tensor parallelism is not supported yet (tp={self.tp}): use tp=1")
 
     @property
     def world_size(self) -> int:

@@ -8,6 +8,7 @@
     >>> mine = fam.build_stages(cfg, seed=0, num_stages=4, stages=(0, 3), device="cpu")  # one rank's
     >>> stages = fam.split(reference, 4)                               # all stages, shared parameters
     >>> loss = fam.loss_fn(logits, targets)        # mean next-token cross entropy, float32 or wider
+    >>> plan = fam.tp_plan()                       # how a stage splits over tensor-parallel ranks (tp_plan.py)
 
 Families:
     gpt        the reference GPT (learned positions, LayerNorm, GELU MLP); GPTConfig
@@ -49,6 +50,8 @@ class Family:
     """`f(model, num_stages, counts=)` -> every stage, sharing the model's parameters."""
     supports_sequence_chunks: bool
     """Whether its stages take `chunk=` (Seq1F1B and the other sequence-chunked schedules)."""
+    tp_planner: str
+    """`f()` -> its `tp_plan.TPPlan`: how a stage is split over tensor-parallel ranks."""
     requires: str | None = None
     """An optional package it needs (checked by `get_family`)."""
 
@@ -76,6 +79,10 @@ class Family:
     def split(self, model: Any, num_stages: int, *, counts: Sequence[int] | None = None) -> list:
         """All stages of `model` (from `build_model`), sharing its parameters."""
         return self._resolve(self.splitter)(model, num_stages, counts=counts)
+
+    def tp_plan(self) -> Any:
+        """The `tp_plan.TPPlan` that `runtime.tensor_parallel.parallelize_stage` applies to its stages."""
+        return self._resolve(self.tp_planner)()
 
     @staticmethod
     def loss_fn(logits: Any, targets: Any) -> Any:
@@ -107,11 +114,13 @@ class Family:
 
 FAMILIES: Mapping[str, Family] = MappingProxyType({
     f.name: f for f in (
-        Family("gpt", "GPT", GPTConfig, ".gpt:GPT", ".split:build_stages", ".split:split_gpt", True),
+        Family("gpt", "GPT", GPTConfig, ".gpt:GPT", ".split:build_stages", ".split:split_gpt", True,
+               ".gpt:gpt_tp_plan"),
         Family("llama", "Llama", LlamaConfig, ".llama:Llama", ".llama:build_llama_stages", ".llama:split_llama",
-               True),
+               True, ".llama:llama_tp_plan"),
         Family("hf-llama", "Hugging Face Llama", LlamaConfig, ".hf_llama:build_hf_llama",
-               ".hf_llama:build_hf_llama_stages", ".hf_llama:split_hf_llama", False, requires="transformers"),
+               ".hf_llama:build_hf_llama_stages", ".hf_llama:split_hf_llama", False, ".hf_llama:hf_llama_tp_plan",
+               requires="transformers"),
     )
 })
 

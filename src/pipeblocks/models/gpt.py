@@ -49,7 +49,7 @@ from .init import seeded_normal_
 
 __all__ = [
     "GPTConfig", "GPT", "Embedding", "Block", "Head", "CausalSelfAttention", "MLP", "KVExtender",
-    "causal_attention", "bottom_right_mask", "init_parameters", "parameter_init", "cross_entropy",
+    "causal_attention", "bottom_right_mask", "init_parameters", "parameter_init", "cross_entropy", "gpt_tp_plan",
 ]
 
 
@@ -91,28 +91,38 @@ def bottom_right_mask(s_q: int, s_k: int, dtype: torch.dtype, device: torch.devi
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one fused q/k/v projection.
+
+    The fused projection's 3·hidden outputs are grouped by head: head i's query, key and
+    value (head_dim each) are outputs [3·d·i, 3·d·(i+1)), Megatron's layout. A row split of
+    the fused weight is then a split by heads, which is what tensor parallelism shards
+    (`gpt_tp_plan`); the forward counts heads from the projection's width, so it runs on
+    a shard unchanged.
+    """
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.heads = cfg.heads
+        self.head_dim = cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, dtype=cfg.torch_dtype)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden, dtype=cfg.torch_dtype)
 
     def forward(self, x: Tensor, kv: KVExtender | None = None) -> Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).split(h, dim=2)
+        b, s, _ = x.shape
+        d = self.head_dim
+        q, k, v = self.qkv(x).view(b, s, -1, 3 * d).split(d, dim=3)  # [b, s, a, d] each
         if kv is not None:
             # k and v will live in the extender's buffer; q is a view of the fused qkv output,
             # and attention saving that view would keep this chunk's k and v a second time.
             # (Copied before the head transpose, so that the attention output keeps the
             # [b, s, a, d] layout and the projection's input stays a view of it.)
             q = q.contiguous()
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if kv is None:
             y = causal_attention(q, k, v)
         else:
             k, v, mask = kv.extend(k, v)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLP(nn.Module):
@@ -230,3 +240,39 @@ def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     if logits.is_floating_point() and torch.finfo(logits.dtype).bits < 32:
         logits = logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def gpt_tp_plan():
+    """The GPT's tensor-parallel plan (`models.tp_plan`): fused qkv and MLP up split by
+    columns (heads, inner features), the attention and MLP outputs by rows; token and
+    position tables split by rows, the LM head by vocabulary columns; LayerNorms run on the
+    token shard (sequence parallelism)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    )
+
+    from .tp_plan import TPPlan
+
+    block = {
+        "ln1": SequenceParallel(),
+        "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+                                   use_local_output=True),
+        "attn.qkv": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "ln2": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                  use_local_output=True),
+        "mlp.up": ColwiseParallel(),
+        "mlp.down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+    first = {
+        "embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        # positions [s] -> [s, h]: sharded by tokens on its dim 0, which broadcasts onto dim 1 of [b, s, h]
+        "embed.pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0), use_local_output=False),
+    }
+    last = {
+        "head.norm": SequenceParallel(),
+        "head.out": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    return TPPlan(block=block, first=first, last=last)

@@ -43,7 +43,7 @@ from .stage import Stage
 
 __all__ = [
     "HF_LLAMA_LAYOUT", "HFLlamaAdapter", "MISSING_TRANSFORMERS", "require_transformers", "hf_config",
-    "build_hf_llama", "parameter_init", "split_hf_llama", "build_hf_llama_stages",
+    "build_hf_llama", "parameter_init", "split_hf_llama", "build_hf_llama_stages", "hf_llama_tp_plan",
 ]
 
 HF_LLAMA_LAYOUT = Layout(
@@ -160,3 +160,34 @@ def build_hf_llama_stages(
         num_stages=num_stages, stages=stages, device=device, init=parameter_init(cfg, seed=seed),
         adapter=HFLlamaAdapter(attn_implementation), counts=counts,
     )
+
+
+def hf_llama_tp_plan():
+    """Hugging Face Llama's tensor-parallel plan (`models.tp_plan`), the built-in Llama's by
+    HF's module names; the decoder layer calls its attention with keyword arguments."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    )
+
+    from .tp_plan import TPPlan
+
+    block = {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                        use_local_output=True),
+        **{f"self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")},
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                  use_local_output=True),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+    first = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                   use_local_output=False)}
+    last = {"model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    return TPPlan(block=block, first=first, last=last)

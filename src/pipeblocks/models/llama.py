@@ -48,7 +48,7 @@ from .stage import Stage
 
 __all__ = [
     "LlamaConfig", "Llama", "LlamaBlock", "Attention", "SwiGLU", "Rotary", "apply_rotary",
-    "LLAMA_LAYOUT", "LlamaAdapter", "parameter_init", "split_llama", "build_llama_stages",
+    "LLAMA_LAYOUT", "LlamaAdapter", "parameter_init", "split_llama", "build_llama_stages", "llama_tp_plan",
 ]
 
 LLAMA_LAYOUT = Layout(blocks="blocks", before=("embed",), after=("norm", "head"), shared=("rotary",))
@@ -94,9 +94,10 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVExtenderLike | None = None) -> Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        # heads counted from the projections' widths: under tensor parallelism they hold a shard of the heads
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         grouped = self.kv_heads != self.heads
         if kv is None:
@@ -104,7 +105,7 @@ class Attention(nn.Module):
         else:
             k, v, mask = kv.extend(k, v)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class SwiGLU(nn.Module):
@@ -213,3 +214,33 @@ def build_llama_stages(
         lambda: Llama(cfg, seed=seed), LLAMA_LAYOUT, num_stages=num_stages, stages=stages, device=device,
         init=parameter_init(cfg, seed=seed), adapter=LlamaAdapter(), counts=counts,
     )
+
+
+def llama_tp_plan():
+    """The Llama-style model's tensor-parallel plan (`models.tp_plan`): q, k, v, gate and up
+    split by columns (heads, KV heads, inner features), o_proj and down_proj by rows; the
+    embedding by vocabulary rows, the head by vocabulary columns; RMSNorms on the token shard."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    )
+
+    from .tp_plan import TPPlan
+
+    block = {
+        "attn_norm": SequenceParallel(),
+        # attn(x, cos, sin, kv): only x is sharded; the rotary tables are whole on every rank
+        "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                   desired_input_layouts=(Replicate(), None, None, None), use_local_output=True),
+        **{f"attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")},
+        "attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "mlp_norm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                  use_local_output=True),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+    first = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)}
+    last = {"norm": SequenceParallel(), "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    return TPPlan(block=block, first=first, last=last)

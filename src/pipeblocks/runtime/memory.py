@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["SavedTensorTracker", "StageMemory"]
 
@@ -88,7 +89,7 @@ class SavedTensorTracker:
             return tensor
         entry = self._live.get(key)
         if entry is None:
-            nbytes = tensor.untyped_storage().nbytes()
+            nbytes = _plain(tensor).untyped_storage().nbytes()
             self._live[key] = [1, nbytes]
             self._change(nbytes)
         else:
@@ -118,8 +119,17 @@ def _unpack(packed):
     return packed.tensor if isinstance(packed, _Saved) else packed
 
 
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns the memory: a DTensor's local shard, the result buffer of an
+    asynchronous collective (tensor subclasses that wrap one inner tensor)."""
+    while is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        tensor = getattr(tensor, names[0])
+    return tensor
+
+
 def _storage_key(tensor: torch.Tensor) -> tuple:
-    tensor = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard
+    tensor = _plain(tensor)
     storage = tensor.untyped_storage()
     return (tensor.device.type, tensor.device.index, storage.data_ptr(), storage.nbytes())
 

@@ -18,6 +18,11 @@ Two paths with the same arithmetic (`core.precision` names the policy):
     copies = ComputeCopies(stages, torch.bfloat16)          # stages: global index -> module
     runner = PipelineRunner(schedule, copies.stages, loss_fn, precision=copies)
 
+Under tensor parallelism (`tensor_parallel.py`) the masters are DTensors and so are their
+copies (`master.to(bfloat16)` casts the local shard); `functional_call` runs the parallel
+styles' hooks with them, so the same two paths hold: ComputeCopies on the chunks FSDP2 does
+not shard, FSDP2's policy on those it does (gathered over "dp", still sharded over "tp").
+
 Why not FSDP2 everywhere: a replicated chunk would need an FSDP2 module over a one-rank
 mesh per replica and its hooks on every pass; the cast copies are the same arithmetic in
 a dozen lines and run without torch.distributed (the one-process reference of `--verify`
@@ -107,7 +112,8 @@ class ComputeCopies:
                     for name, param in module.named_parameters()
                 }
         held = self.held()
-        self.step_bytes = sum(t.numel() * t.element_size() for t in held)
+        # a DTensor copy (tensor parallelism) holds its local shard
+        self.step_bytes = sum(getattr(t, "_local_tensor", t).numel() * t.element_size() for t in held)
         return held
 
     def end_step(self) -> None:

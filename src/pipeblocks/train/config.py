@@ -13,7 +13,7 @@ the command line or a request; nothing here calls into the simulator):
 
     model       ModelSpec: the model family ("gpt", "llama", "hf-llama") and its config
     schedule    ScheduleSpec: the schedule, its sequence-chunk lengths, the recomputed pairs
-    mesh        MeshSpec: data-parallel replicas, sharding per chunk, the device type
+    mesh        MeshSpec: data-parallel replicas, sharding per chunk, tensor-parallel ranks, the device type
     precision   core.precision.PrecisionPolicy: fp32, fp64 or bf16-mixed
     checkpoint  CheckpointSpec: where and when to save, whether to resume (None: no checkpoints)
     emulation   EmulationSpec: sleep instead of computing (None: real compute)
@@ -133,20 +133,24 @@ class ScheduleSpec:
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """Where the ranks run: p pipeline ranks (the schedule's) x dp replicas, on one device type."""
+    """Where the ranks run: p pipeline ranks (the schedule's) x dp replicas x tp tensor-parallel
+    ranks, on one device type."""
 
     dp: int = 1
-    """data-parallel replicas of the pipeline: p x dp processes; a step trains on dp x m microbatches"""
+    """data-parallel replicas of the pipeline: p x dp x tp processes; a step trains on dp x m microbatches"""
     sharding: tuple[ShardingPolicy, ...] = (ShardingPolicy.REPLICATE,)
     """the sharding policy of every chunk (one, or one per stage)"""
     device: str = "cpu"
     """"cpu" or "cuda" (resolved from --device auto|cpu|cuda before launch)"""
     threads_per_rank: int | None = None
     """torch threads in each rank (None: the cores divided among the ranks on this machine)"""
+    tp: int = 1
+    """tensor-parallel ranks per stage (runtime.tensor_parallel); 1: none"""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1:
-            raise ValueError(f"--dp must be an integer >= 1, got {self.dp!r}")
+        for name, value in (("--dp", self.dp), ("--tp", self.tp)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device!r}: resolve --device to cpu or cuda before building the config")
         object.__setattr__(self, "sharding", tuple(ShardingPolicy(p) for p in self.sharding))
@@ -248,7 +252,7 @@ class TrainConfig:
         if self.inject_nonfinite is not None and not 1 <= self.inject_nonfinite <= self.steps:
             raise ValueError(f"inject_nonfinite must be a step in 1..{self.steps}, got {self.inject_nonfinite!r}")
         object.__setattr__(self, "mesh", MeshSpec(self.mesh.dp, per_stage(self.mesh.sharding, self.num_stages),
-                                                  self.mesh.device, self.mesh.threads_per_rank))
+                                                  self.mesh.device, self.mesh.threads_per_rank, self.mesh.tp))
         if self.precision.master != self.model.config.dtype:
             raise ValueError(
                 f"precision {self.precision.name} keeps {self.precision.master} weights but the model is built in "
@@ -279,8 +283,12 @@ class TrainConfig:
         return self.mesh.data_parallel
 
     @property
+    def tp(self) -> int:
+        return self.mesh.tp
+
+    @property
     def world_size(self) -> int:
-        return self.schedule.p * self.mesh.dp
+        return self.schedule.p * self.mesh.dp * self.mesh.tp
 
     def threads_for(self, processes: int) -> int:
         """torch threads in each of `processes` processes sharing this machine: the mesh's
@@ -313,4 +321,5 @@ class TrainConfig:
             **({"family": self.model.family} if self.model.family != "gpt" else {}),
             **({"precision": self.precision.name} if self.precision.name not in ("fp32", "fp64") else {}),
             **({"dp": self.dp, "sharding": [str(p) for p in self.sharding]} if self.data_parallel else {}),
+            **({"tp": self.tp} if self.tp > 1 else {}),
         }

@@ -52,7 +52,7 @@ KEEP_TIMELINES = 32
 
 
 def launch(cfg: TrainConfig) -> list[RankResult] | None:
-    """Run `cfg` in p x dp processes: local ones (gloo on CPU, NCCL on CUDA), or, under
+    """Run `cfg` in p x dp x tp processes: local ones (gloo on CPU, NCCL on CUDA), or, under
     torchrun, this process as its rank. A failure on any rank raises here. Returns every
     rank's result, on the launching process (rank 0 under torchrun; None on the others)."""
     from ..runtime.launch import run_here, spawn, under_torchrun
@@ -67,13 +67,13 @@ def launch(cfg: TrainConfig) -> list[RankResult] | None:
             print(f"--overwrite: removed {len(removed)} checkpoint file(s) of an earlier run from "
                   f"{ck.directory!r}", file=sys.stderr, flush=True)
     world = cfg.world_size
-    check_world_size(cfg.schedule.p, cfg.dp, world)
+    check_world_size(cfg.schedule.p, cfg.dp, world, cfg.tp)
     if torchrun:
         return run_here(train_rank, args=(cfg,), world_size=world, timeout_s=cfg.timeout_s, device=cfg.mesh.device,
                         threads_per_rank=cfg.mesh.threads_per_rank)
     return spawn(
         train_rank, world, args=(cfg,), timeout_s=cfg.timeout_s, threads_per_rank=cfg.threads_for(world),
-        schedule=None if cfg.data_parallel else cfg.schedule.schedule, device=cfg.mesh.device,
+        schedule=None if cfg.data_parallel or cfg.tp > 1 else cfg.schedule.schedule, device=cfg.mesh.device,
     )
 
 
@@ -98,6 +98,7 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
 
 
 def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
+    from ..runtime.tensor_parallel import settle_partial_grads, tp_local_shape
     from .rank_setup import setup_rank
 
     setup = setup_rank(ctx, cfg)
@@ -106,11 +107,11 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
     optimizer = dp.optimizer(torch.optim.AdamW, lr=cfg.lr) if dp is not None else torch.optim.AdamW(setup.params,
                                                                                                     lr=cfg.lr)
     start = _restore(cfg, ctx, setup, optimizer)
-    # with data parallelism the optimizer steps directly (prepare refuses --clip-grad there)
-    validator = None if dp is not None else PostValidator(
+    # with data or tensor parallelism the optimizer steps directly (prepare refuses --clip-grad there)
+    validator = None if dp is not None or cfg.tp > 1 else PostValidator(
         optimizer, max_norm=cfg.clip_grad, optimistic=cfg.optimistic_step, timeout_s=cfg.timeout_s)
     runner = _runner(cfg, ctx, setup)
-    shapes = {s: [tuple(p.shape) for p in m.parameters() if p.requires_grad] for s, m in stages.items()}
+    shapes = {s: [tp_local_shape(p) for p in m.parameters() if p.requires_grad] for s, m in stages.items()}
     static_predicted = _predict_static(cfg, runner.program, rank, replica, shapes)
     link = _dp_link(cfg, setup)
     control = ctx.control
@@ -125,6 +126,8 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
         optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         result = runner.step(inputs if runner.holds_first_stage else None, targets if runner.holds_last_stage else None)
+        if cfg.tp > 1:
+            settle_partial_grads(setup.params)
         if cfg.inject_nonfinite == step + 1 and rank == cfg.schedule.p - 1:
             next(p.grad for p in setup.params if p.grad is not None).view(-1)[0] = float("inf")
         if dp is None:
@@ -145,7 +148,8 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
             return RankResult(rank, tuple(stages), ((step, loss),) if loss is not None else (),
                               grads=grads if grads is not None else _full_grads(built), params=_full_params(built),
                               checks=() if check is None or cfg.clip_grad is None else ((step, check),),
-                              dp_rank=replica, static_bytes_measured=static, static_bytes_predicted=static_predicted[0])
+                              dp_rank=replica, static_bytes_measured=static, static_bytes_predicted=static_predicted[0],
+                              tp_rank=setup.tp_rank)
         if check is not None and check.outcome == "skipped":
             skipped.append(step)
         if dp is not None:
@@ -157,7 +161,7 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
             timelines.append((step, result.timeline))
         if loss is not None:
             losses.append((step, loss))
-            if not cfg.quiet and replica == 0:
+            if not cfg.quiet and replica == 0 and setup.tp_rank == 0:
                 _progress_line(cfg, step, loss, t1 - t0, check)
         stop = control.step_done(step + 1)  # True on every rank after the same step
         if _save_if_due(cfg, control, setup, optimizer, step + 1, final=stop or step + 1 == last):
@@ -169,7 +173,8 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
     predicted = static_predicted[1] if len(spans) > 1 else static_predicted[0]
     return RankResult(rank, tuple(stages), tuple(losses), tuple(spans), peak, tuple(timelines),
                       skipped_steps=tuple(skipped), dp_rank=replica, static_bytes_measured=static,
-                      static_bytes_predicted=predicted, dp_wait_s=tuple(dp_waits), dp_link=link)
+                      static_bytes_predicted=predicted, dp_wait_s=tuple(dp_waits), dp_link=link,
+                      tp_rank=setup.tp_rank)
 
 
 def _restore(cfg: TrainConfig, ctx, setup, optimizer) -> int:
@@ -194,7 +199,8 @@ def _runner(cfg: TrainConfig, ctx, setup):
     compute = _emulated_compute(cfg, setup.modules, ctx.device) if cfg.emulation is not None else None
     return PipelineRunner(
         cfg.schedule.schedule, setup.runner_stages, setup.loss_fn, rank=setup.rank, device=ctx.device,
-        timeout_s=cfg.timeout_s, record_timeline=not cfg.verify and setup.replica == 0, compute=compute,
+        timeout_s=cfg.timeout_s, record_timeline=not cfg.verify and setup.replica == 0 and setup.tp_rank == 0,
+        compute=compute,
         seq_lengths=cfg.schedule.seq_lengths, group=setup.pp_group, data_parallel=setup.data_parallel,
         recompute=cfg.schedule.recompute, precision=setup.copies if compute is None else None,
     )
@@ -257,8 +263,10 @@ def _replica_mean(loss: float, mesh) -> float:
 
 
 def _full(tensor):
-    """A DTensor (an FSDP2 shard) gathered over its replicas; a plain tensor as is."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    """A DTensor (an FSDP2 or tensor-parallel shard) gathered whole; a plain tensor as is."""
+    from ..runtime.tensor_parallel import full_tensor
+
+    return full_tensor(tensor)
 
 
 def _full_grads(built) -> dict:
@@ -309,11 +317,11 @@ def _resume(cfg: TrainConfig, ctx, stages, optimizer, data_source: str) -> int:
 
 def uses_sharded_checkpoints(cfg: TrainConfig) -> bool:
     """Whether the run's checkpoints go through torch.distributed.checkpoint: always with data
-    parallelism or sharding, and when resuming such a checkpoint (at any dp size)."""
+    or tensor parallelism or sharding, and when resuming such a checkpoint (at any dp or tp size)."""
     ck = cfg.checkpoint
     if ck is None:
         return False
-    return cfg.data_parallel or (ck.resume and sharded.has_sharded(ck.directory))
+    return cfg.data_parallel or cfg.tp > 1 or (ck.resume and sharded.has_sharded(ck.directory))
 
 
 def _chunk_optimizers(optimizer) -> list[torch.optim.Optimizer]:

@@ -5,9 +5,10 @@
                             rank=setup.rank, group=setup.pp_group, data_parallel=setup.data_parallel,
                             precision=setup.copies, ...)
 
-In order: the (pp, dp) mesh when the run is data-parallel; this rank's stages of the model,
-and only those, with the weights the whole model of the same seed has
-(`models.family.Family.build_stages`); the precision (bf16-mixed: FSDP2's
+In order: the (pp, dp, tp) mesh when the run is data- or tensor-parallel; this rank's stages
+of the model, and only those, with the weights the whole model of the same seed has
+(`models.family.Family.build_stages`); with tp > 1 each stage split over the tp group
+(`runtime.tensor_parallel.parallelize_stage`, before FSDP2 wraps it); the precision (bf16-mixed: FSDP2's
 MixedPrecisionPolicy on the chunks it shards, `runtime.precision.ComputeCopies` on the
 others); the data-parallel wrapper (FSDP2, ZeroRedundancyOptimizer) before any optimizer is
 built over the parameters; the data; the seed of torch's generator.
@@ -38,7 +39,7 @@ class RankSetup:
     replica: int
     """the data-parallel replica (rank in the dp group; 0 without data parallelism)"""
     mesh: Any
-    """runtime.mesh.PipelineMesh, or None without data parallelism"""
+    """runtime.mesh.PipelineMesh, or None without data or tensor parallelism"""
     modules: dict[int, torch.nn.Module]
     """global stage -> its module, holding the master weights (what the optimizer, the
     checkpoints and `--verify` see)"""
@@ -61,6 +62,11 @@ class RankSetup:
         return self.mesh.pp_group if self.mesh is not None else None
 
     @property
+    def tp_rank(self) -> int:
+        """The rank in the tensor-parallel group (0 without tensor parallelism)."""
+        return self.mesh.tp_rank if self.mesh is not None else 0
+
+    @property
     def params(self) -> list[torch.nn.Parameter]:
         return [p for module in self.stages for p in module.parameters()]
 
@@ -72,22 +78,28 @@ def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
 
     family = cfg.model.family_object()
     mesh = None
-    if cfg.data_parallel:
+    if cfg.data_parallel or cfg.tp > 1:
         from ..runtime.mesh import init_mesh
 
-        mesh = init_mesh(cfg.schedule.p, cfg.dp, ctx.device)
+        mesh = init_mesh(cfg.schedule.p, cfg.dp, ctx.device, tp=cfg.tp)
     rank, replica = (mesh.pp_rank, mesh.dp_rank) if mesh is not None else (ctx.rank, 0)
     mine = cfg.schedule.placement.stages_of(rank)
     built = family.build_stages(cfg.model.config, seed=cfg.seed, num_stages=cfg.num_stages, stages=mine,
                                 device=ctx.device)
     modules = {stage.index: stage for stage in built}
+    if cfg.tp > 1:  # TP first, then FSDP2 over the DTensor shards (torchtitan's order)
+        from ..runtime.tensor_parallel import parallelize_stage
+
+        plan = family.tp_plan()
+        for module in modules.values():
+            parallelize_stage(module, plan, mesh.tp_mesh)
     precision = cfg.precision
     fsdp = (ShardingPolicy.ZERO2, ShardingPolicy.ZERO3)
     cast = {s: m for s, m in modules.items() if precision.mixed and not (mesh is not None and cfg.sharding[s] in fsdp)}
     copies = ComputeCopies(cast, torch_dtype(precision.compute)) if cast else None
     runner_stages = {s: copies.stages[s] if s in cast else m for s, m in modules.items()}
     data_parallel = None
-    if mesh is not None:
+    if cfg.data_parallel:
         from ..runtime.data_parallel import DataParallel
 
         # FSDP2 replaces the parameters by their shards: build the optimizer after this

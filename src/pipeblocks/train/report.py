@@ -79,6 +79,8 @@ class RankResult:
     """Per step: time the rank waited on data-parallel communication (exposed)."""
     dp_link: tuple[float, float] | None = None
     """The dp group's measured (bytes/s, latency s per ring step), for the simulator."""
+    tp_rank: int = 0
+    """The rank in the tensor-parallel group (0 without tensor parallelism)."""
 
 
 @dataclass(frozen=True)

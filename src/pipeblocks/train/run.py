@@ -25,6 +25,7 @@ from ..schedules import names
 from ..sim.build import build
 from .config import TrainConfig
 from .report import format_bytes
+from .tp_checks import check_tensor_parallel, warn_tp_across_nodes
 
 if TYPE_CHECKING:  # torch enters only when a run starts, so `pipeblocks list` stays fast
     from ..data import TokenWindows
@@ -85,7 +86,9 @@ def prepare(
 
         check_async(request, schedule, async_mode, {**train_options, "checkpoint": checkpoint, "resume": resume},
                     emulate, policy)
-    dp = request.mesh.dp
+    dp, tp = request.mesh.dp, request.mesh.tp
+    check_tensor_parallel(tp, model=model, seq_chunks=schedule.seq_chunks, dp=dp, sharding=request.sharding,
+                          async_mode=async_mode, clip_grad=train_options.get("clip_grad"), emulate=emulate)
     sharded = dp > 1 or any(str(p) != "replicate" for p in request.sharding)
     if sharded and train_options.get("clip_grad") is not None:
         raise ValueError(
@@ -118,8 +121,9 @@ def prepare(
     emulation = None
     if emulate is not None:
         emulation = EmulationSpec(tuple(emulate), _emulated_link(request) if sharded else None)
-    _check_torchrun_world(schedule.p * dp)
-    mesh = MeshSpec(dp, request.sharding, _device(device, schedule.p * dp, policy), threads_per_rank)
+    _check_torchrun_world(schedule.p * dp * tp, tp)
+    mesh = MeshSpec(dp, request.sharding, _device(device, schedule.p * dp * tp, policy), threads_per_rank, tp)
+    warn_tp_across_nodes(tp, mesh.device)
     seq_lengths = _seq_lengths(schedule, request.costs.seq_split, model)
     data = TokenWindows.load(train_options.get("data"), seq=model.seq)
     pairs = recompute_pairs(schedule, built.recompute)  # --recompute's, or the schedule's own (1f1b-r)
@@ -142,17 +146,18 @@ def prepare(
     return cfg, data
 
 
-def _check_torchrun_world(world: int) -> None:
-    """Under torchrun, the processes it started must be the run's p x dp."""
+def _check_torchrun_world(world: int, tp: int = 1) -> None:
+    """Under torchrun, the processes it started must be the run's p x dp (x tp)."""
     import os
 
     from ..runtime.launch import under_torchrun
 
     if under_torchrun() and int(os.environ["WORLD_SIZE"]) != world:
         started = int(os.environ["WORLD_SIZE"])
+        shape, options = ("p x dp", "-p and --dp") if tp == 1 else ("p x dp x tp", "-p, --dp and --tp")
         raise ValueError(
-            f"the run needs p x dp = {world} processes but torchrun started {started} (WORLD_SIZE): give torchrun "
-            f"--nnodes x --nproc-per-node = {world}, or choose -p and --dp whose product is {started}"
+            f"the run needs {shape} = {world} processes but torchrun started {started} (WORLD_SIZE): give torchrun "
+            f"--nnodes x --nproc-per-node = {world}, or choose {options} whose product is {started}"
         )
 
 
@@ -257,8 +262,9 @@ def describe(cfg: TrainConfig) -> str:
     return (f"{cfg.model.describe()}, {cfg.precision.name}, schedule {s.name} p={s.p} m={s.m} v={s.v}, microbatch "
             f"{cfg.microbatch_size}x{cfg.model.seq} tokens"
             + (f" in {s.seq_chunks} chunks {list(s.seq_lengths)}" if s.seq_chunks > 1 else "")
-            + (f", dp={cfg.dp} sharding {','.join(map(str, cfg.sharding))} ({cfg.world_size} processes)"
-               if cfg.data_parallel else "")
+            + (f", dp={cfg.dp} sharding {','.join(map(str, cfg.sharding))}" if cfg.data_parallel else "")
+            + (f", tp={cfg.tp}" if cfg.tp > 1 else "")
+            + (f" ({cfg.world_size} processes)" if cfg.data_parallel or cfg.tp > 1 else "")
             + (f", on {cfg.mesh.device}" if cfg.mesh.device != "cpu" else ""))
 
 
@@ -412,6 +418,7 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
         return 0  # under torchrun, global rank 0 reports
     if results is None:
         return 1
+    results = [r for r in results if r.tp_rank == 0]  # one row per (pipeline rank, replica)
     # Per-stage activation bytes of one microbatch, measured the way the runtime counts them.
     x, y = data.batch(0, cfg.microbatch_size, seed=cfg.seed)
     stages, loss_fn = profiled_stages(cfg)
@@ -476,7 +483,8 @@ def judge(cfg: TrainConfig, data: TokenWindows, results) -> tuple[float, float, 
     so comparing it with the reference's own step would compare rounding noise on
     near-zero gradients). With clipping the ranks' step is post-validated, and the one
     process clips synchronously."""
-    from .reference import TOLERANCE, GradDiff, compare_grads, reference_apply, reference_update, relative_difference
+    from .reference import TOLERANCE, TP_BF16_TOLERANCE, GradDiff, compare_grads, reference_apply, reference_update
+    from .reference import relative_difference
     from .reference import torch_threads
 
     loss = next(value for r in results for _, value in r.losses)
@@ -502,20 +510,22 @@ def judge(cfg: TrainConfig, data: TokenWindows, results) -> tuple[float, float, 
         clipped = (f" clip-grad {cfg.clip_grad:g}: global norm {check.norm:.6g} vs one process {ref_norm:.6g}, "
                    f"{check.outcome}, {undone} rank(s) undid an optimistic step;")
     loss_diff = relative_difference(loss, ref_loss)
-    tolerance = TOLERANCE[cfg.precision.name]
+    tolerance = TP_BF16_TOLERANCE if cfg.tp > 1 and cfg.precision.mixed else TOLERANCE[cfg.precision.name]
     largest = max(worst.relative, loss_diff)
     s = cfg.schedule
     chunks = f" seq_chunks={s.seq_chunks} {list(s.seq_lengths)}" if s.seq_chunks > 1 else ""
     mesh = f" dp={cfg.dp} sharding={','.join(map(str, cfg.sharding))}" if cfg.data_parallel else ""
+    mesh += f" tp={cfg.tp}" if cfg.tp > 1 else ""
     recomputed = f" recompute={len(s.recompute)} (stage, microbatch) pairs" if s.recompute else ""
     what = "gradients and weights after the " + ("clipped step" if cfg.clip_grad is not None else "optimizer step")
     lines = [f"verify {cfg.model.family} {s.name} p={s.p} m={s.m}{chunks}{mesh}{recomputed} {cfg.precision.name}:"
              f"{clipped} loss {loss:.10g} vs one process {ref_loss:.10g} (relative difference {loss_diff:.3g}); "
              f"{len(ref_grads)} {what}, largest relative difference {worst.relative:.3g} ({worst.name})"]
-    if cfg.data_parallel:
-        for r in sorted(results, key=lambda r: (r.dp_rank, r.rank)):
-            lines.append(f"rank {r.rank} replica {r.dp_rank}: static bytes measured {r.static_bytes_measured}, "
-                         f"predicted {r.static_bytes_predicted}")
+    if cfg.data_parallel or cfg.tp > 1:
+        for r in sorted(results, key=lambda r: (r.dp_rank, r.rank, r.tp_rank)):
+            tp_rank = f" tp rank {r.tp_rank}" if cfg.tp > 1 else ""
+            lines.append(f"rank {r.rank} replica {r.dp_rank}{tp_rank}: static bytes measured "
+                         f"{r.static_bytes_measured}, predicted {r.static_bytes_predicted}")
     lines.append(f"largest relative difference {largest:.3g}, tolerance {tolerance:g}: "
                  f"{'OK' if largest <= tolerance else 'FAILED'}")
     return largest, tolerance, lines

@@ -12,11 +12,12 @@ Every process of the mesh takes part in a save and a load (they are collectives 
 default group). The state is that of `get_state_dict`/`set_state_dict`
 (torch.distributed.checkpoint.state_dict) over a module dict `stage<s>` -> chunk, with
 the optimizer state flattened to one entry per parameter name: keys do not depend on the
-rank, FSDP2 parameters and their optimizer state are saved as DTensor shards, replicated
+rank, FSDP2 and tensor-parallel parameters and their optimizer state are saved as DTensor
+shards (a tensor-parallel rank's rows or columns, a replica's FSDP2 rows of those), replicated
 tensors once. ZeroRedundancyOptimizer chunks contribute their local optimizer (the state
 of the parameters in this replica's partition), so the replicas together write every
 parameter's state. A load asks only for the entries this process holds, whatever the dp
-size or policy that wrote them: a checkpoint saved at one dp size loads at another.
+size or policy that wrote them: a checkpoint saved at one dp or tp size loads at another.
 
 A save goes to a temporary directory; after every rank has written, rank 0 writes
 COMPLETE.json into it and renames it into place, so a step directory with COMPLETE.json
@@ -67,9 +68,9 @@ def _temporary_path(directory: str | os.PathLike, step: int) -> Path:
 
 
 def portable_meta(meta: Mapping[str, object]) -> dict:
-    """The run description a resume must match: the dp size, the policies and m may change
-    as long as the global batch (dp x m x microbatch) stays the same."""
-    out = {k: v for k, v in meta.items() if k not in ("dp", "sharding", "m")}
+    """The run description a resume must match: the dp and tp sizes, the policies and m may
+    change as long as the global batch (dp x m x microbatch) stays the same."""
+    out = {k: v for k, v in meta.items() if k not in ("dp", "sharding", "m", "tp")}
     out["global_batch"] = int(meta.get("dp", 1)) * int(meta["m"]) * int(meta["microbatch_size"])
     return out
 

@@ -1,0 +1,75 @@
+"""How a model family's stage is split over tensor-parallel ranks: a plan of parallel styles
+by module path, and the sizes tp must divide (checked before anything is launched).
+
+    >>> check_tp(LlamaConfig(heads=4, kv_heads=2, hidden=64, seq=64, vocab=256), 2)   # fine
+    >>> check_tp(LlamaConfig(heads=4, kv_heads=1), 2)
+    ValueError: --tp 2 does not divide the model's 1 KV heads (kv_heads): ...
+    >>> plan = get_family("llama").tp_plan()       # TPPlan; runtime.tensor_parallel applies it
+
+Every family shards the same way (Megatron's tensor parallelism with sequence parallelism,
+as torchtitan writes it with `torch.distributed.tensor.parallel`):
+
+    between blocks and stages  the hidden state [b, s, h] sharded by tokens: Shard(1), s/t each
+    norms                      SequenceParallel: replicated weights, run on the token shard
+    attention / MLP input      all-gathered to the whole sequence (Replicate)
+    q, k, v (fused qkv), MLP up/gate   ColwiseParallel: output features (heads) split by t
+    attention out, MLP down    RowwiseParallel: reduce-scattered back to the token shard
+    embedding                  RowwiseParallel: vocabulary rows split, output the token shard
+    LM head                    ColwiseParallel: vocabulary columns split, logits gathered whole
+
+So the t ranks of a stage each hold 1/t of every projection and embedding, the norms
+whole; a stage's input and output are its token shard, so between pipeline stages each
+rank sends 1/t of the activation. This module imports no torch: the plans' styles are
+built by the families' `*_tp_plan` functions, on use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+__all__ = ["TPPlan", "check_tp", "tp_sizes"]
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """Parallel styles (`torch.distributed.tensor.parallel.ParallelStyle`) by module path.
+
+    block: paths inside one block ("attn.q_proj"), applied to every block of a stage; each
+        block takes and returns the token-sharded hidden state (a DTensor, Shard(1)).
+    first: paths of the before-modules (stage 0): token ids in, the token shard out (a DTensor).
+    last: paths of the after-modules (the last stage): the token shard in, whole logits out
+        (a plain tensor, the same on every tp rank).
+    """
+
+    block: Mapping[str, Any]
+    first: Mapping[str, Any]
+    last: Mapping[str, Any]
+
+
+def tp_sizes(config: Any) -> dict[str, tuple[int, str]]:
+    """Every size tensor parallelism splits, by what it is called: (size, the option that sets it)."""
+    sizes = {"heads": (config.heads, "--heads"), "hidden": (config.hidden, "--hidden")}
+    kv = getattr(config, "num_kv_heads", None)
+    if kv is not None:
+        sizes["KV heads (kv_heads)"] = (kv, "--kv-heads")
+        sizes["MLP width (intermediate)"] = (config.intermediate_size, "--hidden")
+    else:
+        sizes["MLP width (mlp_ratio x hidden)"] = (config.mlp_ratio * config.hidden, "--hidden")
+    sizes["vocabulary (vocab)"] = (config.vocab, "the tokenizer's vocabulary")
+    sizes["tokens per sequence (seq; sequence parallelism)"] = (config.seq, "--seq")
+    return sizes
+
+
+def check_tp(config: Any, tp: int) -> None:
+    """Raise ValueError, naming the numbers and a fix, unless tp divides every size it splits."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"--tp must be an integer >= 1, got {tp!r}")
+    if tp == 1:
+        return
+    for what, (size, option) in tp_sizes(config).items():
+        if size % tp:
+            fits = [t for t in range(1, size + 1) if size % t == 0 and t <= 64]
+            raise ValueError(
+                f"--tp {tp} does not divide the model's {size} {what}: tensor parallelism gives each of the {tp} ranks "
+                f"an equal share; use --tp {' or '.join(map(str, fits[-4:]))}, or change {option} to a multiple of {tp}"
+            )

@@ -1,0 +1,121 @@
+"""Tensor parallelism before launch: the sizes --tp must divide, the options it refuses,
+the (pp, dp, tp) world, and the plans of the model families (no processes started)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from pipeblocks.cli.main import main
+from pipeblocks.core.async_mode import AsyncMode
+from pipeblocks.core.request import Mesh, ScheduleRequest
+from pipeblocks.core.sharding import parse_sharding
+from pipeblocks.models.config import GPTConfig
+from pipeblocks.models.family import get_family
+from pipeblocks.models.llama_config import LlamaConfig
+from pipeblocks.models.tp_plan import check_tp
+from pipeblocks.runtime.mesh import check_world_size
+from pipeblocks.train.run import prepare
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+FAMILIES = ("gpt", "llama") + (("hf-llama",) if HAS_TRANSFORMERS else ())
+
+
+def _prepare(tp: int = 2, *, name: str = "1f1b", dp: int = 1, sharding: str = "replicate", model=None, **options):
+    request = ScheduleRequest(name=name, m=4, mesh=Mesh(pp=2, dp=dp, tp=tp), sharding=parse_sharding(sharding))
+    model = model or LlamaConfig(layers=4, hidden=16, heads=2, kv_heads=2, seq=8)
+    return prepare(request, model=model, microbatch_size=1, **options)
+
+
+def test_tp_must_divide_heads_kv_heads_mlp_vocab_and_seq():
+    check_tp(LlamaConfig(heads=4, kv_heads=2, hidden=64, seq=64, vocab=256), 2)
+    check_tp(GPTConfig(heads=4, hidden=64, seq=64, vocab=256), 4)
+    with pytest.raises(ValueError, match=r"--tp 3 does not divide the model's 4 heads: .*--tp 1 or 2 or 4"):
+        check_tp(LlamaConfig(heads=4, hidden=64), 3)
+    with pytest.raises(ValueError, match=r"--tp 2 does not divide the model's 1 KV heads \(kv_heads\).*--kv-heads"):
+        check_tp(LlamaConfig(heads=4, kv_heads=1, hidden=64), 2)
+    with pytest.raises(ValueError, match=r"--tp 4 does not divide the model's 66 tokens per sequence.*--seq"):
+        check_tp(GPTConfig(heads=4, hidden=64, seq=66), 4)
+    with pytest.raises(ValueError, match=r"--tp 2 does not divide the model's 255 vocabulary"):
+        check_tp(GPTConfig(heads=4, hidden=64, vocab=255), 2)
+    with pytest.raises(ValueError, match=r"--tp 2 does not divide the model's 1 heads"):
+        _prepare(model=LlamaConfig(layers=4, hidden=16, heads=1, seq=8))
+
+
+@pytest.mark.parametrize("options, said", [
+    ({"async_mode": AsyncMode("pipedream")}, "--tp 2 with --async is not supported"),
+    ({"clip_grad": 1.0}, "--clip-grad is not supported with --tp 2"),
+    ({"emulate": (1.0, 1.0, 1.0)}, "--emulate with --tp 2 is not supported"),
+])
+def test_tp_refuses_what_it_does_not_run(options, said):
+    with pytest.raises(ValueError, match=said):
+        _prepare(**options)
+
+
+def test_tp_refuses_sequence_chunks_and_non_fsdp_data_parallelism():
+    with pytest.raises(ValueError, match="--tp 2 with --seq-chunks 2 is not supported"):
+        _prepare(name="seq1f1b")
+    with pytest.raises(ValueError, match="--tp 2 with --dp 2 and sharding replicate: .* use --sharding zero2 or zero3"):
+        _prepare(dp=2)
+    cfg, _ = _prepare(dp=2, sharding="zero3", verify=True)
+    assert cfg.world_size == 8 and cfg.tp == 2 and cfg.meta("x")["tp"] == 2
+
+
+def test_tp1_is_todays_run():
+    cfg, _ = _prepare(tp=1)
+    assert cfg.tp == 1 and cfg.world_size == 2 and "tp" not in cfg.meta("x") and not cfg.data_parallel
+
+
+def test_world_sizes_name_all_three_dims(monkeypatch):
+    with pytest.raises(ValueError, match=r"needs p x d x t = 2 x 1 x 2 = 4 processes but the world has 2"):
+        check_world_size(2, 1, 2, tp=2)
+    check_world_size(2, 2, 8, tp=2)
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"needs p x dp x tp = 4 processes but torchrun started 2 .*-p, --dp and --tp"):
+        _prepare()
+
+
+def test_cli_tp_option_reaches_the_config(capsys):
+    code = main(["train", "--model-family", "llama", "--tp", "2", "--kv-heads", "1", "--heads", "2", "--hidden", "16",
+                 "--layers", "4", "--seq", "8", "--dry-run"])
+    assert code == 2
+    assert "--tp 2 does not divide the model's 1 KV heads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_projection_of_a_block_is_in_the_plan(family):
+    """Each block's linear layers are split (column- or row-wise), its norms run sequence-parallel."""
+    fam = get_family(family)
+    cfg = fam.config(layers=2, hidden=16, heads=2, seq=8, vocab=256)
+    stage = fam.split(fam.build_model(cfg, seed=0), 1)[0]
+    plan = fam.tp_plan()
+    _, block = stage.block_items()[0]
+    linears = {name for name, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert linears <= set(plan.block), linears - set(plan.block)
+    ends = {name for name, m in stage.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
+            and not name.startswith(stage.layout.blocks)}
+    assert ends <= set(plan.first) | set(plan.last), ends
+
+
+def test_gpt_fused_qkv_is_grouped_by_head():
+    """A row split of the fused projection into t blocks gives each block whole heads: the
+    attention over heads [0, a/2) of the whole model equals attention with the first half."""
+    from pipeblocks.models.gpt import CausalSelfAttention
+
+    cfg = GPTConfig(hidden=16, heads=4, dtype="float64")
+    attn = CausalSelfAttention(cfg)
+    x = torch.randn(2, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    half = CausalSelfAttention(cfg)
+    with torch.no_grad():
+        half.qkv.weight = torch.nn.Parameter(attn.qkv.weight[:24].clone())
+        half.qkv.bias = torch.nn.Parameter(attn.qkv.bias[:24].clone())
+        half.proj.weight = torch.nn.Parameter(attn.proj.weight[:, :8].clone())
+        half.proj.bias = torch.nn.Parameter(torch.zeros(16, dtype=torch.float64))
+        other = CausalSelfAttention(cfg)
+        other.qkv.weight = torch.nn.Parameter(attn.qkv.weight[24:].clone())
+        other.qkv.bias = torch.nn.Parameter(attn.qkv.bias[24:].clone())
+        other.proj.weight = torch.nn.Parameter(attn.proj.weight[:, 8:].clone())
+        other.proj.bias = attn.proj.bias
+        torch.testing.assert_close(half(x) + other(x), attn(x), rtol=1e-12, atol=1e-12)
