@@ -104,7 +104,9 @@ def test_injected_inf_skips_exactly_that_step_on_every_rank(tmp_path):
     from pipeblocks.models import GPTConfig
     from pipeblocks.train.reference import reference_losses
 
+    # the reference below trains at a constant rate on the whole corpus
     proc = _train("--schedule", "1f1b", *SMALL, "--dtype", "float64", "--steps", "4", "--clip-grad", "0.5",
+                  "--lr-schedule", "constant", "--warmup-steps", "0", "--held-out", "0",
                   "--inject-nonfinite", "2", "--report", str(tmp_path / "r.json"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"^step +2/4 .*skipped \(non-finite gradient\)", proc.stdout, re.MULTILINE)

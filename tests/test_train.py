@@ -113,9 +113,28 @@ def _train(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
-    proc = _train("--schedule", "1f1b", *SMALL, "--steps", "4", "--report", str(out / "run.json"))
+    proc = _train("--schedule", "1f1b", *SMALL, "--steps", "4", "--report", str(out / "run.json"),
+                  "--eval-every", "2", "--metrics", str(out / "m.jsonl"))
     assert proc.returncode == 0, proc.stderr
     return proc, json.loads((out / "run.json").read_text()), out
+
+
+def test_held_out_loss_and_metrics_file_of_a_run(full_run):
+    from pipeblocks.train.metrics import FIELDS, read_metrics
+
+    proc, report, out = full_run
+    shown = re.findall(r"^eval +(\d+)/4 +held-out loss +([\d.]+)$", proc.stdout, re.M)
+    assert [int(s) for s, _ in shown] == [2, 4]
+    assert [(e["step"], round(e["loss"], 4)) for e in report["eval_losses"]] == [(int(s), float(x)) for s, x in shown]
+    rows = read_metrics(str(out / "m.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(tuple(r) == FIELDS for r in rows)
+    assert [r["loss"] for r in rows] == [x["loss"] for x in report["losses"]]
+    assert [r["eval_loss"] for r in rows] == [None, report["eval_losses"][0]["loss"], None,
+                                               report["eval_losses"][1]["loss"]]
+    # the default schedule: 4 steps are too few for a warm-up; cosine from 3e-3 to 3e-4
+    assert rows[0]["lr"] == pytest.approx(3e-3) and rows[-1]["lr"] == pytest.approx(3e-4)
+    assert all(r["tokens_per_s"] > 0 and r["static_bytes"] > 0 and r["rank"] == 1 for r in rows)
+    assert "(the last 5% held out); lr cosine 0.003 -> 0.0003 over 4 steps" in proc.stdout
 
 
 def test_train_prints_progress_and_reports_measured_against_simulated(full_run):
@@ -166,8 +185,9 @@ def test_bf16_mixed_llama_memory_is_predicted_within_5_percent(schedule, tmp_pat
 
 def test_resume_from_a_checkpoint_gives_the_same_losses(full_run, tmp_path):
     _, straight, _ = full_run
-    first = _train("--schedule", "1f1b", *SMALL, "--steps", "2", "--checkpoint", str(tmp_path / "ck"),
-                   "--report", str(tmp_path / "a.json"))
+    # the first run's schedule is made for all 4 steps: the resumed run continues it
+    first = _train("--schedule", "1f1b", *SMALL, "--steps", "2", "--lr-decay-steps", "4", "--checkpoint",
+                   str(tmp_path / "ck"), "--report", str(tmp_path / "a.json"))
     assert first.returncode == 0, first.stderr
     second = _train("--schedule", "1f1b", *SMALL, "--steps", "4", "--checkpoint", str(tmp_path / "ck"), "--resume",
                     "--report", str(tmp_path / "b.json"))

@@ -10,9 +10,10 @@
     pipeblocks train --schedule seq1f1b -p 2 -m 4 --seq 256 --seq-chunks 4 --seq-split balanced
     pipeblocks train --schedule zb-h1 --seq-chunks 2 --dtype float64 --verify   # any schedule, split by sequence
     pipeblocks train --data notes.txt --seq 128 --layers 8 --hidden 128 --heads 8
-    pipeblocks train --checkpoint ckpt --steps 20            # then, to continue to step 40:
+    pipeblocks train --checkpoint ckpt --steps 20 --lr-decay-steps 40   # then, to continue to step 40:
     pipeblocks train --checkpoint ckpt --steps 40 --resume
     pipeblocks train --clip-grad 1.0                         # global-norm clipping, no barrier before the step
+    pipeblocks train --eval-every 10 --metrics run.jsonl     # held-out loss every 10 steps; one JSON line per step
     pipeblocks train --schedule zb-v -p 4 -m 8 --layers 8 --dry-run   # predicted memory and time, no launch
     pipeblocks train --schedule zb-v -p 2 -m 4 --dp 2 --sharding zero3 --dtype float64 --verify   # 2 x 2 mesh
     pipeblocks train --model-family llama -p 2 --tp 2 --precision bf16-mixed   # 2 pipeline x 2 tensor-parallel
@@ -50,6 +51,13 @@ a barrier before the optimizer step: each rank steps at once and undoes the step
 global check, which completes alongside, says so (post-validation, Zero Bubble section 4).
 With `--verify` and `--clip-grad` the clipped step is taken and the clipped gradients and
 updated weights are compared with synchronous clipping in one process.
+
+The learning rate warms up linearly over `--warmup-steps` (default a tenth of the run),
+then follows `--lr-schedule` (default cosine from --lr down to `--min-lr`, --lr/10); a
+checkpoint carries the schedule and a resumed run continues it exactly. `--held-out F`
+(default 0.05) keeps the last share F of the data out of training; `--eval-every N`
+prints and reports the loss on it every N steps. `--metrics FILE.jsonl` writes one JSON
+line per step (loss, lr, tokens/s, step time, eval loss, memory) as the run goes.
 
 Checkpoints are verified (size and sha256) before a resume: a damaged newest checkpoint
 is reported and the newest step intact on every rank is used. A new run refuses a
@@ -102,7 +110,9 @@ from ..models.config import GPTConfig
 from ..models.family import family_names
 from ..train.config import TrainConfig
 from ..train.run import DEFAULT_SCHEDULE, FALLBACK_SCHEDULE, default_schedule
-from .argtypes import nonneg_int, plot_file, positive_float, positive_int
+from .argtypes import nonneg_float, nonneg_int, plot_file, positive_float, positive_int
+from ..train.lr_schedule import DEFAULT_LR, DEFAULT_LR_WIDTH, DEFAULT_WARMUP_CAP, LR_SCHEDULES, default_lr
+from ..train.loop_options import DEFAULT_HELD_OUT
 from ..schedules.asynchronous import ASYNC_FORMS
 from .async_sim import add_mode_options, mode_from_args
 from .common import add_generator_options, request_from_args
@@ -148,8 +158,27 @@ def register(sub) -> None:
                        help=f"sequences per microbatch (default {TrainConfig.microbatch_size})")
     train.add_argument("--steps", type=positive_int, default=TrainConfig.steps,
                        help=f"optimizer steps in all (default {TrainConfig.steps})")
-    train.add_argument("--lr", type=positive_float, default=TrainConfig.lr,
-                       help=f"AdamW learning rate (default {TrainConfig.lr:g})")
+    train.add_argument("--lr", type=positive_float, default=None,
+                       help=f"AdamW's peak learning rate (default {DEFAULT_LR:g} up to hidden {DEFAULT_LR_WIDTH}, then "
+                       f"{DEFAULT_LR:g} x {DEFAULT_LR_WIDTH} / hidden: {default_lr(1024):.3g} at hidden 1024)")
+    train.add_argument("--lr-schedule", default=None, choices=LR_SCHEDULES,
+                       help="after the warm-up: constant, cosine or linear decay to --min-lr (default cosine; a "
+                       "resumed run continues its checkpoint's schedule)")
+    train.add_argument("--warmup-steps", type=nonneg_int, default=None, metavar="N",
+                       help=f"linear warm-up to --lr over the first N steps (default: a tenth of --steps, at most "
+                       f"{DEFAULT_WARMUP_CAP}; N < --steps)")
+    train.add_argument("--min-lr", type=nonneg_float, default=None, metavar="X",
+                       help="where cosine and linear decay end (default --lr / 10)")
+    train.add_argument("--lr-decay-steps", type=positive_int, default=None, metavar="N",
+                       help="the steps the schedule is made for (default --steps): the whole length, when this "
+                       "run is to be continued with --resume and a larger --steps")
+    train.add_argument("--held-out", type=nonneg_float, default=None, metavar="F",
+                       help=f"the share of the data, at its end, that never trains (default {DEFAULT_HELD_OUT:g})")
+    train.add_argument("--eval-every", type=nonneg_int, default=0, metavar="N",
+                       help="the loss on the held-out windows every N steps and after the last (default 0: never)")
+    train.add_argument("--metrics", default=None, metavar="FILE.jsonl",
+                       help="one JSON line per step: loss, lr, tokens/s, step time, eval loss, memory "
+                       "(pandas.read_json(FILE, lines=True))")
     train.add_argument("--seed", type=nonneg_int, default=TrainConfig.seed, help="weights and data order (default 0)")
     train.add_argument("--checkpoint", default=None, metavar="DIR", help="save per-rank checkpoints here")
     train.add_argument("--save-every", type=nonneg_int, default=0, metavar="N", help="also save every N steps")
@@ -216,6 +245,9 @@ def run(args: argparse.Namespace) -> int:
         checkpoint=args.checkpoint, resume=args.resume, save_every=args.save_every, verify=args.verify,
         timeout_s=args.timeout, quiet=args.quiet, overwrite=args.overwrite, clip_grad=args.clip_grad,
         inject_nonfinite=args.inject_nonfinite, optimistic_step=not args.step_barrier, async_mode=async_mode,
+        lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr,
+        lr_decay_steps=args.lr_decay_steps, held_out=args.held_out,
+        eval_every=args.eval_every, metrics=args.metrics,
     )
     return training.execute(cfg, data, dry=args.dry_run, report=args.report, plot=args.plot)
 

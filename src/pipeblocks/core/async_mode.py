@@ -92,6 +92,10 @@ class AsyncMode:
         if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1):
             raise ValueError(f"discrepancy_decay (D) must be a number in (0, 1] (1 turns T2 off), got {d!r}")
 
+    def describe(self) -> dict:
+        """The mode and its resolved settings, as checkpoints record them."""
+        return {"mode": self.name, "sync_warmup_steps": self.sync_warmup_steps, "K": self.k, "D": self.d}
+
     @property
     def k(self) -> int:
         """T1's K (0 outside pipemare: no rescaling)."""

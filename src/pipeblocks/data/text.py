@@ -11,6 +11,12 @@ The default corpus is `pydoc_data.topics`, the help text that ships with CPython
 A batch is `batch_size` windows of seq+1 consecutive tokens at offsets drawn from a
 generator seeded by (seed, step) alone: step 17 gets the same batch whether the run
 started at step 0 or resumed at step 10, so a checkpoint needs no data cursor.
+
+    >>> train, held = data.split(0.05)      # the last 5% of the tokens never train
+    >>> x, y = held.eval_batch(8)           # the same 8 evenly spaced windows every time
+
+`split` cuts the token stream once, at a token boundary: no training window reaches into
+the held-out tail, whose windows `eval_batch` takes for the held-out loss.
 """
 from __future__ import annotations
 
@@ -22,9 +28,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-__all__ = ["ByteTokenizer", "TokenWindows", "default_corpus", "read_corpus"]
+__all__ = ["ByteTokenizer", "MAX_HELD_OUT", "TokenWindows", "default_corpus", "read_corpus"]
 
 DEFAULT_SOURCE = "pydoc_data.topics"
+MAX_HELD_OUT = 0.5
+"""the largest share of the corpus `split` holds out"""
 
 
 class ByteTokenizer:
@@ -100,6 +108,29 @@ class TokenWindows:
     def num_windows(self) -> int:
         """Distinct window start offsets."""
         return self.tokens.numel() - self.seq
+
+    def split(self, held_out: float) -> tuple[TokenWindows, TokenWindows | None]:
+        """(training windows, held-out windows): the last `held_out` share of the tokens is
+        held out (None when that is 0, or too short for one window of seq+1 tokens)."""
+        if isinstance(held_out, bool) or not isinstance(held_out, (int, float)) or not 0 <= held_out <= MAX_HELD_OUT:
+            raise ValueError(f"--held-out {held_out!r}: give a share of the data in 0 .. {MAX_HELD_OUT:g}")
+        n = self.tokens.numel()
+        cut = n - round(n * held_out)
+        if cut == n:
+            return self, None
+        train = TokenWindows(self.tokens[:cut], self.seq, self.source, self.vocab_size)
+        tail = self.tokens[cut:]
+        held = TokenWindows(tail, self.seq, self.source, self.vocab_size) if tail.numel() > self.seq else None
+        return train, held
+
+    def eval_batch(self, batch_size: int) -> tuple[Tensor, Tensor]:
+        """(inputs, targets) of `batch_size` windows at evenly spaced offsets: the same every
+        call (a fixed evaluation set; windows repeat when there are fewer)."""
+        if batch_size < 1:
+            raise ValueError(f"batch size must be >= 1, got {batch_size}")
+        starts = torch.linspace(0, self.num_windows - 1, batch_size).round().long()
+        windows = self.tokens[starts[:, None] + torch.arange(self.seq + 1)]
+        return windows[:, :-1], windows[:, 1:]
 
     def batch(self, step: int, batch_size: int, *, seed: int = 0) -> tuple[Tensor, Tensor]:
         """(inputs, targets), LongTensor [batch_size, seq] each; a function of (seed, step) only."""

@@ -18,8 +18,9 @@ the command line or a request; nothing here calls into the simulator):
     checkpoint  CheckpointSpec: where and when to save, whether to resume (None: no checkpoints)
     emulation   EmulationSpec: sleep instead of computing (None: real compute)
 
-and the loop's own settings (microbatch size, steps, learning rate, seed, data, clipping,
-timeouts, the asynchronous mode) as plain fields.
+and the loop's own settings (microbatch size, steps, learning rate and its schedule, seed,
+data and its held-out share, evaluation, the metrics file, clipping, timeouts, the
+asynchronous mode) as plain fields.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from ..core.precision import PrecisionPolicy, precision_policy
 from ..core.schedule import Schedule
 from ..core.sharding import ShardingPolicy, per_stage
 from ..models.config import GPTConfig
+from .lr_schedule import LRSchedule
 
 __all__ = ["CheckpointSpec", "EmulationSpec", "MeshSpec", "ModelSpec", "ScheduleSpec", "TrainConfig"]
 
@@ -240,6 +242,15 @@ class TrainConfig:
     async_mode: AsyncMode | None = None
     """train asynchronously in this mode (no flush; `steps` optimizer steps of m microbatches,
     asynchronous/run.py); None: synchronous training"""
+    lr_schedule: LRSchedule | None = None
+    """the rate of every step (lr_schedule.py; its peak is `lr`); None: constant `lr`.
+    `train.run.prepare` gives a fresh run cosine decay with a warm-up"""
+    held_out: float = 0.0
+    """the share of the data, at its end, that never trains (`prepare`'s default: 0.05)"""
+    eval_every: int = 0
+    """every this many steps (and after the last) the loss on the held-out windows; 0: never"""
+    metrics: str | None = None
+    """a JSON-lines file: one line per step (metrics.py); None: none"""
 
     def __post_init__(self) -> None:
         for name in ("microbatch_size", "steps", "timeout_s", "lr"):
@@ -264,6 +275,17 @@ class TrainConfig:
                 f"--sync-warmup-steps {w} leaves no asynchronous step of --steps {self.steps}: give W < steps "
                 f"(W in 0..{self.steps - 1}) or raise --steps"
             )
+        if self.lr_schedule is not None and self.lr_schedule.lr != self.lr:
+            raise ValueError(f"the schedule's peak rate {self.lr_schedule.lr!r} is not lr {self.lr!r}: build it with lr")
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ValueError(f"--eval-every {self.eval_every!r}: give a number of steps >= 1 (0: no evaluation)")
+        if self.eval_every and not self.held_out:
+            raise ValueError(f"--eval-every {self.eval_every} with --held-out 0: no data is held out to evaluate on; "
+                             "give --held-out 0.05, say")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (0-based)."""
+        return self.lr if self.lr_schedule is None else self.lr_schedule.rate(step)
 
     # ---- shorthands ----------------------------------------------------------------
     @property
@@ -321,5 +343,8 @@ class TrainConfig:
             **({"family": self.model.family} if self.model.family != "gpt" else {}),
             **({"precision": self.precision.name} if self.precision.name not in ("fp32", "fp64") else {}),
             **({"dp": self.dp, "sharding": [str(p) for p in self.sharding]} if self.data_parallel else {}),
+            **({"lr_schedule": self.lr_schedule.to_json()} if self.lr_schedule is not None else {}),
+            **({"held_out": self.held_out} if self.held_out else {}),
+            **({"async": self.async_mode.describe()} if self.async_mode is not None else {}),
             **({"tp": self.tp} if self.tp > 1 else {}),
         }

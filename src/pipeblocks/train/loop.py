@@ -120,10 +120,13 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
     control.step_done(start)
     last = start + 1 if cfg.verify else cfg.steps
     losses, spans, peak, skipped, static, dp_waits = [], [], 0, [], 0, []
+    evals: list[tuple[int, float]] = []
+    metrics = _metrics_writer(cfg, setup)
     timelines: deque = deque(maxlen=KEEP_TIMELINES)
     for step in range(start, last):
         inputs, targets = _replica_batch(cfg, data, step, replica)
         optimizer.zero_grad(set_to_none=True)
+        set_lr(optimizer, cfg.lr_at(step))
         t0 = time.perf_counter()
         result = runner.step(inputs if runner.holds_first_stage else None, targets if runner.holds_last_stage else None)
         if cfg.tp > 1:
@@ -163,6 +166,13 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
             losses.append((step, loss))
             if not cfg.quiet and replica == 0 and setup.tp_rank == 0:
                 _progress_line(cfg, step, loss, t1 - t0, check)
+        held = _evaluate_if_due(cfg, ctx, setup, step + 1, last)
+        if held is not None:
+            evals.append((step, held))
+        if metrics is not None and loss is not None:
+            metrics.write(step=step + 1, loss=loss, lr=cfg.lr_at(step), step_time_s=t1 - t0, tokens=cfg.tokens_per_step,
+                          rank=rank, eval_loss=held, activation_bytes=result.peak_saved_bytes or None,
+                          static_bytes=static, device_max_bytes=_device_max_bytes(ctx.device))
         stop = control.step_done(step + 1)  # True on every rank after the same step
         if _save_if_due(cfg, control, setup, optimizer, step + 1, final=stop or step + 1 == last):
             last_good.saved = step + 1
@@ -173,8 +183,53 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
     predicted = static_predicted[1] if len(spans) > 1 else static_predicted[0]
     return RankResult(rank, tuple(stages), tuple(losses), tuple(spans), peak, tuple(timelines),
                       skipped_steps=tuple(skipped), dp_rank=replica, static_bytes_measured=static,
-                      static_bytes_predicted=predicted, dp_wait_s=tuple(dp_waits), dp_link=link,
+                      static_bytes_predicted=predicted, dp_wait_s=tuple(dp_waits), dp_link=link, eval_losses=tuple(evals),
                       tp_rank=setup.tp_rank)
+
+
+def set_lr(optimizer, lr: float) -> None:
+    """Give every parameter group the step's learning rate (one optimizer, or one per chunk)."""
+    for inner in getattr(optimizer, "by_stage", {0: optimizer}).values():
+        for group in inner.param_groups:
+            group["lr"] = lr
+
+
+def _writes_progress(cfg: TrainConfig, setup) -> bool:
+    """Whether this rank prints the progress lines and writes the metrics: the one holding the
+    last stage, of replica 0 (and tensor-parallel rank 0)."""
+    last = cfg.num_stages - 1
+    return last in setup.modules and setup.replica == 0 and getattr(setup, "tp_rank", 0) == 0
+
+
+def _metrics_writer(cfg: TrainConfig, setup):
+    if cfg.metrics is None or cfg.verify or not _writes_progress(cfg, setup):
+        return None
+    from .metrics import MetricsWriter
+
+    return MetricsWriter(cfg.metrics, resume=cfg.checkpoint is not None and cfg.checkpoint.resume)
+
+
+def _evaluate_if_due(cfg: TrainConfig, ctx, setup, done: int, last: int) -> float | None:
+    """After every `eval_every`-th step and the last: the held-out loss (on the rank holding
+    the last stage; None elsewhere and between evaluations). Every rank takes part."""
+    if not cfg.eval_every or cfg.verify or not (done % cfg.eval_every == 0 or done == last):
+        return None
+    import contextlib
+
+    from .evaluate import held_out_loss
+
+    batch = setup.held_out.eval_batch(cfg.batch_size)
+    with setup.copies if setup.copies is not None else contextlib.nullcontext():
+        loss = held_out_loss(setup.runner_stages, setup.loss_fn, cfg.schedule.placement, rank=setup.rank, batch=batch,
+                             microbatches=cfg.schedule.m, group=setup.pp_group, device=ctx.device)
+    ctx.control.beat()
+    if loss is not None and not cfg.quiet and _writes_progress(cfg, setup):
+        print(f"eval {done:>5}/{cfg.steps}  held-out loss {loss:.4f}", flush=True)
+    return loss
+
+
+def _device_max_bytes(device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if torch.device(device).type == "cuda" else None
 
 
 def _restore(cfg: TrainConfig, ctx, setup, optimizer) -> int:

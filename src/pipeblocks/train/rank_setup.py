@@ -51,6 +51,8 @@ class RankSetup:
     """runtime.data_parallel.DataParallel, or None"""
     data: TokenWindows
     loss_fn: Any
+    held_out: TokenWindows | None = None
+    """the held-out tail of the data (`cfg.held_out` of it; None when nothing is held out)"""
 
     @property
     def stages(self) -> list[torch.nn.Module]:
@@ -109,9 +111,10 @@ def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
             if precision.mixed else None,
             extra_static=copies.held if copies is not None else None,
         )
-    data = TokenWindows.load(cfg.data, seq=cfg.model.seq)
+    data, held_out = TokenWindows.load(cfg.data, seq=cfg.model.seq).split(cfg.held_out)
     torch.manual_seed(cfg.seed)
-    return RankSetup(rank, replica, mesh, modules, runner_stages, copies, data_parallel, data, family.loss_fn)
+    return RankSetup(rank, replica, mesh, modules, runner_stages, copies, data_parallel, data, family.loss_fn,
+                     held_out)
 
 
 def emulated_costs(cfg: TrainConfig):

@@ -79,6 +79,8 @@ class RankResult:
     """Per step: time the rank waited on data-parallel communication (exposed)."""
     dp_link: tuple[float, float] | None = None
     """The dp group's measured (bytes/s, latency s per ring step), for the simulator."""
+    eval_losses: tuple[tuple[int, float], ...] = ()
+    """(step, held-out loss) after the steps --eval-every evaluated; the last stage's rank only."""
     tp_rank: int = 0
     """The rank in the tensor-parallel group (0 without tensor parallelism)."""
 
@@ -206,6 +208,8 @@ def build_report(
         "step_time_s": statistics.median(walls),
         "t_comm_s": costs.t_comm,
         "losses": [{"step": s + 1, "loss": loss} for s, loss in losses],
+        "eval_losses": [{"step": s + 1, "loss": loss} for s, loss in next((r.eval_losses for r in by_rank
+                                                                              if r.eval_losses), ())],
         "stages": [
             {"stage": s, "f_s": costs.t_f[s], "b_s": costs.t_b[s], "w_s": costs.t_w[s],
              "activation_bytes": memory[s].m_b, "kept_for_w_bytes": memory[s].m_w}

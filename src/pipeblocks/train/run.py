@@ -24,6 +24,7 @@ from ..core.validate import validate
 from ..schedules import names
 from ..sim.build import build
 from .config import TrainConfig
+from .loop_options import resolve_loop_options
 from .report import format_bytes
 from .tp_checks import check_tensor_parallel, warn_tp_across_nodes
 
@@ -125,7 +126,9 @@ def prepare(
     mesh = MeshSpec(dp, request.sharding, _device(device, schedule.p * dp * tp, policy), threads_per_rank, tp)
     warn_tp_across_nodes(tp, mesh.device)
     seq_lengths = _seq_lengths(schedule, request.costs.seq_split, model)
-    data = TokenWindows.load(train_options.get("data"), seq=model.seq)
+    train_options, data = resolve_loop_options(
+        train_options, TokenWindows.load(train_options.get("data"), seq=model.seq), checkpoint=checkpoint,
+        resume=resume, emulate=emulate, p=schedule.p, hidden=model.hidden, async_mode=train_options.get("async_mode"))
     pairs = recompute_pairs(schedule, built.recompute)  # --recompute's, or the schedule's own (1f1b-r)
     cfg = TrainConfig(model=spec, schedule=ScheduleSpec(schedule, seq_lengths, pairs), mesh=mesh, precision=policy,
                       checkpoint=ck, emulation=emulation, **train_options)
@@ -266,6 +269,12 @@ def describe(cfg: TrainConfig) -> str:
             + (f", tp={cfg.tp}" if cfg.tp > 1 else "")
             + (f" ({cfg.world_size} processes)" if cfg.data_parallel or cfg.tp > 1 else "")
             + (f", on {cfg.mesh.device}" if cfg.mesh.device != "cpu" else ""))
+
+
+def describe_loop(cfg: TrainConfig, data: TokenWindows) -> str:
+    """'pydoc_data.topics (the last 5% held out); lr cosine 0.003 -> 0.0003 over 30 steps (3 warm-up)'."""
+    return (data.source + (f" (the last {cfg.held_out:.0%} held out)" if cfg.held_out else "")
+            + f"; lr {cfg.lr_schedule.describe() if cfg.lr_schedule is not None else f'constant {cfg.lr:g}'}")
 
 
 # ---- before launch: what the run will hold and how long a step takes ----------------------
@@ -412,7 +421,7 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
 
     s = cfg.schedule
     if reporting_process():
-        print(f"training {describe(cfg)} on {data.source}", flush=True)
+        print(f"training {describe(cfg)} on {describe_loop(cfg, data)}", flush=True)
     results = _launch(cfg)
     if not reporting_process():
         return 0  # under torchrun, global rank 0 reports
@@ -492,14 +501,14 @@ def judge(cfg: TrainConfig, data: TokenWindows, results) -> tuple[float, float, 
     with torch_threads(cfg.threads_for(cfg.world_size)):  # products round as on the ranks
         ref_loss, ref_grads, ref_params, ref_norm = reference_update(
             cfg.model, seed=cfg.seed, inputs=inputs, targets=targets, microbatches=cfg.dp * cfg.schedule.m,
-            lr=cfg.lr, max_norm=cfg.clip_grad, precision=cfg.precision)
+            lr=cfg.lr_at(0), max_norm=cfg.clip_grad, precision=cfg.precision)
     worst = GradDiff("", 0.0)
     for replica in range(cfg.dp):
         mine = [r for r in results if r.dp_rank == replica]
         grads = {name: g for r in mine for name, g in (r.grads or {}).items()}
         params = {name: t for r in mine for name, t in (r.params or {}).items()}
         complete = grads.keys() == ref_grads.keys() and all(g is not None for g in grads.values())
-        stepped = reference_apply(cfg.model, seed=cfg.seed, grads=grads, lr=cfg.lr) if complete else ref_params
+        stepped = reference_apply(cfg.model, seed=cfg.seed, grads=grads, lr=cfg.lr_at(0)) if complete else ref_params
         worst = max(worst, compare_grads(grads, ref_grads), compare_grads(params, stepped),
                     key=lambda d: d.relative)
     clipped = ""
