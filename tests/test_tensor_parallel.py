@@ -119,3 +119,36 @@ def test_gpt_fused_qkv_is_grouped_by_head():
         other.proj.weight = torch.nn.Parameter(attn.proj.weight[:, 8:].clone())
         other.proj.bias = attn.proj.bias
         torch.testing.assert_close(half(x) + other(x), attn(x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_the_memory_model_holds_the_shapes_the_gpt_plan_splits(num_stages):
+    """`sim.tp_memory`'s per-rank GPT shapes are what the runtime's plan leaves on a tp rank."""
+    from pipeblocks.runtime.tensor_parallel import planned_shapes
+    from pipeblocks.sim.analytic import TransformerConfig
+    from pipeblocks.sim.memory_estimate import stage_param_shapes
+
+    fam = get_family("gpt")
+    cfg = GPTConfig(layers=4, hidden=16, heads=2, seq=8, vocab=256)
+    analytic = TransformerConfig(layers=4, hidden=16, heads=2, seq=8, vocab=256)
+    stages = fam.split(fam.build_model(cfg, seed=0), num_stages)
+    for tp in (1, 2):
+        expected = stage_param_shapes(analytic, num_stages, tp)
+        assert [tuple(planned_shapes(st, fam.tp_plan(), tp)) for st in stages] == list(expected)
+
+
+def test_estimate_memory_at_tp1_is_unchanged_and_tp_splits_it():
+    from pipeblocks.schedules import get
+    from pipeblocks.sim.analytic import TransformerConfig
+    from pipeblocks.sim.memory_estimate import estimate_memory, rank_static_peak
+
+    config = TransformerConfig(layers=4, hidden=64, heads=4, seq=64, vocab=256, microbatch_size=2, dtype="fp32",
+                               flash_attention=True, dropout=False)
+    schedule = get("1f1b")(p=2, m=4)
+    whole, split = estimate_memory(config, schedule), estimate_memory(config, schedule, tp=2)
+    assert whole == estimate_memory(config, schedule, tp=1)
+    # per layer and token 2h + 14h/t of 16h elements: more than half stays (the gathered GEMM inputs, the loss)
+    for a, b in zip(whole.ranks, split.ranks):
+        assert 0.5 < b.activation_bytes / a.activation_bytes < 0.65
+        assert 0.5 < b.static_bytes / a.static_bytes < 0.51  # norms and row-parallel biases stay whole
+        assert rank_static_peak(config, 2, (a.rank,), ("replicate",), dp=1, precision="fp32", tp=2) == b.static_bytes

@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["full_tensor", "local_numel", "parallelize_stage", "settle_partial_grads", "tp_local_shape"]
+__all__ = ["full_tensor", "local_numel", "parallelize_stage", "planned_shapes", "settle_partial_grads", "tp_local_shape"]
 
 
 def parallelize_stage(stage: nn.Module, plan: Any, tp_mesh) -> nn.Module:
@@ -100,6 +100,48 @@ def full_tensor(tensor):
         return tensor.full_tensor()
     finally:
         logger.setLevel(level)
+
+
+def planned_shapes(stage: nn.Module, plan: Any, tp: int) -> list[tuple[int, ...]]:
+    """The shapes of one tp rank's share of a whole (not yet split) stage's trainable
+    parameters, in `parameters()` order, as `parallelize_stage` would split them: a
+    column-wise Linear's weight and bias by rows, a row-wise Linear's weight by columns (its
+    bias whole), a row-wise Embedding by rows; the rest (norms) whole. For predictions made
+    in one process (`train --dry-run`)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    split: dict[int, int] = {}  # id(parameter) -> the dim split by tp
+
+    def mark(root: nn.Module, styles) -> None:
+        for path, style in styles.items():
+            module = root.get_submodule(path)
+            embedding = isinstance(module, nn.Embedding)
+            if isinstance(style, ColwiseParallel):
+                dims = {"weight": 1 if embedding else 0, "bias": 0}
+            elif isinstance(style, RowwiseParallel):
+                dims = {"weight": 0 if embedding else 1}
+            else:
+                continue
+            for name, dim in dims.items():
+                param = getattr(module, name, None)
+                if param is not None:
+                    split[id(param)] = dim
+
+    for _, block in stage.block_items():
+        mark(block, plan.block)
+    if stage.is_first:
+        mark(stage, plan.first)
+    if stage.is_last:
+        mark(stage, plan.last)
+    shapes = []
+    for param in stage.parameters():
+        if not param.requires_grad:
+            continue
+        shape = list(param.shape)
+        if id(param) in split:
+            shape[split[id(param)]] //= tp
+        shapes.append(tuple(shape))
+    return shapes
 
 
 def local_numel(tensor) -> int:

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.costs import Costs
-from ..core.dp_model import precision_bytes, resolve_precision, static_peak_bytes
+from ..core.dp_model import resolve_precision
 from ..core.lowering import lower_for
 from ..core.precision import PRECISION_NAMES, PrecisionPolicy
 from ..core.schedule import Schedule
@@ -53,6 +53,7 @@ from .analytic import (
     transformer_w_ratio,
 )
 from .sequence_split import SPLITS, chunk_shares, split_lengths
+from .tp_memory import tp_stage_activation_bytes, tp_stage_param_shapes
 
 __all__ = [
     "RankMemory", "MemoryEstimate", "estimate_memory", "stage_param_shapes", "activation_costs", "rank_static_peak",
@@ -108,11 +109,14 @@ class MemoryEstimate:
         raise ValueError(f"no process (rank {rank}, replica {dp_rank}): ranks are 0..{p - 1}, replicas 0..{dp - 1}")
 
 
-def stage_param_shapes(config: TransformerConfig, num_stages: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+def stage_param_shapes(config: TransformerConfig, num_stages: int, tp: int = 1) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """The trainable parameters' shapes per global stage, in module order, as the reference
     GPT has them: token and position embeddings on the first stage; per layer two
     LayerNorms, the fused QKV and output projections and the 4h MLP, with biases; the final
-    LayerNorm and the untied head (no bias) on the last."""
+    LayerNorm and the untied head (no bias) on the last. tp > 1: one tensor-parallel rank's
+    share (`tp_memory.tp_stage_param_shapes`)."""
+    if tp != 1:
+        return tp_stage_param_shapes(config, num_stages, tp)
     h, V, s = config.hidden, config.vocab, config.seq
     inner = _MLP_RATIO * h
     layer = ((h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,), (inner, h), (inner,), (h, inner), (h,))
@@ -165,18 +169,21 @@ def _w_ratios(config: TransformerConfig, mem_b: tuple[float, ...], w_keeps: str)
 
 
 def activation_costs(config: TransformerConfig, num_stages: int, seq_chunks: int = 1, *,
-                     seq_split: str = "balanced", w_keeps: str = "graph") -> Costs:
+                     seq_split: str = "balanced", w_keeps: str = "graph", tp: int = 1) -> Costs:
     """The activation side of the cost model for `num_stages` global stages: M_B per stage,
     M_W / M_B as `w_keeps` says, what a recomputed forward keeps, and the sequence chunks'
     shares (`seq_chunks` > 1). `estimate_memory` simulates these; the planner takes them
-    into its costs, so both peak at the same activation."""
+    into its costs, so both peak at the same activation. tp > 1: what one tensor-parallel
+    rank saves (`tp_memory.tp_stage_activation_bytes`); its stage input is its token shard."""
     if w_keeps not in W_KEEPS:
         raise ValueError(f"w_keeps {w_keeps!r}: choose one of {', '.join(W_KEEPS)}")
+    if tp != 1 and seq_chunks > 1:
+        raise ValueError(f"sequence chunks ({seq_chunks}) with tp {tp}: the runtime runs neither together; use one")
     S = num_stages
-    mem_b = stage_activation_bytes(config, S)
+    mem_b = stage_activation_bytes(config, S) if tp == 1 else tp_stage_activation_bytes(config, S, tp)
     # a recomputed forward keeps its input: the token ids on the first stage, a hidden state elsewhere
     tokens = config.seq * config.microbatch_size
-    inputs = [8 * tokens] + [tokens * config.hidden * config.dtype_bytes] * (S - 1)
+    inputs = [8 * tokens] + [tokens * config.hidden * config.dtype_bytes / tp] * (S - 1)
     recompute = tuple(min(1.0, x / m) for x, m in zip(inputs, mem_b))
     seq_mem = None
     k = seq_chunks
@@ -196,23 +203,18 @@ def rank_static_peak(config: TransformerConfig, num_stages: int, stages: Sequenc
     """Static bytes at the step's peak of a pipeline rank holding `stages`, the most over
     its `dp` replicas: what `estimate_memory` gives that rank.
 
-    tp = 1: the reference GPT's shapes per stage, as FSDP2 pads them and
-    ZeroRedundancyOptimizer partitions them (`core.static_memory`), in `precision`
-    (`precision_config`). A stage split over `tp` tensor-parallel ranks: the same holdings
-    in closed form (`dp_model.static_peak_bytes`, evenly split) over the stage's
-    parameters / tp. split_backward: the schedule runs W apart from B (`Schedule.has_split_backward`),
-    which under mixed precision holds more on FSDP2 chunks (`ChunkBytes.pending`).
+    The reference GPT's shapes per stage (one tensor-parallel rank's share when tp > 1:
+    the projections and tables split, the norms and the row-parallel biases whole), as
+    FSDP2 pads them and ZeroRedundancyOptimizer partitions them (`core.static_memory`), in
+    `precision` (`precision_config`). split_backward: the schedule runs W apart from B
+    (`Schedule.has_split_backward`), which under mixed precision holds more on FSDP2
+    chunks (`ChunkBytes.pending`).
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be an integer >= 1, got {tp!r}: give 1 or more tensor-parallel ranks")
     policies = per_stage(parse_sharding(list(policies)), num_stages)
     _, policy = precision_config(config, precision)
-    shapes = stage_param_shapes(config, num_stages)
-    if tp > 1:
-        bytes_ = precision_bytes(policy)
-        return sum(static_peak_bytes(sum(math.prod(x) for x in shapes[s]) / tp, ShardingPolicy(policies[s]), dp, bytes_,
-                                     split_backward=split_backward)
-                   for s in stages)
+    shapes = stage_param_shapes(config, num_stages, tp)
     return float(max(
         sum(chunk_bytes(shapes[s], policy=policies[s], d=dp, dp_rank=d, precision=policy).step_peak(split_backward)
             for s in stages)
@@ -229,9 +231,11 @@ def estimate_memory(
     precision: str = "auto",
     seq_split: str = "balanced",
     w_keeps: str = "graph",
+    tp: int = 1,
 ) -> MemoryEstimate:
     """Static, peak activation and total bytes of every process of `schedule` (p pipeline
-    ranks, each on `dp` replicas) training `config` with AdamW.
+    ranks, each on `dp` replicas, each split over `tp` tensor-parallel ranks) training
+    `config` with AdamW.
 
     schedule: a built schedule (`pipeblocks.schedules.get(name)(p=..., m=..., **options)`);
         its stage count, placement, B/W split and sequence chunks are what count.
@@ -246,6 +250,8 @@ def estimate_memory(
         gradients: 16*h*e per token and layer, the Zero Bubble paper's M_W, which
         `analytic.transformer_costs` applies to every stage; here the head's input and
         logit gradients on the last stage and the token ids on the first).
+    tp: tensor-parallel ranks per stage; each process of a (rank, replica) holds and saves
+        what `tp_memory` gives (the same on every tp rank, so one entry stands for all tp).
     """
     if not isinstance(config, TransformerConfig):
         raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
@@ -258,9 +264,9 @@ def estimate_memory(
     S = schedule.num_stages
     policies = per_stage(parse_sharding(list(sharding)), S)
     config, policy = precision_config(config, precision)
-    shapes = stage_param_shapes(config, S)
+    shapes = stage_param_shapes(config, S, tp)
     params = tuple(sum(math.prod(shape) for shape in stage) for stage in shapes)
-    costs = activation_costs(config, S, schedule.seq_chunks, seq_split=seq_split, w_keeps=w_keeps)
+    costs = activation_costs(config, S, schedule.seq_chunks, seq_split=seq_split, w_keeps=w_keeps, tp=tp)
     activation = simulate(schedule, costs).peak_activation
     program = lower_for(schedule, policies=policies, dp=dp)
     ranks = []
@@ -270,4 +276,4 @@ def estimate_memory(
             static = predict_static_peak(program, r, {s: shapes[s] for s in mine}, policies, dp=dp, dp_rank=d,
                                          precision=policy)
             ranks.append(RankMemory(r, d, tuple(mine), float(static), float(activation[r])))
-    return MemoryEstimate(tuple(ranks), tuple(float(x) for x in stage_activation_bytes(config, S)), params)
+    return MemoryEstimate(tuple(ranks), tuple(float(x) for x in costs.mem_b), params)

@@ -27,6 +27,7 @@ from .config import TrainConfig
 from .loop_options import resolve_loop_options
 from .report import format_bytes
 from .tp_checks import check_tensor_parallel, warn_tp_across_nodes
+from .tp_predict import tp_shapes, tp_stage_memory
 
 if TYPE_CHECKING:  # torch enters only when a run starts, so `pipeblocks list` stays fast
     from ..data import TokenWindows
@@ -342,7 +343,10 @@ def _static_predicted(cfg: TrainConfig, stages) -> list[int]:
     s = cfg.schedule
     program = lower_for(s.schedule, policies=cfg.sharding, dp=cfg.dp, recompute=s.recompute)
     shapes = {st.index: [tuple(p.shape) for p in st.parameters() if p.requires_grad] for st in stages}
-    spare = SPARE_COPIES * cfg.precision.master_bytes if cfg.optimistic_step and not cfg.data_parallel else 0
+    if cfg.tp > 1:  # one tensor-parallel rank's share
+        shapes = tp_shapes(cfg, stages)
+    # the optimistic step (and its spare copies) runs without data and tensor parallelism only
+    spare = SPARE_COPIES * cfg.precision.master_bytes if cfg.optimistic_step and not cfg.data_parallel and cfg.tp == 1 else 0
     return [
         predict_static_peak(program, r, {i: shapes[i] for i in s.placement.stages_of(r)}, cfg.sharding, dp=cfg.dp,
                             dp_rank=0, precision=cfg.precision)
@@ -374,6 +378,8 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows):
     x, y = data.batch(0, cfg.microbatch_size, seed=cfg.seed)
     stages, loss_fn = profiled_stages(cfg)
     memory = profile_stage_memory(stages, x, loss_fn, y)
+    if cfg.tp > 1:  # what one tensor-parallel rank saves of the whole stages profiled here
+        memory = tp_stage_memory(cfg, memory)
     seq_mem = profile_chunk_memory(stages, x, loss_fn, y, s.seq_lengths) if s.seq_chunks > 1 else None
     if cfg.emulation is not None:
         ms = emulated_costs(cfg).sim_costs(s.schedule)
@@ -432,6 +438,8 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
     x, y = data.batch(0, cfg.microbatch_size, seed=cfg.seed)
     stages, loss_fn = profiled_stages(cfg)
     memory = profile_stage_memory(stages, x, loss_fn, y)
+    if cfg.tp > 1:  # what one tensor-parallel rank saves of the whole stages profiled here
+        memory = tp_stage_memory(cfg, memory)
     seq_mem = profile_chunk_memory(stages, x, loss_fn, y, s.seq_lengths) if s.seq_chunks > 1 else None
     warmup = min(WARMUP_STEPS, max(0, len(results[0].step_spans) - 1))
     built = build_report(s.schedule, results, memory, warmup=warmup, emulated=cfg.emulation is not None,

@@ -1,0 +1,46 @@
+"""What `train --tp T` predicts before and after a run, from stages profiled whole in one
+process (`train --dry-run` and the report of `train`).
+
+    >>> shapes = tp_shapes(cfg, stages)        # global stage -> one tp rank's parameter shapes
+    >>> memory = tp_stage_memory(cfg, memory)  # profiled M_B, M_W per stage -> one tp rank's
+
+Parameters: the family's plan says which dims are split (`runtime.tensor_parallel.planned_shapes`).
+Activations: the profiled whole-stage bytes scaled by what one tp rank saves of the
+reference GPT's stage, over what one process saves (`sim.tp_memory`, against
+`analytic.stage_activation_bytes`): exact for the GPT family (measured), the same
+proportions for the Llama families (their gathered GEMM inputs and whole loss are alike).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+__all__ = ["tp_shapes", "tp_stage_memory"]
+
+
+def tp_shapes(cfg: Any, stages: Sequence[Any]) -> dict[int, list[tuple[int, ...]]]:
+    """Global stage -> the shapes of one tp rank's share of its trainable parameters."""
+    from ..runtime.tensor_parallel import planned_shapes
+
+    plan = cfg.model.family_object().tp_plan()
+    return {st.index: planned_shapes(st, plan, cfg.tp) for st in stages}
+
+
+def tp_stage_memory(cfg: Any, memory: Sequence[Any]) -> list[Any]:
+    """Per stage, the profiled saved-activation bytes (`runtime.memory.StageMemory`) of one tp rank."""
+    from ..sim.analytic import TransformerConfig, stage_activation_bytes
+    from ..sim.tp_memory import tp_stage_activation_bytes
+
+    model = cfg.model
+    analytic = TransformerConfig(layers=model.layers, hidden=model.hidden, heads=model.config.heads, seq=model.seq,
+                                 vocab=model.config.vocab, microbatch_size=cfg.microbatch_size,
+                                 dtype={"bfloat16": "bf16"}.get(cfg.precision.compute, cfg.precision.compute),
+                                 flash_attention=True, dropout=False)
+    whole = stage_activation_bytes(analytic, cfg.num_stages)
+    split = tp_stage_activation_bytes(analytic, cfg.num_stages, cfg.tp)
+    out = []
+    for x, w, t in zip(memory, whole, split):
+        ratio = t / w
+        out.append(dataclasses.replace(x, m_b=round(x.m_b * ratio), m_w=round(x.m_w * ratio),
+                                       m_in=round(x.m_in / cfg.tp)))
+    return out
