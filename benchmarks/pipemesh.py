@@ -3,7 +3,8 @@ communication-bound profile.
 
     python benchmarks/pipemesh.py [-p 4] [-m 16] [-v 2] [--hardware cloud] [--gpu-memory 80]
                                   [--models 6.2b,14.6b,28.3b] [--dps 4,8,16]
-                                  [--sharding zero3|auto|...] [--mixed-precision] [--json]
+                                  [--sharding zero3|auto|...] [--mixed-precision]
+                                  [--dp-unit chunk|block] [--prefetch N] [--json]
 
 For each model and data-parallel size, three schedules on the analytic model:
     depth-first    interleaved-1f1b (groups of p), each REDUCE_GRAD overlapped after its
@@ -26,7 +27,10 @@ its step: nothing to cut), depth-first's exposed share of its step (df-exp: how
 communication-bound the case is), which targets are met (S: >= 1.15x the best fitting
 baseline, C: >= 75% cut, R: rc-cost < 2%; lower case: missed, '-': no baseline fits or
 not communication-bound), the groups (and per-chunk sharding when chosen), and the seconds the elastic
-search took (CPU). Targets shaped after the paper.
+search took (CPU). Targets shaped after the paper. --dp-unit block times the DP collectives
+per block (one gather and one reduction per layer, pipelined with the passes; --prefetch K:
+only K units of a chunk gathered ahead of its first pass, the rest one at a time inside
+it, as FSDP2's own per-block prefetch; default: all of them ahead).
 
 With --emulated, the runtime checks the simulated ordering: p x d = 2 x 2 local processes
 run depth-first, breadth-first and elastic (explicit groups, --forward-groups and
@@ -41,7 +45,10 @@ in how many repeats it held:
 
     python benchmarks/pipemesh.py --emulated [-m 8] [--emulate-ms 10] [--stage-params 12e6]
                                   [--dp-bandwidth 0.2] [--forward-groups 8] [--backward-groups 2,6]
-                                  [--repeats 3] [--margin 0.15]
+                                  [--repeats 3] [--margin 0.15] [--dp-unit block --blocks 4]
+
+(--blocks: blocks per stage, each 1/blocks of the stage's passes and parameters; at
+--dp-unit block each is a unit with its own gather and reduction.)
 """
 from __future__ import annotations
 
@@ -111,7 +118,8 @@ def measure_baseline(base: ScheduleRequest, name: str) -> dict:
 
 
 def run_case(args: argparse.Namespace, model: str, dp: int) -> dict:
-    costs = CostSpec(model=model, hardware=args.hardware, mixed_precision=args.mixed_precision)
+    costs = CostSpec(model=model, hardware=args.hardware, mixed_precision=args.mixed_precision,
+                     dp_unit=args.dp_unit, dp_prefetch=args.prefetch)
     auto = args.sharding.strip().lower() == "auto"
     sharding = {"auto_sharding": True} if auto else {"sharding": parse_sharding(args.sharding)}
     base = ScheduleRequest(
@@ -166,6 +174,7 @@ def run_emulated(args: argparse.Namespace) -> dict:
             name, p=2, dp=2, m=args.m, f_ms=args.emulate_ms, b_ms=args.emulate_ms, w_ms=args.emulate_ms,
             stage_params=(args.stage_params,) * (2 * args.v), bandwidth=args.dp_bandwidth * 1e9,
             sharding=args.emulated_sharding, steps=args.steps, options=(("v", args.v), *options),
+            blocks=args.blocks, dp_unit=args.dp_unit, prefetch=args.prefetch,
         )
         for _label, name, options in names
     ]
@@ -190,6 +199,7 @@ def run_emulated(args: argparse.Namespace) -> dict:
     keys = ("sim_step_s", "meas_step_s", "sim_exposed_s", "meas_exposed_s")
     order = {key: [r["schedule"] for r in sorted(rows, key=lambda r: r[key])] for key in keys}
     return {"emulated": True, "p": 2, "dp": 2, "m": args.m, "v": args.v, "emulate_ms": args.emulate_ms,
+            "blocks": args.blocks, "dp_unit": args.dp_unit, "prefetch": args.prefetch,
             "stage_params": args.stage_params, "dp_bandwidth_gbs": args.dp_bandwidth,
             "sharding": args.emulated_sharding, "forward_groups": args.forward_groups,
             "backward_groups": args.backward_groups, "repeats": args.repeats, "margin": args.margin,
@@ -204,7 +214,9 @@ def main_emulated(args: argparse.Namespace) -> int:
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    print(f"emulated: p=2 d=2 m={args.m} v={args.v} {args.emulated_sharding}, F=B=W={args.emulate_ms:g} ms per stage, "
+    grain = f", --dp-unit {args.dp_unit}" + (f" --prefetch {args.prefetch}" if args.prefetch else "")
+    print(f"emulated: p=2 d=2 m={args.m} v={args.v} {args.emulated_sharding}{grain}, {args.blocks} block(s) per "
+          f"stage, F=B=W={args.emulate_ms:g} ms per stage, "
           f"{args.stage_params:g} parameters per stage on a {args.dp_bandwidth:g} GB/s link; elastic "
           f"{args.forward_groups} / {args.backward_groups}; {args.repeats} repeats "
           "(ms; simulated / measured median of the repeats' medians)")
@@ -233,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dps", default="4,8,16")
     parser.add_argument("--sharding", default="zero3")
     parser.add_argument("--mixed-precision", action="store_true")
+    parser.add_argument("--dp-unit", default="chunk", choices=("chunk", "block"),
+                        help="grain of the DP collectives (--emulated too)")
+    parser.add_argument("--prefetch", type=int, default=None,
+                        help="--dp-unit block: units of a chunk gathered ahead of its first pass (default all; "
+                        "--emulated too)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--emulated", action="store_true", help="runtime check at p=2, d=2 with emulated compute and links")
     parser.add_argument("--emulate-ms", type=float, default=10.0, help="--emulated: F, B and W per stage (ms)")
@@ -241,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--emulated-sharding", default="zero3", choices=("replicate", "zero1", "zero2", "zero3"))
     parser.add_argument("--forward-groups", default="8", help="--emulated: elastic forward groups")
     parser.add_argument("--backward-groups", default="2,6", help="--emulated: elastic backward groups")
+    parser.add_argument("--blocks", type=int, default=1, help="--emulated: blocks per stage")
     parser.add_argument("--steps", type=int, default=4, help="--emulated: steps per repeat (the first is not timed)")
     parser.add_argument("--repeats", type=int, default=3, help="--emulated: launches (each runs all three)")
     parser.add_argument("--margin", type=float, default=0.15,
@@ -259,8 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(rows, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
+    unit = f" --dp-unit {args.dp_unit}" + (f" --prefetch {args.prefetch}" if args.dp_unit == "block" and args.prefetch else "")
     print(f"p={args.p} m={args.m} v={args.v} --hardware {args.hardware} --gpu-memory {args.gpu_memory:g} "
-          f"--sharding {args.sharding}{' --mixed-precision' if args.mixed_precision else ''}")
+          f"--sharding {args.sharding}{' --mixed-precision' if args.mixed_precision else ''}{unit}")
     print("per schedule: step s, exposed DP comm s, memory need GB, fits")
     head = f"{'model':<7}{'dp':>3}  " + "  ".join(f"{label:^29}" for label in ("depth-first", "breadth-first", "elastic"))
     print(head + f"  {'tokens/s':>8} {'recomp':>6} {'rc-cost':>7} {'speedup':>7} {'cut':>6} {'df-exp':>6} {'tgt':>3}  "

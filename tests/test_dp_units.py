@@ -23,6 +23,7 @@ def test_unit_lists_and_their_errors():
     assert units_for("chunk", (2, 2)) is None
     units = units_for("block", (2, 3), prefetch=2)
     assert units.sizes == ((1, 1), (1, 1, 1)) and units.prefetch == 2 and units.count(1) == 3
+    assert units_for("block", (2, 3)).prefetch is None  # every unit gathered ahead
     assert DPUnits.from_sizes(((2,), (1, 2)), (2, 3)).blocks_of(1, 1) == range(1, 3)
     with pytest.raises(ValueError, match="--dp-unit 'layer': choose chunk .* or block"):
         check_dp_unit("layer")
@@ -32,7 +33,7 @@ def test_unit_lists_and_their_errors():
         DPUnits.from_sizes(((1, 2), (2,)), (2, 2))
     with pytest.raises(ValueError, match="the unit list has 1 stages but the schedule has 2"):
         DPUnits.from_sizes(((2,),), (2, 2))
-    with pytest.raises(ValueError, match="prefetch must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"prefetch must be an integer >= 1 .* or None \(all of them\)"):
         DPUnits(((1,),), prefetch=0)
 
 
@@ -52,16 +53,16 @@ def test_per_unit_ops_round_trip_and_sit_where_the_chunk_op_sits():
     assert program.to_text() == (
         "0: 0UNSHARD.0 0UNSHARD.1 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0BW0 0RECV_B1 0BW1 "
         "0REDUCE_GRAD.1 0REDUCE_GRAD.0 0RESHARD.0 0RESHARD.1\n"
-        "1: 1UNSHARD.0 1RECV_F0 1UNSHARD.1 1F0 1BW0 1SEND_B0 1RECV_F1 1F1 1BW1 1SEND_B1 "
+        "1: 1UNSHARD.0 1UNSHARD.1 1RECV_F0 1F0 1BW0 1SEND_B0 1RECV_F1 1F1 1BW1 1SEND_B1 "
         "1REDUCE_GRAD.1 1REDUCE_GRAD.0 1RESHARD.0 1RESHARD.1\n"
     )
     assert Program.from_text(program.to_text(), schedule) == program
     # a stage of one block is one unit: its ops read as at chunk grain
     chunk = lower_for(schedule, policies=ZERO3, dp=2)
     assert lower_for(schedule, policies=ZERO3, dp=2, units=units_for("block", (1, 1))) == chunk
-    # prefetch 2: both units gathered where the stage's gather goes
-    ahead = lower_for(schedule, policies=ZERO3, dp=2, units=units_for("block", (2, 2), prefetch=2))
-    assert ahead.to_text().splitlines()[1].startswith("1: 1UNSHARD.0 1UNSHARD.1 1RECV_F0 1F0")
+    # prefetch 1 (FSDP2's one block ahead): the second unit right before the stage's first pass
+    one = lower_for(schedule, policies=ZERO3, dp=2, units=units_for("block", (2, 2), prefetch=1))
+    assert one.to_text().splitlines()[1].startswith("1: 1UNSHARD.0 1RECV_F0 1UNSHARD.1 1F0")
 
 
 @pytest.mark.parametrize("name", ["zb-v", "interleaved-1f1b", "elastic", "bfs"])
@@ -93,7 +94,7 @@ def test_check_dp_ops_names_the_unit():
         check_dp_ops(mixed)
 
 
-def _costs(unit: str, prefetch: int = 1, policy: str = "zero3") -> Costs:
+def _costs(unit: str, prefetch: int | None = 1, policy: str = "zero3") -> Costs:
     model = DPCostModel(dp=2, sharding=parse_sharding(policy), link=Link(1.0), unit=unit, prefetch=prefetch)
     return Costs(params=4.0, blocks=BlockCosts.even((2,), (4.0,)), data_parallel=model)
 
@@ -118,12 +119,12 @@ def test_simulated_block_grain_by_hand():
 
 def test_prefetch_depth_issues_later_units_earlier():
     # rank 1's stage: at prefetch 1 its second unit waits for the stage's first pass to
-    # reach unit 0; at prefetch 2 both are gathered from the step's start, as at chunk grain
+    # reach unit 0; by default both are gathered from the step's start, as at chunk grain
     schedule = get("1f1b")(p=2, m=4)
     costs = dataclasses.replace(_costs("block"), blocks=BlockCosts.even((2, 2), (2.0, 2.0)), params=(2.0, 2.0))
     one = simulate(schedule, costs)
     two = simulate(schedule, dataclasses.replace(
-        costs, data_parallel=dataclasses.replace(costs.data_parallel, prefetch=2)))
+        costs, data_parallel=dataclasses.replace(costs.data_parallel, prefetch=None)))
     gathered = {e.op: e for e in two.comm_events[1]}
     assert gathered["1UNSHARD.1"].start == gathered["1UNSHARD.0"].end == 2
     assert {e.op: e for e in one.comm_events[1]}["1UNSHARD.1"].start > 2
@@ -147,7 +148,7 @@ def test_block_grain_pipelines_reductions_for_every_policy():
                                     blocks=BlockCosts.even((4,) * 4, (1.0,) * 4))
         chunk = simulate(schedule, costs)
         block = simulate(schedule, dataclasses.replace(
-            costs, data_parallel=dataclasses.replace(costs.data_parallel, unit="block", prefetch=4)))
+            costs, data_parallel=dataclasses.replace(costs.data_parallel, unit="block", prefetch=None)))
         assert block.makespan <= chunk.makespan + 1e-9, policy
         assert sum(block.comm_time) == pytest.approx(sum(chunk.comm_time)), policy
 

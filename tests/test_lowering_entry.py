@@ -85,7 +85,7 @@ def test_every_consumer_lowers_the_same_program(name, monkeypatch, capsys):
 
             policies = per_stage(parse_sharding(sharding), schedule.num_stages)
             needs_dp = dp > 1 or sharding != "replicate"
-            runtime_dp = types.SimpleNamespace(policies=policies, d=dp, reduce_at_end=False) if needs_dp else None
+            runtime_dp = types.SimpleNamespace(policies=policies, d=dp, reduce_at_end=False, units=None) if needs_dp else None
             assert _lower(schedule, runtime_dp, recompute_pairs(schedule, built.recompute)).to_text() == shown, where
 
             code, csv, err = _cli(capsys, "export", *argv, "--format", "torch-comms-csv")
@@ -119,7 +119,7 @@ def test_given_pairs_reach_the_simulator_and_the_runtime_alike(monkeypatch):
     pairs = frozenset({(0, 1), (1, 3)})
     zero3 = parse_sharding("zero3")
     simulate(schedule, Costs(data_parallel=DPCostModel(dp=2, sharding=zero3)), recompute=pairs)
-    runtime_dp = types.SimpleNamespace(policies=per_stage(zero3, 2), d=2, reduce_at_end=False)
+    runtime_dp = types.SimpleNamespace(policies=per_stage(zero3, 2), d=2, reduce_at_end=False, units=None)
     program = _lower(schedule, runtime_dp, recompute_pairs(schedule, pairs))
     assert program == simulated[-1] == lower_for(schedule, policies=zero3, dp=2, recompute=pairs)
     assert {op.unit[:2] for ops in program.ranks for op in ops if type(op) is Recompute} == pairs

@@ -78,7 +78,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .dp_units import check_dp_unit
+from .dp_units import check_dp_unit, check_prefetch
 from .precision import PRECISION_NAMES, PrecisionPolicy, precision_policy
 from .sharding import ShardingPolicy, per_stage
 
@@ -223,16 +223,15 @@ class DPCostModel:
     unit: str = "chunk"
     """"chunk": one gather and one reduction per chunk; "block": one per block (`dp_units`),
     the blocks given by the costs (`Costs.blocks`; none given: one block per stage)"""
-    prefetch: int = 1
-    """at block grain, units gathered ahead of the pass (a later unit's gather is issued
-    when the pass reaches the unit `prefetch` before it)"""
+    prefetch: int | None = None
+    """at block grain, how many of a zero3 chunk's units are gathered ahead of its first
+    pass (None: all; k: the rest each when the pass reaches the unit k before it)"""
 
     def __post_init__(self) -> None:
         if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
             raise ValueError(f"--dp must be an integer >= 1, got {self.dp!r}: give 1 or more replicas")
         check_dp_unit(self.unit)
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 1:
-            raise ValueError(f"prefetch must be an integer >= 1 (units gathered ahead), got {self.prefetch!r}")
+        check_prefetch(self.prefetch)
         object.__setattr__(self, "precision", resolve_precision(self.precision).name)
         object.__setattr__(self, "sharding", tuple(ShardingPolicy(p) for p in self.sharding))
 

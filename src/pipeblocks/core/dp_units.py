@@ -20,10 +20,13 @@ In the Program a DP op of a stage with several units names its unit after a dot
 (`2UNSHARD.1`, `2REDUCE_GRAD.0`); a stage of one unit keeps torch's per-stage form
 (`2UNSHARD`), so chunk grain and a one-block stage read as before.
 
-`prefetch` is how many units are gathered ahead of the pass: the first `prefetch` units of
-a zero3 chunk are gathered where the chunk's gather is prefetched (`passes_dp`), and each
-later unit u while the chunk's first pass computes unit u - prefetch (FSDP2 gathers the
-next block while this one computes: one unit ahead by default).
+`prefetch` is how many of a zero3 chunk's units are gathered ahead of its first pass,
+where the chunk's own gather is prefetched (`passes_dp`: a stage ahead). None, the
+default, gathers all of them there, back to back, so the pass waits for its first unit
+only; k gathers the first k there and each later unit u inside the pass, when it reaches
+unit u - k. k = 1 is FSDP2's own per-block prefetch (the next block's gather while this one
+computes), which a pipeline pays for: on a link where a block's gather outlasts its
+forward, every chunk's first pass waits for its units one by one.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["DP_UNIT_GRAINS", "DPUnits", "check_dp_unit", "units_for"]
+__all__ = ["DP_UNIT_GRAINS", "DPUnits", "check_dp_unit", "check_prefetch", "units_for"]
 
 DP_UNIT_GRAINS = ("chunk", "block")
 
@@ -46,6 +49,14 @@ def check_dp_unit(grain: object) -> str:
     return grain  # type: ignore[return-value]
 
 
+def check_prefetch(prefetch: object) -> int | None:
+    """`prefetch` if it is None (every unit ahead) or an integer >= 1; a ValueError otherwise."""
+    if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1):
+        raise ValueError(f"prefetch must be an integer >= 1 (units of a chunk gathered ahead of its first pass) or "
+                         f"None (all of them), got {prefetch!r}")
+    return prefetch
+
+
 def _whole(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value) == int(value)
 
@@ -53,14 +64,14 @@ def _whole(value: object) -> bool:
 @dataclass(frozen=True)
 class DPUnits:
     """Per global stage, the blocks of each unit in block order (`sizes[s]`; a stage with no
-    block is one unit of 0 blocks, its end parts), and the prefetch depth in units."""
+    block is one unit of 0 blocks, its end parts), and how many of a chunk's units are
+    gathered ahead of its first pass (None: all)."""
 
     sizes: tuple[tuple[int, ...], ...]
-    prefetch: int = 1
+    prefetch: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 1:
-            raise ValueError(f"prefetch must be an integer >= 1 (units gathered ahead), got {self.prefetch!r}")
+        check_prefetch(self.prefetch)
         sizes = tuple(tuple(units) for units in self.sizes)
         for stage, units in enumerate(sizes):
             if not units:
@@ -70,7 +81,8 @@ class DPUnits:
         object.__setattr__(self, "sizes", tuple(tuple(int(n) for n in units) for units in sizes))
 
     @classmethod
-    def from_sizes(cls, sizes: Sequence[Sequence[float]], blocks: Sequence[int], *, prefetch: int = 1) -> DPUnits:
+    def from_sizes(cls, sizes: Sequence[Sequence[float]], blocks: Sequence[int], *,
+                   prefetch: int | None = None) -> DPUnits:
         """Checked against the blocks per stage: one list per stage, each unit a whole number
         of consecutive blocks, together exactly the stage's blocks."""
         if len(sizes) != len(blocks):
@@ -95,7 +107,7 @@ class DPUnits:
         return cls(tuple(tuple(int(s) for s in units) for units in sizes), prefetch)
 
     @classmethod
-    def per_block(cls, blocks: Sequence[int], *, prefetch: int = 1) -> DPUnits:
+    def per_block(cls, blocks: Sequence[int], *, prefetch: int | None = None) -> DPUnits:
         """One unit per block (a stage with no block: one unit of its end parts)."""
         return cls(tuple((1,) * n if n > 0 else (0,) for n in blocks), prefetch)
 
@@ -119,7 +131,7 @@ class DPUnits:
                              "give one unit list per stage (DPUnits.per_block(blocks per stage))")
 
 
-def units_for(grain: str, blocks: Sequence[int], *, prefetch: int = 1) -> DPUnits | None:
+def units_for(grain: str, blocks: Sequence[int], *, prefetch: int | None = None) -> DPUnits | None:
     """The units of `grain` for stages of `blocks` blocks each: None for chunk grain (one
     unit per chunk, the ops name no unit), one unit per block for block grain."""
     if check_dp_unit(grain) == "chunk":

@@ -28,17 +28,17 @@ the rank's step, in stage order (what a data-parallel wrapper that reduces once 
 whole pipeline step does); the benchmark compares the two placements.
 
 Units (`dp_units.DPUnits`, block grain): a stage of several units gets one op per unit.
-Its first `prefetch` units (`DPUnits.prefetch`, one by default) are gathered where the
-stage's gather goes; the others right before the stage's first pass (after its
-receives), where they are issued inside that pass, each when the pass reaches the unit
-`prefetch` before it (as FSDP2 gathers the next block while this one computes). Its
+Its units are gathered where the stage's gather goes, in order (`DPUnits.prefetch` = k:
+only the first k there, the others right before the stage's first pass, after its
+receives, where each is issued inside the pass when it reaches the unit k before it, as
+FSDP2 gathers the next block while this one computes). Its
 reductions go where the stage's goes, in the order the units' gradients complete (a
 backward runs the blocks in reverse), each issued when the weight-gradient pass before it
 finishes that unit's blocks; its RESHARDs after them. The simulator and the emulated
 link time the passes per block to see this. 1F1B, p=2, m=2, zero3, two blocks per stage::
 
     0: 0UNSHARD.0 0UNSHARD.1 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0BW0 0RECV_B1 0BW1 0REDUCE_GRAD.1 0REDUCE_GRAD.0 0RESHARD.0 0RESHARD.1
-    1: 1UNSHARD.0 1RECV_F0 1UNSHARD.1 1F0 1BW0 1SEND_B0 1RECV_F1 1F1 1BW1 1SEND_B1 1REDUCE_GRAD.1 1REDUCE_GRAD.0 1RESHARD.0 1RESHARD.1
+    1: 1UNSHARD.0 1UNSHARD.1 1RECV_F0 1F0 1BW0 1SEND_B0 1RECV_F1 1F1 1BW1 1SEND_B1 1REDUCE_GRAD.1 1REDUCE_GRAD.0 1RESHARD.0 1RESHARD.1
 
 `dp_passes(policies, dp, units)` is the list `lowering.lower_for` appends to
 `lower.PASSES`: nothing for a single replicated pipeline, otherwise the passes the
@@ -204,7 +204,7 @@ def add_sharding(policies: Iterable[ShardingPolicy], units: DPUnits | None = Non
                     # in first-use order (the step's start for the first two)
                     ahead = own_group[order[k - 1]] if k >= 2 else 0
                     ids = unit_ids(units, stage)
-                    early = ids if units is None else ids[:units.prefetch]
+                    early = ids if units is None or units.prefetch is None else ids[:units.prefetch]
                     insert_at.setdefault(min(ahead, previous_group[stage]), []).extend(
                         DPOp(UNSHARD, stage, u) for u in early
                     )

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from .dp_units import check_dp_unit
+from .dp_units import check_dp_unit, check_prefetch
 from .sharding import ShardingPolicy, parse_sharding
 
 __all__ = ["Mesh", "CostSpec", "ScheduleRequest", "RECOMPUTE_MODES"]
@@ -74,9 +74,13 @@ class CostSpec:
     dp_unit: str = "chunk"
     """the grain of data-parallel communication (`core.dp_units`): "chunk" (one gather and
     one reduction per chunk) or "block" (one per block, pipelined with the passes)"""
+    dp_prefetch: int | None = None
+    """at block grain, how many of a zero3 chunk's units are gathered ahead of its first
+    pass (None: all; k: the rest each while the pass computes the unit k before it)"""
 
     def __post_init__(self) -> None:
         check_dp_unit(self.dp_unit)
+        check_prefetch(self.dp_prefetch)
         for flag, value, positive in (("--dp-bandwidth", self.dp_bandwidth, True), ("--dp-latency", self.dp_latency, False)):
             if value is None:
                 continue

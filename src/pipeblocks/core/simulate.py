@@ -21,8 +21,9 @@ several units runs through them in sub-intervals (F in unit order, B, W and BW i
 reverse; each unit's share of the pass from `Costs.blocks`), where the DP ops meet it:
 
 * a unit's gather has to be done only when the pass reaches the unit's first block;
-* unit u >= prefetch of a stage is gathered no earlier than when the stage's next pass
-  reaches unit u - prefetch (`DPCostModel.prefetch`: one unit ahead by default, as FSDP2);
+* with `DPCostModel.prefetch` = k (default None: every unit is gathered where the Program
+  issues it), unit u >= k of a stage is gathered no earlier than when the stage's next
+  pass reaches unit u - k (k = 1: FSDP2's one block ahead);
 * a unit's REDUCE_GRAD placed after its stage's weight-gradient pass is issued when that
   pass finishes the unit's blocks, so the reductions pipeline with the pass.
 
@@ -466,7 +467,7 @@ class _Units:
         anchor = None
         if op.kind == "UNSHARD":
             self.gathers.setdefault(stage, {})[unit] = len(plan)
-            if unit >= self.prefetch:
+            if self.prefetch is not None and unit >= self.prefetch:
                 self.anchored.setdefault(stage, []).append((len(plan), unit - self.prefetch))
         elif op.kind == "REDUCE_GRAD":
             last = self.last.get(stage)

@@ -25,6 +25,15 @@ FSDP's own backward hooks only accumulate; the REDUCE_GRAD op turns them on and 
 FSDP's post-backward for the chunk (as torch.distributed.pipelining's `perform_reduce_grad`
 does), once per chunk per step.
 
+Units (`units=`, `core.dp_units`; block grain): a chunk of several units is sharded per
+unit (`dp_units.shard_units`: `fully_shard` per unit, the stage as root) and its DP ops name
+a unit: `2UNSHARD.1` gathers unit 1 (asynchronously, waited by the chunk's first pass),
+`2REDUCE_GRAD.1` reduce-scatters unit 1's gradients (its group's post-backward; the
+chunk's last unit also runs FSDP2's final callback), `2RESHARD.1` frees it. A replicate or
+zero1 chunk all-reduces each unit's gradients as one flat bucket (`dp_units.GradBucket`),
+launched at the unit's REDUCE_GRAD, waited at the end of the step. Chunk grain keeps one
+all-reduce per gradient tensor, as before.
+
 Static bytes (`held_bytes`): parameters, gradients and optimizer state this process holds,
 counted once per storage (sharded and gathered parameters both count as parameters). The
 peak is sampled where it can occur: before each op that frees (REDUCE_GRAD, RESHARD) and
@@ -55,9 +64,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from ..core.dp_units import DPUnits
 from ..core.program import DPOp
 from ..core.sharding import ShardingPolicy
 from .comm import PeerTimeoutError
+from .dp_units import (GradBucket, accumulated_grads, finish_reduce_scatter, reduce_scatter_unit, shard_units,
+                       unit_modules)
 from .emulated_link import EmulatedLink
 from .static_memory import zero1_partition
 
@@ -135,6 +147,19 @@ class ChunkOptimizers:
 
 
 @dataclass
+class _Unit:
+    """One unit of a chunk at block grain: its modules' parameters and, under FSDP2, the
+    module whose unshard()/reshard() moves it."""
+
+    index: int
+    params: list[torch.Tensor]
+    fsdp: FSDPModule | None = None
+    handle: object | None = None
+    gathered: bool = False
+    reduced: bool = False
+
+
+@dataclass
 class _Chunk:
     stage: int
     policy: ShardingPolicy
@@ -144,6 +169,8 @@ class _Chunk:
     unshard_handle: object | None = None
     reductions: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
     reducing: bool = False
+    units: list[_Unit] | None = None  # block grain: the chunk's units (None: one, the chunk)
+    buckets: list[GradBucket] = field(default_factory=list)
 
 
 class DataParallel:
@@ -156,6 +183,8 @@ class DataParallel:
     also takes its modelled link time, waited where the real one is (a zero3 chunk's first
     pass after its UNSHARD, the end of the step). reduce_at_end: lower every REDUCE_GRAD to the
     end of the rank's step instead of right after its stage's last weight gradient.
+    units: the DP units of every global stage (`core.dp_units.DPUnits`; None: chunk grain);
+    a stage of several units must be a `models.Stage` with that many blocks.
     """
 
     def __init__(
@@ -169,6 +198,7 @@ class DataParallel:
         reduce_at_end: bool = False,
         mp_policy=None,
         extra_static: Callable[[], Iterable[torch.Tensor]] | None = None,
+        units: DPUnits | None = None,
     ) -> None:
         self.dp_mesh = dp_mesh
         self.group = dp_mesh.get_group()
@@ -176,23 +206,49 @@ class DataParallel:
         self.timeout_s = float(timeout_s)
         self.link = link
         self.reduce_at_end = bool(reduce_at_end)  # the no-overlap baseline: every REDUCE_GRAD at the end
+        self.units = units
+        if units is not None:
+            units.check_stages(len(policies))
         self.chunks: dict[int, _Chunk] = {}
         for stage, module in sorted(stages.items()):
             if not 0 <= stage < len(policies):
                 raise ValueError(f"stage {stage} has no sharding policy: give one policy per stage ({len(policies)})")
             policy = ShardingPolicy(policies[stage])
+            groups = unit_modules(module, units.sizes[stage]) if units is not None and units.count(stage) > 1 else None
+            handles: list = [None] * len(groups or ())
             if policy in _FSDP:
-                extra = {"mp_policy": mp_policy} if mp_policy is not None else {}
-                fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, **extra)
+                if groups is None:
+                    extra = {"mp_policy": mp_policy} if mp_policy is not None else {}
+                    fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, **extra)
+                else:
+                    handles = shard_units(module, groups, mesh=dp_mesh, mp_policy=mp_policy)
                 _accumulate_only(module)
-            self.chunks[stage] = _Chunk(stage, policy, module, list(module.parameters()))
+            chunk = _Chunk(stage, policy, module, list(module.parameters()))
+            if groups is not None:
+                chunk.units = [_Unit(u, [p for m in modules for p in m.parameters()], fsdp)
+                               for u, (modules, fsdp) in enumerate(zip(groups, handles))]
+                _check_units_cover(chunk)
+            self.chunks[stage] = chunk
         self.policies = tuple(ShardingPolicy(p) for p in policies)
         self.extra_static = extra_static  # tensors held beside the chunks' (the compute copies of bf16-mixed)
-        self.compute = None  # set by the runner: its compute object learns the gathered parameters
+        self._compute = None  # set by the runner: its compute object learns the gathered parameters
         self.tracker = None  # set by the runner: gathered parameters are not activations
         self.optimizers: ChunkOptimizers | None = None
         self.wait_s = 0.0
         self.peak_static = 0
+        self._compute_end = 0.0  # when the rank's last pass ended (perf_counter)
+
+    @property
+    def compute(self):
+        """The runner's compute object (set by the runner): it learns the gathered parameters,
+        and emulated compute at block grain times its passes on the emulated link."""
+        return self._compute
+
+    @compute.setter
+    def compute(self, compute) -> None:
+        self._compute = compute
+        if self.link is not None and self.link.has_units and hasattr(compute, "pass_timer"):
+            compute.pass_timer = self.link.run_pass
 
     # ---- the optimizer ---------------------------------------------------------------
     def optimizer(self, optimizer_class: Callable[..., torch.optim.Optimizer], **defaults) -> ChunkOptimizers:
@@ -216,27 +272,37 @@ class DataParallel:
         chunk = self.chunks.get(op.stage)
         if chunk is None:
             raise ValueError(f"{op}: stage {op.stage} is not on this rank (stages {sorted(self.chunks)})")
+        unit = self._unit(chunk, op)
         if op.kind == "UNSHARD":
-            self._unshard(chunk)
+            self._unshard(chunk) if unit is None else self._unshard_unit(chunk, unit)
         elif op.kind == "RESHARD":
             self.sample_static()
-            self._reshard(chunk)
+            self._reshard(chunk) if unit is None else self._reshard_unit(chunk, unit)
         elif op.kind == "REDUCE_GRAD":
             self.sample_static()
-            self._reduce(chunk)
+            self._reduce(chunk) if unit is None else self._reduce_unit(chunk, unit)
         else:
             raise ValueError(f"the runtime does not run DP op kind {op.kind!r} ({op})")
         if self.link is not None:
-            self.link.issue(op.kind, op.stage)
+            self.link.issue(op.kind, op.stage, op.unit)
 
     def before_compute(self, stage: int) -> None:
         """Called before every pass of `stage`: the parameters must be gathered (zero3 waits
-        for its UNSHARD; zero2 gathers at its first pass of the step)."""
+        for its UNSHARDs; zero2 gathers at its first pass of the step)."""
         chunk = self.chunks[stage]
         if chunk.gathered or chunk.policy not in _FSDP:
             return
         start = time.perf_counter()
-        if chunk.unshard_handle is None:
+        if chunk.units is not None:
+            for unit in chunk.units:  # in block order: the order the forward needs them
+                if unit.handle is not None:
+                    handle, unit.handle = unit.handle, None
+                    handle.wait()
+                elif not unit.gathered:
+                    unit.fsdp.unshard()
+                unit.gathered = True
+            chunk.module.unshard()  # the root's own parameters, if it holds any
+        elif chunk.unshard_handle is None:
             chunk.module.unshard()
         else:
             handle, chunk.unshard_handle = chunk.unshard_handle, None
@@ -245,36 +311,54 @@ class DataParallel:
             # the modelled gather issued at the UNSHARD is the one counted; zero2's gather
             # here is modelled after the optimizer step (`EmulatedLink.finish`)
             start = time.perf_counter()
-            self.link.wait_stage(stage)
+            if chunk.units is None:
+                self.link.wait_stage(stage)
         self.wait_s += time.perf_counter() - start
         chunk.gathered = True
         self._show_parameters(chunk)
 
+    def after_compute(self) -> None:
+        """Called after every pass: the end of the step's exposed communication is counted
+        from the last one under an emulated link."""
+        self._compute_end = time.perf_counter()
+
     def finish(self) -> None:
-        """The end of the step: wait for every reduction (the optimizer needs them)."""
-        start = time.perf_counter()
+        """The end of the step: wait for every reduction (the optimizer needs them). Under an
+        emulated link the time from the rank's last pass to here counts too (the real DP ops
+        run there, in the modelled collectives' shadow), once."""
+        start = time.perf_counter() if self.link is None else min(self._compute_end or time.perf_counter(),
+                                                                 time.perf_counter())
         timeout = datetime.timedelta(seconds=self.timeout_s)
         for chunk in self.chunks.values():
-            for work, grad in chunk.reductions:
-                try:
+            try:
+                for work, grad in chunk.reductions:
                     work.wait(timeout)
-                except RuntimeError as err:
-                    if "imeout" in str(err) or "imed out" in str(err):
-                        raise PeerTimeoutError(
-                            f"stage {chunk.stage}: the gradient all-reduce over the {self.d} replicas did not finish "
-                            f"within {self.timeout_s:g} s: a replica failed or hangs"
-                        ) from None
-                    raise
-                grad.div_(self.d)
+                    grad.div_(self.d)
+                for bucket in chunk.buckets:
+                    bucket.wait(timeout, self.d)
+            except RuntimeError as err:
+                if "imeout" in str(err) or "imed out" in str(err):
+                    raise PeerTimeoutError(
+                        f"stage {chunk.stage}: the gradient all-reduce over the {self.d} replicas did not finish "
+                        f"within {self.timeout_s:g} s: a replica failed or hangs"
+                    ) from None
+                raise
             chunk.reductions = []
+            chunk.buckets = []
             if self.link is not None:
                 self.link.wait_stage(chunk.stage)
             chunk.reducing = False
+            for unit in chunk.units or ():
+                unit.reduced = False
+                if unit.handle is not None:
+                    raise RuntimeError(f"stage {chunk.stage}: the step ended with {chunk.stage}UNSHARD.{unit.index} "
+                                       "never used; add its passes")
             if chunk.unshard_handle is not None:
                 raise RuntimeError(f"stage {chunk.stage}: the step ended with an UNSHARD never used; add its passes")
             if chunk.gathered and chunk.policy in _FSDP:
                 raise RuntimeError(f"stage {chunk.stage}: the step ended with its parameters gathered; RESHARD it")
         if self.link is not None:
+            self.wait_s += self.link.take_pass_waits()
             self.link.finish(sorted(self.chunks))
         self.wait_s += time.perf_counter() - start
 
@@ -283,6 +367,9 @@ class DataParallel:
         that every step starts with sharded parameters."""
         for chunk in self.chunks.values():
             if chunk.policy in _FSDP:
+                for unit in chunk.units or ():
+                    unit.fsdp.reshard()
+                    unit.gathered = False
                 chunk.module.reshard()
                 chunk.gathered = False
 
@@ -298,7 +385,7 @@ class DataParallel:
                 tensors.append(param)
                 tensors.append(param.grad)
             if chunk.policy in _FSDP:
-                tensors.extend(_accumulated_grads(chunk.module))
+                tensors.extend(accumulated_grads(chunk.module))
         if self.extra_static is not None:
             tensors.extend(self.extra_static())
         if self.optimizers is not None:
@@ -312,6 +399,18 @@ class DataParallel:
         return now
 
     # ---- internals ---------------------------------------------------------------------
+    def _unit(self, chunk: _Chunk, op: DPOp) -> _Unit | None:
+        if op.unit is None:
+            if chunk.units is not None:
+                raise ValueError(f"{op}: stage {op.stage} has {len(chunk.units)} DP units here; its ops must name one "
+                                 "(lower the Program with the same units as the DataParallel)")
+            return None
+        if chunk.units is None or not 0 <= op.unit < len(chunk.units):
+            count = 1 if chunk.units is None else len(chunk.units)
+            raise ValueError(f"{op}: stage {op.stage} has {count} DP unit(s) here (DataParallel(units=...)); "
+                             "lower the Program with the same units")
+        return chunk.units[op.unit]
+
     def _unshard(self, chunk: _Chunk) -> None:
         if chunk.policy not in _FSDP:
             raise ValueError(
@@ -322,12 +421,32 @@ class DataParallel:
             raise RuntimeError(f"{chunk.stage}UNSHARD: stage {chunk.stage} is already gathered")
         chunk.unshard_handle = chunk.module.unshard(async_op=True)
 
+    def _unshard_unit(self, chunk: _Chunk, unit: _Unit) -> None:
+        name = f"{chunk.stage}UNSHARD.{unit.index}"
+        if chunk.policy not in _FSDP:
+            raise ValueError(f"{name}: stage {chunk.stage} is {chunk.policy}, its parameters are not sharded; "
+                             "UNSHARD is for zero3 chunks")
+        if unit.gathered or unit.handle is not None:
+            raise RuntimeError(f"{name}: unit {unit.index} of stage {chunk.stage} is already gathered")
+        unit.handle = unit.fsdp.unshard(async_op=True)
+
     def _reshard(self, chunk: _Chunk) -> None:
         if chunk.unshard_handle is not None:
             raise RuntimeError(f"{chunk.stage}RESHARD: its UNSHARD is still pending (no pass of the stage ran)")
         if chunk.policy in _FSDP and chunk.gathered:
             chunk.module.reshard()
             chunk.gathered = False
+
+    def _reshard_unit(self, chunk: _Chunk, unit: _Unit) -> None:
+        if unit.handle is not None:
+            raise RuntimeError(f"{chunk.stage}RESHARD.{unit.index}: its UNSHARD is still pending (no pass of the "
+                               "stage ran)")
+        if chunk.policy in _FSDP and unit.gathered:
+            unit.fsdp.reshard()
+            unit.gathered = False
+            if not any(u.gathered for u in chunk.units):
+                chunk.module.reshard()
+                chunk.gathered = False
 
     def _reduce(self, chunk: _Chunk) -> None:
         if chunk.reducing:
@@ -346,6 +465,33 @@ class DataParallel:
                 work = dist.all_reduce(param.grad, group=self.group, async_op=True)
                 chunk.reductions.append((work, param.grad))
 
+    def _reduce_unit(self, chunk: _Chunk, unit: _Unit) -> None:
+        if unit.reduced:
+            raise RuntimeError(f"{chunk.stage}REDUCE_GRAD.{unit.index}: unit {unit.index} of stage {chunk.stage} "
+                               "reduced twice in one step")
+        unit.reduced = True
+        last = all(u.reduced for u in chunk.units)
+        if chunk.policy in _FSDP:
+            zero2 = chunk.policy is ShardingPolicy.ZERO2
+            start = time.perf_counter()
+            reduce_scatter_unit(unit.fsdp, reshard=zero2)
+            if zero2:
+                unit.gathered = False
+            if last:
+                finish_reduce_scatter(chunk.module, reshard=zero2)
+                chunk.reducing = True
+                if zero2:
+                    chunk.gathered = False
+            if self.link is None:
+                self.wait_s += time.perf_counter() - start
+            return
+        grads = [p.grad for p in unit.params]
+        if last:  # parameters no unit holds (parts shared by every stage) go with the last bucket
+            held = {id(p) for u in chunk.units for p in u.params}
+            grads += [p.grad for p in chunk.own_params if id(p) not in held]
+        chunk.buckets.append(GradBucket(grads, self.group))
+        chunk.reducing = chunk.reducing or last
+
     def _show_parameters(self, chunk: _Chunk) -> None:
         params = list(chunk.module.parameters())
         if self.compute is not None:
@@ -354,15 +500,16 @@ class DataParallel:
             self.tracker.also_exclude(params)
 
 
-def _accumulated_grads(module: FSDPModule) -> list[torch.Tensor]:
-    """The gradients FSDP2 accumulates beside the parameters when its reduce dtype differs
-    from its parameter dtype (bf16-mixed: float32 sums of the bfloat16 microbatch gradients,
-    held unsharded until the reduce-scatter). Read from FSDP2's internals where they are
-    (torch 2.13); a torch without them shows none."""
-    state = getattr(module, "_get_fsdp_state", None)
-    group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
-    params = getattr(group, "fsdp_params", ()) if group is not None else ()
-    return [t for t in (getattr(p, "unsharded_accumulated_grad", None) for p in params) if t is not None]
+def _check_units_cover(chunk: _Chunk) -> None:
+    """Every parameter of a chunk at block grain in exactly one unit, but those of parts
+    shared by every stage (the root's own)."""
+    seen: dict[int, int] = {}
+    for unit in chunk.units:
+        for param in unit.params:
+            if id(param) in seen:
+                raise ValueError(f"stage {chunk.stage}: a parameter is in DP units {seen[id(param)]} and {unit.index}; "
+                                 "a unit holds whole blocks, each block in one unit")
+            seen[id(param)] = unit.index
 
 
 def _accumulate_only(module: FSDPModule) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -90,14 +90,20 @@ class EmulatedCompute:
         self.num_stages = num_stages
         self.device = torch.device(device)
         self._out: dict[tuple, ActivationSpec] = {}
+        # set by a data-parallel run at block grain (`emulated_link.EmulatedLink.run_pass`):
+        # it sleeps the pass unit by unit, meeting the units' gathers and reductions
+        self.pass_timer: Callable[[int, str, float], None] | None = None
 
-    def _sleep(self, ms_per_layer: float, stage: int) -> None:
+    def _sleep(self, ms_per_layer: float, stage: int, kind: str) -> None:
         seconds = ms_per_layer * self.costs.layers_of(stage, self.num_stages) / 1000.0
-        precise_sleep(seconds)
+        if self.pass_timer is None:
+            precise_sleep(seconds)
+        else:
+            self.pass_timer(stage, kind, seconds)
 
     def forward(self, stage: int, x: Any, target: torch.Tensor | None, *, keep: bool = True,
                 side: Mapping[str, Any] | None = None) -> tuple[Any, Unit]:
-        self._sleep(self.costs.f_ms, stage)
+        self._sleep(self.costs.f_ms, stage, "F")
         if stage == self.num_stages - 1:
             return None, Unit(x, x, loss=torch.zeros(()))
         spec = ActivationSpec.of(x)
@@ -112,21 +118,21 @@ class EmulatedCompute:
 
     def recompute(self, stage: int, unit: Unit) -> None:
         """A recomputation takes the forward's time again."""
-        self._sleep(self.costs.f_ms, stage)
+        self._sleep(self.costs.f_ms, stage, "R")
 
     def input_grad(self, stage: int, unit: Unit, grad: Any) -> Any:
-        self._sleep(self.costs.b_ms, stage)
+        self._sleep(self.costs.b_ms, stage, "B")
         dx = zero_gradient(unit.inp) if stage > 0 else None
         unit.root = unit.inp = None
         unit.work = WeightGradWork([])
         return dx
 
     def weight_grad(self, stage: int, unit: Unit) -> None:
-        self._sleep(self.costs.w_ms, stage)
+        self._sleep(self.costs.w_ms, stage, "W")
         unit.work = None
 
     def full_backward(self, stage: int, unit: Unit, grad: Any) -> Any:
-        self._sleep(self.costs.b_ms + self.costs.w_ms, stage)
+        self._sleep(self.costs.b_ms + self.costs.w_ms, stage, "BW")
         dx = zero_gradient(unit.inp) if stage > 0 else None
         unit.root = unit.inp = None
         return dx

@@ -229,6 +229,8 @@ class RankExecutor:
             except Exception as err:
                 raise ActionError(f"rank {self.rank}, action {op}: {type(err).__name__}: {err}") from err
             events.append((op, start, clock()))
+            if self.dp is not None:
+                self.dp.after_compute()
         start = clock()
         mailbox.finish()
         wait_s += clock() - start

@@ -468,7 +468,7 @@ def _lower(schedule: Schedule, dp: DataParallel | None, recompute: frozenset[tup
     if dp is None:
         return lower_for(schedule, recompute=recompute, check=True)
     return lower_for(schedule, policies=dp.policies, dp=dp.d, recompute=recompute, reduce_at_end=dp.reduce_at_end,
-                     check=True)
+                     units=dp.units, check=True)
 
 
 def _even(seq: int, k: int) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ from typing import Any
 from ..core.async_mode import AsyncMode
 from ..core.precision import PrecisionPolicy, precision_policy
 from ..core.schedule import Schedule
+from ..core.dp_units import check_dp_unit
 from ..core.sharding import ShardingPolicy, per_stage
 from ..models.config import GPTConfig
 from .lr_schedule import LRSchedule
@@ -148,6 +149,8 @@ class MeshSpec:
     """torch threads in each rank (None: the cores divided among the ranks on this machine)"""
     tp: int = 1
     """tensor-parallel ranks per stage (runtime.tensor_parallel); 1: none"""
+    dp_unit: str = "chunk"
+    """the grain of the DP collectives (core.dp_units): "chunk" or "block" (one per block)"""
 
     def __post_init__(self) -> None:
         for name, value in (("--dp", self.dp), ("--tp", self.tp)):
@@ -156,6 +159,7 @@ class MeshSpec:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device!r}: resolve --device to cpu or cuda before building the config")
         object.__setattr__(self, "sharding", tuple(ShardingPolicy(p) for p in self.sharding))
+        check_dp_unit(self.dp_unit)
 
     @property
     def data_parallel(self) -> bool:
@@ -263,7 +267,8 @@ class TrainConfig:
         if self.inject_nonfinite is not None and not 1 <= self.inject_nonfinite <= self.steps:
             raise ValueError(f"inject_nonfinite must be a step in 1..{self.steps}, got {self.inject_nonfinite!r}")
         object.__setattr__(self, "mesh", MeshSpec(self.mesh.dp, per_stage(self.mesh.sharding, self.num_stages),
-                                                  self.mesh.device, self.mesh.threads_per_rank, self.mesh.tp))
+                                                  self.mesh.device, self.mesh.threads_per_rank, self.mesh.tp,
+                                                  dp_unit=self.mesh.dp_unit))
         if self.precision.master != self.model.config.dtype:
             raise ValueError(
                 f"precision {self.precision.name} keeps {self.precision.master} weights but the model is built in "

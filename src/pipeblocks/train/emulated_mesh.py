@@ -8,6 +8,7 @@ activations their shapes); `stage_params` is the size the link model moves per s
 
     case = EmulatedMeshCase("zb-v", p=2, dp=2, m=4, f_ms=4, b_ms=4, w_ms=4,
                             stage_params=(2e6,) * 4, bandwidth=1e9)
+    block = dataclasses.replace(case, blocks=4, dp_unit="block")   # 4 blocks per stage, a unit each
     measured = measure_emulated_mesh(case)      # spawns p x d processes
     both = measure_emulated_meshes([case, other])  # one launch, steps interleaved
     predicted = predict_emulated_mesh(case)
@@ -17,8 +18,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from ..core.costs import Costs
+from ..core.costs import BlockCosts, Costs
 from ..core.dp_model import DPCostModel, Link
+from ..core.dp_units import DPUnits, check_dp_unit, check_prefetch, units_for
 from ..core.lowering import lower_for
 from ..core.sharding import parse_sharding
 from ..core.simulate import simulate_program
@@ -29,8 +31,10 @@ __all__ = ["EmulatedMeshCase", "measure_emulated_mesh", "measure_emulated_meshes
 @dataclass(frozen=True)
 class EmulatedMeshCase:
     """One emulated run: schedule, mesh, per-pass times (ms per stage), the link (bytes per
-    second, seconds per ring step), the parameters per global stage, the policy, and
-    whether every reduction waits for the end of the step."""
+    second, seconds per ring step), the parameters per global stage, the policy, whether
+    every reduction waits for the end of the step, and the DP grain: `blocks` equal blocks
+    per stage (each 1/blocks of its passes and parameters), one unit each at
+    dp_unit="block" (`prefetch`: units gathered ahead, None: all)."""
 
     schedule: str
     p: int
@@ -48,10 +52,17 @@ class EmulatedMeshCase:
     warmup: int = 1
     options: tuple[tuple[str, object], ...] = ()
     """generator options (e.g. ("v", 2), ("forward_groups", (4, 4)) for elastic)"""
+    blocks: int = 1
+    dp_unit: str = "chunk"
+    prefetch: int | None = None
 
     def __post_init__(self) -> None:
         if self.steps <= self.warmup:
             raise ValueError(f"steps ({self.steps}) must exceed warmup ({self.warmup}): some steps must be timed")
+        if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 1:
+            raise ValueError(f"blocks must be an integer >= 1 per stage, got {self.blocks!r}")
+        check_dp_unit(self.dp_unit)
+        check_prefetch(self.prefetch)
 
     def build_schedule(self):
         from .. import schedules
@@ -62,7 +73,11 @@ class EmulatedMeshCase:
         if len(self.stage_params) != num_stages:
             raise ValueError(f"stage_params has {len(self.stage_params)} entries for {num_stages} stages")
         return DPCostModel(dp=self.dp, sharding=parse_sharding(self.sharding),
-                       link=Link(bandwidth=self.bandwidth, latency=self.latency))
+                           link=Link(bandwidth=self.bandwidth, latency=self.latency), unit=self.dp_unit,
+                           prefetch=self.prefetch)
+
+    def units(self, num_stages: int) -> DPUnits | None:
+        return units_for(self.dp_unit, (self.blocks,) * num_stages, prefetch=self.prefetch)
 
 
 def predict_emulated_mesh(case: EmulatedMeshCase) -> dict:
@@ -72,8 +87,10 @@ def predict_emulated_mesh(case: EmulatedMeshCase) -> dict:
     model = case.dp_model(S)
     # one time per global stage: a scalar would be a full stage's, split among its v chunks
     costs = Costs(t_f=(case.f_ms / 1e3,) * S, t_b=(case.b_ms / 1e3,) * S, t_w=(case.w_ms / 1e3,) * S,
-                  params=case.stage_params, data_parallel=model)
-    program = lower_for(schedule, policies=model.sharding, dp=case.dp, reduce_at_end=case.reduce_at_end)
+                  params=case.stage_params, data_parallel=model,
+                  blocks=BlockCosts.even((case.blocks,) * S, case.stage_params))
+    program = lower_for(schedule, policies=model.sharding, dp=case.dp, reduce_at_end=case.reduce_at_end,
+                        units=case.units(S))
     timeline = simulate_program(program, costs)
     return {"step_s": timeline.makespan, "exposed_s": max(timeline.exposed_comm), "comm_s": max(timeline.comm_time)}
 
@@ -92,14 +109,17 @@ def _build(case: EmulatedMeshCase, mesh, device):
 
     schedule = case.build_schedule()
     S = schedule.num_stages
-    model = GPTConfig(layers=S, hidden=8, heads=2, seq=8, vocab=16, dtype="float32")
+    model = GPTConfig(layers=S * case.blocks, hidden=8, heads=2, seq=8, vocab=16, dtype="float32")
     mine = schedule.placement.stages_of(mesh.pp_rank)
     built = build_stages(model, seed=0, num_stages=S, stages=mine, device=device)
     stages = {s.index: s for s in built}
-    link = EmulatedLink(case.dp_model(S), case.stage_params)
+    units = case.units(S)
+    link = EmulatedLink(case.dp_model(S), case.stage_params, units=units)
     dp = DataParallel(stages, per_stage(parse_sharding(case.sharding), S), mesh.dp_mesh, timeout_s=60,
-                      link=link, reduce_at_end=case.reduce_at_end)
-    compute = EmulatedCompute(EmulatedCosts(case.f_ms, case.b_ms, case.w_ms), stages, S, device)
+                      link=link, reduce_at_end=case.reduce_at_end, units=units)
+    per_layer = EmulatedCosts(case.f_ms / case.blocks, case.b_ms / case.blocks, case.w_ms / case.blocks,
+                              layers=case.blocks)
+    compute = EmulatedCompute(per_layer, stages, S, device)
     runner = PipelineRunner(schedule, stages, cross_entropy, group=mesh.pp_group, timeout_s=60,
                             compute=compute, data_parallel=dp)
     x = torch.randint(0, model.vocab, (case.m, model.seq))

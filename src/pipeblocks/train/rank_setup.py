@@ -109,7 +109,7 @@ def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
             modules, cfg.sharding, mesh.dp_mesh, timeout_s=cfg.timeout_s, link=_emulated_link(cfg, modules),
             mp_policy=fsdp_policy(torch_dtype(precision.compute), torch_dtype(precision.reduce))
             if precision.mixed else None,
-            extra_static=copies.held if copies is not None else None,
+            extra_static=copies.held if copies is not None else None, units=_dp_units(cfg),
         )
     data, held_out = TokenWindows.load(cfg.data, seq=cfg.model.seq).split(cfg.held_out)
     torch.manual_seed(cfg.seed)
@@ -126,6 +126,13 @@ def emulated_costs(cfg: TrainConfig):
     return EmulatedCosts(f_ms=f, b_ms=b, w_ms=w, layers=layer_counts(cfg.model.layers, cfg.num_stages))
 
 
+def _dp_units(cfg: TrainConfig):
+    """The DP units of every stage at the run's grain (None at chunk grain): one per block."""
+    from ..core.dp_units import units_for
+
+    return units_for(cfg.mesh.dp_unit, layer_counts(cfg.model.layers, cfg.num_stages))
+
+
 def _emulated_link(cfg: TrainConfig, stages):
     """Under emulation with dp > 1: each DP collective also takes its modelled time on the
     run's link, sized by the parameters of this rank's stages (other stages: never issued)."""
@@ -138,4 +145,17 @@ def _emulated_link(cfg: TrainConfig, stages):
     for index, module in stages.items():
         params[index] = float(sum(q.numel() for q in module.parameters()))
     model = DPCostModel(dp=cfg.dp, sharding=tuple(cfg.sharding), link=Link(*cfg.emulation.link))
-    return EmulatedLink(model, params)
+    units = _dp_units(cfg)
+    if units is None:
+        return EmulatedLink(model, params)
+    from ..runtime.dp_units import unit_modules
+
+    # each unit's own parameters (the embedding and head with their blocks); other ranks' stages: never issued
+    unit_params = [[0.0] * units.count(s) for s in range(cfg.num_stages)]
+    for index, module in stages.items():
+        if units.count(index) > 1:
+            unit_params[index] = [float(sum(q.numel() for m in group for q in m.parameters()))
+                                  for group in unit_modules(module, units.sizes[index])]
+        else:
+            unit_params[index] = [params[index]]
+    return EmulatedLink(model, params, units=units, unit_params=unit_params)

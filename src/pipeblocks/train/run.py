@@ -124,7 +124,8 @@ def prepare(
     if emulate is not None:
         emulation = EmulationSpec(tuple(emulate), _emulated_link(request) if sharded else None)
     _check_torchrun_world(schedule.p * dp * tp, tp)
-    mesh = MeshSpec(dp, request.sharding, _device(device, schedule.p * dp * tp, policy), threads_per_rank, tp)
+    mesh = MeshSpec(dp, request.sharding, _device(device, schedule.p * dp * tp, policy), threads_per_rank, tp,
+                    dp_unit=request.costs.dp_unit)
     warn_tp_across_nodes(tp, mesh.device)
     seq_lengths = _seq_lengths(schedule, request.costs.seq_split, model)
     train_options, data = resolve_loop_options(
