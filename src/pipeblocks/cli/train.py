@@ -116,6 +116,7 @@ from ..train.loop_options import DEFAULT_HELD_OUT
 from ..schedules.asynchronous import ASYNC_FORMS
 from .async_sim import add_mode_options, mode_from_args
 from .common import add_generator_options, request_from_args
+from ..sim.hardware_profile import check_hardware_text
 
 __all__ = ["register", "run", "DEFAULT_SCHEDULE"]
 
@@ -205,6 +206,9 @@ def register(sub) -> None:
     out.add_argument("--dry-run", action="store_true",
                      help="print the schedule, predicted memory per rank (activations, static) and predicted time; "
                      "launch nothing")
+    out.add_argument("--hardware", default=None, type=check_hardware_text, metavar="NAME|PROFILE.json",
+                     help="--dry-run: predict pass times from this hardware (a `pipeblocks calibrate` profile, or a "
+                     "preset) instead of timing them here; --emulate with --dp: its DP link (default a100's)")
     out.add_argument("--emulate", default=None, type=_emulate_arg, metavar="F_MS,B_MS,W_MS",
                      help="sleep F/B/W milliseconds per layer and microbatch instead of computing (times only)")
     out.add_argument("--report", default=None, metavar="FILE", help="write the measured-vs-simulated report as JSON")
@@ -224,13 +228,13 @@ def run(args: argparse.Namespace) -> int:
     emulate = args.emulate
     async_mode = mode_from_args(args)
     if async_mode is not None:
-        for flag, given in (("--dry-run", args.dry_run), ("--report", args.report), ("--plot", args.plot)):
-            if given:
-                raise ValueError(f"--async with {flag} is not supported yet: drop {flag} (simulate 1f1b --async "
-                                 "predicts the asynchronous steady state)")
+        if args.dry_run:
+            raise ValueError("--async with --dry-run is not supported yet: drop --dry-run (simulate 1f1b --async "
+                             "predicts the asynchronous steady state)")
     precision = _precision(args.precision, args.dtype)
     # cost-aware generators see the emulated ratios (unit costs otherwise)
-    costs = CostSpec(times=None if emulate is None else ",".join(map(str, emulate)), seq_split=args.seq_split)
+    costs = CostSpec(times=None if emulate is None else ",".join(map(str, emulate)), seq_split=args.seq_split,
+                     hardware=args.hardware or CostSpec.hardware)
     # the asynchronous form exists for 1F1B (asynchronous.run.check_async names the ones that have one)
     default = ASYNC_DEFAULT_SCHEDULE if async_mode is not None else default_schedule()
     request = request_from_args(args, name=args.name or default, costs=costs)
@@ -249,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
         lr_decay_steps=args.lr_decay_steps, held_out=args.held_out,
         eval_every=args.eval_every, metrics=args.metrics,
     )
-    return training.execute(cfg, data, dry=args.dry_run, report=args.report, plot=args.plot)
+    return training.execute(cfg, data, dry=args.dry_run, report=args.report, plot=args.plot, hardware=args.hardware)
 
 
 def _precision(precision: str | None, dtype: str | None) -> str:

@@ -210,10 +210,11 @@ def _seq_lengths(schedule, split: str, model) -> tuple[int, ...] | None:
 def _emulated_link(request: ScheduleRequest) -> tuple[float, float]:
     """The DP link an emulated run's collectives take (bytes/s, s per ring step): --dp-bandwidth
     (GB/s) and --dp-latency (us), else the --hardware preset's link for d replicas."""
-    from ..sim.analytic import HARDWARE, dp_link
+    from ..sim.analytic import dp_link
+    from ..sim.hardware_profile import resolve_hardware
 
     spec = request.costs
-    base = dp_link(HARDWARE[spec.hardware], request.mesh.dp)
+    base = dp_link(resolve_hardware(spec.hardware), request.mesh.dp)
     bandwidth = base.bandwidth if spec.dp_bandwidth is None else spec.dp_bandwidth * 1e9
     latency = base.latency if spec.dp_latency is None else spec.dp_latency * 1e-6
     return bandwidth, latency
@@ -280,7 +281,7 @@ def describe_loop(cfg: TrainConfig, data: TokenWindows) -> str:
 
 
 # ---- before launch: what the run will hold and how long a step takes ----------------------
-def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) -> dict:
+def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None, hardware: str | None = None) -> dict:
     """Print the schedule as a text timeline, the predicted activation and static memory per
     rank and the predicted iteration time; launch nothing. Returns the figures printed.
 
@@ -291,8 +292,10 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) 
     two moments, bf16-mixed's compute copy), plus, without data parallelism, the
     optimistic step's spare parameter and moments unless `optimistic_step` is off. Pass
     times are those --emulate sleeps, or measured here on one microbatch otherwise, with
-    the torch threads one rank of the run would have. The timeline is drawn at unit costs
-    (as `show` draws it) unless the times are emulated.
+    the torch threads one rank of the run would have; with `hardware` (a preset or a
+    `pipeblocks calibrate` profile) they are predicted from it (`predict.predicted_times`),
+    with its link's hop time. The timeline is drawn at unit costs (as `show` draws it)
+    unless the times are emulated.
     """
     from ..core.costs import Costs
     from ..core.simulate import simulate
@@ -300,7 +303,7 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) 
 
     out = out or sys.stdout
     s = cfg.schedule
-    stages, costs = _stage_costs(cfg, data)
+    stages, costs = _stage_costs(cfg, data, hardware)
     pairs = s.recompute
     timeline = simulate(s.schedule, costs, recompute=pairs)
     # shown as `show` shows it: measured times are not multiples of one cell, emulated ones are
@@ -312,7 +315,7 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None) 
         "dp": cfg.dp, "sharding": [str(p) for p in cfg.sharding],
         "iteration_time_predicted_s": timeline.makespan,
         "bubble_ratio_predicted": timeline.bubble_ratio,
-        "times_from": "emulate" if cfg.emulation is not None else "profiled in this process",
+        "times_from": "emulate" if cfg.emulation is not None else _times_from(cfg, hardware),
         "ranks": [
             {"rank": r, "stages": list(s.placement.stages_of(r)),
              "activation_bytes_predicted": timeline.peak_activation[r], "static_bytes_predicted": static[r]}
@@ -368,7 +371,17 @@ def profiled_stages(cfg: TrainConfig):
     return family.split(model, cfg.num_stages), family.loss_fn
 
 
-def _stage_costs(cfg: TrainConfig, data: TokenWindows):
+def _times_from(cfg: TrainConfig, hardware: str | None) -> str:
+    if hardware is None:
+        return "profiled in this process"
+    from .predict import profile_threads
+
+    threads, mine = profile_threads(hardware), cfg.threads_for(cfg.world_size)
+    other = f"; measured with {threads} torch threads, a rank here has {mine}" if threads not in (None, mine) else ""
+    return f"predicted from hardware {hardware}{other}"
+
+
+def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = None):
     """All stage modules (this process) and the costs to simulate the run with: seconds and bytes."""
     from ..core.costs import Costs
     from ..runtime.profile import profile_chunk_memory, profile_stage_memory, profile_stage_times
@@ -382,16 +395,22 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows):
     if cfg.tp > 1:  # what one tensor-parallel rank saves of the whole stages profiled here
         memory = tp_stage_memory(cfg, memory)
     seq_mem = profile_chunk_memory(stages, x, loss_fn, y, s.seq_lengths) if s.seq_chunks > 1 else None
+    t_comm = 0.0
     if cfg.emulation is not None:
         ms = emulated_costs(cfg).sim_costs(s.schedule)
         f, b, w = (tuple(t * 1e-3 for t in times) for times in (ms.t_f, ms.t_b, ms.t_w))
+    elif hardware is not None:
+        from ..sim.hardware_profile import resolve_hardware
+        from .predict import predicted_times
+
+        f, b, w, t_comm = predicted_times(stages, x, loss_fn, y, resolve_hardware(hardware))
     else:
         with torch_threads(cfg.threads_for(s.p)):
             times = profile_stage_times(stages, x, loss_fn, y)
         f, b, w = (tuple(t[i] for t in times) for i in range(3))
     total = sum(x.m_b for x in memory)
     ratio = min(1.0, sum(x.m_w for x in memory) / total) if s.schedule.has_split_backward and total > 0 else 1.0
-    costs = Costs(t_f=f, t_b=b, t_w=w, mem_b=tuple(float(x.m_b) for x in memory), mem_w_ratio=ratio,
+    costs = Costs(t_f=f, t_b=b, t_w=w, t_comm=t_comm, mem_b=tuple(float(x.m_b) for x in memory), mem_w_ratio=ratio,
                   seq_mem=tuple(seq_mem) if seq_mem is not None else None,
                   recompute_input_ratio=tuple(x.input_ratio for x in memory))
     return stages, costs
@@ -405,15 +424,18 @@ def _launch(cfg: TrainConfig):
 
 
 def execute(cfg: TrainConfig, data: TokenWindows, *, dry: bool = False, report: str | None = None,
-            plot: str | None = None) -> int:
+            plot: str | None = None, hardware: str | None = None) -> int:
     """Run what the command line asked for: the one place where synchronous and asynchronous
-    training part ways (`--dry-run`, `--verify`, or training with its report)."""
+    training part ways (`--dry-run`, `--verify`, or training with its report). `hardware`:
+    the dry run's pass times from this profile instead of profiled here."""
     if cfg.async_mode is not None:
         from .asynchronous import run as asynchronous
 
-        return asynchronous.verify_async(cfg, data) if cfg.verify else asynchronous.train_async(cfg, data)
+        if cfg.verify:
+            return asynchronous.verify_async(cfg, data)
+        return asynchronous.train_async(cfg, data, report=report, plot=plot)
     if dry:
-        dry_run(cfg, data)
+        dry_run(cfg, data, hardware=hardware)
         return 0
     if cfg.verify:
         return verify(cfg, data)
