@@ -7,7 +7,9 @@ pipeblocks' schedules and torch.distributed.pipelining's, on the same model and 
     PYTHONPATH=src python benchmarks/overhead_p1.py --device cuda --precision bf16-mixed --hidden 2048 --seq 2048
 
 One spawned process (gloo on CPU, NCCL on a GPU) times, per step of m microbatches, the
-median over --steps steps after one warm-up:
+fastest of --steps steps after one warm-up (other work on a shared machine only slows a
+step down), the runs below taking turns step by step so that a drift of the machine's
+speed touches them all alike:
 
 * plain: the whole model, forward and `loss.backward()` per microbatch, gradients
   accumulated (what a training loop without pipelining does);
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -70,20 +71,7 @@ def _batch(plan: Plan, device):
     return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
 
 
-def _timed(step, modules, plan: Plan, clock) -> float:
-    times = []
-    for i in range(plan.steps + 1):
-        for module in modules:
-            module.zero_grad(set_to_none=True)
-        start = clock()
-        step()
-        end = clock()
-        if i:
-            times.append(end - start)
-    return statistics.median(times)
-
-
-def _plain(plan: Plan, device, x, y, clock) -> float:
+def _plain(plan: Plan, device, x, y):
     model = _stages(plan, 1, device)[0]
     xs, ys = x.chunk(plan.m), y.chunk(plan.m)
 
@@ -91,19 +79,17 @@ def _plain(plan: Plan, device, x, y, clock) -> float:
         for xi, yi in zip(xs, ys):
             (cross_entropy(model(xi), yi) / plan.m).backward()
 
-    return _timed(step, [model], plan, clock)
+    return step, [model], None
 
 
-def _pipeblocks(plan: Plan, name: str, device, x, y, clock, *, memory: bool) -> tuple[float, dict]:
+def _pipeblocks(plan: Plan, name: str, device, x, y, *, memory: bool):
     schedule = schedules.get(name)(p=1, m=plan.m)
     stages = _stages(plan, schedule.num_stages, device)
     runner = PipelineRunner(schedule, stages, cross_entropy, device=device, measure_memory=memory)
-    seconds = _timed(lambda: runner.step(x, y), list(stages.values()), plan, clock)
-    cache = getattr(runner.compute, "partitions", {})
-    return seconds, {s: (c.hits, c.misses) for s, c in cache.items()}
+    return (lambda: runner.step(x, y)), list(stages.values()), runner
 
 
-def _torch(plan: Plan, name: str, device, x, y, clock) -> float:
+def _torch(plan: Plan, name: str, device, x, y):
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import (
         Schedule1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
@@ -115,7 +101,23 @@ def _torch(plan: Plan, name: str, device, x, y, clock) -> float:
     kind = {"Schedule1F1B": Schedule1F1B, "ScheduleZBVZeroBubble": ScheduleZBVZeroBubble,
             "ScheduleInterleavedZeroBubble": ScheduleInterleavedZeroBubble}[name]
     runtime = kind(wrapped[0] if count == 1 else wrapped, plan.m, loss_fn=cross_entropy)
-    return _timed(lambda: runtime.step(x, target=y, losses=[]), list(stages.values()), plan, clock)
+    return (lambda: runtime.step(x, target=y, losses=[])), list(stages.values()), None
+
+
+def _interleaved(runs: dict, plan: Plan, clock) -> dict[str, float]:
+    """The fastest step of each run, the runs taking turns step by step (a drift in the
+    machine's speed then touches them all alike), after one warm-up step each."""
+    best = {name: float("inf") for name in runs}
+    for i in range(plan.steps + 1):
+        for name, (step, modules, _) in runs.items():
+            for module in modules:
+                module.zero_grad(set_to_none=True)
+            start = clock()
+            step()
+            seconds = clock() - start
+            if i:
+                best[name] = min(best[name], seconds)
+    return best
 
 
 def _split_vs_fused(plan: Plan, hidden: int, device, clock) -> dict:
@@ -129,23 +131,27 @@ def _split_vs_fused(plan: Plan, hidden: int, device, clock) -> dict:
     grad = torch.randn(plan.microbatch, plan.seq, hidden, generator=gen).to(device=device, dtype=dtype)
     cache = PartitionCache()
     split, fused = [], []
-    for i in range(plan.steps + 2):
+
+    def timed(run_split: bool) -> float:
         inp = x.clone().requires_grad_(True)
         out = stage(inp)
         start = clock()
-        _, work = input_backward(out, grad, inp, params, partitions=cache)
-        work.run()
-        end = clock()
-        inp = x.clone().requires_grad_(True)
-        out = stage(inp)
-        middle = clock()
-        fused_backward(out, grad, inp)
-        done = clock()
-        if i > 1:
-            split.append(end - start)
-            fused.append(done - middle)
+        if run_split:
+            _, work = input_backward(out, grad, inp, params, partitions=cache)
+            work.run()
+        else:
+            fused_backward(out, grad, inp)
+        seconds = clock() - start
         stage.zero_grad(set_to_none=True)
-    s, f = statistics.median(split), statistics.median(fused)
+        return seconds
+
+    for i in range(plan.steps + 2):
+        first = i % 2 == 0  # alternate which runs first: neither gets the other's warm caches for free
+        a, b = (timed(True), timed(False)) if first else tuple(reversed((timed(False), timed(True))))
+        if i > 1:
+            split.append(a)
+            fused.append(b)
+    s, f = min(split), min(fused)
     return {"hidden": hidden, "split_s": s, "fused_s": f, "ratio": s / f}
 
 
@@ -154,15 +160,19 @@ def _worker(ctx, plan: Plan) -> dict:
     clock = device_clock(device)
     x, y = _batch(plan, device)
     out: dict = {"device": str(device), "threads": torch.get_num_threads()}
-    out["plain"] = _plain(plan, device, x, y, clock)
+    runs = {"plain": _plain(plan, device, x, y)}
     for name in ("1f1b", "zb-h1", "zb-v"):
-        out[f"pipeblocks {name}"], out[f"cache {name}"] = _pipeblocks(plan, name, device, x, y, clock, memory=False)
-    out["pipeblocks 1f1b, memory measured"], _ = _pipeblocks(plan, "1f1b", device, x, y, clock, memory=True)
+        runs[f"pipeblocks {name}"] = _pipeblocks(plan, name, device, x, y, memory=False)
+    runs["pipeblocks 1f1b, memory measured"] = _pipeblocks(plan, "1f1b", device, x, y, memory=True)
     for name in ("Schedule1F1B", "ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble"):
         try:
-            out[f"torch {name}"] = _torch(plan, name, device, x, y, clock)
+            runs[f"torch {name}"] = _torch(plan, name, device, x, y)
         except Exception as err:  # noqa: BLE001 - reported in the table
             out[f"torch {name}"] = f"failed: {type(err).__name__}: {err}"
+    out.update(_interleaved(runs, plan, clock))
+    for name in ("1f1b", "zb-h1", "zb-v"):
+        runner = runs[f"pipeblocks {name}"][2]
+        out[f"cache {name}"] = {s: (c.hits, c.misses) for s, c in runner.compute.partitions.items()}
     out["split"] = [_split_vs_fused(plan, h, device, clock) for h in plan.split_hidden]
     dist.barrier()
     return out
@@ -191,7 +201,7 @@ def main() -> None:
     out, = spawn(_worker, 1, args=(plan,), timeout_s=3600, threads_per_rank=args.threads, device=args.device)
     plain = out["plain"]
     print(f"one process on {out['device']} ({out['threads']} thread(s)), GPT {plan.layers} x {plan.hidden}, seq "
-          f"{plan.seq}, microbatch {plan.microbatch}, m {plan.m}, {plan.precision}; median of {plan.steps} steps")
+          f"{plan.seq}, microbatch {plan.microbatch}, m {plan.m}, {plan.precision}; fastest of {plan.steps} steps")
     print(f"{'run':<42} {'step ms':>9} {'vs plain':>8}")
     for key, value in out.items():
         if key in ("device", "threads", "split") or key.startswith("cache"):

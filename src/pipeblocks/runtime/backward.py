@@ -83,24 +83,21 @@ class WeightGradWork:
                 for node, captured in zip(group.nodes, group.grads):
                     if captured is not None:
                         pins.append(node.register_prehook(_pin(captured)))
+            # a leaf parameter by its gradient edge (its AccumulateGrad node, found in B); a
+            # parameter that is not a leaf (a view of a gathered one) by the tensor, whose .grad
+            # the engine fills only when it is named
+            leaves = all(p.grad_fn is None for p in group.params)
             try:
-                params = group.params
-                targets = group.edges
                 # Groups can share nodes below their joins when the input path is sparse (stage 0
                 # with sequence chunks: only the K/V leaves need a gradient), so every engine call
-                # but the last keeps the graph; it is freed when this work drops its nodes.
-                results = torch.autograd.grad(edges, targets, grad_outputs=grads, allow_unused=True,
-                                              retain_graph=number < len(groups) - 1)
+                # but the last keeps the graph; it is freed when this work drops its nodes. Each
+                # gradient is accumulated into `.grad` where it is computed, as a fused backward
+                # does, so the call never holds all of the group's gradients at once.
+                torch.autograd.backward(edges, grad_tensors=grads, inputs=group.edges if leaves else group.params,
+                                        retain_graph=number < len(groups) - 1)
             finally:
                 for pin in pins:
                     pin.remove()
-            for param, grad in zip(params, results):
-                if grad is None:
-                    continue
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad.add_(grad)
         self.keep_alive = None
 
 
