@@ -5,13 +5,14 @@ its activation side is the memory estimate's (`sim.memory_estimate.activation_co
 per stage, what a split backward keeps for W, what a recomputed forward keeps), so at
 tp = 1 the activation the planner ranks by is `estimate_memory`'s.
 
-Tensor parallelism is folded in analytically, Megatron-style with sequence parallelism
-(Shoeybi et al. 2019; Korthikanti et al. 2022): each stage's parameters, pass FLOPs and
-stored activations are divided by tp, and every layer adds two all-reduces of its
-activation (s*b*h elements) to the forward and two to the input-gradient pass, on the
-intra-node link (tp never leaves a node). W carries no tensor-parallel communication.
-A recomputed forward (1f1b-r) pays its all-reduces again, since the simulator's
-recomputation takes the stage's forward time.
+Tensor parallelism is folded in as the runtime runs it (`runtime.tensor_parallel`,
+Megatron-style with sequence parallelism): pass FLOPs and parameters are divided by tp and
+every layer adds its collectives to the forward and the input-gradient pass, two
+all-gather + reduce-scatter pairs of its activation (s*b*h elements) on the intra-node
+link (`core.tp_model.TPCostModel`, tp never leaves a node); W carries none. A recomputed
+forward (1f1b-r) pays them again, since the simulator's recomputation takes the stage's
+forward time. Stored activations are what one tp rank saves (`activation_costs(tp=)`:
+the gathered GEMM inputs and the loss stay whole), as `estimate_memory(tp=)` has them.
 
 Ranks are ordered (pp, dp, tp), tp fastest: a DP ring has stride tp and spans dp*tp
 consecutive ranks, so it stays inside a node when dp*tp <= gpus_per_node. A pipeline hop
@@ -26,19 +27,23 @@ from __future__ import annotations
 import dataclasses
 
 from ..core.costs import Costs
-from ..core.dp_model import DPCostModel, Link, all_reduce_time
+from ..core.dp_model import DPCostModel, Link
+from ..core.tp_model import TPCostModel
 from ..core.sharding import ShardingPolicy
 from ..sim.analytic import Hardware, TransformerConfig, dp_link, layer_split, stage0_backward_in_w, transformer_costs
 from ..sim.memory_estimate import activation_costs, precision_config
 from .intensity import head_efficiency, layer_efficiency
 
-__all__ = ["tp_all_reduce_time", "replica_costs"]
+__all__ = ["tp_cost_model", "replica_costs"]
 
 
-def tp_all_reduce_time(config: TransformerConfig, hardware: Hardware, tp: int) -> float:
-    """One tensor-parallel all-reduce of a layer's activation (ring, intra-node link)."""
-    size = config.seq * config.microbatch_size * config.hidden * config.dtype_bytes
-    return all_reduce_time(size, tp, Link(hardware.intra_bandwidth, hardware.intra_latency))
+def tp_cost_model(hardware: Hardware, tp: int) -> TPCostModel:
+    """The tensor-parallel collectives of `tp` ranks on the hardware's intra-node link."""
+    return TPCostModel(tp=tp, link=Link(hardware.intra_bandwidth, hardware.intra_latency))
+
+
+def _activation_bytes(config: TransformerConfig) -> float:
+    return config.seq * config.microbatch_size * config.hidden * config.dtype_bytes
 
 
 def replica_costs(
@@ -53,7 +58,7 @@ def replica_costs(
     `w_keeps`: what a split backward keeps from B until W (`sim.memory_estimate.estimate_memory`).
     `precision` prices the DP side and sets the activations' dtype (`sim.memory_estimate.precision_config`)."""
     config, _ = precision_config(config, precision)
-    memory = activation_costs(config, num_stages, w_keeps=w_keeps)
+    memory = activation_costs(config, num_stages, w_keeps=w_keeps, tp=tp)
     base = dataclasses.replace(
         transformer_costs(config, hardware, num_stages=num_stages, stage0_input_grad=True), mem_b=memory.mem_b,
         mem_w_ratio=memory.mem_w_ratio, recompute_input_ratio=memory.recompute_input_ratio,
@@ -65,20 +70,12 @@ def replica_costs(
     data_parallel = DPCostModel(dp=dp, sharding=(sharding,), link=dp_link(hardware, dp * tp), precision=precision)
     if tp == 1:
         return dataclasses.replace(base, data_parallel=data_parallel)
-    counts = layer_split(config.layers, num_stages)
-    per_pass = 2 * tp_all_reduce_time(config, hardware, tp)  # two all-reduces per layer and pass
-    activation = config.seq * config.microbatch_size * config.hidden * config.dtype_bytes
-    hop = hardware.latency + activation / tp / hardware.bandwidth
-    return dataclasses.replace(
-        base,
-        t_f=tuple(t / tp + n * per_pass for t, n in zip(base.t_f, counts)),
-        t_b=tuple(t / tp + n * per_pass for t, n in zip(base.t_b, counts)),
-        t_w=tuple(t / tp for t in base.t_w),
-        mem_b=tuple(x / tp for x in base.mem_b),
-        params=tuple(x / tp for x in base.params),
-        t_comm=hop,
-        data_parallel=data_parallel,
-    )
+    activation = _activation_bytes(config)
+    split = tp_cost_model(hardware, tp).split(base, layers=layer_split(config.layers, num_stages),
+                                              activation_bytes=activation)
+    hop = hardware.latency + activation / tp / hardware.bandwidth  # each rank sends its token shard
+    return dataclasses.replace(split, params=tuple(x / tp for x in base.params), t_comm=hop,
+                               data_parallel=data_parallel)
 
 
 def _with_intensity(costs: Costs, config: TransformerConfig, hardware: Hardware, tp: int, chunks: int) -> Costs:

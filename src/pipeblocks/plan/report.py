@@ -58,23 +58,10 @@ def to_json(result: PlanResult, top: int | None = None) -> dict:
 
 
 def commands(result: PlanResult) -> list[str]:
-    """How to run the chosen plan. The runtime has no tensor parallelism: for a tp > 1 plan
-    the best tp = 1 plan's command is given too (each line says what it runs)."""
-    ranked = result.ranked
-    best = ranked[0]
-    out = _commands(result, best)
-    if best.candidate.tp > 1:
-        out.insert(0, f"# the best plan uses tp={best.candidate.tp}; pipeblocks runs no tensor parallelism, so the "
-                      "commands below run its pp x dp part only (each rank then holds tp times the parameters)")
-        plain = next((e for e in ranked if e.candidate.tp == 1), None)
-        if plain is not None:
-            c = plain.candidate
-            out.append(f"# the best plan without tensor parallelism: {c.label} dp={c.dp} pp={c.pp} "
-                       f"mb={c.microbatch_size}, MFU {plain.mfu * 100:.2f}%")
-            out += _commands(result, plain)
-        else:
-            out.append("# no plan without tensor parallelism fits this memory")
-    return out
+    """How to run the chosen plan: `pipeblocks train` (local processes), and the same run
+    under torchrun. A tp > 1 plan's commands carry --tp and the model family the planner
+    priced (the reference GPT); its tensor-parallel groups stay inside a node."""
+    return _commands(result, result.ranked[0])
 
 
 def _commands(result: PlanResult, e: Evaluated) -> list[str]:
@@ -82,17 +69,22 @@ def _commands(result: PlanResult, e: Evaluated) -> list[str]:
     model = p.model
     seq = f" --seq-chunks {c.seq_chunks}" if c.seq_chunks > 1 else ""
     mesh = f" --dp {c.dp} --sharding {e.sharding}" if c.dp > 1 else ""
-    ranks = c.dp * c.pp
-    # torchrun starts the same number of processes on every node
-    per_node = max(d for d in range(1, p.hardware.gpus_per_node + 1) if ranks % d == 0)
+    tp = f" --tp {c.tp}" if c.tp > 1 else ""
+    family = " --model-family gpt" if c.tp > 1 else ""
+    ranks = c.dp * c.pp * c.tp
+    # torchrun starts the same number of processes on every node; a tp group stays inside one
+    per_node = max(d for d in range(1, p.hardware.gpus_per_node + 1) if ranks % d == 0 and d % c.tp == 0)
     nodes = ranks // per_node
     # the precision the memory was priced with (train's default is fp32)
     precision = f" --precision {p.precision}" if p.precision != "fp32" else ""
-    train = (
-        f"pipeblocks train --schedule {c.schedule} -p {c.pp} -m {c.m}{mesh}{seq} --layers {model.layers} "
+    options = (
+        f" --schedule {c.schedule} -p {c.pp} -m {c.m}{mesh}{tp}{seq} --layers {model.layers} "
         f"--hidden {model.hidden} --heads {model.heads} --seq {model.seq} --microbatch-size {c.microbatch_size}"
-        f"{precision}"
+        f"{precision}{family}"
     )
+    train = f"pipeblocks train{options}"
+    if c.tp > 1:  # the example script has no tensor parallelism: torchrun runs pipeblocks train itself
+        return [train, f"torchrun --nnodes {nodes} --nproc-per-node {per_node} -m pipeblocks train{options}"]
     launch = (
         f"torchrun --nnodes {nodes} --nproc-per-node {per_node} examples/torchrun_gpt.py --schedule {c.schedule} "
         f"--pp {c.pp} --dp {c.dp} --sharding {e.sharding} --microbatches {c.m} --microbatch-size {c.microbatch_size}"

@@ -200,6 +200,8 @@ def split_backward(name: str) -> bool:
 
 
 def _policies(shape: MeshShape) -> list[ShardingPolicy]:
+    if shape.dp > 1 and shape.tp > 1:  # the runtime shards tensor-parallel stages over dp with FSDP2 only
+        return [pol for pol in SHARDING_ORDER if pol in (ShardingPolicy.ZERO2, ShardingPolicy.ZERO3)]
     return [pol for pol in SHARDING_ORDER if shape.dp > 1 or pol is ShardingPolicy.REPLICATE]
 
 
@@ -234,6 +236,10 @@ def _entries(problem: PlanProblem, name: str, k: int) -> tuple[list[_Entry], lis
     spec = get(name)
     flops, peak_rate = model_flops(problem), problem.hardware.flops * problem.gpus
     for shape in meshes(problem):
+        if shape.tp > 1 and k > 1:
+            skipped.append(Skipped(label, shape, None, "sequence chunks with tp > 1: the runtime runs neither with "
+                                                       "the other (tp already splits the tokens)"))
+            continue
         for b in microbatch_sizes(problem, shape):
             m = problem.global_batch // (shape.dp * b)
             stages = spec.num_stages(p=shape.pp, m=m)
