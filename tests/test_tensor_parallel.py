@@ -152,3 +152,27 @@ def test_estimate_memory_at_tp1_is_unchanged_and_tp_splits_it():
         assert 0.5 < b.activation_bytes / a.activation_bytes < 0.65
         assert 0.5 < b.static_bytes / a.static_bytes < 0.51  # norms and row-parallel biases stay whole
         assert rank_static_peak(config, 2, (a.rank,), ("replicate",), dp=1, precision="fp32", tp=2) == b.static_bytes
+
+
+def test_simulate_prices_tp_with_the_model(capsys):
+    """`simulate --tp 2 --model`: compute over 2, each layer's two all-gather + reduce-scatter
+    pairs in F and B on the intra-node link (the planner's TPCostModel), per rank tp_comm."""
+    import json
+
+    from pipeblocks.sim.analytic import HARDWARE, parse_model
+    from pipeblocks.sim.tp_costs import tp_model
+
+    args = ["simulate", "1f1b", "-p", "2", "-m", "4", "--model", "1.5b", "--json"]
+    assert main(args) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*args, "--tp", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert "tp" not in one and "tp_comm" not in one and two["tp"] == 2  # without --tp: today's summary
+    config = parse_model("1.5b")
+    layer = tp_model(HARDWARE["a100-80g"], 2).layer_comm(config.seq * config.microbatch_size * config.hidden * 2)
+    layers = config.layers // 2
+    assert two["tp_comm"] == pytest.approx([4 * 2 * layers * layer] * 2)
+    assert two["busy"][1] - two["tp_comm"][1] == pytest.approx(one["busy"][1] / 2)
+    assert 0.5 * one["peak_activation"][0] < two["peak_activation"][0] < 0.6 * one["peak_activation"][0]
+    assert main(["simulate", "1f1b", "-p", "2", "-m", "4", "--tp", "2"]) == 2
+    assert "--tp 2 is priced by the analytic model: add --model" in capsys.readouterr().err

@@ -85,9 +85,12 @@ def add_generator_options(
 
 
 def add_mesh_options(parser: argparse.ArgumentParser) -> None:
-    """Data parallelism: replicas of the pipeline, sharding per chunk, the DP link."""
+    """Data and tensor parallelism: replicas of the pipeline, sharding per chunk, the DP link, tp."""
     group = parser.add_argument_group("data parallel")
     group.add_argument("--dp", type=int, default=1, metavar="D", help="data-parallel replicas of the pipeline (default 1)")
+    group.add_argument("--tp", type=int, default=1, metavar="T",
+                       help="tensor-parallel ranks per stage (default 1): train runs them (p x dp x T processes); "
+                       "with --model the simulator prices them (compute / T, the per-layer collectives, a rank's memory)")
     group.add_argument(
         "--sharding", default="replicate", metavar="POLICY[,POLICY...]",
         help="per chunk (global stage), or one for all: replicate, zero1, zero2, zero3; or auto "
@@ -160,6 +163,7 @@ def request_from_args(
         if any(key == given for given, _ in options):
             raise ScheduleError(f"--set {item!r}: option {key!r} is given twice; give it once")
         options.append((key, value))
+    priced_here = costs is None  # train gives its own costs: its --tp is the runtime's
     link = {"dp_bandwidth": args.dp_bandwidth, "dp_latency": args.dp_latency, "mixed_precision": args.mixed_precision,
             "dp_unit": args.dp_unit}
     if costs is None:
@@ -169,8 +173,12 @@ def request_from_args(
         )
     else:
         costs = dataclasses.replace(costs, **link)
+    tp = getattr(args, "tp", 1)
+    if tp > 1 and priced_here and not costs.model:
+        raise ScheduleError(f"--tp {tp} is priced by the analytic model: add --model NAME (and --hardware)")
     return ScheduleRequest(
-        name=name or getattr(args, "name", None), m=args.m, mesh=Mesh(pp=args.p, dp=args.dp), options=tuple(options),
+        name=name or getattr(args, "name", None), m=args.m, mesh=Mesh(pp=args.p, dp=args.dp, tp=tp),
+        options=tuple(options),
         seq_chunks=args.seq_chunks, costs=costs, file=args.file, gpu_memory=args.gpu_memory,
         recompute=getattr(args, "recompute", "none"),
         **_sharding(args.sharding),

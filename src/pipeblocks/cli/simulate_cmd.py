@@ -30,11 +30,14 @@ def run(args: argparse.Namespace) -> int:
     # what was chosen (elastic's groups, --sharding auto's policy per chunk), to reproduce it
     summary["options"] = {key: list(value) if isinstance(value, tuple) else value for key, value in schedule.options}
     summary["sharding"] = [str(policy) for policy in built.costs.data_parallel.policies(schedule.num_stages)]
+    if built.request.mesh.tp > 1:  # without --tp the summary is as it was
+        summary["tp"], summary["tp_comm"] = built.request.mesh.tp, _tp_comm(built)
     if args.json:
         print_json(summary)
         return 0
     dp = built.costs.data_parallel
     mesh = f", dp={dp.dp}, sharding={','.join(map(str, dp.sharding))}" if dp.dp > 1 or set(dp.sharding) != {"replicate"} else ""
+    mesh += f", tp={summary['tp']}" if "tp" in summary else ""
     print(f"schedule      {schedule.name}  (p={schedule.p}, m={schedule.m}, v={schedule.v}{mesh})")
     print(f"makespan      {summary['makespan']:.6g}")
     print(f"bubble ratio  {summary['bubble_ratio']:.4f}   (per-rank span, as in the papers: "
@@ -45,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
               f"{summary['static_memory'][r]:<13.6g}  {summary['static_memory_peak'][r]:<12.6g}  "
               f"{summary['comm_time'][r]:<8.4g}  {summary['exposed_comm'][r]:.4g}")
     unit = "bytes" if args.model else "units: a full stage holds 1 parameter, 16 per parameter in fp32 AdamW"
+    if "tp" in summary:
+        print("tp comm       " + " ".join(f"{t:.4g}" for t in summary["tp_comm"])
+              + "   (seconds per rank in tensor-parallel collectives, inside its F and B)")
     if any(summary["recompute_time"]):
         print(f"recompute     {len(built.recompute)} (stage, microbatch) pairs; time per rank "
               + " ".join(f"{t:.4g}" for t in summary["recompute_time"]))
@@ -54,6 +60,20 @@ def run(args: argparse.Namespace) -> int:
             print(_what_fits(built, timeline, 1e9 if args.model else 1.0))
     print(f"(static memory: parameters, gradients and optimizer state between steps, and at the step's peak; {unit})")
     return 0
+
+
+def _tp_comm(built) -> list[float]:
+    """Seconds each rank spends in tensor-parallel collectives per step (--tp > 1, --model)."""
+    import dataclasses
+
+    from ..sim.analytic import parse_model
+    from ..sim.hardware_profile import resolve_hardware
+    from ..sim.tp_costs import tp_comm_per_rank
+
+    spec = built.request.costs
+    config = dataclasses.replace(parse_model(spec.model), flash_attention=spec.flash_attention)
+    return tp_comm_per_rank(built.schedule, config, resolve_hardware(spec.hardware), tp=built.request.mesh.tp,
+                            recompute=built.recompute)
 
 
 def _what_fits(built, timeline, unit: float) -> str:

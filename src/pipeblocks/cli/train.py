@@ -101,7 +101,6 @@ starts, with exit status 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 
 from ..core.precision import PRECISION_NAMES
@@ -152,8 +151,6 @@ def register(sub) -> None:
                        help="auto (default: CUDA when there is a GPU for every local rank, else the CPU), cpu, cuda")
     model.add_argument("--data", default=None, metavar="FILE",
                        help="a text file to train on (default: Python's own pydoc topics, no download)")
-    model.add_argument("--tp", type=positive_int, default=1, metavar="T",
-                       help="tensor-parallel processes per stage (default 1: none); p x dp x T processes in all")
     train = parser.add_argument_group("training")
     train.add_argument("--microbatch-size", type=positive_int, default=TrainConfig.microbatch_size,
                        help=f"sequences per microbatch (default {TrainConfig.microbatch_size})")
@@ -238,7 +235,6 @@ def run(args: argparse.Namespace) -> int:
     # the asynchronous form exists for 1F1B (asynchronous.run.check_async names the ones that have one)
     default = ASYNC_DEFAULT_SCHEDULE if async_mode is not None else default_schedule()
     request = request_from_args(args, name=args.name or default, costs=costs)
-    request = dataclasses.replace(request, mesh=dataclasses.replace(request.mesh, tp=args.tp))
     # the weights' dtype: float64 for fp64, float32 otherwise (bf16-mixed keeps float32 masters)
     model = FAMILIES[args.model_family].config(
         layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, seq=args.seq,

@@ -25,6 +25,7 @@ from ..interop import from_torch_csv, program_from_torch_csv
 from ..schedules import get
 from ..schedules.sequence import split_sequence
 from .analytic import dp_link, parse_model, transformer_costs
+from .tp_costs import tensor_parallel_costs
 from ..core.recompute import all_pairs
 from .auto_sharding import choose_sharding
 from .blocks import transformer_blocks
@@ -138,7 +139,7 @@ def memory_budget(request: ScheduleRequest) -> float | None:
 def _build(request: ScheduleRequest) -> Built:
     if request.file:
         schedule = _load(request.file)
-        return Built(request, schedule, _with_dp(request, resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks), schedule.num_stages))
+        return Built(request, schedule, _with_dp(request, resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks, tp=request.mesh.tp), schedule.num_stages))
     spec = get(request.name)
     kwargs: dict[str, object] = {"p": request.p, "m": request.m}
     for key, value in request.options:
@@ -154,13 +155,13 @@ def _build(request: ScheduleRequest) -> Built:
         kwargs["gpu_memory"] = memory_budget(request)
     if spec.accepts("costs") and "costs" not in kwargs:
         stages = spec.num_stages(**kwargs)
-        costs = _with_dp(request, resolve_costs(request.costs, stages, k or 1), stages)
+        costs = _with_dp(request, resolve_costs(request.costs, stages, k or 1, tp=request.mesh.tp), stages)
         schedule = generate(**kwargs, costs=costs)
         if schedule.num_stages != stages:  # the registration's v is wrong: a bug, not user input
             raise RuntimeError(f"schedule {spec.name!r} built {schedule.num_stages} stages, registry said {stages}")
         return Built(request, schedule, costs)
     schedule = generate(**kwargs)
-    costs = resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks)
+    costs = resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks, tp=request.mesh.tp)
     return Built(request, schedule, _with_dp(request, costs, schedule.num_stages))
 
 
@@ -190,9 +191,17 @@ def _with_dp(request: ScheduleRequest, costs: Costs, num_stages: int) -> Costs:
     return dataclasses.replace(costs, data_parallel=dp)
 
 
-def resolve_costs(spec: CostSpec, num_stages: int, seq_chunks: int = 1) -> Costs:
-    """Costs from the analytic model (for `num_stages` stages), or from pass times
-    (unit costs by default)."""
+def resolve_costs(spec: CostSpec, num_stages: int, seq_chunks: int = 1, tp: int = 1) -> Costs:
+    """Costs from the analytic model (for `num_stages` stages; with tp > 1 as one of tp
+    tensor-parallel ranks runs them, `tp_costs`), or from pass times (unit costs by
+    default; tp is then the runtime's alone, not priced)."""
+    if spec.model and tp > 1:
+        if seq_chunks > 1:
+            raise ScheduleError(f"--tp {tp} with --seq-chunks {seq_chunks}: tensor parallelism already splits the "
+                                "tokens (sequence parallelism); drop one")
+        config = dataclasses.replace(parse_model(spec.model), flash_attention=spec.flash_attention)
+        costs = resolve_costs(spec, num_stages, seq_chunks)
+        return tensor_parallel_costs(costs, config, resolve_hardware(spec.hardware), num_stages=num_stages, tp=tp)
     if spec.model:
         config = dataclasses.replace(parse_model(spec.model), flash_attention=spec.flash_attention)
         # with sequence chunks stage 0's B has work: the earlier chunks' K/V need their gradient
