@@ -29,6 +29,10 @@ With sequence chunks (schedule.seq_chunks = k > 1) the step's inputs and targets
 into m*k units (index microbatch*k + chunk) and each forward gets the unit's
 `SequenceChunk` from `chunks` (sequence.py).
 
+A compute object with a `microbatch_limit()` (asynchronous training) can drain a Program
+early: once it names a limit, the ops of that microbatch and later ones are skipped, their
+receives never posted (train/asynchronous/drain.py says when that is safe).
+
 Two stages of one rank that are neighbours (the turn of a V) hand over through a dict:
 the Program has no comm op for them. Unknown op types raise, naming the op.
 """
@@ -52,6 +56,15 @@ from .shapes import TENSOR, ActivationSpec, SpecMismatchError, TensorSpec, activ
 __all__ = ["RankExecutor", "RankRecord", "ActionError"]
 
 _COMPUTE, _SEND, _RECV, _DP, _RECOMPUTE, _STEP = "compute", "send", "recv", "dp", "recompute", "step"  # plan op codes
+
+
+def _microbatch_of(code: str, op, key) -> int:
+    """The microbatch an op of the plan works on (-1 for DP ops and optimizer steps)."""
+    if code is _SEND or code is _RECV:
+        return key[2]
+    if code is _COMPUTE or code is _RECOMPUTE:
+        return op.microbatch
+    return -1
 
 
 class ActionError(RuntimeError):
@@ -114,6 +127,9 @@ class RankExecutor:
         known += (STEP,) if hasattr(compute, "optimizer_step") else ()
         require_known(self.ops, f"the runtime (rank {rank})", known)
         self._plan = self._compile()
+        # an asynchronous Program may be drained early: its compute object names the first
+        # microbatch not to run (train/asynchronous/drain.py); None: run every op
+        self._limit_of = getattr(compute, "microbatch_limit", None)
 
     def _compile(self) -> list[tuple]:
         """Per op, everything the step loop needs that does not change between steps: the
@@ -175,11 +191,17 @@ class RankExecutor:
         wait_s = 0.0
         mailbox, clock, device, plan = self.mailbox, self.clock, self.device, self._plan
         posted = -1  # the receives of every op up to this index are posted
+        limit_of, limit = self._limit_of, None
         for index, (posts, code, op, key, peer, tag, extra) in enumerate(plan):
+            if limit_of is not None:
+                limit = limit_of()
             if index > posted:
                 for recv_key, spec, recv_peer, recv_tag in posts:
-                    mailbox.recv(recv_key, spec.empty(device), recv_peer, recv_tag)
+                    if limit is None or recv_key[2] < limit:
+                        mailbox.recv(recv_key, spec.empty(device), recv_peer, recv_tag)
                 posted = index
+            if limit is not None and _microbatch_of(code, op, key) >= limit:
+                continue  # drained: this microbatch never entered the pipeline
             if code is _SEND:
                 value = ready.pop(key)
                 leaves = [value] if isinstance(value, torch.Tensor) else leaves_of(value)
@@ -198,7 +220,8 @@ class RankExecutor:
                     # now, so that their cost is not paid between the hand-over and that pass.
                     for ahead in range(posted + 1, tag + 1):
                         for recv_key, spec, recv_peer, recv_tag in plan[ahead][0]:
-                            mailbox.recv(recv_key, spec.empty(device), recv_peer, recv_tag)
+                            if limit is None or recv_key[2] < limit:
+                                mailbox.recv(recv_key, spec.empty(device), recv_peer, recv_tag)
                     posted = max(posted, tag)
                 start = clock()
                 if layout is TENSOR:

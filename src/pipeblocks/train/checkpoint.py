@@ -81,8 +81,12 @@ def save_rank(
     stages: Mapping[int, nn.Module],
     optimizer: torch.optim.Optimizer,
     meta: Mapping[str, object],
+    extra: Mapping[str, object] | None = None,
 ) -> Path:
-    """Write this rank's state after `step` completed steps, then its manifest; prune its older files."""
+    """Write this rank's state after `step` completed steps, then its manifest; prune its older files.
+
+    `optimizer` is anything with `state_dict()` (one optimizer, or one per stage); `extra`:
+    more state of the run, saved under "extra" (an asynchronous mode's, asynchronous/checkpoint.py)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {
@@ -92,6 +96,7 @@ def save_rank(
         "optimizer": optimizer.state_dict(),
         "rng": torch.get_rng_state(),
         "meta": dict(meta),
+        **({"extra": dict(extra)} if extra else {}),
     }
     path = checkpoint_path(directory, rank, step)
     manifest = manifest_path(directory, rank, step)

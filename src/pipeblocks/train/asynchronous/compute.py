@@ -14,12 +14,19 @@ executor walks the rank's ops in order and calls
 exactly as the one-process replay (`reference.replay`) does, so the two agree.
 
 A run may be cut into several Programs that follow each other (a synchronous warm-up of
-one-step Programs, then the asynchronous one): `start(program, microbatch_offset,
-step_offset)` before each tells the compute where in the whole run it is; the versions it
-checks against (`versions`) are those of the whole run.
+one-step Programs, then asynchronous segments ending where the run drains, plan.py):
+`start(program, microbatch_offset, step_offset)` before each tells the compute where in
+the whole run it is; the versions it checks against (`versions`) are those of the whole run.
+
+With a `Drain` (drain.py) the Program can end early on a stop request: the compute object's
+`microbatch_limit()` tells the executor which microbatches never enter, and the optimizer
+steps of the steps they belong to are not taken. Every pass and step is timed (`events`,
+this Program's, in its own numbering) for the report's measured steady state, and the
+last stage's losses are kept per step (`step_loss`).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -28,10 +35,11 @@ import torch
 from torch import Tensor
 
 from ...core.actions import Action, Kind
-from ...core.program import Program
+from ...core.program import OptimizerStep, Program
 from ...core.versions import WeightVersions
 from ...runtime.compute import Unit
 from ...runtime.emulate import EmulatedCompute
+from .drain import Drain
 from .stage import AsyncStage
 
 __all__ = ["AsyncCompute", "AsyncUnit", "EmulatedAsyncCompute"]
@@ -51,12 +59,13 @@ class AsyncCompute:
     stages: global stage index -> AsyncStage, for this rank's stages.
     versions: the versions of the whole run (warm-up included), from the Programs.
     step_size: microbatches per optimizer step (the loss of each is divided by it).
-    on_step: called after every optimizer step (progress reports).
+    on_step: called after every optimizer step with (stage, step of the run) (progress reports).
+    drain: ends a Program early on a stop request (None: never).
     """
 
     def __init__(self, stages: Mapping[int, AsyncStage], versions: WeightVersions,
                  loss_fn: Callable[[Tensor, Tensor], Tensor], *, last_stage: int, rank: int,
-                 on_step: Callable[[int, int], None] | None = None) -> None:
+                 on_step: Callable[[int, int], None] | None = None, drain: Drain | None = None) -> None:
         self.stages = dict(stages)
         self.versions = versions
         self.loss_fn = loss_fn
@@ -66,9 +75,16 @@ class AsyncCompute:
         self.on_step = on_step
         self.lrs: dict[int, list[float]] = {s: [] for s in self.stages}
         """per stage, the learning rate of its first parameter group at each step"""
+        self.drain = drain
+        self.events: list[tuple[Action | OptimizerStep, float, float]] = []
+        """this Program's passes and steps (its own numbering), on the perf_counter clock"""
+        self.step_loss: dict[int, float] = {}
+        """step of the run -> the mean loss of its microbatches (the last stage's rank)"""
+        self._losses: dict[int, list[float]] = {}
         self._order: dict[int, deque[int]] = {}
         self._mb_offset = 0
         self._step_offset = 0
+        self._end = 0
 
     def start(self, program: Program, microbatch_offset: int = 0, step_offset: int = 0) -> None:
         """The next Program to run begins at this microbatch and optimizer step of the run."""
@@ -78,20 +94,34 @@ class AsyncCompute:
                 self._order[op.stage].append(op.microbatch)
         self._mb_offset = microbatch_offset
         self._step_offset = step_offset
+        self._end = microbatch_offset + program.schedule.m
+        self.events = []
+
+    def microbatch_limit(self) -> int | None:
+        """The first microbatch of the running Program that a drain keeps out (None: none)."""
+        return None if self.drain is None else self.drain.limit(self._mb_offset)
 
     def forward(self, stage: int, x: Tensor, target: Tensor | None) -> tuple[Tensor | None, Unit]:
-        mb = self._mb_offset + self._order[stage].popleft()
+        local = self._order[stage].popleft()
+        mb = self._mb_offset + local
+        if stage == 0 and self.drain is not None:
+            self.drain.before_first_stage_forward(mb, self._end)
+        start = time.perf_counter()
         st = self.stages[stage]
         v_f = st.begin(mb)
         self._check(stage, mb, "forward", v_f, self.versions.forward[stage][mb])
         out = st.forward(x, v_f, self.versions.backward[stage][mb])
         if stage != self.last_stage:
+            self.events.append((Action(stage, Kind.F, local), start, time.perf_counter()))
             return out, AsyncUnit(x, None, microbatch=mb)
         with torch.no_grad():
             loss = self.loss_fn(out, target)
+        self._losses.setdefault(mb // self.step_size, []).append(float(loss))
+        self.events.append((Action(stage, Kind.F, local), start, time.perf_counter()))
         return None, AsyncUnit(x, None, loss, microbatch=mb, target=target)
 
     def full_backward(self, stage: int, unit: Unit, grad: Tensor | None) -> Tensor | None:
+        start = time.perf_counter()
         st, mb = self.stages[stage], unit.microbatch
         v_b = st.version
         self._check(stage, mb, "backward", v_b, self.versions.backward[stage][mb])
@@ -99,6 +129,7 @@ class AsyncCompute:
         dx = st.backward(unit.inp, v_f, v_b, grad_out=grad, target=unit.target, loss_fn=self.loss_fn,
                          scale=self.step_size, input_grad=stage > 0)
         unit.inp = unit.target = None
+        self.events.append((Action(stage, Kind.BW, mb - self._mb_offset), start, time.perf_counter()))
         return dx
 
     def input_grad(self, stage: int, unit: Unit, grad: Tensor | None) -> Tensor | None:
@@ -110,10 +141,18 @@ class AsyncCompute:
     weight_grad = input_grad
 
     def optimizer_step(self, stage: int, step: int) -> None:
-        step += self._step_offset
+        limit = self.microbatch_limit()
+        if limit is not None and (step + 1) * self.step_size > limit:
+            return  # drained: this step's microbatches never all entered
+        start = time.perf_counter()
+        local, step = step, step + self._step_offset
         st = self.stages[stage]
         st.step(step)
         self.lrs[stage].append(st.optimizer.param_groups[0]["lr"])
+        if stage == self.last_stage and step in self._losses:
+            losses = self._losses.pop(step)
+            self.step_loss[step] = sum(losses) / len(losses)
+        self.events.append((OptimizerStep(stage, local), start, time.perf_counter()))
         if self.on_step is not None:
             self.on_step(stage, step)
 
@@ -127,15 +166,54 @@ class AsyncCompute:
 
 class EmulatedAsyncCompute(EmulatedCompute):
     """Emulated compute (every pass sleeps its modelled time) that also takes the Program's
-    optimizer steps, which change nothing: emulated passes make no gradients."""
+    optimizer steps, which change nothing: emulated passes make no gradients. Passes and
+    steps are timed, and a drain ends a Program early, as in `AsyncCompute`."""
 
-    def __init__(self, *args, on_step: Callable[[int, int], None] | None = None, **kwargs) -> None:
+    def __init__(self, *args, on_step: Callable[[int, int], None] | None = None, drain: Drain | None = None,
+                 step_size: int = 1, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.on_step = on_step
+        self.drain = drain
+        self.step_size = step_size
+        self.events: list[tuple[Action | OptimizerStep, float, float]] = []
+        self.step_loss: dict[int, float] = {}
+        self._order: dict[int, deque[int]] = {}
+        self._mb_offset = self._step_offset = self._end = 0
 
-    def start(self, program: Program, microbatch_offset: int = 0, step_offset: int = 0) -> None:
-        self._step_offset = step_offset
+    def start(self, program: Program, microbatch_offset: int = 0, step_offset: int = 0, *, rank: int = 0) -> None:
+        self._order = {}
+        for op in program.ranks[rank]:
+            if type(op) is Action and op.kind is Kind.F:
+                self._order.setdefault(op.stage, deque()).append(op.microbatch)
+        self._mb_offset, self._step_offset = microbatch_offset, step_offset
+        self._end = microbatch_offset + program.schedule.m
+        self.events = []
+
+    def microbatch_limit(self) -> int | None:
+        return None if self.drain is None else self.drain.limit(self._mb_offset)
+
+    def forward(self, stage: int, x, target, **kwargs):
+        local = self._order[stage].popleft()
+        if stage == 0 and self.drain is not None:
+            self.drain.before_first_stage_forward(self._mb_offset + local, self._end)
+        start = time.perf_counter()
+        out, unit = super().forward(stage, x, target, **kwargs)
+        unit.microbatch = local
+        self.events.append((Action(stage, Kind.F, local), start, time.perf_counter()))
+        return out, unit
+
+    def full_backward(self, stage: int, unit: Unit, grad):
+        start = time.perf_counter()
+        local = unit.microbatch
+        dx = super().full_backward(stage, unit, grad)
+        self.events.append((Action(stage, Kind.BW, local), start, time.perf_counter()))
+        return dx
 
     def optimizer_step(self, stage: int, step: int) -> None:
+        limit = self.microbatch_limit()
+        if limit is not None and (step + 1) * self.step_size > limit:
+            return
+        now = time.perf_counter()
+        self.events.append((OptimizerStep(stage, step), now, now))
         if self.on_step is not None:
             self.on_step(stage, self._step_offset + step)

@@ -84,9 +84,15 @@ def replay(
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     mode: AsyncMode,
     measure_discrepancy: bool = False,
+    nominal_delays: Sequence[int] | None = None,
+    lr_factor: Callable[[int], float] | None = None,
 ) -> ReplayResult:
     """Train `stages` in place through the asynchronous run that `versions` describes,
-    as `mode` defines it (see the module doc). Returns the per-step losses and rates."""
+    as `mode` defines it (see the module doc). Returns the per-step losses and rates.
+
+    nominal_delays: per stage, the delay T2's gamma is set from (None: the stage's largest
+    in `versions`; the runtime passes the steady state's, `plan.nominal_delays`).
+    lr_factor: step -> the learning-rate schedule over its peak (None: constant)."""
     if len(stages) != versions.num_stages:
         raise ValueError(f"{len(stages)} stage modules given for versions of {versions.num_stages} stages")
     n = versions.step_size
@@ -100,7 +106,9 @@ def replay(
     S = versions.num_stages
     # the caller keeps the versions: forwards here run at past versions the runtime's never see
     state = [
-        AsyncStage(module, optimizer(list(module.parameters())), mode, versions.max_delay(s), auto_forget=False)
+        AsyncStage(module, optimizer(list(module.parameters())), mode,
+                   versions.max_delay(s) if nominal_delays is None else nominal_delays[s], auto_forget=False,
+                   lr_factor=lr_factor)
         for s, module in enumerate(stages)
     ]
     # the oldest version any later microbatch still needs, per stage: older ones are dropped

@@ -10,8 +10,10 @@ per stage, so what a mode computes is written once:
     backward(x, v_f, v_b, grad_out | target)
                              recompute the forward from the stage input at the weights
                              the mode gives a backward, backpropagate, add to `.grad`
-    step(step)               set the learning rate (T1), step, make the next version,
-                             update the velocity estimate (T2)
+    step(step)               set the learning rate (the run's schedule times T1's factor),
+                             step, make the next version, update the velocity estimate (T2)
+    state() / load_state()   the mode's own state between steps (version, T2's velocity),
+                             for checkpoints; only with no microbatch in flight
 
 A forward is told its backward's version too (`v_b`, read off the Program): a mode may
 look ahead from it. Versions other than the current one are kept frozen only while some
@@ -42,13 +44,16 @@ STASHING = frozenset({"pipedream"})
 class AsyncStage:
     """One stage's module and optimizer under `mode`.
 
-    nominal_delay: the stage's largest delay in the run (T2's gamma = D^(1/nominal_delay)).
+    nominal_delay: the stage's largest delay in the steady state (T2's gamma = D^(1/nominal_delay)).
     auto_forget: keep a past version only while a forward in flight saw it (the runtime);
         False: the caller says what to keep (`step(keep_old=)`, `forget_before`).
+    lr_factor: step -> the run's learning-rate schedule over its peak (None: constant);
+        T1's factor multiplies it.
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, mode: AsyncMode,
-                 nominal_delay: int, *, auto_forget: bool = True) -> None:
+                 nominal_delay: int, *, auto_forget: bool = True,
+                 lr_factor: Callable[[int], float] | None = None) -> None:
         if not isinstance(nominal_delay, int) or nominal_delay < 0:
             raise ValueError(f"nominal_delay must be an integer >= 0, got {nominal_delay!r}")
         self.module = module
@@ -57,6 +62,7 @@ class AsyncStage:
         self.params = [param for _, param in module.named_parameters()]
         self.optimizer = optimizer
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.lr_factor = lr_factor
         self.auto_forget = auto_forget
         self.gamma = mode.d ** (1.0 / nominal_delay) if mode.d < 1 and nominal_delay >= 1 else None
         self.version = 0
@@ -168,8 +174,9 @@ class AsyncStage:
         the mode stashes and a forward in flight saw it). Returns the factor used."""
         factor = t1_multiplier(self._step_delay, step, self.mode.k)
         self._step_delay = 0
+        scheduled = 1.0 if self.lr_factor is None else self.lr_factor(step)
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            group["lr"] = base * factor
+            group["lr"] = base * scheduled * factor
         old_version = self.version
         if keep_old is None:
             keep_old = self.mode.name in STASHING and old_version in self._in_flight.values()
@@ -187,6 +194,30 @@ class AsyncStage:
         self._forget_unused()
         self.most_versions = max(self.most_versions, 1 + len(self._frozen))
         return factor
+
+    # ---- checkpoints ------------------------------------------------------------------
+    def state(self) -> dict:
+        """The mode's state between steps: the version and T2's velocity estimate at it
+        (the weights and the optimizer are saved with the module and the optimizer)."""
+        if self._in_flight or self._frozen:
+            raise RuntimeError(
+                f"the stage's state is saved only between Programs (microbatches in flight {sorted(self._in_flight)}, "
+                f"versions kept {sorted(self._frozen)}): drain the pipeline first"
+            )
+        delta = self.delta(self.version)
+        return {"version": self.version, "gamma": self.gamma,
+                "delta": None if delta is None else [d.detach().clone() for d in delta]}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from `state()` of the same mode (after the module and optimizer are loaded)."""
+        if (state["gamma"] is None) != (self.gamma is None) or (
+                self.gamma is not None and abs(state["gamma"] - self.gamma) > 1e-12 * self.gamma):
+            raise ValueError(f"the checkpoint's velocity decay gamma {state['gamma']} is not this run's {self.gamma}: "
+                             "resume with the mode, D and p the checkpoint was written with")
+        self.version = int(state["version"])
+        self._frozen, self._in_flight, self._step_delay = {}, {}, 0
+        self._delta = {} if self.gamma is None else {
+            self.version: tuple(d.to(p.device, p.dtype) for d, p in zip(state["delta"], self.params))}
 
     def _forget_unused(self) -> None:
         if self.auto_forget:
