@@ -3,7 +3,7 @@ step against reduction overlapped (launched right after each stage's last weight
 
     python benchmarks/mesh.py [-p 4] [-m 8] [--dp 16] [--sharding replicate] [--model 6.2b]
                               [--hardware cloud] [--dp-bandwidth GB/s] [--mixed-precision]
-                              [--schedules a,b,...] [--json]
+                              [--dp-unit chunk|block] [--prefetch K] [--schedules a,b,...] [--json]
 
 Simulated with the analytic model (default: the 6.2B model of the Zero Bubble paper on the
 `cloud` profile, 16 replicas, so every ring leaves the node and runs on the slow link).
@@ -16,6 +16,9 @@ communication stream; "step" is the makespan including it):
     overlap: step / exposed  each REDUCE_GRAD right after its stage's last W or BW (lowering)
     saved       step time saved by overlapping, in percent of the end-of-step step
 
+--dp-unit block: one gather and one reduction per layer (`core.dp_units`), pipelined with
+the passes; with --prefetch K only K units of a chunk are gathered ahead of its first pass.
+
 With --emulated, p x d local processes run each schedule with emulated compute (every
 pass sleeps --emulate-ms) and emulated links (every DP collective takes its modelled
 time on the link, --dp-bandwidth GB/s, --stage-params parameters per stage, fp32
@@ -25,7 +28,8 @@ time and exposed communication (per step the largest over ranks, median over the
 after the first) beside the simulator's for the same Program and costs:
 
     python benchmarks/mesh.py --emulated [-p 2] [--dp 2] [-m 4] [--schedules 1f1b,bfs,zb-v]
-                              [--emulate-ms 4] [--dp-bandwidth 0.2] [--stage-params 1e6] [--json]
+                              [--emulate-ms 4] [--dp-bandwidth 0.2] [--stage-params 1e6]
+                              [--dp-unit block --blocks 4] [--json]
 """
 from __future__ import annotations
 
@@ -51,7 +55,8 @@ def measure(request: ScheduleRequest) -> dict:
     alone = simulate(schedule, dataclasses.replace(costs, data_parallel=DPCostModel()))
     row = {"schedule": schedule.name, "v": schedule.v, "compute_s": alone.makespan}
     for label, at_end in (("end", True), ("overlap", False)):
-        program = lower_for(schedule, policies=dp.sharding, dp=dp.dp, reduce_at_end=at_end)
+        program = lower_for(schedule, policies=dp.sharding, dp=dp.dp, reduce_at_end=at_end,
+                            units=costs.dp_units(schedule.num_stages))
         timeline = simulate_program(program, costs)
         row[f"{label}_step_s"] = timeline.makespan
         row[f"{label}_exposed_s"] = max(timeline.exposed_comm)
@@ -73,7 +78,7 @@ def measure_emulated(name: str, args: argparse.Namespace) -> dict:
     cases = [EmulatedMeshCase(name, p=args.p, dp=args.dp, m=args.m, f_ms=args.emulate_ms, b_ms=args.emulate_ms,
                               w_ms=args.emulate_ms, stage_params=(args.stage_params,) * stages,
                               bandwidth=args.dp_bandwidth * 1e9, sharding=args.sharding, reduce_at_end=at_end,
-                              steps=args.steps)
+                              steps=args.steps, blocks=args.blocks, dp_unit=args.dp_unit, prefetch=args.prefetch)
              for _, at_end in labels]
     # both placements in one launch, their steps interleaved: compared under the same load
     for (label, _), case, got in zip(labels, cases, measure_emulated_meshes(cases)):
@@ -99,7 +104,8 @@ def main_emulated(args: argparse.Namespace) -> int:
                    "stage_params": args.stage_params, "rows": rows}, sys.stdout, indent=1)
         print()
         return 0
-    print(f"emulated: p={args.p} m={args.m} dp={args.dp} sharding={args.sharding}, F=B=W={args.emulate_ms} ms per "
+    print(f"emulated: p={args.p} m={args.m} dp={args.dp} sharding={args.sharding} --dp-unit {args.dp_unit}, "
+          f"{args.blocks} block(s) per stage, F=B=W={args.emulate_ms} ms per "
           f"stage, {args.stage_params:g} parameters per stage on a {args.dp_bandwidth} GB/s link (ms; sim / measured)")
     print(f"{'schedule':<17} {'v':>2} {'comm':>6} {'end step':>15} {'end exposed':>15} "
           f"{'ovl step':>15} {'ovl exposed':>15}")
@@ -125,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hardware", default="cloud")
     parser.add_argument("--dp-bandwidth", type=float, default=None, metavar="GB/s")
     parser.add_argument("--mixed-precision", action="store_true", help="bf16-mixed: bf16 parameter gathers, fp32 gradient reductions")
+    parser.add_argument("--dp-unit", default="chunk", choices=("chunk", "block"), help="grain of the DP collectives")
+    parser.add_argument("--prefetch", type=int, default=None, help="--dp-unit block: units gathered ahead (default all)")
+    parser.add_argument("--blocks", type=int, default=1, help="--emulated: blocks per stage")
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--emulated", action="store_true",
@@ -141,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         return main_emulated(args)
     args.p, args.m, args.dp = args.p or 4, args.m or 8, args.dp or 16
     spec = CostSpec(model=args.model, hardware=args.hardware, dp_bandwidth=args.dp_bandwidth,
-                    mixed_precision=args.mixed_precision)
+                    mixed_precision=args.mixed_precision, dp_unit=args.dp_unit, dp_prefetch=args.prefetch)
     base = ScheduleRequest(name="1f1b", m=args.m, mesh=Mesh(pp=args.p, dp=args.dp), costs=spec,
                            sharding=parse_sharding(args.sharding))
     _check(build(base).costs)
@@ -159,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     link = f"{args.dp_bandwidth} GB/s" if args.dp_bandwidth else f"{args.hardware} profile"
     precision = "bf16-mixed" if args.mixed_precision else "fp32"
     print(f"p={args.p} m={args.m} dp={args.dp} sharding={args.sharding} model {args.model}, DP link {link}, "
-          f"{precision} (seconds)")
+          f"{precision}, --dp-unit {args.dp_unit} (seconds)")
     print(f"{'schedule':<17} {'v':>2} {'compute':>8} {'comm':>7} {'end step':>9} {'end exp':>8} "
           f"{'ovl step':>9} {'ovl exp':>8} {'saved':>6}")
     for r in rows:
