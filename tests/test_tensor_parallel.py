@@ -46,7 +46,6 @@ def test_tp_must_divide_heads_kv_heads_mlp_vocab_and_seq():
 @pytest.mark.parametrize("options, said", [
     ({"async_mode": AsyncMode("pipedream")}, "--tp 2 with --async is not supported"),
     ({"clip_grad": 1.0}, "--clip-grad is not supported with --tp 2"),
-    ({"emulate": (1.0, 1.0, 1.0)}, "--emulate with --tp 2 is not supported"),
 ])
 def test_tp_refuses_what_it_does_not_run(options, said):
     with pytest.raises(ValueError, match=said):
@@ -176,3 +175,20 @@ def test_simulate_prices_tp_with_the_model(capsys):
     assert 0.5 * one["peak_activation"][0] < two["peak_activation"][0] < 0.6 * one["peak_activation"][0]
     assert main(["simulate", "1f1b", "-p", "2", "-m", "4", "--tp", "2"]) == 2
     assert "--tp 2 is priced by the analytic model: add --model" in capsys.readouterr().err
+
+
+def test_emulated_tp_ranks_sleep_a_share_of_the_layer_and_its_collectives():
+    """Under --emulate each tp rank sleeps 1/tp of a layer's F, B, W and, in F and B, the
+    layer's collectives on the --hardware's intra-node link (the simulator's TPCostModel)."""
+    from pipeblocks.core.dp_model import Link
+    from pipeblocks.core.tp_model import TPCostModel
+    from pipeblocks.sim.analytic import HARDWARE
+    from pipeblocks.train.rank_setup import emulated_costs
+
+    cfg, _ = _prepare(emulate=(8.0, 6.0, 4.0), model=GPTConfig(layers=4, hidden=64, heads=4, seq=64))
+    a100 = HARDWARE["a100-80g"]
+    assert cfg.emulation.tp_link == (a100.intra_bandwidth, a100.intra_latency)
+    comm = TPCostModel(tp=2, link=Link(*cfg.emulation.tp_link)).layer_comm(1 * 64 * 64 * 4) * 1e3
+    costs = emulated_costs(cfg)
+    assert (costs.f_ms, costs.b_ms, costs.w_ms) == pytest.approx((4.0 + comm, 3.0 + comm, 2.0))
+    assert emulated_costs(_prepare(tp=1, emulate=(8.0, 6.0, 4.0))[0]).f_ms == 8.0

@@ -198,6 +198,10 @@ class EmulationSpec:
     link: tuple[float, float] | None = None
     """with dp > 1: the DP link (bytes per second, seconds per ring step) each DP collective
     also takes its modelled time on"""
+    tp_link: tuple[float, float] | None = None
+    """with tp > 1: the intra-node link (bytes per second, seconds per ring step) on which each
+    pass's tensor-parallel collectives take their modelled time (train.tp_predict); the
+    times_ms are then a whole layer's, of which each tp rank computes 1/tp"""
 
     def __post_init__(self) -> None:
         if len(self.times_ms) != 3 or any(not math.isfinite(t) or t < 0 for t in self.times_ms):

@@ -123,6 +123,10 @@ def emulated_costs(cfg: TrainConfig):
     from ..runtime.emulate import EmulatedCosts
 
     f, b, w = cfg.emulation.times_ms
+    if cfg.tp > 1:  # a tp rank computes 1/tp of a layer and waits on its collectives
+        from .tp_predict import tp_emulated_times
+
+        f, b, w = tp_emulated_times(cfg)
     return EmulatedCosts(f_ms=f, b_ms=b, w_ms=w, layers=layer_counts(cfg.model.layers, cfg.num_stages))
 
 

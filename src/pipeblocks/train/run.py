@@ -90,7 +90,7 @@ def prepare(
                     emulate, policy)
     dp, tp = request.mesh.dp, request.mesh.tp
     check_tensor_parallel(tp, model=model, seq_chunks=schedule.seq_chunks, dp=dp, sharding=request.sharding,
-                          async_mode=async_mode, clip_grad=train_options.get("clip_grad"), emulate=emulate)
+                          async_mode=async_mode, clip_grad=train_options.get("clip_grad"))
     sharded = dp > 1 or any(str(p) != "replicate" for p in request.sharding)
     if sharded and train_options.get("clip_grad") is not None:
         raise ValueError(
@@ -122,7 +122,8 @@ def prepare(
     layer_counts(model.layers, schedule.num_stages)
     emulation = None
     if emulate is not None:
-        emulation = EmulationSpec(tuple(emulate), _emulated_link(request) if sharded else None)
+        emulation = EmulationSpec(tuple(emulate), _emulated_link(request) if sharded else None,
+                                  tp_link=_tp_link(request) if tp > 1 else None)
     _check_torchrun_world(schedule.p * dp * tp, tp)
     mesh = MeshSpec(dp, request.sharding, _device(device, schedule.p * dp * tp, policy), threads_per_rank, tp,
                     dp_unit=request.costs.dp_unit)
@@ -218,6 +219,15 @@ def _emulated_link(request: ScheduleRequest) -> tuple[float, float]:
     bandwidth = base.bandwidth if spec.dp_bandwidth is None else spec.dp_bandwidth * 1e9
     latency = base.latency if spec.dp_latency is None else spec.dp_latency * 1e-6
     return bandwidth, latency
+
+
+def _tp_link(request: ScheduleRequest) -> tuple[float, float]:
+    """The intra-node link an emulated run's tensor-parallel collectives take (bytes/s, s per
+    ring step): the --hardware preset's or profile's."""
+    from ..sim.hardware_profile import resolve_hardware
+
+    hardware = resolve_hardware(request.costs.hardware)
+    return hardware.intra_bandwidth, hardware.intra_latency
 
 
 def _check_resume(cfg: TrainConfig, data: TokenWindows) -> None:

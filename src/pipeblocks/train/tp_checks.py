@@ -21,7 +21,7 @@ FSDP_POLICIES = ("zero2", "zero3")
 
 def check_tensor_parallel(
     tp: int, *, model: Any, seq_chunks: int, dp: int, sharding: Sequence[Any], async_mode: Any,
-    clip_grad: float | None, emulate: Any,
+    clip_grad: float | None,
 ) -> None:
     """Raise ValueError (the numbers and the fix) for a --tp the run cannot take."""
     check_tp(model, tp)
@@ -38,8 +38,6 @@ def check_tensor_parallel(
     if clip_grad is not None:
         raise ValueError(f"--clip-grad is not supported with --tp {tp} yet (the global norm over tensor-parallel "
                          "shards): drop --clip-grad, or use --tp 1")
-    if emulate is not None:
-        raise ValueError(f"--emulate with --tp {tp} is not supported yet: drop --emulate (or --tp)")
     policies = {str(p) for p in sharding}
     if (dp > 1 or policies != {"replicate"}) and not policies <= set(FSDP_POLICIES):
         raise ValueError(

@@ -3,6 +3,7 @@ process (`train --dry-run` and the report of `train`).
 
     >>> shapes = tp_shapes(cfg, stages)        # global stage -> one tp rank's parameter shapes
     >>> memory = tp_stage_memory(cfg, memory)  # profiled M_B, M_W per stage -> one tp rank's
+    >>> f, b, w = tp_emulated_times(cfg)       # --emulate's per-layer ms as a tp rank spends them
 
 Parameters: the family's plan says which dims are split (`runtime.tensor_parallel.planned_shapes`).
 Activations: the profiled whole-stage bytes scaled by what one tp rank saves of the
@@ -15,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-__all__ = ["tp_shapes", "tp_stage_memory"]
+__all__ = ["tp_emulated_times", "tp_shapes", "tp_stage_memory"]
 
 
 def tp_shapes(cfg: Any, stages: Sequence[Any]) -> dict[int, list[tuple[int, ...]]]:
@@ -44,3 +45,17 @@ def tp_stage_memory(cfg: Any, memory: Sequence[Any]) -> list[Any]:
         out.append(dataclasses.replace(x, m_b=round(x.m_b * ratio), m_w=round(x.m_w * ratio),
                                        m_in=round(x.m_in / cfg.tp)))
     return out
+
+
+def tp_emulated_times(cfg: Any) -> tuple[float, float, float]:
+    """--emulate's per-layer F, B, W milliseconds (a whole layer's) as one of tp ranks spends
+    them: compute over tp, F and B plus the layer's collectives on the emulation's tp link
+    (`core.tp_model.TPCostModel`, the simulator's and the planner's)."""
+    from ..core.dp_model import Link
+    from ..core.tp_model import TPCostModel
+
+    f, b, w = cfg.emulation.times_ms
+    bandwidth, latency = cfg.emulation.tp_link
+    activation = cfg.microbatch_size * cfg.model.seq * cfg.model.hidden * cfg.precision.compute_bytes
+    comm_ms = TPCostModel(tp=cfg.tp, link=Link(bandwidth, latency)).layer_comm(activation) * 1e3
+    return f / cfg.tp + comm_ms, b / cfg.tp + comm_ms, w / cfg.tp
