@@ -203,7 +203,7 @@ def _draw_ranks(ax, timeline: Timeline, title: str, scale: float = 1.0) -> None:
     top, height = (-0.42, 0.56) if timeline.comm_events else (-0.4, 0.8)
     for r, comm in enumerate(timeline.comm_events):
         for e in comm:
-            kind = e.op.lstrip("0123456789")
+            kind = e.op.lstrip("0123456789").split(".")[0]  # 2UNSHARD.1: unit 1 of stage 2
             ax.broken_barh([((e.start - origin) / scale, (e.end - e.start) / scale)], (r + 0.18, 0.24),
                            facecolors=DP_COLOURS.get(kind, "#333333"), edgecolor="white", linewidth=0.4)
     for r, events in enumerate(timeline.events):
