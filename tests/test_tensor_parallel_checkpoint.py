@@ -26,8 +26,9 @@ MODEL = LlamaConfig(layers=2, hidden=16, heads=2, kv_heads=2, seq=8, dtype="floa
 def _config(*, tp: int, dp: int = 1, m: int = 4, steps: int, checkpoint: str | None = None):
     request = ScheduleRequest(name="1f1b", m=m, mesh=Mesh(pp=2, dp=dp, tp=tp),
                               sharding=parse_sharding("zero3" if dp > 1 else "replicate"))
+    # a constant rate: the default schedule's horizon is --steps, which differs between the runs compared
     cfg, _ = prepare(request, model=MODEL, family="llama", microbatch_size=1, steps=steps, quiet=True,
-                     timeout_s=120.0, checkpoint=checkpoint)
+                     timeout_s=120.0, checkpoint=checkpoint, lr=3e-3, lr_schedule="constant")
     return cfg
 
 
