@@ -133,3 +133,19 @@ def test_profile_document_fields_are_finite_and_say_how_peak_was_had(profile_fil
     blocks = [p for p in data["points"] if p["part"] == "block"]
     assert all(abs(p["residual"]) < 1e-3 and math.isfinite(p["fraction"]) for p in blocks)
     assert 0 < data["efficiency"] <= 1
+
+
+def test_stage0_runs_its_whole_backward_in_w_with_tensor_parallelism_too(capsys):
+    """Stage 0's input needs no gradient: B is 0 and W holds its compute and its TP collectives."""
+    from pipeblocks.plan.costs import replica_costs
+
+    config = TransformerConfig(layers=8, hidden=1024, heads=16, seq=512, vocab=1024)
+    costs = replica_costs(config, HARDWARE["a100-80g"], num_stages=4, dp=1, tp=2)
+    whole = replica_costs(config, HARDWARE["a100-80g"], num_stages=4, dp=1, tp=1)
+    assert costs.t_b[0] == 0.0 and costs.t_b[1] > 0
+    # stages 0 and 1 hold two layers each: stage 0's W is stage 1's B + W, collectives included
+    assert costs.t_w[0] == approx(costs.t_b[1] + costs.t_w[1]) and costs.t_w[0] > whole.t_w[0] / 2
+    out = json.loads(_profile_round_trip(["simulate", "zb-h1", "-p", "2", "-m", "4", "--tp", "2", "--model",
+                                          "4,1024,16,512,1024", "--json"], capsys))
+    assert out["makespan"] > 0
+

@@ -74,6 +74,8 @@ def replica_costs(
     split = tp_cost_model(hardware, tp).split(base, layers=layer_split(config.layers, num_stages),
                                               activation_bytes=activation)
     hop = hardware.latency + activation / tp / hardware.bandwidth  # each rank sends its token shard
+    if seq_chunks == 1:  # stage 0's tensor-parallel collectives of the backward run in its W too
+        split = stage0_backward_in_w(split)
     return dataclasses.replace(split, params=tuple(x / tp for x in base.params), t_comm=hop,
                                data_parallel=data_parallel)
 

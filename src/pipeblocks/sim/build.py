@@ -24,7 +24,7 @@ from ..core.schedule import Schedule, read_text_file
 from ..interop import from_torch_csv, program_from_torch_csv
 from ..schedules import get
 from ..schedules.sequence import split_sequence
-from .analytic import dp_link, parse_model, transformer_costs
+from .analytic import dp_link, parse_model, stage0_backward_in_w, transformer_costs
 from .tp_costs import tensor_parallel_costs
 from ..core.recompute import all_pairs
 from .auto_sharding import choose_sharding
@@ -201,7 +201,9 @@ def resolve_costs(spec: CostSpec, num_stages: int, seq_chunks: int = 1, tp: int 
                                 "tokens (sequence parallelism); drop one")
         config = dataclasses.replace(parse_model(spec.model), flash_attention=spec.flash_attention)
         costs = resolve_costs(spec, num_stages, seq_chunks)
-        return tensor_parallel_costs(costs, config, resolve_hardware(spec.hardware), num_stages=num_stages, tp=tp)
+        costs = tensor_parallel_costs(costs, config, resolve_hardware(spec.hardware), num_stages=num_stages, tp=tp)
+        # stage 0 runs its whole backward in W, its tensor-parallel collectives too
+        return stage0_backward_in_w(costs)
     if spec.model:
         config = dataclasses.replace(parse_model(spec.model), flash_attention=spec.flash_attention)
         # with sequence chunks stage 0's B has work: the earlier chunks' K/V need their gradient
