@@ -23,7 +23,10 @@ The simulator replays the same schedule with those costs: its makespan is
 measured makespan (first action's start to last action's end, over all ranks): the
 quantity the simulator predicts. `step_time_s` is the median wall time of a whole step
 (first rank starting to last rank finishing, optimizer and timeline gather included).
-`bubble_ratio_measured` is the Timeline definition (makespan minus the busiest rank's
+`cores`, `local_ranks` and `load_average` say what else the CPU time went to: the
+simulated side gives every rank cores of its own, so the report notes (`contention_notes`)
+when ranks outnumber cores or the machine was busy; run p x dp <= cores for a prediction
+that holds. `bubble_ratio_measured` is the Timeline definition (makespan minus the busiest rank's
 compute, over makespan) on the measured events, the median over the timed steps.
 """
 from __future__ import annotations
@@ -44,7 +47,7 @@ from ..core.timeline import Timeline
 from ..sim.overhead import handover_gaps
 
 __all__ = ["RankResult", "format_bytes", "RunReport", "profiled_costs", "iteration_times", "build_report", "format_report",
-           "write_timeline_plot"]
+           "machine_load", "write_timeline_plot"]
 
 
 @dataclass(frozen=True)
@@ -234,6 +237,36 @@ def build_report(
     return RunReport(data, timed[-1], simulated)
 
 
+def machine_load(local_ranks: int, device: str) -> dict:
+    """What else the run's CPU time went to: this machine's cores, the ranks on it, and the
+    1-minute load average when the report is made (os.getloadavg; None where there is none).
+    On the CPU the simulated side assumes every rank has cores of its own: ranks that
+    outnumber the cores, or other work on them, make the measured times longer."""
+    import os
+
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = None
+    return {"cores": os.cpu_count() or 1, "local_ranks": local_ranks, "load_average": load, "device": device}
+
+
+def contention_notes(data: dict) -> list[str]:
+    """One line each when ranks outnumber the cores, or the machine was busy, on the CPU."""
+    if data.get("device", "cpu") != "cpu" or "cores" not in data:
+        return []
+    cores, ranks, load = data["cores"], data["local_ranks"], data["load_average"]
+    notes = []
+    if ranks > cores:
+        notes.append(f"note: {ranks} ranks share {cores} cores: measured times include the contention that the "
+                     f"simulated ones (each pass at its own median) do not; give -p x --dp <= {cores} for a "
+                     "prediction that holds")
+    if load is not None and load > cores + 0.5:
+        notes.append(f"note: the machine was busy (load average {load:.1f} on {cores} cores at the end of the run): "
+                     "other work lengthened the measured times")
+    return notes
+
+
 def format_report(data: dict) -> str:
     lines = [
         f"schedule {data['schedule']}  p={data['p']} m={data['m']} v={data['v']}"
@@ -248,6 +281,7 @@ def format_report(data: dict) -> str:
         "rank  dp  stages   peak activation: measured   predicted   measured/predicted"
         "   static: measured   predicted   DP comm exposed: measured / simulated",
     ]
+    lines[3:3] = contention_notes(data)
     for row in data["ranks"]:
         measured, predicted = row["peak_activation_bytes_measured"], row["peak_activation_bytes_predicted"]
         ratio = f"{measured / predicted:.3f}" if predicted and measured is not None else "-"

@@ -456,7 +456,7 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
     """Train, then print measured against simulated (and write --report / --plot)."""
     from ..runtime.profile import profile_chunk_memory, profile_stage_memory
     from .loop import reporting_process
-    from .report import build_report, format_report, write_timeline_plot
+    from .report import build_report, format_report, machine_load, write_timeline_plot
 
     s = cfg.schedule
     if reporting_process():
@@ -482,6 +482,7 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
     built.data["model"] = cfg.model.to_json()
     built.data["precision"] = cfg.precision.name
     built.data["device"] = cfg.mesh.device
+    built.data.update(machine_load(_local_ranks(cfg), cfg.mesh.device))  # ranks sharing cores: a note
     skipped = [[step + 1 for step in r.skipped_steps] for r in results]
     built.data["skipped_steps"] = skipped  # 1-based, per rank
     print(format_report(built.data))
@@ -499,6 +500,13 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
     else:
         print("(add --plot FILE.png, or --report FILE.json, to draw the measured timeline under the simulated one)")
     return 0
+
+
+def _local_ranks(cfg: TrainConfig) -> int:
+    """The run's processes on this machine (torchrun: this node's)."""
+    import os
+
+    return int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
 
 
 def verify(cfg: TrainConfig, data: TokenWindows) -> int:
