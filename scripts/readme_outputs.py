@@ -1,16 +1,21 @@
-"""Check (or rewrite) the outputs that README.md shows against the commands it shows.
+"""Check (or rewrite) the outputs that README.md and the docs pages show against the commands they show.
 
     python scripts/readme_outputs.py                # check every deterministic block; exit 1 on a difference
     python scripts/readme_outputs.py --write        # rewrite those blocks from fresh runs
-    python scripts/readme_outputs.py --train        # also run the `pipeblocks train` block (minutes)
+    python scripts/readme_outputs.py --train        # also run the `pipeblocks train` blocks (minutes)
+    python scripts/readme_outputs.py docs/cli.md    # one page only
+
+The pages checked by default are `PAGES`: README.md and the docs pages that quote command
+output (docs/cli.md, docs/training.md, docs/schedules.md, docs/runtime.md, docs/pipemare.md).
 
 A block is a ```text fence whose first line is `$ pipeblocks ...`: the command runs in this
 process and its standard output is compared with the block. Blocks are compared by kind:
 
 - plain commands (list, show, compare ...): the exact text;
 - `--json` commands: the same JSON value (README may show it compact);
-- `train`: the header, every shown step's loss and the peak-memory table, which the seed
-  fixes; times, tokens/s and the measured bubble vary from run to run and are left out.
+- `train`: the header, every shown step's loss, the held-out losses and the peak-memory
+  table, which the seed fixes; times, tokens/s, the measured bubble and the notes on the
+  machine's load vary from run to run and are left out.
   With --write, the first step line is cut after its loss and the steps between the first
   and the last are dropped, as README shows them.
 
@@ -20,6 +25,10 @@ print's output is compared with its comment.
 
 Commands that write files (`--plot F`, `-o F`) run in a scratch directory too when checking;
 with --write they run in the checkout, so the pictures README links are redrawn as well.
+
+README's schedule table (rows whose first cell is a schedule name in backquotes) is
+checked against `pipeblocks compare -p 4 -m 8`: each row's three figures must be that
+command's `vs 1F1B`, `bubble` and `span bub` for the schedule.
 """
 from __future__ import annotations
 
@@ -41,10 +50,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # this checkout's pipeblocks, also without an install
 
-__all__ = ["Block", "find_blocks", "check", "run_command", "run_python"]
+__all__ = ["PAGES", "Block", "check", "check_schedule_table", "find_blocks", "run_command", "run_python"]
+
+PAGES = ("README.md", "docs/cli.md", "docs/training.md", "docs/schedules.md", "docs/runtime.md", "docs/pipemare.md")
 
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 _STEP = re.compile(r"^step\s+(\d+)/(\d+)\s+loss\s+(\S+)")
+_TABLE_ROW = re.compile(r"^\| `([\w-]+)` \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", re.M)
 
 
 @dataclass(frozen=True)
@@ -138,7 +150,7 @@ def _train_view(output: str) -> list[str]:
         step = _STEP.match(line)
         if step:
             kept.append(f"step {step.group(1)}/{step.group(2)} loss {step.group(3)}")
-        elif line.startswith(("training ", "schedule ")) or re.match(r"^\s+\d+\s+[\d,]+\s", line):
+        elif line.startswith(("training ", "schedule ", "eval ")) or re.match(r"^\s+\d+\s+[\d,]+\s", line):
             kept.append(" ".join(line.split()))
     return kept
 
@@ -201,23 +213,47 @@ def check(text: str, *, train: bool = False, write: bool = False, root: Path = R
     return "".join(pieces), problems
 
 
+def check_schedule_table(text: str, root: Path = ROOT) -> list[str]:
+    """One message per row of a schedule table whose figures are not `compare -p 4 -m 8`'s."""
+    rows = _TABLE_ROW.findall(text)
+    if not rows:
+        return []
+    printed = {}
+    for line in run_command("pipeblocks compare -p 4 -m 8", root).splitlines():
+        cells = line.split()
+        if len(cells) >= 7 and re.fullmatch(r"[\d.]+", cells[3] or ""):
+            printed[cells[0]] = (cells[6], cells[3], cells[4])  # vs 1F1B, bubble, span bub
+    problems = []
+    for name, memory, bubble, span in rows:
+        if printed.get(name) != (memory, bubble, span):
+            problems.append(f"schedule table: `{name}` shows {memory} {bubble} {span}, compare -p 4 -m 8 prints "
+                            f"{printed.get(name)}")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("file", nargs="?", default=str(ROOT / "README.md"), help="default: README.md")
+    parser.add_argument("files", nargs="*", default=[str(ROOT / page) for page in PAGES],
+                        help="pages to check (default: README.md and the docs pages in PAGES)")
     parser.add_argument("--write", action="store_true", help="rewrite the blocks that differ")
-    parser.add_argument("--train", action="store_true", help="also run the train block (minutes, 4 processes)")
+    parser.add_argument("--train", action="store_true", help="also run the train blocks (minutes, 2 processes each)")
     args = parser.parse_args(argv)
-    path = Path(args.file)
-    text, problems = check(path.read_text(), train=args.train, write=args.write)
-    for problem in problems:
-        print(problem)
-    if args.write and problems:
-        path.write_text(text)
-        print(f"rewrote {len(problems)} block(s) in {path}")
-        return 0
-    if not problems:
-        print(f"{path.name}: every checked output agrees with its command")
-    return 1 if problems else 0
+    failed = 0
+    for name in args.files:
+        path = Path(name)
+        text, problems = check(path.read_text(), train=args.train, write=args.write)
+        table = check_schedule_table(text)
+        for problem in problems + table:
+            print(f"{path.name}: {problem}")
+        if args.write and problems:
+            path.write_text(text)
+            print(f"rewrote {len(problems)} block(s) in {path}")
+        elif problems or table:
+            failed += 1
+        else:
+            print(f"{path.name}: every checked output agrees with its command")
+        failed += bool(args.write and table)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

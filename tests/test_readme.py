@@ -17,14 +17,38 @@ def _script():
     return sys.modules["readme_outputs"]
 
 
-def test_readme_outputs_agree_with_their_commands():
-    """list, show, simulate --json, compare and the Python API lines; train needs --train."""
+def test_readme_and_docs_outputs_agree_with_their_commands():
+    """README (plan, its schedule table) and the docs pages (list, show, simulate --json, compare,
+    the Python API lines); train blocks need --train."""
     script = _script()
+    kinds = {}
+    for page in script.PAGES:
+        text = (ROOT / page).read_text()
+        kinds[page] = {b.command.split()[1] for b in script.find_blocks(text) if b.command}
+        _, problems = script.check(text)
+        assert problems == [], page
+        assert script.check_schedule_table(text) == [], page
+    assert {"train", "plan"} <= kinds["README.md"]
+    assert {"list", "show", "simulate", "compare"} <= kinds["docs/cli.md"]
+
+
+def test_readme_starts_short():
+    """Under 150 lines; the two set-up commands, a train and a plan come first, then the
+    schedule table, then links."""
     text = (ROOT / "README.md").read_text()
-    kinds = {b.command.split()[1] for b in script.find_blocks(text) if b.command}
-    assert {"list", "show", "simulate", "compare", "train"} <= kinds
-    _, problems = script.check(text)
-    assert problems == []
+    assert len(text.splitlines()) < 150
+    order = [text.index(s) for s in ("bash scripts/main.sh", "bash scripts/test.sh", "$ pipeblocks train",
+                                     "$ pipeblocks plan", "| schedule | memory vs 1F1B", "## Documentation")]
+    assert order == sorted(order)
+    script = _script()
+    assert len(script.find_blocks(text)) == 3  # set-up, train and plan: nothing else to read before the links
+
+
+def test_a_wrong_schedule_table_figure_is_found():
+    script = _script()
+    table = "| `v-half` | 0.750 | 0.0943 | 0.0943 | ok |\n| `1f1b` | 1.000 | 0.2700 | 0.2727 | wrong |\n"
+    problems = script.check_schedule_table(table)
+    assert len(problems) == 1 and "`1f1b` shows 1.000 0.2700 0.2727" in problems[0]
 
 
 def test_a_wrong_output_is_found_and_rewritten(tmp_path):
