@@ -192,3 +192,14 @@ def test_emulated_tp_ranks_sleep_a_share_of_the_layer_and_its_collectives():
     costs = emulated_costs(cfg)
     assert (costs.f_ms, costs.b_ms, costs.w_ms) == pytest.approx((4.0 + comm, 3.0 + comm, 2.0))
     assert emulated_costs(_prepare(tp=1, emulate=(8.0, 6.0, 4.0))[0]).f_ms == 8.0
+
+
+def test_a_tp_group_that_would_span_nodes_is_warned_about_on_cuda(monkeypatch, capsys):
+    from pipeblocks.train.tp_checks import warn_tp_across_nodes
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    warn_tp_across_nodes(8, "cuda")
+    assert "--tp 8 does not divide the 4 processes per node" in capsys.readouterr().err
+    for tp, device in ((2, "cuda"), (8, "cpu")):
+        warn_tp_across_nodes(tp, device)
+        assert capsys.readouterr().err == ""
