@@ -88,8 +88,11 @@ form: no flush, each stage steps its optimizer once its m backwards of a step ar
 `--steps` counts optimizer steps, `--sync-warmup-steps W` runs the first W synchronously,
 `--lr-warmup-steps K` and `--discrepancy-decay D` are pipemare's T1 and T2 (D also sets
 nesterov's look-ahead). It prints the
-loss per step, each stage's delays and tokens/s; `--verify` compares every loss, rate and
-weight with the one-process replay of the same run (docs/pipemare.md).
+loss per step, each stage's delays and tokens/s, and the steady state measured beside the
+simulated one (`--report FILE` writes it); `--checkpoint DIR [--save-every N]` drains the
+pipeline at each save point, on SIGTERM/SIGINT/SIGHUP too, and saves every stage's weights,
+optimizer and mode state, which `--resume` continues; `--verify` compares every loss, rate
+and weight with the one-process replay of the same run (docs/pipemare.md).
 
 The schedule options are those of `pipeblocks simulate` (-v, --group-size, --memory-limit,
 --seq-chunks, --set, --file); the run itself lives in `pipeblocks.train.run`.

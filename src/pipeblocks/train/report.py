@@ -6,8 +6,14 @@
 
 The prediction uses costs profiled from the run itself:
 
-* times: per global stage, the median duration of its F, B and W actions over the timed
-  steps of the measured timelines (a fused BW counts as B, with W = 0);
+* times: per global stage, the mean duration of its F, B and W actions over the timed
+  steps of the measured timelines (a fused BW counts as B, with W = 0), plus the runtime's
+  mean time between two passes of a rank whose second pass had its input already
+  (`between_passes_s`, `sim.overhead.local_gaps`): what a pass costs its rank in this run.
+  Means, not medians: a step's time is the sum of its passes and of the gaps between
+  them, and on a machine whose cores the ranks share, or that other work keeps busy, the
+  long tail of both (a rank not scheduled in time) is part of that sum. On a quiet machine
+  with a core per rank the two agree and the gaps are a fraction of a millisecond;
 * communication: the median delay between a pass ending on one rank and the pass that
   waits for its output starting on another (t_comm);
 * memory: per global stage, the saved-activation bytes one microbatch's F leaves (M_B)
@@ -27,7 +33,9 @@ quantity the simulator predicts. `step_time_s` is the median wall time of a whol
 simulated side gives every rank cores of its own, so the report notes (`contention_notes`)
 when ranks outnumber cores or the machine was busy; run p x dp <= cores for a prediction
 that holds. `bubble_ratio_measured` is the Timeline definition (makespan minus the busiest rank's
-compute, over makespan) on the measured events, the median over the timed steps.
+compute, over makespan) on the measured events, the median over the timed steps;
+`bubble_ratio_simulated` the same on the simulated timeline, the time between passes that
+its passes carry counted as idle there too (`passes_bubble`).
 """
 from __future__ import annotations
 
@@ -44,7 +52,7 @@ from ..core.schedule import Schedule
 from ..core.costs import Costs
 from ..core.simulate import simulate
 from ..core.timeline import Timeline
-from ..sim.overhead import handover_gaps
+from ..sim.overhead import handover_gaps, local_gaps
 
 __all__ = ["RankResult", "format_bytes", "RunReport", "profiled_costs", "iteration_times", "build_report", "format_report",
            "machine_load", "write_timeline_plot"]
@@ -99,7 +107,8 @@ class RunReport:
 
 def profiled_costs(schedule: Schedule, timelines: Sequence[Timeline], m_b: Sequence[float],
                    m_w: Sequence[float], seq_mem: Sequence[float] | None = None) -> Costs:
-    """Per-stage costs (seconds, bytes) from measured timelines and per-stage memory."""
+    """Per-stage costs (seconds, bytes) from measured timelines and per-stage memory: each
+    pass at its mean measured duration plus the mean time between passes (module doc)."""
     k = schedule.seq_chunks
     durations: dict[tuple[int, Kind, int], list[float]] = defaultdict(list)
     for timeline in timelines:
@@ -109,28 +118,48 @@ def profiled_costs(schedule: Schedule, timelines: Sequence[Timeline], m_b: Seque
                     continue  # a recomputation is simulated with its forward's time
                 durations[(e.action.stage, e.action.kind, e.action.seq_chunk or 0)].append(e.end - e.start)
 
-    def chunk_median(stage: int, kind: Kind, chunk: int) -> float:
-        values = durations.get((stage, kind, chunk))
-        return statistics.median(values) if values else 0.0
+    between = between_passes(timelines)
 
-    def median(stage: int, kind: Kind) -> float:
-        return sum(chunk_median(stage, kind, c) for c in range(k))
+    def chunk_mean(stage: int, kind: Kind, chunk: int) -> float:
+        values = durations.get((stage, kind, chunk))
+        return statistics.fmean(values) + between if values else 0.0
+
+    def mean(stage: int, kind: Kind) -> float:
+        return sum(chunk_mean(stage, kind, c) for c in range(k))
 
     S = schedule.num_stages
     seq_time = None
     if k > 1:
-        per_chunk = [sum(chunk_median(s, kind, c) for s in range(S) for kind in Kind) for c in range(k)]
+        per_chunk = [sum(chunk_mean(s, kind, c) for s in range(S) for kind in Kind) for c in range(k)]
         seq_time = tuple(x / sum(per_chunk) for x in per_chunk) if sum(per_chunk) > 0 else None
     split = {s for s in range(S) if (s, Kind.B, 0) in durations}
-    t_f = tuple(median(s, Kind.F) for s in range(S))
-    t_b = tuple(median(s, Kind.B) if s in split else median(s, Kind.BW) for s in range(S))
-    t_w = tuple(median(s, Kind.W) if s in split else 0.0 for s in range(S))
+    t_f = tuple(mean(s, Kind.F) for s in range(S))
+    t_b = tuple(mean(s, Kind.B) if s in split else mean(s, Kind.BW) for s in range(S))
+    t_w = tuple(mean(s, Kind.W) if s in split else 0.0 for s in range(S))
     total = sum(m_b)
     ratio = min(1.0, sum(m_w) / total) if schedule.has_split_backward and total > 0 else 1.0
     gaps = [gap for timeline in timelines for gap in handover_gaps(timeline)]
     return Costs(t_f=t_f, t_b=t_b, t_w=t_w, mem_b=tuple(float(x) for x in m_b), mem_w_ratio=ratio,
                  t_comm=statistics.median(gaps) if gaps else 0.0, seq_time=seq_time,
                  seq_mem=tuple(seq_mem) if seq_mem is not None and k > 1 else None)
+
+
+def between_passes(timelines: Sequence[Timeline]) -> float:
+    """The runtime's mean time between two passes of a rank when the second's input was
+    already there (0 without such a pair)."""
+    gaps = [gap for timeline in timelines for gap in local_gaps(timeline)]
+    return statistics.fmean(gaps) if gaps else 0.0
+
+
+def passes_bubble(simulated: Timeline, between: float) -> float:
+    """The simulated timeline's bubble ratio with the time between passes counted as idle, as
+    the measured bubble counts it (the simulated passes carry it in their durations)."""
+    span = simulated.makespan
+    if span <= 0:
+        return 0.0
+    busy = [simulated.busy(r) - between * sum(1 for e in events if type(e.action) is Action)
+            for r, events in enumerate(simulated.events)]
+    return (span - max(busy)) / span
 
 
 def iteration_times(results: Sequence[RankResult]) -> list[tuple[int, float]]:
@@ -207,9 +236,10 @@ def build_report(
         "iteration_time_measured_s": statistics.median(t.makespan for t in timed),
         "iteration_time_simulated_s": simulated.makespan,
         "bubble_ratio_measured": statistics.median(t.bubble_ratio for t in timed),
-        "bubble_ratio_simulated": simulated.bubble_ratio,
+        "bubble_ratio_simulated": passes_bubble(simulated, between_passes(timed)),
         "step_time_s": statistics.median(walls),
         "t_comm_s": costs.t_comm,
+        "between_passes_s": between_passes(timed),
         "losses": [{"step": s + 1, "loss": loss} for s, loss in losses],
         "eval_losses": [{"step": s + 1, "loss": loss} for s, loss in next((r.eval_losses for r in by_rank
                                                                               if r.eval_losses), ())],
@@ -258,9 +288,9 @@ def contention_notes(data: dict) -> list[str]:
     cores, ranks, load = data["cores"], data["local_ranks"], data["load_average"]
     notes = []
     if ranks > cores:
-        notes.append(f"note: {ranks} ranks share {cores} cores: measured times include the contention that the "
-                     f"simulated ones (each pass at its own median) do not; give -p x --dp <= {cores} for a "
-                     "prediction that holds")
+        notes.append(f"note: {ranks} ranks share {cores} cores: their passes wait for a core, which the simulated "
+                     f"time counts only as far as this run measured it; give -p x --dp <= {cores} for a prediction "
+                     "that holds on another run")
     if load is not None and load > cores + 0.5:
         notes.append(f"note: the machine was busy (load average {load:.1f} on {cores} cores at the end of the run): "
                      "other work lengthened the measured times")
@@ -282,6 +312,9 @@ def format_report(data: dict) -> str:
         "   static: measured   predicted   DP comm exposed: measured / simulated",
     ]
     lines[3:3] = contention_notes(data)
+    if data.get("between_passes_s") is not None:
+        lines.insert(3, f"between passes  {data['between_passes_s'] * 1e3:.2f} ms on average (the runtime's own time, "
+                        "and a rank waiting for a core; in the simulated time)")
     for row in data["ranks"]:
         measured, predicted = row["peak_activation_bytes_measured"], row["peak_activation_bytes_predicted"]
         ratio = f"{measured / predicted:.3f}" if predicted and measured is not None else "-"
