@@ -9,10 +9,11 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from test_train import SRC
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 ASYNC = ["--async", "pipemare", "--lr-warmup-steps", "4", "--sync-warmup-steps", "1", "-p", "2", "-m", "2",
          "--layers", "2", "--hidden", "16", "--heads", "2", "--seq", "16", "--microbatch-size", "2", "--steps", "10",
