@@ -21,6 +21,8 @@ from pipeblocks.train.run import prepare
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 FAMILIES = ("gpt", "llama") + (("hf-llama",) if HAS_TRANSFORMERS else ())
 
+pytestmark = pytest.mark.torch
+
 
 def _prepare(tp: int = 2, *, name: str = "1f1b", dp: int = 1, sharding: str = "replicate", model=None, **options):
     request = ScheduleRequest(name=name, m=4, mesh=Mesh(pp=2, dp=dp, tp=tp), sharding=parse_sharding(sharding))
