@@ -12,7 +12,8 @@ from test_train import _train
 pytestmark = pytest.mark.spawn
 
 BASE = ["--schedule", "1f1b", "-p", "2", "--layers", "2", "--hidden", "16", "--heads", "2", "--seq", "16",
-        "--microbatch-size", "2", "--timeout", "90", "--dtype", "float64", "--quiet"]
+        "--microbatch-size", "2", "--timeout", "90", "--dtype", "float64", "--quiet",
+        "--lr-decay-steps", "4"]  # one learning-rate horizon for the straight run and the resumed ones
 
 
 def _losses(*args: str, report) -> list[float]:
