@@ -23,7 +23,7 @@ def test_example_trains_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", proc.stdout)]
     assert len(losses) == 3
-    assert losses[0] == pytest.approx(5.5532, abs=1e-3)  # the untrained byte-level model: ~ln(256)
+    assert losses[0] == pytest.approx(5.5519, abs=1e-3)  # the untrained byte-level model: ~ln(256)
     assert losses[-1] < losses[0]
 
 
