@@ -10,13 +10,10 @@ import importlib.util
 
 import pytest
 
-from pipeblocks.core.request import Mesh, ScheduleRequest
-from pipeblocks.core.sharding import parse_sharding
 from pipeblocks.models.family import get_family
-from pipeblocks.runtime import spawn
-from pipeblocks.train.run import judge, prepare
+from pipeblocks.train.run import judge
 
-from _recompute_cases import verify_worker
+from _family_cases import verify_runs
 
 pytestmark = pytest.mark.spawn
 
@@ -38,19 +35,8 @@ def _cases(dp: int) -> dict[str, tuple[str, str, str]]:
     return {case: spec for case, spec in cases.items() if spec[0] != "hf-llama" or HAS_TRANSFORMERS}
 
 
-def _config(family: str, name: str, precision: str, dp: int):
-    request = ScheduleRequest(name=name, m=4, mesh=Mesh(pp=2, dp=dp),
-                              sharding=parse_sharding("zero3" if dp > 1 else "replicate"))
-    return prepare(request, model=_model(family, "float64" if precision == "fp64" else "float32"), family=family,
-                   precision=precision, microbatch_size=1, verify=True, timeout_s=120.0)
-
-
 def _runs(dp: int):
-    cases = _cases(dp)
-    prepared = {case: _config(*spec, dp) for case, spec in cases.items()}
-    per_rank = spawn(verify_worker, 2 * dp, args=([cfg for cfg, _ in prepared.values()],), timeout_s=300,
-                     threads_per_rank=1)
-    return {case: (cfg, data, [rank[i] for rank in per_rank]) for i, (case, (cfg, data)) in enumerate(prepared.items())}
+    return verify_runs(_cases(dp), _model, dp=dp)
 
 
 @pytest.fixture(scope="module")
