@@ -16,6 +16,7 @@ What each op moves, for a stage of P parameters (bytes per element from the prec
     zero2      reduce-scatter of gradients (g)  -                        gather of parameters (c)
     zero3      reduce-scatter of gradients (g)  all-gather of            -
                                                 parameters (c)
+    zero3-regather  as zero3, with one all-gather per visit of the chunk (`passes_dp`)
 
 zero1 and zero2 keep full parameters but each replica updates only its shard, so the
 updated parameters are gathered once after the step: torch's ZeroRedundancyOptimizer
@@ -57,9 +58,14 @@ parameter::
     replicate     m + k + g + o        16            18
     zero1         m + k + g + o/d      8 + 8/d       10 + 8/d
     zero2, zero3  m/d + c + g + o/d    8 + 12/d      6 + 12/d
+    (and zero3-regather)
 
 so sharding saves optimizer state at the peak, and parameters and gradients only between
-steps (which is where a checkpoint or another model lives). These are the holdings of
+steps (which is where a checkpoint or another model lives). zero3-regather holds what
+zero3 holds, but its gathered parameters (c) only during the chunk's visits: the formula
+above counts them at the peak all the same (`static_peak_bytes`), and the simulator traces
+them over time beside the activations (`Timeline.memory_peak`), taking `gathered_bytes`
+off this figure for each such chunk. These are the holdings of
 `core.static_memory` (which follows torch's FSDP2 and ZeroRedundancyOptimizer) for a stage
 whose parameters split evenly: no dim-0 padding, zero1's partition even. The textbook
 ZeRO-2 peak, m + g + o/d, leaves out the shard FSDP2 keeps beside the gathered parameters;
@@ -84,7 +90,8 @@ from .sharding import ShardingPolicy, per_stage
 
 __all__ = [
     "PRECISIONS", "UNIT_LINK", "DPCostModel", "Link", "Precision", "all_gather_time", "all_reduce_time",
-    "precision_bytes", "reduce_scatter_time", "resolve_precision", "static_bytes", "static_peak_bytes",
+    "gathered_bytes", "precision_bytes", "reduce_scatter_time", "resolve_precision", "static_bytes",
+    "static_peak_bytes",
 ]
 
 
@@ -188,6 +195,12 @@ def static_bytes(params: float, policy: ShardingPolicy, d: int, precision: Preci
     else:
         per = (m + g + o) / d
     return params * per
+
+
+def gathered_bytes(params: float, policy: ShardingPolicy, precision: Precision) -> float:
+    """The gathered parameters (compute dtype) a zero3 chunk of `params` parameters holds
+    from its UNSHARD to its RESHARD (0 for a policy the Program does not gather)."""
+    return params * precision.gathered if ShardingPolicy(policy).shards_parameters else 0.0
 
 
 def static_peak_bytes(params: float, policy: ShardingPolicy, d: int, precision: Precision, *,

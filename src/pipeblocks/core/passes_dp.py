@@ -58,7 +58,7 @@ from .sharding import ShardingPolicy, per_stage
 
 __all__ = [
     "add_grad_reduce", "add_grad_reduce_at_end", "add_sharding", "check_dp_ops", "dp_passes", "dp_passes_at_end",
-    "grad_reduce_pass", "needs_dp_ops", "unit_ids",
+    "grad_reduce_pass", "needs_dp_ops", "regather_gaps", "regather_stages", "unit_ids",
 ]
 
 UNSHARD, RESHARD, REDUCE_GRAD = "UNSHARD", "RESHARD", "REDUCE_GRAD"
@@ -68,6 +68,13 @@ def needs_dp_ops(policies: Iterable[ShardingPolicy], dp: int) -> bool:
     """Whether a Program for this mesh holds DP ops: more than one replica, or a policy
     other than replicate (a sharded runtime wants its ops even on one replica)."""
     return dp > 1 or any(ShardingPolicy(p) is not ShardingPolicy.REPLICATE for p in policies)
+
+
+def regather_stages(schedule) -> frozenset[int]:
+    """The stages zero3-regather can apply to: those whose rank runs another stage too (a
+    chunk alone on its rank is never left between its passes)."""
+    placement = schedule.placement
+    return frozenset(s for r in range(schedule.p) if len(placement.stages_of(r)) > 1 for s in placement.stages_of(r))
 
 
 def unit_ids(units: DPUnits | None, stage: int) -> tuple[int | None, ...]:
@@ -169,7 +176,9 @@ def dp_passes_at_end(policies: Iterable[ShardingPolicy], dp: int, units: DPUnits
 
 def add_sharding(policies: Iterable[ShardingPolicy], units: DPUnits | None = None):
     """The pass that gathers each ZeRO-3 stage before its first pass and frees it after
-    its last (after its REDUCE_GRAD when that is already placed), one op per unit."""
+    its last (after its REDUCE_GRAD when that is already placed), one op per unit; a
+    zero3-regather stage is also freed and gathered again between its visits
+    (`regather_gaps`)."""
     given = tuple(ShardingPolicy(p) for p in policies)
 
     def add_sharding_pass(program: Program) -> Program:
@@ -177,21 +186,23 @@ def add_sharding(policies: Iterable[ShardingPolicy], units: DPUnits | None = Non
         if units is not None:
             units.check_stages(program.schedule.num_stages)
         ranks: list[tuple[Op, ...]] = []
-        for ops in program.ranks:
+        for rank, ops in enumerate(program.ranks):
             first: dict[int, int] = {}
             last: dict[int, int] = {}
             group_start: list[int] = []  # per compute action: where its leading receives begin
             previous_group: dict[int, int] = {}
             own_group: dict[int, int] = {}  # where the receives before the stage's first pass begin
+            passes: list[int] = []  # the compute actions' positions
             start = 0
             for i, op in enumerate(ops):
-                if type(op) is Action:
+                if type(op) is Action or type(op) is Recompute:
                     if op.stage not in first:
                         first[op.stage] = i
                         previous_group[op.stage] = group_start[-1] if group_start else 0
                         own_group[op.stage] = start
                     last[op.stage] = i
                     group_start.append(start)
+                    passes.append(i)
                     start = i + 1
                 elif not (type(op) is Comm and not op.send):
                     start = i + 1
@@ -200,26 +211,86 @@ def add_sharding(policies: Iterable[ShardingPolicy], units: DPUnits | None = Non
             order = sorted(first, key=first.__getitem__)
             for k, stage in enumerate(order):
                 if policy[stage].shards_parameters:
+                    ids = unit_ids(units, stage)
+                    early = ids if units is None or units.prefetch is None else ids[:units.prefetch]
                     # one stage ahead: where the rank starts on the stage before this one
                     # in first-use order (the step's start for the first two)
                     ahead = own_group[order[k - 1]] if k >= 2 else 0
-                    ids = unit_ids(units, stage)
-                    early = ids if units is None or units.prefetch is None else ids[:units.prefetch]
                     insert_at.setdefault(min(ahead, previous_group[stage]), []).extend(
                         DPOp(UNSHARD, stage, u) for u in early
                     )
                     in_pass.setdefault(first[stage], []).extend(DPOp(UNSHARD, stage, u) for u in ids[len(early):])
+                    if policy[stage].regathers:
+                        if len(first) == 1:
+                            raise ScheduleError(
+                                f"--sharding {policy[stage]} on stage {stage}: rank {rank} runs no other chunk, so "
+                                "the stage is never left between its passes and nothing can be freed and gathered "
+                                f"again; give stage {stage} zero3, or use a schedule with several chunks per rank "
+                                "(-v 2, or a V schedule)"
+                            )
+                        for done, again in regather_gaps(ops, passes, stage):
+                            # freed after the visit's last pass and its sends; gathered again
+                            # after the other chunks' activations crest, before a pass's receives
+                            insert_at.setdefault(_after_sends(ops, passes[done]), []).extend(
+                                DPOp(RESHARD, stage, u) for u in ids
+                            )
+                            insert_at.setdefault(group_start[again], []).extend(DPOp(UNSHARD, stage, u) for u in early)
+                            in_pass.setdefault(passes[next(i for i in range(again, len(passes))
+                                                           if ops[passes[i]].stage == stage)], []).extend(
+                                DPOp(UNSHARD, stage, u) for u in ids[len(early):]
+                            )
                     end = _after_sends(ops, last[stage])
                     while end < len(ops) and type(ops[end]) is DPOp and ops[end][:2] == (REDUCE_GRAD, stage):
                         end += 1
                     insert_at.setdefault(end, []).extend(DPOp(RESHARD, stage, u) for u in ids)
             for index, gathers in in_pass.items():
                 insert_at.setdefault(index, []).extend(gathers)
+            for added in insert_at.values():  # frees first where a free and a gather meet
+                added.sort(key=lambda op: op.kind == UNSHARD)
             ranks.append(_splice(ops, insert_at))
         return Program(program.schedule, tuple(ranks))
 
     add_sharding_pass.__name__ = add_sharding_pass.__qualname__ = "add_sharding"
     return add_sharding_pass
+
+
+# live activations a pass adds (a backward frees its microbatch's: B most, W the rest)
+_LIVE = {Kind.F: 1.0, Kind.B: -0.5, Kind.W: -0.5, Kind.BW: -1.0}
+
+
+def regather_gaps(ops: tuple[Op, ...], passes: list[int], stage: int) -> list[tuple[int, int]]:
+    """Where a zero3-regather `stage` is freed and gathered again on its rank: (the pass
+    after which it is freed, the pass before which it is gathered again), as indices into
+    `passes` (the positions of the rank's compute ops in `ops`).
+
+    A gap is the run of other chunks' passes between two consecutive passes of the stage.
+    Counting live activations in passes (a forward adds one, a backward frees one), the
+    stage is freed over a gap only where they crest inside it, above their level at both
+    ends: elsewhere the stage's own passes hold as much beside its parameters, so freeing
+    would cost a gather and lower no peak (a 1F1B alternation between two chunks, one pass
+    of the other between two of this one, never frees). It is gathered again once they
+    are halfway down from the gap's last crest to the higher of the two ends: a compromise
+    the lowering makes without costs, between holding the parameters beside activations
+    near the crest (gathered earlier) and leaving the gather less compute to hide under
+    (gathered later); the simulator prices the outcome."""
+    mine = [k for k, at in enumerate(passes) if ops[at].stage == stage]
+    out = []
+    for a, b in zip(mine, mine[1:]):
+        if b - a < 3:
+            continue
+        level, levels = 0.0, [0.0]
+        for k in range(a + 1, b):
+            op = ops[passes[k]]
+            level += _LIVE[op.kind] if type(op) is Action else 1.0  # a recomputation rebuilds one
+            levels.append(level)
+        crest, ends = max(levels[1:-1]), max(levels[0], levels[-1])
+        if crest > ends:
+            top = max(i for i in range(1, len(levels) - 1) if levels[i] == crest)
+            # levels[i] is after the gap's pass a + i: gather before the pass after the one
+            # that brings them halfway down from the crest to the higher end
+            down = next(i for i in range(top + 1, len(levels)) if levels[i] <= (crest + ends) / 2)
+            out.append((a, a + down + 1))
+    return out
 
 
 def _splice(ops: tuple[Op, ...], insert_at: dict[int, list[Op]]) -> tuple[Op, ...]:

@@ -5,7 +5,16 @@
     zero1      optimizer state sharded over the d replicas (gradients still all-reduced)
     zero2      and gradients reduce-scattered (each replica keeps its shard)
     zero3      and parameters sharded: gathered (UNSHARD) before a chunk's passes, freed
-               (RESHARD) after them
+               (RESHARD) after them: held gathered for the whole step
+    zero3-regather
+               zero3 whose parameters are also freed between the chunk's visits and
+               gathered again before the next one (`passes_dp.add_sharding`): more gathers,
+               less parameter memory inside the step. A visit is a run of the chunk's passes
+               on its rank that at most one other pass at a time interrupts (a 1F1B
+               alternation between two chunks keeps both), so an elastic group's passes
+               through the chunk, or a breadth-first chunk's forwards, are one visit.
+               Only the gathered (compute) parameters go: FSDP2 keeps the accumulated
+               unsharded gradients across a reshard while gradient sync is off.
 
 A policy list holds one policy for all chunks or one per chunk, in stage order:
 `parse_sharding("zero3,replicate")`; `per_stage(policies, num_stages)` expands and checks
@@ -26,15 +35,34 @@ class ShardingPolicy(str, Enum):
     ZERO1 = "zero1"
     ZERO2 = "zero2"
     ZERO3 = "zero3"
+    ZERO3_REGATHER = "zero3-regather"
 
     def __str__(self) -> str:  # "zero3", not "ShardingPolicy.ZERO3"
         return self.value
 
     @property
     def shards_parameters(self) -> bool:
-        return self is ShardingPolicy.ZERO3
+        """The Program gathers (UNSHARD) and frees (RESHARD) the chunk's parameters."""
+        return self is ShardingPolicy.ZERO3 or self is ShardingPolicy.ZERO3_REGATHER
+
+    @property
+    def regathers(self) -> bool:
+        """The chunk's parameters are freed between its visits and gathered again."""
+        return self is ShardingPolicy.ZERO3_REGATHER
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 holds the chunk (zero2, zero3, zero3-regather): sharded between steps."""
+        return self in _FSDP
+
+    @property
+    def storage(self) -> ShardingPolicy:
+        """The policy whose state the chunk holds (zero3 for zero3-regather: they differ only
+        in where the Program frees the gathered parameters)."""
+        return ShardingPolicy.ZERO3 if self is ShardingPolicy.ZERO3_REGATHER else self
 
 
+_FSDP = frozenset({ShardingPolicy.ZERO2, ShardingPolicy.ZERO3, ShardingPolicy.ZERO3_REGATHER})
 _NAMES = ", ".join(p.value for p in ShardingPolicy)
 
 

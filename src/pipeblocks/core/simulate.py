@@ -33,6 +33,16 @@ ends and lasts its compute time (the waits show as the gap before it).
 An optimizer step (`OptimizerStep`, asynchronous programs) occupies the compute stream for
 its cost `t_step` and shows in the timeline as an event of its own.
 
+Memory over time, for chunks that free their parameters between visits
+(`zero3-regather`): the gathered parameter bytes of such a chunk are traced per rank (an
+UNSHARD adds its unit's gathered bytes when the compute stream reaches it, a RESHARD takes
+them away there), beside the activations, in program order; `Timeline.memory_peak` is then
+the largest sum of the two on the rank, plus the rest of its static memory at the step's
+peak (`dp_model.static_peak_bytes`, every other chunk gathered for the whole step, the
+accumulated gradients held: FSDP2 keeps them across a reshard). A rank with no such chunk
+keeps the conservative figure, static memory at the step's peak plus peak activation, and
+`memory_peak` is left empty when no rank has one (`Timeline.memory_need`).
+
 A `Recompute` op (`recompute.add_recompute`) runs on the compute stream for its stage's
 forward time; the forward it re-runs allocates only the kept input
 (`Costs.recompute_input_ratio` of M_B) and the recomputation allocates the rest, which
@@ -52,6 +62,7 @@ from .program import Comm, DPOp, OptimizerStep, Program, Recompute
 from .schedule import Schedule
 from .validate import check_structure
 from .costs import Costs, StageCosts
+from .dp_model import gathered_bytes
 from .timeline import CommEvent, Event, Timeline
 
 __all__ = ["simulate", "simulate_program"]
@@ -88,18 +99,19 @@ def _compile_program(program: Program, costs: Costs | None):
     """The schedule, the cost table, and per rank `_compile`'s lists and DP plan."""
     schedule = program.schedule
     table = (costs or Costs()).for_schedule(schedule)
-    compiled, comm_plans = [], []
+    compiled, comm_plans, gathered = [], [], []
     for ops in program.ranks:
-        steps, plan = _compile(ops, table, schedule)
+        steps, plan, held = _compile(ops, table, schedule)
         compiled.append(steps)
         comm_plans.append(plan)
-    return schedule, table, compiled, comm_plans
+        gathered.append(held)
+    return schedule, table, compiled, comm_plans, gathered
 
 
 def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
     """The event loop over `_compile_program`'s result; `program_of` gives the Program
     again, only to name a deadlock."""
-    schedule, table, compiled, comm_plans = compiled_program
+    schedule, table, compiled, comm_plans, gathered = compiled_program
     t_comm = table.t_comm
     p = len(compiled)
     lengths = [len(c[0]) for c in compiled]
@@ -170,6 +182,8 @@ def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
                         ready.append(woken)
             pos += 1
         cursor[r], clock[r], mem[r], peak[r] = pos, now, held, top
+    # the parameters a regathering chunk holds, beside the activations, before the lists go
+    crests = [_crest(compiled[r][3], compiled[r][4], gathered[r]) if gathered[r] else None for r in range(p)]
     compiled.clear()  # seven lists per rank, no longer needed: not alive beside the Timeline's tuples
     if any(cursor[r] < lengths[r] for r in range(p)):
         check_deadlock(program_of())  # raises with the blocked ranks named
@@ -183,6 +197,16 @@ def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
         table.data_parallel.static_memory(table.params, placement.stages_of(r), peak=True, split_backward=split)
         for r in range(p)
     )
+    memory_peak = ()
+    if any(c is not None for c in crests):
+        dp = table.data_parallel
+        policies = dp.policies(len(table.params))
+        memory_peak = tuple(
+            static_peak[r] + peak[r] if crests[r] is None
+            else static_peak[r] + crests[r]
+            - sum(gathered_bytes(table.params[s], policies[s], dp.bytes) for s in _regathered(table, placement.stages_of(r)))
+            for r in range(p)
+        )
     if not any(comm_plans):
         return Timeline(
             schedule=schedule,
@@ -191,6 +215,7 @@ def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
             peak_activation=tuple(peak),
             static_memory=static,
             static_memory_peak=static_peak,
+            memory_peak=memory_peak,
         )
     step_end = tuple(
         stream.finish(_after_step(table, placement.stages_of(r))) for r, stream in enumerate(streams)
@@ -205,7 +230,36 @@ def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
         step_end=step_end,
         static_memory=static,
         static_memory_peak=static_peak,
+        memory_peak=memory_peak,
     )
+
+
+def _regathered(table: StageCosts, stages) -> list[int]:
+    """The `stages` whose policy frees their parameters between visits."""
+    policies = table.data_parallel.policies(len(table.params))
+    return [s for s in stages if policies[s].regathers]
+
+
+def _crest(allocs: list[float], releases: list[float], held: list[tuple[int, float]]) -> float:
+    """The largest activation plus regathered-parameter bytes a rank holds, walking its
+    compute ops in order: `held` is (index of the compute op it comes before, bytes
+    gathered (+) or freed (-)), in program order; a pass allocates at its start and
+    releases at its end, as the event loop counts them."""
+    top = total = 0.0
+    k, n = 0, len(held)
+    for i, (alloc, release) in enumerate(zip(allocs, releases)):
+        while k < n and held[k][0] == i:
+            total += held[k][1]
+            top = max(top, total)
+            k += 1
+        total += alloc
+        top = max(top, total)
+        total += release
+    while k < n:
+        total += held[k][1]
+        top = max(top, total)
+        k += 1
+    return top
 
 
 def _after_step(table: StageCosts, stages) -> list[tuple[str, float]]:
@@ -276,7 +330,7 @@ class _CommStream:
         return end
 
 
-def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list[tuple[int, str, float]]]:
+def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list, list[tuple[int, float]]]:
     """Per compute op (action or optimizer step), in seven parallel lists (a few pointers per action, not a tuple
     and lists each): the receive key(s) before it, the action, its duration, the memory
     allocated at its start, the memory released at its end, the send key(s) after it
@@ -287,7 +341,9 @@ def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list[tup
     of a stage after its UNSHARD), or a `_UnitPass` for a pass through units that meets the
     DP stream inside (block grain). The plan: per DP collective, (index of the compute
     action it is issued before, its text, its duration, and None or the (`_UnitPass`,
-    boundary) inside a pass where it is issued)."""
+    boundary) inside a pass where it is issued). Last, for a chunk that frees its parameters
+    between visits (zero3-regather), its UNSHARDs and RESHARDs as memory: (index of the
+    compute action it comes before, gathered bytes added or freed)."""
     stages, chunks = schedule.num_stages, schedule.seq_chunks
     receives: list = []
     actions: list = []
@@ -302,6 +358,7 @@ def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list[tup
     pending: dict[int, int] = {}  # stage -> plan index of its UNSHARD, until its first pass
     units = _Units(table, schedule, gates) if table.units is not None else None
     policies = None
+    held: list[tuple[int, float]] = []  # a regathering chunk's gathers (+) and frees (-)
     # which forwards keep only their input: a set-of-types test first, so a program
     # without recomputation pays no Python-level scan
     recomputed = {op.unit for op in ops if type(op) is Recompute} if Recompute in set(map(type, ops)) else None
@@ -363,11 +420,14 @@ def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list[tup
             if units is not None:
                 units.on_pass(op, len(actions) - 1, durations[-1], plan)
         elif kind is DPOp:
-            if op.kind == "RESHARD":
-                continue  # frees memory only: nothing on the link
             dp = table.data_parallel
             if policies is None:
                 policies = dp.policies(len(table.params))
+            if op.kind != "REDUCE_GRAD" and policies[op.stage].regathers:
+                size = table.unit_params(op.stage, op.unit) * dp.bytes.gathered
+                held.append((len(actions), size if op.kind == "UNSHARD" else -size))
+            if op.kind == "RESHARD":
+                continue  # frees memory only: nothing on the link
             duration = dp.op_time(op.kind, table.unit_params(op.stage, op.unit), policies[op.stage])
             if op.unit is not None:
                 if units is None:
@@ -379,7 +439,7 @@ def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list[tup
             plan.append((len(actions), str(op), duration, None))
         else:
             raise unsupported(op, "the simulator", (ACTION, P2P, DP, STEP, RECOMPUTE))
-    return (receives, actions, durations, allocs, releases, sends, gates), plan
+    return (receives, actions, durations, allocs, releases, sends, gates), plan, held
 
 
 class _UnitPass:

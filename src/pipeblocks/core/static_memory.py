@@ -25,7 +25,9 @@ per element of the masters, the compute copy, the gradients and AdamW's state, a
   (`runtime.precision.ComputeCopies`) from its first pass of the step to the step's end.
 
 Over one step the bytes change at known ops: a sharded chunk is gathered at its first pass
-(zero2) or its UNSHARD (zero3) and freed at REDUCE_GRAD (zero2) or RESHARD (zero3); an
+(zero2) or its UNSHARD (zero3) and freed at REDUCE_GRAD (zero2) or RESHARD (zero3; a
+zero3-regather chunk at each of its UNSHARDs and RESHARDs, the accumulated full gradient
+kept across them, as FSDP2 keeps it while gradient sync is off); an
 unsharded chunk's compute copy appears at its first pass and goes before the optimizer
 step; its full gradient appears at its first weight-gradient pass (W or BW) and, for FSDP2
 chunks, is replaced by its shard at REDUCE_GRAD. The peak is the largest total before an op
@@ -47,7 +49,7 @@ from .sharding import ShardingPolicy
 
 __all__ = ["ChunkBytes", "chunk_bytes", "predict_static_peak", "zero1_partition"]
 
-_FSDP = (ShardingPolicy.ZERO2, ShardingPolicy.ZERO3)
+_FSDP = (ShardingPolicy.ZERO2, ShardingPolicy.ZERO3, ShardingPolicy.ZERO3_REGATHER)
 # the dtype of a same-dtype policy (master = compute = reduce) by its element size
 _SAME_DTYPE = {8: "float64", 4: "float32", 2: "bfloat16"}
 
@@ -115,7 +117,8 @@ class ChunkBytes:
         """Everything at once: what the chunk holds before its REDUCE_GRAD once the
         optimizer state exists, for a fused backward. Every schedule's op walk
         (`predict_static_peak`) peaks with all of a rank's chunks there, since no chunk
-        reduces before the others' first weight-gradient pass."""
+        reduces before the others' first weight-gradient pass, unless a zero3-regather
+        chunk is freed there (then the walk's peak is lower)."""
         return self.params + self.gathered + self.copy + self.grads_full + self.optimizer
 
     def step_peak(self, split_backward: bool) -> int:

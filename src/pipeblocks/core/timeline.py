@@ -27,6 +27,11 @@ ops, which run on a communication stream per rank beside the compute stream:
     static_memory_peak[r]  the same at the step's peak: gradients at full size before their
                   reduction, zero2/zero3 parameters gathered beside their shard
                   (`dp_model.static_peak_bytes`)
+    memory_peak[r]  static plus activation memory at rank r's peak, traced over time where
+                  a chunk frees its parameters between visits (zero3-regather); empty when
+                  no rank has such a chunk
+    memory_need[r]  what rank r needs: memory_peak where traced, else static_memory_peak +
+                  peak_activation (the two peaks added, conservative)
 """
 from __future__ import annotations
 
@@ -80,6 +85,16 @@ class Timeline:
     step_end: tuple[float, ...] = ()
     static_memory: tuple[float, ...] = ()
     static_memory_peak: tuple[float, ...] = ()
+    memory_peak: tuple[float, ...] = ()
+
+    @property
+    def memory_need(self) -> tuple[float, ...]:
+        """Per rank: `memory_peak` where the simulator traced it, else static memory at the
+        step's peak plus peak activation."""
+        if self.memory_peak:
+            return self.memory_peak
+        static = self.static_memory_peak or (0.0,) * len(self.peak_activation)
+        return tuple(s + a for s, a in zip(static, self.peak_activation))
 
     @property
     def start(self) -> float:
@@ -156,4 +171,5 @@ class Timeline:
             "recompute_time": list(self.recompute_time),
             **({"static_memory": list(self.static_memory)} if self.static_memory else {}),
             **({"static_memory_peak": list(self.static_memory_peak)} if self.static_memory_peak else {}),
+            **({"memory_peak": list(self.memory_peak)} if self.memory_peak else {}),
         }

@@ -193,7 +193,7 @@ def search_groups(
         key = (forward, backward)
         if key not in seen:
             timeline = simulate(_schedule(p, m, v, forward, backward, "search"), costs)
-            need = max(s + a for s, a in zip(timeline.static_memory_peak, timeline.peak_activation))
+            need = max(timeline.memory_need)
             over = max(0.0, need - gpu_memory) if gpu_memory is not None else 0.0
             seen[key] = (over, timeline.makespan)
         return seen[key]

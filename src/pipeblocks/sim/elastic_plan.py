@@ -14,9 +14,11 @@ simulated, so it is never slower than either by more than `tolerance` (and then 
 With `--recompute auto` every candidate is scored after `choose_recompute` has made it fit
 (a plan that needs recomputation pays for it in its simulated step time), so the search
 trades larger groups against recomputation instead of ruling out everything that does not
-fit without it. A candidate is scored by (memory over the budget, step time, memory need
-of the fullest rank, then of all ranks together): step times within `tolerance`
-(relative) count as equal, so the lighter plan wins.
+fit without it. A candidate is scored by (memory over the budget, step time, chunks that
+regather, memory need of the fullest rank, then of all ranks together): step times within
+`tolerance` (relative) count as equal, so the lighter plan wins, but `zero3-regather` (a
+chunk freed between its visits and gathered again) only where it fits a budget nothing
+else fits, or saves time (less recomputation), as `auto_sharding` decides.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from ..core.schedule import Schedule
 from ..core.sharding import ShardingPolicy
 from ..core.simulate import simulate
 from ..schedules.elastic import elastic, group_candidates, rule_groups, rule_sequences
-from .auto_sharding import descend_policies
+from .auto_sharding import descend_policies, regathering
 from .recompute_auto import choose_recompute, memory_need
 
 __all__ = ["ElasticPlan", "choose_elastic_plan"]
@@ -94,6 +96,8 @@ def choose_elastic_plan(
             return over_a < over_b
         if abs(time_a - time_b) > tolerance * min(time_a, time_b):
             return time_a < time_b
+        if regathering(a[1]) != regathering(b[1]):
+            return regathering(a[1]) < regathering(b[1])
         return need_a < need_b
 
     def best_groups(policies: Policies, first: Groups) -> Groups:
@@ -109,7 +113,9 @@ def choose_elastic_plan(
     moves = [range(c * p, (c + 1) * p) for c in range(v)] + [range(s, s + 1) for s in range(stages)]
 
     def best_sharding(groups: Groups, first: Policies) -> Policies:
-        return descend_policies(lambda a, b: better((groups, a), (groups, b)), first, moves)
+        # v > 1 keeps several chunks on every rank: each may regather (v = 1: none can)
+        regather = None if v > 1 else frozenset()
+        return descend_policies(lambda a, b: better((groups, a), (groups, b)), first, moves, regather=regather)
 
     rule_costs = dataclasses.replace(costs, data_parallel=dataclasses.replace(costs.data_parallel, sharding=start))
     g, _, _ = rule_groups(p, m, v, rule_costs, budget)

@@ -24,9 +24,10 @@ __all__ = ["choose_recompute", "fits_memory", "memory_need"]
 
 
 def memory_need(timeline: Timeline) -> tuple[float, ...]:
-    """Per rank: static memory at the step's peak plus peak activation."""
-    static = timeline.static_memory_peak or (0.0,) * len(timeline.peak_activation)
-    return tuple(s + a for s, a in zip(static, timeline.peak_activation))
+    """Per rank: static memory at the step's peak plus peak activation; where a chunk frees
+    its parameters between visits (zero3-regather), the two traced together over time
+    (`Timeline.memory_need`)."""
+    return timeline.memory_need
 
 
 def fits_memory(timeline: Timeline, budget: float | None) -> bool | None:
