@@ -81,7 +81,7 @@ Policies = tuple[ShardingPolicy, ...]
 
 def regathering(policies: Policies) -> int:
     """How many chunks free their parameters between visits (and so gather them again)."""
-    return sum(1 for p in policies if p.regathers)
+    return sum(1 for p in policies if ShardingPolicy(p).regathers)
 
 
 def descend_policies(

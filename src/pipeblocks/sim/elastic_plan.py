@@ -10,6 +10,9 @@ changes (the sharding moves: one chunk index on every rank at once, then one sta
 starts from both one-sided answers, the groups searched under the uniform
 policy and the sharding chosen for the rule's groups, and keeps the best plan it
 simulated, so it is never slower than either by more than `tolerance` (and then lighter).
+With v > 1 a third start is the groups searched with the uniform policy's zero3 chunks
+as zero3-regather (freed between visits): larger groups that fit only so are otherwise
+out of reach of moves that change the groups or one policy at a time.
 
 With `--recompute auto` every candidate is scored after `choose_recompute` has made it fit
 (a plan that needs recomputation pays for it in its simulated step time), so the search
@@ -123,7 +126,14 @@ def choose_elastic_plan(
     groups_only = (best_groups(start, rule), start)
     sharding_only = (rule, best_sharding(rule, start) if search_sharding else start)
     plans = [groups_only, sharding_only]
-    for plan in (groups_only, sharding_only) if search_sharding else ():
+    starts = [groups_only, sharding_only]
+    # a third start: the groups searched with start's zero3 chunks freed between visits.
+    # Larger groups may fit only so, and zero3-regather pays off only with larger groups,
+    # which a move of one coordinate at a time does not reach from the other two
+    released = tuple(ShardingPolicy.ZERO3_REGATHER if ShardingPolicy(x) is ShardingPolicy.ZERO3 else x for x in start)
+    if search_sharding and v > 1 and released != start:
+        starts.append((best_groups(released, rule), released))
+    for plan in starts if search_sharding else ():
         groups, policies = plan
         for _ in range(rounds):
             policies = best_sharding(groups, policies)
