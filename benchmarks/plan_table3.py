@@ -4,11 +4,14 @@ dp x tp x pp x microbatch size x sharding, at seq 1024 / batch 160 and seq 3072 
 beside the paper's figures.
 
     python benchmarks/plan_table3.py [--cases 1024,3072] [--jobs 2] [--no-flash-attention]
-                                     [--efficiency X] [--intensity-model on|off] [--json]
+                                     [--efficiency X] [--intensity-model on|off] [--dp-unit block|chunk]
+                                     [--json]
 
 --efficiency replaces the a100-80g profile's achievable fraction of peak (0.6), to see
 how the orderings depend on it. --intensity-model off drops the planner's kernel-efficiency
-model (small GEMMs slower), which is on by default as in `pipeblocks plan`.
+model (small GEMMs slower), which is on by default as in `pipeblocks plan`. --dp-unit chunk
+prices data-parallel communication per chunk instead of per block (`pipeblocks plan`'s
+default, as `train` runs it).
 
 Columns: the paper's best MFU, ours, our configuration, peak memory per GPU, and the CPU
 and wall seconds the search took (wall time depends on what else the machine runs).
@@ -39,13 +42,14 @@ def _cpu() -> float:
 
 
 def run_case(seq: int, *, jobs: int | None, flash: bool, efficiency: float | None = None,
-             intensity: bool = True) -> dict:
+             intensity: bool = True, dp_unit: str = "block") -> dict:
     model = dataclasses.replace(MODELS["98.5b"], seq=seq, flash_attention=flash)
     hardware = HARDWARE["a100-80g"]
     if efficiency is not None:
         hardware = dataclasses.replace(hardware, efficiency=efficiency)
     problem = PlanProblem(model=model, hardware=hardware, gpus=40, gpu_memory=80e9,
-                          global_batch=BATCH[seq], schedules=tuple(PAPER[seq]), intensity=intensity)
+                          global_batch=BATCH[seq], schedules=tuple(PAPER[seq]), intensity=intensity,
+                          dp_unit=dp_unit)
     cpu, wall = _cpu(), time.perf_counter()
     result = search(problem, jobs=jobs, progress=lambda line: print(line, file=sys.stderr, flush=True))
     cpu, wall = _cpu() - cpu, time.perf_counter() - wall
@@ -60,7 +64,7 @@ def run_case(seq: int, *, jobs: int | None, flash: bool, efficiency: float | Non
             "peak_memory_gb": None if e is None else round(e.peak_memory / 1e9, 1),
             "bubble": None if e is None else round(e.bubble, 4),
         })
-    return {"seq": seq, "batch": BATCH[seq], "rows": rows, "cpu_s": round(cpu, 1), "wall_s": round(wall, 1),
+    return {"seq": seq, "batch": BATCH[seq], "dp_unit": dp_unit, "rows": rows, "cpu_s": round(cpu, 1), "wall_s": round(wall, 1),
             "simulations": result.simulations, "pruned": result.pruned}
 
 
@@ -71,18 +75,19 @@ def main() -> int:
     parser.add_argument("--no-flash-attention", action="store_true")
     parser.add_argument("--efficiency", type=float, default=None)
     parser.add_argument("--intensity-model", choices=("on", "off"), default="on")
+    parser.add_argument("--dp-unit", choices=("block", "chunk"), default="block")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     cases = [
         run_case(int(s), jobs=args.jobs, flash=not args.no_flash_attention, efficiency=args.efficiency,
-                 intensity=args.intensity_model == "on")
+                 intensity=args.intensity_model == "on", dp_unit=args.dp_unit)
         for s in args.cases.split(",")
     ]
     if args.json:
         print(json.dumps(cases, indent=1))
         return 0
     for case in cases:
-        print(f"seq {case['seq']}, batch {case['batch']}: {case['simulations']} simulations, {case['pruned']} pruned, "
+        print(f"seq {case['seq']}, batch {case['batch']}, DP at {case['dp_unit']} grain: {case['simulations']} simulations, {case['pruned']} pruned, "
               f"{case['cpu_s']} s CPU, {case['wall_s']} s wall")
         print(f"  {'schedule':<8} {'paper':>6} {'ours':>6}  {'configuration':<28} {'peak GB':>7} {'bubble':>6}")
         for r in case["rows"]:

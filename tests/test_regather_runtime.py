@@ -13,7 +13,7 @@ from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
 from pipeblocks.core.sharding import parse_sharding
 from pipeblocks.models import GPTConfig
 
-from _regather_cases import regather_verify_worker
+from _recompute_cases import verify_worker
 
 MODEL = GPTConfig(layers=8, hidden=16, heads=2, seq=8, vocab=256, dtype="float64")
 GROUPS = {"bfs-order": (("forward_groups", "4"), ("backward_groups", "4")),
@@ -31,7 +31,7 @@ def runs():
         request = ScheduleRequest(name="elastic", m=4, mesh=Mesh(pp=2, dp=2), options=GROUPS[groups],
                                   sharding=parse_sharding("zero3-regather"), costs=CostSpec(dp_unit=grain))
         prepared.append(prepare(request, model=MODEL, microbatch_size=1, verify=True, timeout_s=120.0))
-    per_rank = spawn(regather_verify_worker, 4, args=([cfg for cfg, _ in prepared],), timeout_s=300,
+    per_rank = spawn(verify_worker, 4, args=([cfg for cfg, _ in prepared],), timeout_s=300,
                      threads_per_rank=1)
     return {case: (cfg, data, [rank[i] for rank in per_rank]) for i, (case, (cfg, data)) in enumerate(zip(CASES, prepared))}
 

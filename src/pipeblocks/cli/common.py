@@ -105,9 +105,10 @@ def add_mesh_options(parser: argparse.ArgumentParser) -> None:
         help="DP latency per ring step (default: the profile's; under unit costs, time units)",
     )
     group.add_argument(
-        "--dp-unit", default="chunk", choices=DP_UNIT_GRAINS,
-        help="grain of the DP collectives: chunk (one gather and one reduction per chunk) or block (one per "
-        "block, pipelined with the passes, as FSDP2 per block and DDP buckets do); default chunk",
+        "--dp-unit", default=None, choices=DP_UNIT_GRAINS,
+        help="grain of the DP collectives: block (the default: one gather and one reduction per block, pipelined "
+        "with the passes, as FSDP2 per block and DDP buckets do) or chunk (one per chunk; the default of "
+        "export --format torch-comms-csv, whose CSV has no unit)",
     )
     group.add_argument(
         "--gpu-memory", type=float, default=None, metavar="GB",
@@ -165,7 +166,7 @@ def request_from_args(
         options.append((key, value))
     priced_here = costs is None  # train gives its own costs: its --tp is the runtime's
     link = {"dp_bandwidth": args.dp_bandwidth, "dp_latency": args.dp_latency, "mixed_precision": args.mixed_precision,
-            "dp_unit": args.dp_unit}
+            "dp_unit": args.dp_unit or "block"}
     if costs is None:
         costs = CostSpec(
             times=args.costs, mem_w_ratio=args.mem_w_ratio, model=args.model, hardware=args.hardware,

@@ -34,9 +34,11 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    fmt = args.format or _format_of(args.output)
+    if fmt == "torch-comms-csv" and args.dp_unit is None:
+        args.dp_unit = "chunk"  # torch's lowered CSV has one DP op per stage, not per block
     built = build(request_from_args(args))
     schedule = built.schedule
-    fmt = args.format or _format_of(args.output)
     if fmt == "torch-csv":
         body = to_torch_csv(schedule)
     elif fmt == "torch-comms-csv":

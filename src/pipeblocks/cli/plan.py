@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from ..core.dp_units import DP_UNIT_GRAINS
 from ..core.errors import ScheduleError
 from ..plan import PlanProblem, search
 from ..plan.plot import plot_plan
@@ -86,6 +87,10 @@ def register(sub) -> None:
     parser.add_argument("--w-keeps", choices=W_KEEPS, default="graph",
                         help="what a split backward keeps from B until W: graph (default: pipeblocks' runtime, "
                         "all the forward saved but the loss) or weights (the Zero Bubble paper's M_W)")
+    parser.add_argument("--dp-unit", choices=DP_UNIT_GRAINS, default="block",
+                        help="the grain of the data-parallel collectives: block (default: a gather and a reduction "
+                        "per layer, pipelined with the passes, as FSDP2 per block and DDP's buckets) or chunk (one "
+                        "per chunk), as `train --dp-unit` runs them")
     parser.add_argument("--exhaustive", action="store_true",
                         help="simulate every configuration that can fit, not only those that can beat their "
                         "schedule's best (slower; a fuller plot)")
@@ -115,6 +120,7 @@ def problem_from_args(args: argparse.Namespace) -> PlanProblem:
         global_batch=args.global_batch, schedules=schedules, microbatch_sizes=args.microbatch_sizes,
         precision="fp32" if args.fp32 else "bf16-mixed", seq_chunks=args.seq_chunks, tp_degrees=args.tp,
         extrapolate=not args.exact, intensity=_intensity(args.intensity_model, hardware), w_keeps=args.w_keeps,
+        dp_unit=args.dp_unit,
     )
 
 

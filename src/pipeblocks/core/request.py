@@ -71,9 +71,9 @@ class CostSpec:
     """static memory and collectives of bf16-mixed (`core.dp_model.Precision`: fp32 master,
     gradient and moments, a bf16 compute copy or bf16 gathered parameters; 4 + 2 + 4 + 8
     bytes per parameter at replicate) instead of fp32 AdamW's 4 + 4 + 8"""
-    dp_unit: str = "chunk"
-    """the grain of data-parallel communication (`core.dp_units`): "chunk" (one gather and
-    one reduction per chunk) or "block" (one per block, pipelined with the passes)"""
+    dp_unit: str = "block"
+    """the grain of data-parallel communication (`core.dp_units`): "block" (one gather and
+    one reduction per block, pipelined with the passes) or "chunk" (one per chunk)"""
     dp_prefetch: int | None = None
     """at block grain, how many of a zero3 chunk's units are gathered ahead of its first
     pass (None: all; k: the rest each while the pass computes the unit k before it)"""

@@ -30,6 +30,7 @@ from ..core.costs import Costs
 from ..core.dp_model import DPCostModel, Link
 from ..core.tp_model import TPCostModel
 from ..core.sharding import ShardingPolicy
+from ..sim.blocks import transformer_blocks
 from ..sim.analytic import Hardware, TransformerConfig, dp_link, layer_split, stage0_backward_in_w, transformer_costs
 from ..sim.memory_estimate import activation_costs, precision_config
 from .intensity import head_efficiency, layer_efficiency
@@ -49,14 +50,16 @@ def _activation_bytes(config: TransformerConfig) -> float:
 def replica_costs(
     config: TransformerConfig, hardware: Hardware, *, num_stages: int, dp: int, tp: int,
     sharding: ShardingPolicy = ShardingPolicy.REPLICATE, precision: str = "bf16-mixed", intensity: bool = False,
-    seq_chunks: int = 1, w_keeps: str = "graph",
+    seq_chunks: int = 1, w_keeps: str = "graph", dp_unit: str = "block",
 ) -> Costs:
     """The costs of one pipeline replica of `num_stages` global stages whose ranks each
     hold 1/tp of their stages; the data-parallel side has `dp` replicas under `sharding`.
     `intensity`: slow each pass by its GEMMs' efficiency (`plan.intensity`), whose rows are
     the tokens of one of `seq_chunks` sequence chunks (a chunked microbatch runs smaller GEMMs).
     `w_keeps`: what a split backward keeps from B until W (`sim.memory_estimate.estimate_memory`).
-    `precision` prices the DP side and sets the activations' dtype (`sim.memory_estimate.precision_config`)."""
+    `precision` prices the DP side and sets the activations' dtype (`sim.memory_estimate.precision_config`).
+    `dp_unit`: the grain of the DP collectives (`core.dp_units`): "block" (one gather and one
+    reduction per layer, as FSDP2 per block and DDP's buckets) or "chunk" (one per chunk)."""
     config, _ = precision_config(config, precision)
     memory = activation_costs(config, num_stages, w_keeps=w_keeps, tp=tp)
     base = dataclasses.replace(
@@ -67,7 +70,9 @@ def replica_costs(
         base = _with_intensity(base, config, hardware, tp, seq_chunks)
     if seq_chunks == 1:  # stage 0's B has nothing to do (with sequence chunks: earlier K/V gradients)
         base = stage0_backward_in_w(base)
-    data_parallel = DPCostModel(dp=dp, sharding=(sharding,), link=dp_link(hardware, dp * tp), precision=precision)
+    data_parallel = DPCostModel(dp=dp, sharding=(sharding,), link=dp_link(hardware, dp * tp), precision=precision,
+                                unit=dp_unit)
+    base = dataclasses.replace(base, blocks=transformer_blocks(config, num_stages=num_stages))
     if tp == 1:
         return dataclasses.replace(base, data_parallel=data_parallel)
     activation = _activation_bytes(config)

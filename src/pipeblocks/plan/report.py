@@ -47,7 +47,7 @@ def to_json(result: PlanResult, top: int | None = None) -> dict:
     return {
         "model": {"layers": p.model.layers, "hidden": p.model.hidden, "heads": p.model.heads, "seq": p.model.seq,
                   "vocab": p.model.vocab, "flash_attention": p.model.flash_attention, "dropout": p.model.dropout},
-        "precision": p.precision, "w_keeps": p.w_keeps,
+        "precision": p.precision, "w_keeps": p.w_keeps, "dp_unit": p.dp_unit,
         "hardware": p.hardware.name, "gpus": p.gpus, "gpus_per_node": p.hardware.gpus_per_node,
         "gpu_memory": p.gpu_memory, "global_batch": p.global_batch,
         "best_per_schedule": {name: row(e) for name, e in result.best_per_schedule.items()},
@@ -68,7 +68,9 @@ def _commands(result: PlanResult, e: Evaluated) -> list[str]:
     p, c = result.problem, e.candidate
     model = p.model
     seq = f" --seq-chunks {c.seq_chunks}" if c.seq_chunks > 1 else ""
-    mesh = f" --dp {c.dp} --sharding {e.sharding}" if c.dp > 1 else ""
+    # train's DP grain is block by default
+    grain = f" --dp-unit {p.dp_unit}" if c.dp > 1 and p.dp_unit != "block" else ""
+    mesh = f" --dp {c.dp} --sharding {e.sharding}{grain}" if c.dp > 1 else ""
     tp = f" --tp {c.tp}" if c.tp > 1 else ""
     family = " --model-family gpt" if c.tp > 1 else ""
     ranks = c.dp * c.pp * c.tp

@@ -273,6 +273,7 @@ def _costs(problem: PlanProblem, shape: MeshShape, b: int, stages: int, k: int, 
     costs = replica_costs(
         config, problem.hardware, num_stages=stages, dp=shape.dp, tp=shape.tp, sharding=policy,
         precision=problem.precision, intensity=problem.intensity, seq_chunks=k, w_keeps=problem.w_keeps,
+        dp_unit=problem.dp_unit,
     )
     return _with_chunks(costs, config, k)
 

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from ..core.dp_model import resolve_precision
+from ..core.dp_units import check_dp_unit
 from ..core.precision import PRECISION_NAMES
 from ..core.sharding import ShardingPolicy
 from ..schedules import get
@@ -64,6 +65,9 @@ class PlanProblem:
         memory_bandwidth. Off: the simulator's pass times, one efficiency for every shape.
     w_keeps: what a split backward keeps from B until W: "graph" (pipeblocks' runtime) or
         "weights" (the Zero Bubble paper's M_W); see `sim.memory_estimate.estimate_memory`.
+    dp_unit: the grain of the DP collectives (`core.dp_units`), as `train --dp-unit` runs
+        them: "block" (the default: a gather and a reduction per layer, pipelined with the
+        passes) or "chunk" (one per chunk).
     """
 
     model: TransformerConfig
@@ -79,6 +83,7 @@ class PlanProblem:
     extrapolate: bool = True
     intensity: bool = True
     w_keeps: str = "graph"
+    dp_unit: str = "block"
 
     def __post_init__(self) -> None:
         _check_count("--gpus", self.gpus, "give the number of GPUs to plan for")
@@ -94,6 +99,7 @@ class PlanProblem:
             ) from None
         if self.w_keeps not in W_KEEPS:
             raise ValueError(f"--w-keeps {self.w_keeps!r}: choose one of {', '.join(W_KEEPS)}")
+        check_dp_unit(self.dp_unit)
         if not self.schedules:
             raise ValueError("--schedules is empty: name at least one schedule (see `pipeblocks list`)")
         for name in self.schedules:

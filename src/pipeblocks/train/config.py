@@ -149,8 +149,8 @@ class MeshSpec:
     """torch threads in each rank (None: the cores divided among the ranks on this machine)"""
     tp: int = 1
     """tensor-parallel ranks per stage (runtime.tensor_parallel); 1: none"""
-    dp_unit: str = "chunk"
-    """the grain of the DP collectives (core.dp_units): "chunk" or "block" (one per block)"""
+    dp_unit: str = "block"
+    """the grain of the DP collectives (core.dp_units): "block" (one per block) or "chunk" (one per chunk)"""
 
     def __post_init__(self) -> None:
         for name, value in (("--dp", self.dp), ("--tp", self.tp)):

@@ -96,8 +96,8 @@ def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
         for module in modules.values():
             parallelize_stage(module, plan, mesh.tp_mesh)
     precision = cfg.precision
-    fsdp = (ShardingPolicy.ZERO2, ShardingPolicy.ZERO3)
-    cast = {s: m for s, m in modules.items() if precision.mixed and not (mesh is not None and cfg.sharding[s] in fsdp)}
+    cast = {s: m for s, m in modules.items()
+            if precision.mixed and not (mesh is not None and ShardingPolicy(cfg.sharding[s]).fsdp)}
     copies = ComputeCopies(cast, torch_dtype(precision.compute)) if cast else None
     runner_stages = {s: copies.stages[s] if s in cast else m for s, m in modules.items()}
     data_parallel = None
@@ -109,7 +109,7 @@ def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
             modules, cfg.sharding, mesh.dp_mesh, timeout_s=cfg.timeout_s, link=_emulated_link(cfg, modules),
             mp_policy=fsdp_policy(torch_dtype(precision.compute), torch_dtype(precision.reduce))
             if precision.mixed else None,
-            extra_static=copies.held if copies is not None else None, units=_dp_units(cfg),
+            extra_static=copies.held if copies is not None else None, units=dp_units(cfg),
         )
     data, held_out = TokenWindows.load(cfg.data, seq=cfg.model.seq).split(cfg.held_out)
     torch.manual_seed(cfg.seed)
@@ -130,7 +130,7 @@ def emulated_costs(cfg: TrainConfig):
     return EmulatedCosts(f_ms=f, b_ms=b, w_ms=w, layers=layer_counts(cfg.model.layers, cfg.num_stages))
 
 
-def _dp_units(cfg: TrainConfig):
+def dp_units(cfg: TrainConfig):
     """The DP units of every stage at the run's grain (None at chunk grain): one per block."""
     from ..core.dp_units import units_for
 
@@ -149,7 +149,7 @@ def _emulated_link(cfg: TrainConfig, stages):
     for index, module in stages.items():
         params[index] = float(sum(q.numel() for q in module.parameters()))
     model = DPCostModel(dp=cfg.dp, sharding=tuple(cfg.sharding), link=Link(*cfg.emulation.link))
-    units = _dp_units(cfg)
+    units = dp_units(cfg)
     if units is None:
         return EmulatedLink(model, params)
     from ..runtime.dp_units import unit_modules

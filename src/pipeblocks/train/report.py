@@ -50,6 +50,7 @@ from typing import Iterable, Sequence
 from ..core.actions import Action, Kind
 from ..core.schedule import Schedule
 from ..core.costs import Costs
+from ..core.dp_units import DPUnits
 from ..core.simulate import simulate
 from ..core.timeline import Timeline
 from ..sim.overhead import handover_gaps, local_gaps
@@ -176,6 +177,7 @@ def build_report(
     schedule: Schedule, results: Sequence[RankResult], memory: Sequence, *, warmup: int, emulated: bool = False,
     seq_mem: Sequence[float] | None = None, dp: int = 1, sharding: Sequence[str] = ("replicate",),
     stage_param_bytes: Sequence[float] | None = None, recompute: Iterable[tuple[int, int]] = (),
+    dp_units: DPUnits | None = None,
 ) -> RunReport:
     """Compare the run with the simulator's replay of it; `memory[s]` has .m_b and .m_w of stage s.
 
@@ -192,7 +194,9 @@ def build_report(
     waited on data-parallel communication. With dp > 1 the simulator replays the step
     with its DP ops on the link the run measured (`dp_link`, a ring all-reduce fit) and
     the stages' parameter bytes (`stage_param_bytes`, in fp32-parameter units of 4 bytes),
-    which gives `dp_comm_exposed_s_simulated` and the simulated iteration time.
+    which gives `dp_comm_exposed_s_simulated` and the simulated iteration time; at block
+    grain (`dp_units`, as the run's DP units) per unit of equal blocks, as the emulated link
+    times them.
 
     recompute: the (stage, microbatch) pairs the run recomputed; the simulator replays
     them, a recomputed forward keeping the stage input (`memory[s].input_ratio` of M_B,
@@ -207,13 +211,19 @@ def build_report(
     costs = profiled_costs(schedule, timed, [x.m_b for x in memory], [x.m_w for x in memory], seq_mem)
     link = next((r.dp_link for r in by_rank if r.dp_link is not None), None)
     if dp > 1 and link is not None and stage_param_bytes is not None:
+        from ..core.costs import BlockCosts
         from ..core.dp_model import DPCostModel, Link
         from ..core.sharding import parse_sharding
 
+        params = tuple(b / 4 for b in stage_param_bytes)
+        blocks = None if dp_units is None else BlockCosts.even(
+            tuple(max(1, sum(sizes)) for sizes in dp_units.sizes), params)
         costs = dataclasses.replace(
-            costs, params=tuple(b / 4 for b in stage_param_bytes),
+            costs, params=params, blocks=blocks,
             data_parallel=DPCostModel(dp=dp, sharding=parse_sharding(list(sharding)),
-                                       link=Link(bandwidth=link[0], latency=link[1])),
+                                       link=Link(bandwidth=link[0], latency=link[1]),
+                                       unit="chunk" if dp_units is None else "block",
+                                       prefetch=None if dp_units is None else dp_units.prefetch),
         )
     if all(hasattr(x, "input_ratio") for x in memory):  # profiled: what a recomputed forward keeps
         costs = dataclasses.replace(costs, recompute_input_ratio=tuple(x.input_ratio for x in memory))

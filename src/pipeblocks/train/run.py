@@ -456,6 +456,7 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
     """Train, then print measured against simulated (and write --report / --plot)."""
     from ..runtime.profile import profile_chunk_memory, profile_stage_memory
     from .loop import reporting_process
+    from .rank_setup import dp_units
     from .report import build_report, format_report, machine_load, write_timeline_plot
 
     s = cfg.schedule
@@ -478,7 +479,8 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
     built = build_report(s.schedule, results, memory, warmup=warmup, emulated=cfg.emulation is not None,
                          seq_mem=seq_mem, dp=cfg.dp, sharding=[str(p) for p in cfg.sharding], recompute=s.recompute,
                          stage_param_bytes=[sum(q.numel() for q in st.parameters()) * cfg.precision.master_bytes
-                                            for st in stages])
+                                            for st in stages],
+                         dp_units=dp_units(cfg))
     built.data["model"] = cfg.model.to_json()
     built.data["precision"] = cfg.precision.name
     built.data["device"] = cfg.mesh.device

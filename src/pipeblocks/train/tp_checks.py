@@ -16,7 +16,7 @@ from ..models.tp_plan import check_tp
 
 __all__ = ["check_tensor_parallel", "warn_tp_across_nodes"]
 
-FSDP_POLICIES = ("zero2", "zero3")
+FSDP_POLICIES = ("zero2", "zero3", "zero3-regather")
 
 
 def check_tensor_parallel(
