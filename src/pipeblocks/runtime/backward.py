@@ -64,8 +64,14 @@ class WeightGradWork:
     keep_alive: torch.Tensor | None = None
 
     def run(self) -> None:
-        """Compute the weight gradients and accumulate them into `param.grad`; frees the graph."""
-        groups, self.groups = self.groups, []
+        """Compute the weight gradients and accumulate them into `param.grad`; frees the graph.
+        The groups run last parameters first (a stage's later blocks before its earlier
+        ones, the order a fused backward reaches them), so a block's gradients complete in
+        the order a BW pass completes them: at block grain the DP reductions launched as
+        each unit completes (`dp_units.GradReadiness`) follow the blocks in reverse, as the
+        Program orders its REDUCE_GRADs and the simulator times them. Each parameter's
+        gradient comes from its own group's engine call, so the order changes no value."""
+        groups, self.groups = self.groups[::-1], []
         for number, group in enumerate(groups):
             edges: list[GradientEdge] = []
             grads: list[torch.Tensor] = []

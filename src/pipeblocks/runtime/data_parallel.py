@@ -23,21 +23,44 @@ What each policy is built on (torch 2.13), per chunk (global stage):
 Gradient sync, reshard-after-backward and last-backward are off for every microbatch, so
 FSDP's own backward hooks only accumulate; the REDUCE_GRAD op turns them on and runs
 FSDP's post-backward for the chunk (as torch.distributed.pipelining's `perform_reduce_grad`
-does), once per chunk per step.
+does), once per chunk per step (at block grain, per unit inside the last pass: below).
 
 Units (`units=`, `core.dp_units`; block grain): a chunk of several units is sharded per
 unit (`dp_units.shard_units`: `fully_shard` per unit, the stage as root) and its DP ops name
 a unit: `2UNSHARD.1` gathers unit 1 (asynchronously, waited by the chunk's first pass),
-`2REDUCE_GRAD.1` reduce-scatters unit 1's gradients (its group's post-backward; the
-chunk's last unit also runs FSDP2's final callback), `2RESHARD.1` frees it. A replicate or
-zero1 chunk all-reduces each unit's gradients as one flat bucket (`dp_units.GradBucket`),
-launched at the unit's REDUCE_GRAD, waited at the end of the step. Chunk grain keeps one
-all-reduce per gradient tensor, as before.
+`2REDUCE_GRAD.1` stands for unit 1's reduction, `2RESHARD.1` frees it. A unit's reduction
+is a reduce-scatter of its gradients under FSDP2 (its group's post-backward with sync on;
+the chunk's last REDUCE_GRAD also runs FSDP2's final callback) and one flat all-reduce
+bucket under replicate and zero1 (`dp_units.GradBucket`, waited at the end of the step).
+Chunk grain keeps one all-reduce per gradient tensor, as before.
+
+Where a unit's reduction is launched: inside its stage's last weight-gradient pass of the
+step (the W or BW that the stage's REDUCE_GRADs follow in the Program, with only sends and
+DP ops between), as soon as the pass has accumulated the unit's last gradient
+(`dp_units.GradReadiness`, post-accumulate-grad hooks; the pass runs the blocks in reverse,
+so the last unit's reduction runs while the pass computes the others, as FSDP2's per-block
+reduce-scatters and DDP's buckets do). The REDUCE_GRAD op then finds it in flight and only
+does what follows it (zero2 frees the unit's gathered parameters there; the chunk's last
+REDUCE_GRAD runs FSDP2's final callback); a unit no pass completed (a stage whose
+REDUCE_GRADs sit elsewhere, as under `reduce_at_end`, or a parameter that got no gradient)
+is launched by its op, as before. The Program is unchanged.
+
+The next step's first gathers (`gather_ahead`, on by default): the UNSHARDs that open the
+rank's Program are issued again as soon as their chunk's optimizer step is done
+(`ChunkOptimizers.step` calls back per chunk), not when the next step reaches them; the
+next step's UNSHARD finds its gather in flight. FSDP2 registers the gathered parameters
+only when the next step's first pass waits for them, so between steps the modules hold
+their shards: a checkpoint (the state dict) or an evaluation sees sharded parameters, and
+the static bytes sampled after the optimizer step leave out the gather's buffer, which the
+prediction counts from the next step's UNSHARD (on an accelerator that buffer, the leading
+units' gathered bytes, is held from the optimizer step on). After the last step the
+gathers stay in flight unless `drop_gathers_ahead` frees them. `events` logs when each of
+these happened (`DPEvent`).
 
 Static bytes (`held_bytes`): parameters, gradients and optimizer state this process holds,
 counted once per storage (sharded and gathered parameters both count as parameters). The
-peak is sampled where it can occur: before each op that frees (REDUCE_GRAD, RESHARD) and
-after the optimizer step. What each policy holds at that peak, for a chunk of P parameter
+peak is sampled where it can occur: before each op that frees (REDUCE_GRAD, RESHARD), before
+each reduction launched inside a pass, and after the optimizer step. What each policy holds at that peak, for a chunk of P parameter
 bytes on d replicas (fp32 AdamW: gradient P, state 2P):
 
     replicate  P + P + 2P                                  (after the optimizer step)
@@ -56,26 +79,28 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from ..core.actions import Action, Kind
 from ..core.dp_units import DPUnits
-from ..core.program import DPOp
+from ..core.program import DPOp, Op, Recompute
 from ..core.sharding import ShardingPolicy
 from .comm import PeerTimeoutError
-from .dp_units import (GradBucket, accumulated_grads, finish_reduce_scatter, reduce_scatter_unit, shard_units,
-                       unit_modules)
+from .dp_units import (GradBucket, GradReadiness, accumulated_grads, finish_reduce_scatter, reduce_scatter_unit,
+                       shard_units, unit_modules, unsharded_leaves)
 from .emulated_link import EmulatedLink
 from .static_memory import zero1_partition
 
-__all__ = ["DataParallel", "ChunkOptimizers", "held_bytes", "measure_link", "zero1_partition"]
+__all__ = ["DataParallel", "ChunkOptimizers", "DPEvent", "held_bytes", "measure_link", "zero1_partition"]
 
-_FSDP = (ShardingPolicy.ZERO2, ShardingPolicy.ZERO3)
+_FSDP = (ShardingPolicy.ZERO2, ShardingPolicy.ZERO3, ShardingPolicy.ZERO3_REGATHER)
 
 
 def measure_link(group: dist.ProcessGroup, *, large_bytes: int = 1 << 21, repeats: int = 5) -> tuple[float, float]:
@@ -124,14 +149,20 @@ def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 class ChunkOptimizers:
-    """One optimizer per chunk (each chunk's policy decides which kind), stepped together."""
+    """One optimizer per chunk (each chunk's policy decides which kind), stepped together.
+    after_step(stage), if given, runs as soon as a chunk's optimizer has stepped (the
+    DataParallel issues the next step's first gathers of the chunk there)."""
 
-    def __init__(self, optimizers: Mapping[int, torch.optim.Optimizer]) -> None:
+    def __init__(self, optimizers: Mapping[int, torch.optim.Optimizer], *,
+                 after_step: Callable[[int], None] | None = None) -> None:
         self.by_stage = dict(optimizers)
+        self.after_step = after_step
 
     def step(self) -> None:
-        for optimizer in self.by_stage.values():
+        for stage, optimizer in self.by_stage.items():
             optimizer.step()
+            if self.after_step is not None:
+                self.after_step(stage)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for optimizer in self.by_stage.values():
@@ -146,6 +177,22 @@ class ChunkOptimizers:
         return out
 
 
+class DPEvent(NamedTuple):
+    """One entry of `DataParallel.events` (time: perf_counter seconds).
+
+    kind: "reduce_in_pass" (a unit's reduction launched inside its stage's last
+    weight-gradient pass), "reduce_at_op" (launched by its REDUCE_GRAD op), "pass_end" (the
+    end of a pass that launched reductions), "gather_ahead" (the next step's gather issued
+    after the chunk's optimizer step), "unshard_found_ahead" (an UNSHARD op that found its
+    gather in flight), "step_start" (stage -1). unit: None for a whole chunk, and for the
+    pass and step events."""
+
+    kind: str
+    stage: int
+    unit: int | None
+    time: float
+
+
 @dataclass
 class _Unit:
     """One unit of a chunk at block grain: its modules' parameters and, under FSDP2, the
@@ -157,6 +204,8 @@ class _Unit:
     handle: object | None = None
     gathered: bool = False
     reduced: bool = False
+    launched: bool = False  # its reduction was launched inside the pass (REDUCE_GRAD finds it in flight)
+    ahead: bool = False  # `handle` is the next step's gather, issued after the optimizer step
 
 
 @dataclass
@@ -171,6 +220,8 @@ class _Chunk:
     reducing: bool = False
     units: list[_Unit] | None = None  # block grain: the chunk's units (None: one, the chunk)
     buckets: list[GradBucket] = field(default_factory=list)
+    readiness: GradReadiness | None = None  # block grain: launches each unit's reduction inside the pass
+    ahead: bool = False  # chunk grain: `unshard_handle` is the next step's gather (after the optimizer step)
 
 
 class DataParallel:
@@ -185,6 +236,10 @@ class DataParallel:
     end of the rank's step instead of right after its stage's last weight gradient.
     units: the DP units of every global stage (`core.dp_units.DPUnits`; None: chunk grain);
     a stage of several units must be a `models.Stage` with that many blocks.
+    gather_ahead: issue the gathers that open the next step (its leading UNSHARD ops) as
+    soon as the chunk's optimizer step is done (`ChunkOptimizers.step`); the next step's
+    UNSHARD finds them in flight. The parameters stay sharded until the step's first pass
+    waits (module doc); `drop_gathers_ahead` cancels them.
     """
 
     def __init__(
@@ -199,6 +254,7 @@ class DataParallel:
         mp_policy=None,
         extra_static: Callable[[], Iterable[torch.Tensor]] | None = None,
         units: DPUnits | None = None,
+        gather_ahead: bool = True,
     ) -> None:
         self.dp_mesh = dp_mesh
         self.group = dp_mesh.get_group()
@@ -228,6 +284,7 @@ class DataParallel:
                 chunk.units = [_Unit(u, [p for m in modules for p in m.parameters()], fsdp)
                                for u, (modules, fsdp) in enumerate(zip(groups, handles))]
                 _check_units_cover(chunk)
+                chunk.readiness = GradReadiness(stage, self._ready_callback(chunk))
             self.chunks[stage] = chunk
         self.policies = tuple(ShardingPolicy(p) for p in policies)
         self.extra_static = extra_static  # tensors held beside the chunks' (the compute copies of bf16-mixed)
@@ -237,6 +294,35 @@ class DataParallel:
         self.wait_s = 0.0
         self.peak_static = 0
         self._compute_end = 0.0  # when the rank's last pass ended (perf_counter)
+        self.gather_ahead = bool(gather_ahead)
+        self.events: deque[DPEvent] = deque(maxlen=4096)  # what launched when (DPEvent); the latest kept
+        self._last_weight_pass: dict[Action, int] = {}  # per stage at block grain: its reductions launch inside it
+        self._leading: tuple[tuple[int, int | None], ...] = ()  # the gathers that open the rank's step
+        self._armed: _Chunk | None = None
+
+    def use_program(self, ops: Sequence[Op]) -> None:
+        """The rank's ops of the Program the runner runs (the runner calls this): each stage's
+        REDUCE_GRADs that directly follow a weight-gradient pass of the stage (only sends and
+        DP ops between) are launched inside that pass, unit by unit, at block grain; the
+        UNSHARDs before the rank's first other op are the gathers issued ahead."""
+        self._last_weight_pass = {}
+        seen: set[int] = set()
+        for i, op in enumerate(ops):
+            if type(op) is not DPOp or op.kind != "REDUCE_GRAD" or op.stage in seen or op.stage not in self.chunks:
+                continue
+            seen.add(op.stage)
+            if self.chunks[op.stage].units is None:
+                continue
+            before = next((o for o in reversed(ops[:i]) if type(o) is Action or type(o) is Recompute), None)
+            if type(before) is Action and before.stage == op.stage and before.kind in (Kind.W, Kind.BW):
+                self._last_weight_pass[before] = op.stage
+        leading = []
+        for op in ops:
+            if type(op) is not DPOp or op.kind != "UNSHARD":
+                break
+            if op.stage in self.chunks and self.chunks[op.stage].policy in _FSDP:
+                leading.append((op.stage, op.unit))
+        self._leading = tuple(leading)
 
     @property
     def compute(self):
@@ -253,7 +339,8 @@ class DataParallel:
     # ---- the optimizer ---------------------------------------------------------------
     def optimizer(self, optimizer_class: Callable[..., torch.optim.Optimizer], **defaults) -> ChunkOptimizers:
         """One optimizer per chunk: `optimizer_class` over its (sharded) parameters, or under
-        ZeroRedundancyOptimizer on the dp group for zero1 chunks."""
+        ZeroRedundancyOptimizer on the dp group for zero1 chunks. Its `step` issues the next
+        step's first gathers of each zero3 chunk once that chunk has stepped (`gather_ahead`)."""
         optimizers: dict[int, torch.optim.Optimizer] = {}
         for stage, chunk in self.chunks.items():
             params = [p for p in chunk.own_params if p.requires_grad]
@@ -263,7 +350,7 @@ class DataParallel:
                 )
             else:
                 optimizers[stage] = optimizer_class(params, **defaults)
-        self.optimizers = ChunkOptimizers(optimizers)
+        self.optimizers = ChunkOptimizers(optimizers, after_step=self._after_optimizer_step)
         return self.optimizers
 
     # ---- the DP ops --------------------------------------------------------------------
@@ -286,17 +373,25 @@ class DataParallel:
         if self.link is not None:
             self.link.issue(op.kind, op.stage, op.unit)
 
-    def before_compute(self, stage: int) -> None:
-        """Called before every pass of `stage`: the parameters must be gathered (zero3 waits
-        for its UNSHARDs; zero2 gathers at its first pass of the step)."""
+    def before_compute(self, stage: int, action: Action | Recompute | None = None) -> None:
+        """Called before every pass of `stage` (`action`, as the executor runs it): the
+        parameters must be gathered (zero3 waits for its UNSHARDs; zero2 gathers at its
+        first pass of the step); the stage's last weight-gradient pass launches each unit's
+        reduction as the unit's gradients complete."""
         chunk = self.chunks[stage]
+        self._gather(chunk)
+        if action is not None and self._last_weight_pass.get(action) == stage:
+            self._arm(chunk)
+
+    def _gather(self, chunk: _Chunk) -> None:
+        stage = chunk.stage
         if chunk.gathered or chunk.policy not in _FSDP:
             return
         start = time.perf_counter()
         if chunk.units is not None:
             for unit in chunk.units:  # in block order: the order the forward needs them
                 if unit.handle is not None:
-                    handle, unit.handle = unit.handle, None
+                    handle, unit.handle, unit.ahead = unit.handle, None, False
                     handle.wait()
                 elif not unit.gathered:
                     unit.fsdp.unshard()
@@ -305,7 +400,7 @@ class DataParallel:
         elif chunk.unshard_handle is None:
             chunk.module.unshard()
         else:
-            handle, chunk.unshard_handle = chunk.unshard_handle, None
+            handle, chunk.unshard_handle, chunk.ahead = chunk.unshard_handle, None, False
             handle.wait()
         if self.link is not None:
             # the modelled gather issued at the UNSHARD is the one counted; zero2's gather
@@ -319,8 +414,47 @@ class DataParallel:
 
     def after_compute(self) -> None:
         """Called after every pass: the end of the step's exposed communication is counted
-        from the last one under an emulated link."""
+        from the last one under an emulated link; a pass that launched reductions ends them."""
         self._compute_end = time.perf_counter()
+        if self._armed is not None:
+            chunk, self._armed = self._armed, None
+            if chunk.readiness.disarm():
+                self.events.append(DPEvent("pass_end", chunk.stage, None, self._compute_end))
+
+    def _arm(self, chunk: _Chunk) -> None:
+        """Before the stage's last weight-gradient pass: watch each unit's leaves (the
+        gathered parameters under FSDP2), so that `_launch` runs as each unit completes."""
+        if self._armed is not None:
+            self._armed.readiness.disarm()
+        fsdp = chunk.policy in _FSDP
+        chunk.readiness.arm([unsharded_leaves(u.fsdp) if fsdp else u.params for u in chunk.units])
+        self._armed = chunk
+
+    def _ready_callback(self, chunk: _Chunk) -> Callable[[int], None]:
+        def ready(index: int) -> None:
+            self._launch(chunk, chunk.units[index])
+
+        return ready
+
+    def _launch(self, chunk: _Chunk, unit: _Unit) -> None:
+        """A unit's gradients are complete inside its stage's last weight-gradient pass:
+        launch its reduction now (the REDUCE_GRAD op that follows finds it in flight). The
+        static bytes are sampled first, where the REDUCE_GRAD would sample them."""
+        self.sample_static()
+        unit.launched = True
+        self.events.append(DPEvent("reduce_in_pass", chunk.stage, unit.index, time.perf_counter()))
+        self._start_reduction(chunk, unit)
+
+    def _start_reduction(self, chunk: _Chunk, unit: _Unit) -> None:
+        """A unit's reduce-scatter (FSDP2: its group's post-backward with sync on, the
+        parameters kept gathered) or its bucket's all-reduce."""
+        if chunk.policy in _FSDP:
+            start = time.perf_counter()
+            reduce_scatter_unit(unit.fsdp, reshard=False)
+            if self.link is None:  # under a link its modelled reduce-scatter is the one counted
+                self.wait_s += time.perf_counter() - start
+            return
+        chunk.buckets.append(GradBucket([p.grad for p in unit.params], self.group))
 
     def finish(self) -> None:
         """The end of the step: wait for every reduction (the optimizer needs them). Under an
@@ -376,6 +510,51 @@ class DataParallel:
     def reset_step(self) -> None:
         self.wait_s = 0.0
         self.peak_static = 0
+        if self._armed is not None:  # a step that failed inside the pass
+            self._armed.readiness.disarm()
+            self._armed = None
+        self.events.append(DPEvent("step_start", -1, None, time.perf_counter()))
+
+    # ---- the next step's first gathers -------------------------------------------------
+    def _after_optimizer_step(self, stage: int) -> None:
+        """`stage`'s optimizer has stepped: issue the gathers that open the next step for it
+        (the rank's leading UNSHARDs of the stage), so the next step's UNSHARD finds them in
+        flight. FSDP2 keeps the parameters sharded until they are waited (the next step's
+        first pass of the chunk), so a checkpoint or an evaluation in between sees them
+        sharded, and the static bytes sampled after the optimizer step do not count them."""
+        if not self.gather_ahead:
+            return
+        chunk = self.chunks.get(stage)
+        for s, index in self._leading:
+            if s != stage:
+                continue
+            if index is None:
+                if chunk.gathered or chunk.unshard_handle is not None:
+                    continue
+                chunk.unshard_handle = chunk.module.unshard(async_op=True)
+                chunk.ahead = True
+            else:
+                unit = chunk.units[index]
+                if unit.gathered or unit.handle is not None:
+                    continue
+                unit.handle = unit.fsdp.unshard(async_op=True)
+                unit.ahead = True
+            self.events.append(DPEvent("gather_ahead", stage, index, time.perf_counter()))
+
+    def drop_gathers_ahead(self) -> None:
+        """Wait for the gathers issued ahead and free them again (after the last step, or
+        before the parameters change outside an optimizer step, e.g. a checkpoint load
+        between steps: a gather in flight holds the values of when it was issued)."""
+        for chunk in self.chunks.values():
+            if chunk.ahead:
+                handle, chunk.unshard_handle, chunk.ahead = chunk.unshard_handle, None, False
+                handle.wait()
+                chunk.module.reshard()
+            for unit in chunk.units or ():
+                if unit.ahead:
+                    handle, unit.handle, unit.ahead = unit.handle, None, False
+                    handle.wait()
+                    unit.fsdp.reshard()
 
     # ---- static bytes ------------------------------------------------------------------
     def static_tensors(self) -> list[torch.Tensor]:
@@ -417,6 +596,10 @@ class DataParallel:
                 f"{chunk.stage}UNSHARD: stage {chunk.stage} is {chunk.policy}, its parameters are not sharded; "
                 "UNSHARD is for zero3 chunks"
             )
+        if chunk.ahead:  # issued after the optimizer step
+            chunk.ahead = False
+            self.events.append(DPEvent("unshard_found_ahead", chunk.stage, None, time.perf_counter()))
+            return
         if chunk.gathered or chunk.unshard_handle is not None:
             raise RuntimeError(f"{chunk.stage}UNSHARD: stage {chunk.stage} is already gathered")
         chunk.unshard_handle = chunk.module.unshard(async_op=True)
@@ -426,6 +609,10 @@ class DataParallel:
         if chunk.policy not in _FSDP:
             raise ValueError(f"{name}: stage {chunk.stage} is {chunk.policy}, its parameters are not sharded; "
                              "UNSHARD is for zero3 chunks")
+        if unit.ahead:  # issued after the optimizer step
+            unit.ahead = False
+            self.events.append(DPEvent("unshard_found_ahead", chunk.stage, unit.index, time.perf_counter()))
+            return
         if unit.gathered or unit.handle is not None:
             raise RuntimeError(f"{name}: unit {unit.index} of stage {chunk.stage} is already gathered")
         unit.handle = unit.fsdp.unshard(async_op=True)
@@ -471,11 +658,15 @@ class DataParallel:
                                "reduced twice in one step")
         unit.reduced = True
         last = all(u.reduced for u in chunk.units)
+        if not unit.launched:  # no pass launched it (its gradients never completed inside one)
+            self.events.append(DPEvent("reduce_at_op", chunk.stage, unit.index, time.perf_counter()))
+            self._start_reduction(chunk, unit)
+        unit.launched = False
         if chunk.policy in _FSDP:
             zero2 = chunk.policy is ShardingPolicy.ZERO2
             start = time.perf_counter()
-            reduce_scatter_unit(unit.fsdp, reshard=zero2)
-            if zero2:
+            if zero2:  # zero2 frees the gathered parameters at REDUCE_GRAD, wherever it launched
+                unit.fsdp.reshard()
                 unit.gathered = False
             if last:
                 finish_reduce_scatter(chunk.module, reshard=zero2)
@@ -485,11 +676,11 @@ class DataParallel:
             if self.link is None:
                 self.wait_s += time.perf_counter() - start
             return
-        grads = [p.grad for p in unit.params]
-        if last:  # parameters no unit holds (parts shared by every stage) go with the last bucket
+        if last:  # parameters no unit holds (parts shared by every stage) go in a bucket of their own
             held = {id(p) for u in chunk.units for p in u.params}
-            grads += [p.grad for p in chunk.own_params if id(p) not in held]
-        chunk.buckets.append(GradBucket(grads, self.group))
+            rest = [p.grad for p in chunk.own_params if id(p) not in held]
+            if any(g is not None for g in rest):
+                chunk.buckets.append(GradBucket(rest, self.group))
         chunk.reducing = chunk.reducing or last
 
     def _show_parameters(self, chunk: _Chunk) -> None:

@@ -19,11 +19,22 @@ for them and leaves every group idle for the next step.
 Replicated units (replicate, zero1) are gradient buckets: `GradBucket` flattens a unit's
 gradients (torch's `_flatten_dense_tensors`, as DDP's buckets do) and all-reduces them in
 one asynchronous collective; the end of the step waits, copies back and averages.
+
+When each unit's gradients are complete (`GradReadiness`): during a chunk's last
+weight-gradient pass of the step, a post-accumulate-grad hook on every trainable leaf of
+every unit counts the leaves whose gradient autograd has accumulated, and once a unit's
+last one is in, calls back with the unit, while the pass goes on to the blocks below (a
+backward runs the blocks in reverse), as DDP's reducer marks a bucket ready. The leaves are
+the module parameters of a replicated unit and FSDP2's unsharded parameters of a sharded
+one (`unsharded_leaves`: what the forward used, whose `.grad` FSDP2's post-backward
+reduces). The hooks work alike for a fused backward (BW) and a split one's W
+(`backward.WeightGradWork`, one engine call per parameter group): FSDP2's own post-backward
+hook sits on each unit's input, which a W pass never reaches, so it cannot be the trigger.
 """
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,8 +42,8 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-__all__ = ["GradBucket", "accumulated_grads", "finish_reduce_scatter", "reduce_scatter_unit", "shard_units",
-           "unit_modules"]
+__all__ = ["GradBucket", "GradReadiness", "accumulated_grads", "finish_reduce_scatter", "reduce_scatter_unit",
+           "shard_units", "unit_modules", "unsharded_leaves"]
 
 
 def unit_modules(stage: nn.Module, sizes: Sequence[int]) -> list[list[nn.Module]]:
@@ -147,3 +158,78 @@ class GradBucket:
         for grad, summed in zip(self.grads, _unflatten_dense_tensors(self.flat, self.grads)):
             grad.copy_(summed).div_(d)
         self.flat = self.work = None
+
+
+def unsharded_leaves(unit: FSDPModule) -> list[torch.Tensor]:
+    """The tensors autograd accumulates `unit`'s gradients into while it is gathered: FSDP2's
+    unsharded parameters (each made at the unit's first gather and kept, its storage freed
+    and refilled, across reshards). Empty before the first gather."""
+    return [param._unsharded_param for group in fully_shard.state(unit)._fsdp_param_groups
+            for param in group.fsdp_params if hasattr(param, "_unsharded_param")]
+
+
+class GradReadiness:
+    """Calls `ready(unit)` as soon as every trainable leaf of the unit has had its gradient
+    accumulated in the armed pass (the module doc). `arm(leaves)` before the pass, with the
+    leaves of each unit (a unit with a leaf that is not a leaf tensor, or with none, is left
+    out: its reduction waits for its REDUCE_GRAD op); `disarm()` after it returns the units
+    that were ready. A gradient accumulated into a unit already handed to `ready` in the
+    same pass would be missed by its reduction: that raises."""
+
+    def __init__(self, stage: int, ready: Callable[[int], None]) -> None:
+        self.stage = stage
+        self.ready = ready
+        self._hooked: dict[int, tuple[torch.Tensor, object]] = {}  # leaf id -> (leaf, hook handle)
+        self._unit_of: dict[int, int] = {}
+        self._pending: dict[int, set[int]] | None = None  # unit -> ids of leaves not yet accumulated
+        self._done: list[int] = []
+
+    @property
+    def armed(self) -> bool:
+        return self._pending is not None
+
+    def arm(self, leaves: Sequence[Sequence[torch.Tensor]]) -> None:
+        self._pending, self._done = {}, []
+        for unit, tensors in enumerate(leaves):
+            trainable = [t for t in tensors if t.requires_grad]
+            if not trainable or any(not t.is_leaf for t in trainable):
+                continue
+            ids = set()
+            for leaf in trainable:
+                key = id(leaf)
+                if key not in self._hooked:
+                    self._hooked[key] = (leaf, leaf.register_post_accumulate_grad_hook(self._accumulated))
+                self._unit_of[key] = unit
+                ids.add(key)
+            self._pending[unit] = ids
+
+    def disarm(self) -> list[int]:
+        """Stop watching; the units handed to `ready`, in the order they were."""
+        done, self._pending, self._done = self._done, None, []
+        return done
+
+    def remove(self) -> None:
+        for _, handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()
+        self._unit_of.clear()
+
+    def _accumulated(self, leaf: torch.Tensor) -> None:
+        if self._pending is None:
+            return
+        unit = self._unit_of.get(id(leaf))
+        pending = self._pending.get(unit)
+        if pending is None:
+            if unit in self._done:
+                raise RuntimeError(
+                    f"stage {self.stage} unit {unit}: a gradient of shape {tuple(leaf.shape)} was accumulated after the "
+                    "unit's reduction was launched inside its last weight-gradient pass, so the reduction misses it; "
+                    "a parameter reached twice by one pass (shared across units?) must belong to one unit, or run "
+                    "with --dp-unit chunk"
+                )
+            return
+        pending.discard(id(leaf))
+        if not pending:
+            del self._pending[unit]
+            self._done.append(unit)
+            self.ready(unit)

@@ -14,7 +14,9 @@ The executor walks `program.ranks[rank]` in order and knows nothing about schedu
     Comm SEND   queue an isend of the tensor the previous action produced
     DPOp        UNSHARD / RESHARD / REDUCE_GRAD, handed to the rank's `DataParallel`
                 (data_parallel.py), which launches them without waiting; every compute
-                action first lets it wait for what the action's stage needs
+                action first lets it wait for what the action's stage needs (and
+                names itself, so that a stage's last weight-gradient pass can launch
+                its units' reductions inside it)
     Recompute   re-run the forward of a unit whose F ran without its graph (the F of
                 every unit the Program recomputes does), just before its backward
     STEP        an optimizer step inside the Program (asynchronous training): handed to
@@ -240,7 +242,7 @@ class RankExecutor:
                 continue
             mailbox.flush()
             if self.dp is not None:
-                self.dp.before_compute(op.stage)
+                self.dp.before_compute(op.stage, op)
             start = clock()
             try:
                 if code is _RECOMPUTE:

@@ -204,6 +204,7 @@ class PipelineRunner:
                 )
             data_parallel.compute = self.compute
             data_parallel.tracker = self.tracker
+            data_parallel.use_program(self.program.ranks[self.rank])
         self._executor: RankExecutor | None = None
         self._input_specs: list[ActivationSpec] | None = None
         self._side_specs: list[dict[str, TensorSpec]] | None = None
