@@ -13,6 +13,7 @@ import importlib
 import logging
 import os
 import sys
+import time
 
 from .. import __version__
 
@@ -20,6 +21,7 @@ __all__ = ["main", "COMMANDS"]
 
 COMMANDS = ("list_cmd", "show", "simulate_cmd", "compare", "plot", "export", "train", "plan", "calibrate")
 BROKEN_PIPE_STATUS = 128 + 13  # 128 + SIGPIPE
+RANK_ZERO_GRACE_S = 10.0  # under torchrun, how long a worker waits for rank 0 to report a shared error
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:
         if not _said_by_rank_zero():
             print(f"pipeblocks {args.command}: error: {err}", file=sys.stderr)
+        else:
+            # leave rank 0 time to say it: torchrun stops every worker at the first one's exit,
+            # and rank 0, stopped before it printed, would leave the run failed without a word;
+            # rank 0's own exit ends this wait (torchrun's SIGTERM)
+            time.sleep(RANK_ZERO_GRACE_S)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
