@@ -186,3 +186,12 @@ def test_measured_exposed_communication_follows_the_simulator_at_block_grain():
         tolerance = max(0.010, 0.4 * w["exposed_s"])
         assert abs(g["exposed_s"] - w["exposed_s"]) <= tolerance, (case.dp_unit, case.prefetch, got, want)
     assert got[1]["exposed_s"] < got[0]["exposed_s"], (got, want)
+
+
+def test_a_mesh_without_dp_communication_predicts_none_exposed():
+    # one replica under replicate lowers no DP op: the simulator's stream is empty, not an error
+    case = EmulatedMeshCase("1f1b", p=2, dp=1, m=4, f_ms=4.0, b_ms=4.0, w_ms=4.0, stage_params=(1e6,) * 2,
+                            bandwidth=2e8, steps=2)
+    want = predict_emulated_mesh(case)
+    assert want["exposed_s"] == 0.0 and want["comm_s"] == 0.0
+    assert want["step_s"] == pytest.approx(0.060)  # 1f1b, p=2, m=4, 4 ms passes: (m + p - 1) x 12 ms

@@ -92,7 +92,9 @@ def predict_emulated_mesh(case: EmulatedMeshCase) -> dict:
     program = lower_for(schedule, policies=model.sharding, dp=case.dp, reduce_at_end=case.reduce_at_end,
                         units=case.units(S))
     timeline = simulate_program(program, costs)
-    return {"step_s": timeline.makespan, "exposed_s": max(timeline.exposed_comm), "comm_s": max(timeline.comm_time)}
+    # a mesh without DP ops (one replica, replicate) has no communication stream: 0 exposed
+    return {"step_s": timeline.makespan, "exposed_s": max(timeline.exposed_comm, default=0.0),
+            "comm_s": max(timeline.comm_time, default=0.0)}
 
 
 def _build(case: EmulatedMeshCase, mesh, device):
