@@ -1,0 +1,139 @@
+"""The checks and resolutions `train.run.prepare` makes before any process starts: the
+torchrun world, the device, the sequence chunks' lengths, the emulated links, and whether a
+`--resume` can work. Each raises ValueError with the numbers and the fix.
+"""
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+from ..core.request import ScheduleRequest
+from .config import TrainConfig
+
+if TYPE_CHECKING:
+    from ..data import TokenWindows
+
+__all__ = ["check_resume", "check_torchrun_world", "emulated_link", "run_device", "sequence_chunk_lengths", "tp_link"]
+
+
+def check_torchrun_world(world: int, tp: int = 1) -> None:
+    """Under torchrun, the processes it started must be the run's p x dp (x tp)."""
+    import os
+
+    from ..runtime.launch import under_torchrun
+
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != world:
+        started = int(os.environ["WORLD_SIZE"])
+        shape, options = ("p x dp", "-p and --dp") if tp == 1 else ("p x dp x tp", "-p, --dp and --tp")
+        raise ValueError(
+            f"the run needs {shape} = {world} processes but torchrun started {started} (WORLD_SIZE): give torchrun "
+            f"--nnodes x --nproc-per-node = {world}, or choose {options} whose product is {started}"
+        )
+
+
+def run_device(requested: str, ranks: int, policy) -> str:
+    """The device type for `ranks` processes (on this machine, or this node under torchrun),
+    and a precision the device runs."""
+    import os
+
+    from ..runtime.launch import choose_device, under_torchrun
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) if under_torchrun() else ranks
+    kind = choose_device(requested, local, note=_progress)
+    if kind == "cuda" and policy.compute == "bfloat16":
+        import torch
+
+        if not torch.cuda.is_bf16_supported():
+            raise ValueError(f"--precision {policy.name}: this GPU ({torch.cuda.get_device_name()}) has no bfloat16: "
+                             "use --precision fp32, or --device cpu")
+    return kind
+
+
+def sequence_chunk_lengths(schedule, split: str, model) -> tuple[int, ...] | None:
+    """Tokens per sequence chunk (None without sequence chunks), balanced or even."""
+    k = schedule.seq_chunks
+    if k == 1:
+        return None
+    from ..sim.analytic import TransformerConfig
+    from ..sim.sequence_split import SPLITS, split_lengths
+
+    if split not in SPLITS:
+        raise ValueError(f"seq_split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if k > model.seq:
+        raise ValueError(
+            f"schedule {schedule.name!r} cuts every sequence into {k} chunks but sequences have "
+            f"{model.seq} tokens: use --seq-chunks {model.seq} or fewer, or a longer --seq"
+        )
+    analytic = TransformerConfig(layers=model.layers, hidden=model.hidden, heads=model.heads, seq=model.seq,
+                                 vocab=model.vocab)
+    lengths = split_lengths(model.seq, k, split, analytic)
+    if min(lengths) < 1:
+        raise ValueError(f"the {split} split {list(lengths)} leaves an empty chunk: use fewer chunks")
+    return tuple(lengths)
+
+
+def emulated_link(request: ScheduleRequest) -> tuple[float, float]:
+    """The DP link an emulated run's collectives take (bytes/s, s per ring step): --dp-bandwidth
+    (GB/s) and --dp-latency (us), else the --hardware preset's link for d replicas."""
+    from ..sim.analytic import dp_link
+    from ..sim.hardware_profile import resolve_hardware
+
+    spec = request.costs
+    base = dp_link(resolve_hardware(spec.hardware), request.mesh.dp)
+    bandwidth = base.bandwidth if spec.dp_bandwidth is None else spec.dp_bandwidth * 1e9
+    latency = base.latency if spec.dp_latency is None else spec.dp_latency * 1e-6
+    return bandwidth, latency
+
+
+def tp_link(request: ScheduleRequest) -> tuple[float, float]:
+    """The intra-node link an emulated run's tensor-parallel collectives take (bytes/s, s per
+    ring step): the --hardware preset's or profile's."""
+    from ..sim.hardware_profile import resolve_hardware
+
+    hardware = resolve_hardware(request.costs.hardware)
+    return hardware.intra_bandwidth, hardware.intra_latency
+
+
+def check_resume(cfg: TrainConfig, data: TokenWindows) -> None:
+    from . import checkpoint as ckpt
+    from .loop import uses_sharded_checkpoints
+
+    if uses_sharded_checkpoints(cfg):
+        _check_sharded_resume(cfg, data)
+        return
+    # the ranks verify and agree again themselves (and warn about damaged files); this is
+    # here so that a resume that cannot work fails before anything is launched
+    directory = cfg.checkpoint.directory
+    checks = [ckpt.verify_rank(directory, r) for r in range(cfg.schedule.p)]
+    step = ckpt.agree_step(checks)
+    if step is None:
+        if not any(c.intact or c.damaged for c in checks):
+            raise ValueError(
+                f"--resume: no complete checkpoint for {cfg.schedule.p} ranks in {directory!r}: "
+                "drop --resume to start from step 0"
+            )
+        raise ValueError(f"--resume: {ckpt.no_intact_message(directory, checks)}")
+    ckpt.check_meta(ckpt.load_rank(directory, rank=0, step=step)["meta"], cfg.meta(data.source), directory)
+    if step >= cfg.steps:
+        raise ValueError(f"--resume: the checkpoint is at step {step} already: raise --steps above {step}")
+
+
+def _check_sharded_resume(cfg: TrainConfig, data: TokenWindows) -> None:
+    from . import checkpoint as ckpt
+    from . import sharded_checkpoint as sharded_ckpt
+
+    directory = cfg.checkpoint.directory
+    step = sharded_ckpt.latest_sharded_step(directory)
+    if step is None:
+        raise ValueError(
+            f"--resume: no complete data-parallel checkpoint (a dcp-step directory with "
+            f"{sharded_ckpt.MARKER}) in {directory!r}: drop --resume to start from step 0"
+        )
+    saved = sharded_ckpt.read_marker(directory, step)["meta"]
+    ckpt.check_meta(saved, sharded_ckpt.portable_meta(cfg.meta(data.source)), directory)
+    if step >= cfg.steps:
+        raise ValueError(f"--resume: the checkpoint is at step {step} already: raise --steps above {step}")
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
