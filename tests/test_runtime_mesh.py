@@ -203,3 +203,9 @@ def test_report_has_a_row_per_process_with_dp_fields():
     assert [row["static_bytes_measured"] for row in data["ranks"]] == [100, 101, 100, 101]
     assert all(row["dp_comm_exposed_s_measured"] == 0.5 for row in data["ranks"])
     assert all(row["dp_comm_exposed_s_simulated"] is None for row in data["ranks"])
+    # emulated passes make no gradients: the static bytes a rank held are not the run's
+    from pipeblocks.train.report import format_report
+
+    emulated = build_report(schedule, results, memory, warmup=0, dp=2, sharding=["zero2", "zero2"], emulated=True)
+    assert [row["static_bytes_measured"] for row in emulated.data["ranks"]] == [None] * 4
+    assert format_report(emulated.data).count("n/a (emulated)") == 8  # activations and static, per row

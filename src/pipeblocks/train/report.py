@@ -184,8 +184,9 @@ def build_report(
     seq_mem: with sequence chunks, each chunk's saved bytes as a fraction of a whole
     microbatch's (`runtime.profile.profile_chunk_memory`); None: even shares.
 
-    emulated: the run slept instead of computing, so it saved no activations and learned
-    nothing: measured peaks and losses are reported as null / empty.
+    emulated: the run slept instead of computing, so it saved no activations, made no
+    gradients and learned nothing: measured peaks (activations and static bytes) and
+    losses are reported as null / empty.
 
     dp, sharding: the mesh's replicas and the per-chunk policies. Rows are per process
     (pipeline rank, replica); the static bytes (parameters, gradients, optimizer state)
@@ -265,7 +266,8 @@ def build_report(
                 "stages": list(r.stages),
                 "peak_activation_bytes_measured": None if emulated else r.peak_activation_bytes,
                 "peak_activation_bytes_predicted": simulated.peak_activation[r.rank],
-                "static_bytes_measured": r.static_bytes_measured,
+                # emulated passes make no gradients: what the rank held is not the run's static memory
+                "static_bytes_measured": None if emulated else r.static_bytes_measured,
                 "static_bytes_predicted": r.static_bytes_predicted,
                 "dp_comm_exposed_s_measured": statistics.median(r.dp_wait_s[warmup:] or r.dp_wait_s)
                 if r.dp_wait_s else (0.0 if dp == 1 else None),
@@ -307,6 +309,10 @@ def contention_notes(data: dict) -> list[str]:
     return notes
 
 
+def _static_shown(measured: int | None) -> str:
+    return "n/a (emulated)" if measured is None else format_bytes(measured)
+
+
 def format_report(data: dict) -> str:
     lines = [
         f"schedule {data['schedule']}  p={data['p']} m={data['m']} v={data['v']}"
@@ -333,7 +339,7 @@ def format_report(data: dict) -> str:
         exposed, exposed_sim = row.get("dp_comm_exposed_s_measured"), row.get("dp_comm_exposed_s_simulated")
         lines.append(
             f"{row['rank']:>4}  {row.get('dp_rank', 0):>2}  {stages:<7}  {shown:>25}   {format_bytes(predicted):>9}   "
-            f"{ratio:>18}   {format_bytes(row.get('static_bytes_measured', 0)):>16}   "
+            f"{ratio:>18}   {_static_shown(row.get('static_bytes_measured', 0)):>16}   "
             f"{format_bytes(row.get('static_bytes_predicted', 0)):>9}   "
             + ("-" if exposed is None else f"{exposed * 1e3:.2f} ms") + " / "
             + ("-" if exposed_sim is None else f"{exposed_sim * 1e3:.2f} ms")
