@@ -33,7 +33,8 @@ step; its full gradient appears at its first weight-gradient pass (W or BW) and,
 chunks, is replaced by its shard at REDUCE_GRAD. The peak is the largest total before an op
 that frees, at the end of the op walk (before the optimizer step: the copies and the
 accumulated gradients, on one replica with no DP op at all) and after the optimizer step,
-where the runtime samples it.
+where the runtime samples it (with the gathers that open the next step already issued:
+`gather_ahead`).
 """
 from __future__ import annotations
 
@@ -178,6 +179,7 @@ def predict_static_peak(
     element_size: int | None = None,
     precision: PrecisionPolicy | None = None,
     optimizer_state: bool = True,
+    gather_ahead: bool = True,
 ) -> int:
     """Peak static bytes of pipeline rank `rank`, replica `dp_rank`, over one step.
 
@@ -185,6 +187,9 @@ def predict_static_peak(
     policies: one per global stage. precision: the training precision (or element_size, a
     same-dtype one: 4 is fp32). optimizer_state: whether the state exists when the step
     starts (every step after the first); it exists after the optimizer step regardless.
+    gather_ahead: the runtime issues the gathers that open the rank's Program (its leading
+    UNSHARDs) right after the optimizer step (`runtime.data_parallel`), so they are held
+    there, beside the stepped state.
     """
     b = _precision(element_size, precision)
     pieces = {s: _chunk(shapes[s], b, policies[s], dp, dp_rank) for s in shapes}
@@ -230,8 +235,13 @@ def predict_static_peak(
                     gathered[s] = False
     # the end of the walk: copies and accumulated gradients held, the optimizer not yet stepped
     peak = max(peak, total(optimizer_state))
+    leading = set()
+    for op in program.ranks[rank]:
+        if type(op) is not DPOp or op.kind != "UNSHARD":
+            break
+        leading.add(op.stage)
     for s in pieces:  # the optimizer steps after every reduction is done, the copies dropped
-        gathered[s] = False
+        gathered[s] = gather_ahead and s in leading and policy[s] in _FSDP
         copied[s] = False
         pending[s] = False
         if grads[s]:

@@ -93,7 +93,8 @@ from ..core.dp_units import DPUnits
 from ..core.program import DPOp, Op, Recompute
 from ..core.sharding import ShardingPolicy
 from .comm import PeerTimeoutError
-from .dp_units import (GradBucket, GradReadiness, accumulated_grads, finish_reduce_scatter, reduce_scatter_unit,
+from .dp_units import (GradBucket, GradReadiness, accumulated_grads, finish_reduce_scatter, gathers_in_flight,
+                       reduce_scatter_unit,
                        shard_units, unit_modules, unsharded_leaves)
 from .emulated_link import EmulatedLink
 from .static_memory import zero1_partition
@@ -565,6 +566,11 @@ class DataParallel:
                 tensors.append(param.grad)
             if chunk.policy in _FSDP:
                 tensors.extend(accumulated_grads(chunk.module))
+                # a gather issued and not yet waited holds its buffer already
+                if chunk.unshard_handle is not None:
+                    tensors.extend(gathers_in_flight(chunk.module))
+                tensors.extend(t for unit in chunk.units or () if unit.handle is not None
+                               for t in gathers_in_flight(unit.fsdp))
         if self.extra_static is not None:
             tensors.extend(self.extra_static())
         if self.optimizers is not None:

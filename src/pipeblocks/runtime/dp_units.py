@@ -42,8 +42,8 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-__all__ = ["GradBucket", "GradReadiness", "accumulated_grads", "finish_reduce_scatter", "reduce_scatter_unit",
-           "shard_units", "unit_modules", "unsharded_leaves"]
+__all__ = ["GradBucket", "GradReadiness", "accumulated_grads", "finish_reduce_scatter", "gathers_in_flight",
+           "reduce_scatter_unit", "shard_units", "unit_modules", "unsharded_leaves"]
 
 
 def unit_modules(stage: nn.Module, sizes: Sequence[int]) -> list[list[nn.Module]]:
@@ -166,6 +166,18 @@ def unsharded_leaves(unit: FSDPModule) -> list[torch.Tensor]:
     and refilled, across reshards). Empty before the first gather."""
     return [param._unsharded_param for group in fully_shard.state(unit)._fsdp_param_groups
             for param in group.fsdp_params if hasattr(param, "_unsharded_param")]
+
+
+def gathers_in_flight(module: FSDPModule) -> list[torch.Tensor]:
+    """The output buffers of `module`'s all-gathers issued (`unshard(async_op=True)`) and not
+    yet waited: memory the gather holds from its issue, before FSDP2 registers the gathered
+    parameters at the wait."""
+    buffers = []
+    for group in fully_shard.state(module)._fsdp_param_groups:
+        result = getattr(group, "_all_gather_result", None)
+        if result is not None:
+            buffers.append(result.all_gather_output)
+    return buffers
 
 
 class GradReadiness:
