@@ -211,6 +211,11 @@ def test_sequence_chunks_are_tried_when_nothing_fits_whole():
     tight = plan(4.5e9)
     assert tight.seq_chunks == (1, 2, 4) and tight.ranked
     assert tight.ranked[0].candidate.seq_chunks > 1 and tight.ranked[0].peak_memory <= 4.5e9
+    # the example script has no sequence chunks: both commands run pipeblocks train with them
+    from pipeblocks.plan.report import commands
+
+    chunks = f"--seq-chunks {tight.ranked[0].candidate.seq_chunks}"
+    assert all(chunks in line and "examples/" not in line for line in commands(tight))
     roomy = plan(80e9)
     assert roomy.seq_chunks == (1,) and {e.candidate.seq_chunks for e in roomy.evaluated} == {1}
 

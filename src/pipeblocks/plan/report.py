@@ -85,7 +85,9 @@ def _commands(result: PlanResult, e: Evaluated) -> list[str]:
         f"{precision}{family}"
     )
     train = f"pipeblocks train{options}"
-    if c.tp > 1:  # the example script has no tensor parallelism: torchrun runs pipeblocks train itself
+    if c.tp > 1 or c.seq_chunks > 1:
+        # the example script has no tensor parallelism and no sequence chunks: torchrun runs
+        # pipeblocks train itself
         return [train, f"torchrun --nnodes {nodes} --nproc-per-node {per_node} -m pipeblocks train{options}"]
     launch = (
         f"torchrun --nnodes {nodes} --nproc-per-node {per_node} examples/torchrun_gpt.py --schedule {c.schedule} "
