@@ -84,14 +84,6 @@ def _commands(result: PlanResult, e: Evaluated) -> list[str]:
         f"--hidden {model.hidden} --heads {model.heads} --seq {model.seq} --microbatch-size {c.microbatch_size}"
         f"{precision}{family}"
     )
-    train = f"pipeblocks train{options}"
-    if c.tp > 1 or c.seq_chunks > 1:
-        # the example script has no tensor parallelism and no sequence chunks: torchrun runs
-        # pipeblocks train itself
-        return [train, f"torchrun --nnodes {nodes} --nproc-per-node {per_node} -m pipeblocks train{options}"]
-    launch = (
-        f"torchrun --nnodes {nodes} --nproc-per-node {per_node} examples/torchrun_gpt.py --schedule {c.schedule} "
-        f"--pp {c.pp} --dp {c.dp} --sharding {e.sharding} --microbatches {c.m} --microbatch-size {c.microbatch_size}"
-        "   # the example's reference GPT: set its GPTConfig to this model"
-    )
-    return [train, launch]
+    # under torchrun `python -m pipeblocks train` runs the same run, one rank per process
+    return [f"pipeblocks train{options}",
+            f"torchrun --nnodes {nodes} --nproc-per-node {per_node} -m pipeblocks train{options}"]
