@@ -48,6 +48,7 @@ __all__ = [
     "claim_directory",
     "existing_files",
     "latest_step",
+    "load_agreed",
     "load_rank",
     "manifest_path",
     "no_intact_message",
@@ -189,6 +190,23 @@ def load_rank(directory: str | os.PathLike, *, rank: int, step: int) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - a file that verifies but does not load is still damaged
         raise ValueError(f"checkpoint {str(path)!r} matches its manifest but does not load: {err}") from None
+
+
+def load_agreed(directory: str | os.PathLike, *, rank: int, world_size: int, meta: Mapping[str, object]) -> dict:
+    """This rank's state at the newest step intact on every rank (a collective: the ranks
+    exchange what they verified), checked against the run's `meta`; warns of damaged files."""
+    import torch.distributed as dist
+
+    mine = verify_rank(directory, rank)
+    checks: list = [None] * world_size
+    dist.all_gather_object(checks, mine)
+    step = agree_step(checks)
+    warn_damaged(mine, step)
+    if step is None:
+        raise ValueError(no_intact_message(directory, checks))
+    state = load_rank(directory, rank=rank, step=step)
+    check_meta(state["meta"], meta, directory)
+    return state
 
 
 def restore_rank(state: Mapping, stages: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer) -> int:

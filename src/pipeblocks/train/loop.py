@@ -359,18 +359,8 @@ def _predict_static(cfg: TrainConfig, program, rank: int, replica: int, shapes) 
 
 def _resume(cfg: TrainConfig, ctx, stages, optimizer, data_source: str) -> int:
     """Verify this rank's checkpoints, agree with the other ranks on a step, restore it."""
-    import torch.distributed as dist
-
-    directory = cfg.checkpoint.directory
-    mine = ckpt.verify_rank(directory, ctx.rank)
-    checks: list = [None] * ctx.world_size
-    dist.all_gather_object(checks, mine)
-    step = ckpt.agree_step(checks)
-    ckpt.warn_damaged(mine, step)
-    if step is None:
-        raise ValueError(ckpt.no_intact_message(directory, checks))
-    state = ckpt.load_rank(directory, rank=ctx.rank, step=step)
-    ckpt.check_meta(state["meta"], cfg.meta(data_source), directory)
+    state = ckpt.load_agreed(cfg.checkpoint.directory, rank=ctx.rank, world_size=ctx.world_size,
+                             meta=cfg.meta(data_source))
     return ckpt.restore_rank(state, stages, optimizer)
 
 

@@ -47,18 +47,8 @@ def save_async(cfg: TrainConfig, *, rank: int, step: int, stages: Mapping[int, A
 def resume_async(cfg: TrainConfig, ctx, stages: Mapping[int, AsyncStage], data_source: str) -> int:
     """Verify this rank's checkpoints, agree on a step with the other ranks, restore it (a
     collective); return the step to run next."""
-    import torch.distributed as dist
-
-    directory = cfg.checkpoint.directory
-    mine = ckpt.verify_rank(directory, ctx.rank)
-    checks: list = [None] * ctx.world_size
-    dist.all_gather_object(checks, mine)
-    step = ckpt.agree_step(checks)
-    ckpt.warn_damaged(mine, step)
-    if step is None:
-        raise ValueError(ckpt.no_intact_message(directory, checks))
-    state = ckpt.load_rank(directory, rank=ctx.rank, step=step)
-    ckpt.check_meta(state["meta"], cfg.meta(data_source), directory)
+    state = ckpt.load_agreed(cfg.checkpoint.directory, rank=ctx.rank, world_size=ctx.world_size,
+                             meta=cfg.meta(data_source))
     done = ckpt.restore_rank(state, {s: st.module for s, st in stages.items()}, StageOptimizers(stages))
     for s, st in stages.items():
         st.load_state(state["extra"]["async"][s])
