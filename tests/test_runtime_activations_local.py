@@ -16,11 +16,11 @@ from pipeblocks.runtime.compute import ModuleCompute
 from pipeblocks.runtime.emulate import EmulatedCompute, EmulatedCosts
 from pipeblocks.runtime.executor import RankExecutor
 from pipeblocks.runtime.memory import SavedTensorTracker
-from pipeblocks.runtime.runner import _microbatches, _side_microbatches
 from pipeblocks.runtime.shapes import (
     ActivationSpec, SpecMismatchError, TensorSpec, call_stage, decode_specs, encode_specs, flatten,
     infer_output_spec, zero_gradient,
 )
+from pipeblocks.runtime.step_inputs import microbatches, side_microbatches
 
 from test_runtime_activations import (
     HIDDEN, MICROBATCH, SEQ, DictFirst, DictMiddle, TupleFirst, loss_fn, reference, toy_data, toy_stages,
@@ -203,18 +203,18 @@ def test_emulated_compute_passes_structures_through():
 # ---- the runner's splitting -------------------------------------------------------------------------
 def test_inputs_and_side_inputs_split_into_microbatches():
     ids, _, mask = toy_data(2, seed=0)
-    parts = _microbatches({"ids": ids, "pair": (ids, mask)}, 2, "inputs")
+    parts = microbatches({"ids": ids, "pair": (ids, mask)}, 2, "inputs")
     assert torch.equal(parts[1]["pair"][1], mask[MICROBATCH:])
     as_given = [(ids[:2], mask[:2]), (ids[2:], mask[2:])]
-    assert _microbatches(tuple(as_given), 2, "inputs") == as_given  # a tuple at the top is m microbatches
-    side = _side_microbatches({"mask": mask, "pos": list(ids.chunk(2))}, 2, CPU)
+    assert microbatches(tuple(as_given), 2, "inputs") == as_given  # a tuple at the top is m microbatches
+    side = side_microbatches({"mask": mask, "pos": list(ids.chunk(2))}, 2, CPU)
     assert torch.equal(side[1]["mask"], mask[MICROBATCH:]) and torch.equal(side[0]["pos"], ids[:MICROBATCH])
     with pytest.raises(ValueError, match="not 'chunk'"):
-        _side_microbatches({"chunk": mask}, 2, CPU)
+        side_microbatches({"chunk": mask}, 2, CPU)
     with pytest.raises(ValueError, match="side input 'mask' has 3 microbatches"):
-        _side_microbatches({"mask": [mask] * 3}, 2, CPU)
+        side_microbatches({"mask": [mask] * 3}, 2, CPU)
     with pytest.raises(ValueError, match="not divisible by m=3"):
-        _microbatches({"ids": ids}, 3, "inputs")
+        microbatches({"ids": ids}, 3, "inputs")
 
 
 # ---- the executor on one rank: two stages of a V hand over locally ----------------------------------

@@ -11,7 +11,7 @@ package docstring for how a stage is called with them, and shapes.py for how the
 
 With a sequence-chunk schedule (Seq1F1B, `schedule.seq_chunks` = k > 1) the runner cuts each
 microbatch's inputs and targets along dim 1 into k chunks (`seq_lengths`, default even) and
-calls each stage with `chunk=` (see the package docstring and sequence.py).
+calls each stage with `chunk=` (see the package docstring, sequence_cut.py and sequence.py).
 
 One `step` runs the whole lowered Program of this rank once: the m forwards and backwards,
 with parameter gradients accumulated into `.grad` (they are not zeroed: call
@@ -21,7 +21,6 @@ microbatches the gradients equal one process training the whole batch.
 """
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
@@ -38,8 +37,9 @@ from .comm import Mailbox, Tags
 from .compute import ModuleCompute
 from .executor import RankExecutor
 from .memory import SavedTensorTracker
-from .sequence import SequenceChunk, chunk_bounds
-from .shapes import ActivationSpec, SpecMismatchError, TensorSpec, decode_specs, encode_specs, flatten, infer_output_spec
+from .sequence_cut import check_chunk_support, check_seq_lengths, check_target_chunks, cut_sequences, sequence_chunks
+from .shapes import ActivationSpec, SpecMismatchError, TensorSpec, decode_specs, encode_specs, infer_output_spec
+from .step_inputs import microbatches, side_microbatches, side_text, to_device
 from .timeline import gather_timeline
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ class PipelineRunner:
                 f"schedule {schedule.name!r} has p={schedule.p} ranks but the process group has {world}: "
                 f"launch {schedule.p} processes or build the schedule with p={world}"
             )
-        self.seq_lengths = _check_seq_lengths(schedule, seq_lengths)
+        self.seq_lengths = check_seq_lengths(schedule, seq_lengths)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.schedule = schedule
@@ -184,7 +184,7 @@ class PipelineRunner:
             )
         self.stages = dict(stages)
         if schedule.seq_chunks > 1:
-            _check_chunk_support(schedule, self.stages, compute)
+            check_chunk_support(schedule, self.stages, compute)
         self.loss_fn = loss_fn
         self.group = group
         self.device = torch.device(device) if device is not None else _module_device(self.stages)
@@ -247,19 +247,19 @@ class PipelineRunner:
             Their shapes, like those of the inputs, are fixed by the first step.
         """
         m = self.schedule.m
-        xs = _microbatches(inputs, m, "inputs") if self.holds_first_stage else None
-        ys = _microbatches(targets, m, "targets") if self.holds_last_stage else None
-        side = _side_microbatches(side_inputs, m, self.device)
+        xs = microbatches(inputs, m, "inputs") if self.holds_first_stage else None
+        ys = microbatches(targets, m, "targets") if self.holds_last_stage else None
+        side = side_microbatches(side_inputs, m, self.device)
         side_specs = [{name: TensorSpec.of(t) for name, t in mb.items()} for mb in side] if side else []
         if self._side_specs is not None and side_specs != self._side_specs:
             raise SpecMismatchError(
-                f"side inputs have specs {_side_text(side_specs)} but the first step had "
-                f"{_side_text(self._side_specs)}: shapes are fixed after the first step; pad the batch or build "
+                f"side inputs have specs {side_text(side_specs)} but the first step had "
+                f"{side_text(self._side_specs)}: shapes are fixed after the first step; pad the batch or build "
                 "a new PipelineRunner"
             )
         self._side_specs = side_specs
         if xs is not None:
-            xs = self._cut([_to(x, self.device) for x in xs], "inputs")
+            xs = cut_sequences([to_device(x, self.device) for x in xs], "inputs", self.schedule, self.seq_lengths)
             specs = [ActivationSpec.of(x, "the step inputs") for x in xs]
             if self._input_specs is not None and specs != self._input_specs:
                 raise SpecMismatchError(
@@ -269,7 +269,7 @@ class PipelineRunner:
                 )
             self._input_specs = specs
         if ys is not None:
-            ys = self._cut([_to(y, self.device) for y in ys], "targets")
+            ys = cut_sequences([to_device(y, self.device) for y in ys], "targets", self.schedule, self.seq_lengths)
         dp = self.data_parallel
         copies = self.precision.begin_step() if self.precision is not None else []
         if self._executor is None:
@@ -277,7 +277,7 @@ class PipelineRunner:
             if dp is not None:
                 dp.after_shape_pass()
             if ys is not None and self._executor.chunks is not None:
-                self._check_target_chunks(ys)
+                check_target_chunks(ys, self._executor.chunks, self.schedule, self.rank)
         if self.tracker.enabled:
             self.tracker.exclude([*(p for mod in self.stages.values() for p in mod.parameters()),
                                   *(b for mod in self.stages.values() for b in mod.buffers())])
@@ -320,52 +320,6 @@ class PipelineRunner:
             memory_trace=trace,
         )
 
-    # ---- sequence chunks -------------------------------------------------------
-    def _cut(self, parts: list, name: str) -> list:
-        """m microbatches -> m*k units (microbatch-major), every tensor cut along dim 1."""
-        k = self.schedule.seq_chunks
-        if k == 1:
-            return parts
-        first = flatten(parts[0], name)[1][0]
-        seq = first.shape[1] if first.dim() >= 2 else 0
-        if seq < k:
-            raise ValueError(
-                f"{name} have {seq} tokens per sequence (dim 1 of {tuple(first.shape)}) but schedule "
-                f"{self.schedule.name!r} cuts every sequence into {k} chunks: use at most {seq} chunks "
-                "(--seq-chunks) or longer sequences"
-            )
-        lengths = self.seq_lengths or _even(seq, k)
-        if sum(lengths) != seq:
-            raise ValueError(
-                f"seq_lengths {list(lengths)} sum to {sum(lengths)} tokens but the {name} have {seq} per sequence: "
-                f"give chunk lengths that sum to {seq}"
-            )
-        units = []
-        for part in parts:
-            layout, leaves = flatten(part, name)
-            for leaf in leaves:
-                if leaf.dim() < 2 or leaf.shape[1] != seq:
-                    raise ValueError(
-                        f"{name} hold a tensor of shape {tuple(leaf.shape)} beside one of {seq} tokens (dim 1): "
-                        "with sequence chunks every tensor of the inputs and targets is [batch, tokens, ...]; "
-                        "pass other tensors as side inputs"
-                    )
-            # clones: each unit owns its storage, so what autograd saves of it is freed with the unit
-            units += [layout.build([leaf[:, a:a + n].clone() for leaf in leaves]) for a, n in chunk_bounds(lengths)]
-        return units
-
-    def _check_target_chunks(self, ys: list[torch.Tensor]) -> None:
-        last = self.schedule.num_stages - 1
-        k = self.schedule.seq_chunks
-        for mb in range(self.schedule.m):
-            for c in range(k):
-                chunk = self._executor.chunks[(last, mb, c)]
-                length = flatten(ys[mb * k + c])[1][0].shape[1]
-                if length != chunk.length:
-                    raise ValueError(
-                        f"rank {self.rank}: targets of microbatch {mb}, chunk {c} have {length} "
-                        f"tokens but the last stage receives {chunk.length}: give every rank the same seq_lengths"
-                    )
 
     # ---- first step: shapes ---------------------------------------------------
     def _build_executor(self, xs: list | None, side: list[dict] | None) -> RankExecutor:
@@ -397,7 +351,7 @@ class PipelineRunner:
                     recv_specs[("F", stage - 1, mb, c)] = in_specs[stage][mb * k + c]
                     recv_specs[("B", stage + 1, mb, c)] = out_specs[stage][mb * k + c]
         sent = {(s, mb, c): out_specs[s][mb * k + c] for s in out_specs for mb in range(m) for c in range(k)}
-        chunks = self._chunks(in_specs) if k > 1 else None
+        chunks = sequence_chunks(in_specs, m, k) if k > 1 else None
         return RankExecutor(self.program, self.rank, self.compute, self.mailbox, self.device, recv_specs, sent,
                             chunks=chunks, data_parallel=self.data_parallel)
 
@@ -420,23 +374,6 @@ class PipelineRunner:
         self.mailbox.recv(("shapes", stage, 1), stream, peer, tags.shapes(stage, 1))
         return decode_specs(self.mailbox.wait(("shapes", stage, 1), f"the shapes for stage {stage} from rank {peer}"))
 
-    def _chunks(self, in_specs: dict[int, list[ActivationSpec]]) -> dict[tuple[int, int, int], SequenceChunk]:
-        """Every unit's SequenceChunk, from the lengths of its stage input (dim 1 of its first leaf)."""
-        k = self.schedule.seq_chunks
-        out = {}
-        for stage, specs in in_specs.items():
-            for mb in range(self.schedule.m):
-                units = [spec.leaves[0] for spec in specs[mb * k:(mb + 1) * k]]
-                if any(len(spec.shape) < 2 for spec in units):
-                    raise SpecMismatchError(
-                        f"stage {stage} takes {units[0]} for microbatch {mb}; with sequence chunks stage inputs must "
-                        "be [batch, tokens, ...], cut along dim 1"
-                    )
-                lengths = [spec.shape[1] for spec in units]
-                for c, (offset, n) in enumerate(chunk_bounds(lengths)):
-                    out[(stage, mb, c)] = SequenceChunk(stage, mb, c, k, offset, n, sum(lengths))
-        return out
-
     def _infer(self, stage: int, specs: list[ActivationSpec], side: list[dict] | None) -> list[ActivationSpec]:
         if self.data_parallel is not None:
             self.data_parallel.before_compute(stage)  # a sharded chunk runs gathered (every replica alike)
@@ -452,7 +389,7 @@ class PipelineRunner:
                     cache[key] = infer_output_spec(self.stages[stage], spec, self.device, given)
                 except SpecMismatchError as err:
                     source = "the step inputs" if stage == 0 else f"the output of stage {stage - 1}"
-                    with_side = f" with side inputs {_side_text([dict(key[1])])}" if given else ""
+                    with_side = f" with side inputs {side_text([dict(key[1])])}" if given else ""
                     raise SpecMismatchError(
                         f"stage {stage} (rank {self.rank}) cannot take {source}, {spec} (microbatch {mb}){with_side}: "
                         f"{err}; make neighbouring stage modules agree on shape and dtype"
@@ -472,120 +409,9 @@ def _lower(schedule: Schedule, dp: DataParallel | None, recompute: frozenset[tup
                      units=dp.units, check=True)
 
 
-def _even(seq: int, k: int) -> tuple[int, ...]:
-    base, extra = divmod(seq, k)
-    return tuple(base + (1 if i < extra else 0) for i in range(k))
-
-
-def _check_seq_lengths(schedule: Schedule, lengths: Sequence[int] | None) -> tuple[int, ...] | None:
-    k = schedule.seq_chunks
-    if lengths is None:
-        return None
-    lengths = tuple(lengths)
-    if k == 1:
-        raise ValueError(
-            f"seq_lengths {list(lengths)} given, but schedule {schedule.name!r} has no sequence chunks: drop "
-            "seq_lengths or use a sequence-chunk schedule (seq1f1b, split_sequence(...))"
-        )
-    if len(lengths) != k or any(not isinstance(n, int) or isinstance(n, bool) for n in lengths):
-        raise ValueError(
-            f"seq_lengths {list(lengths)} must be {k} integers, one per sequence chunk of schedule {schedule.name!r}"
-        )
-    if min(lengths) < 1:
-        raise ValueError(
-            f"seq_lengths {list(lengths)} leave an empty chunk: every one of the {k} chunks needs at least one "
-            "token; use fewer chunks or move tokens into the empty one"
-        )
-    return lengths
-
-
-def _check_chunk_support(schedule: Schedule, stages: Mapping[int, torch.nn.Module], compute: object | None) -> None:
-    """Every stage must take `chunk=` (attend over earlier chunks' K/V); checked before any step."""
-    for stage, module in sorted(stages.items()):
-        if not getattr(module, "supports_sequence_chunks", True):
-            raise ValueError(
-                f"schedule {schedule.name!r} cuts sequences into {schedule.seq_chunks} chunks, but stage {stage} "
-                f"({type(module).__name__}) says it cannot run sequence chunks (supports_sequence_chunks is False): "
-                "use a schedule without sequence chunks (drop --seq-chunks)"
-            )
-        if not _takes_chunk(module.forward):
-            raise ValueError(
-                f"schedule {schedule.name!r} cuts sequences into {schedule.seq_chunks} chunks, but stage {stage} "
-                f"({type(module).__name__}) cannot take sequence chunks: its forward has no `chunk` keyword. A "
-                "stage run by chunks must attend over the K/V of earlier chunks (causal attention with "
-                "`chunk.kv(layer).extend(k, v)`, as pipeblocks.models.GPTStage does); use such a model or a "
-                "schedule without sequence chunks"
-            )
-    if compute is not None and not _takes_chunk(compute.forward):
-        raise ValueError(
-            f"schedule {schedule.name!r} cuts sequences into {schedule.seq_chunks} chunks, but the compute object "
-            f"{type(compute).__name__} takes no `chunk`: run it with real modules or a schedule without sequence chunks"
-        )
-
-
-def _takes_chunk(fn) -> bool:
-    try:
-        return "chunk" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _module_device(stages: Mapping[int, torch.nn.Module]) -> torch.device:
     for module in stages.values():
         for tensor in module.parameters():
             return tensor.device
     return torch.device("cpu")
 
-
-def _microbatches(value, m: int, name: str) -> list:
-    """m microbatches: of a tensor or a dict of tensors (split along dim 0), or as given (a
-    list or tuple of m)."""
-    if value is None:
-        raise ValueError(f"{name} are required on this rank: it holds the stage that consumes them")
-    if isinstance(value, (torch.Tensor, Mapping)):
-        layout, leaves = flatten(value, name)
-        for leaf in leaves:
-            if leaf.dim() == 0 or leaf.shape[0] % m:
-                raise ValueError(
-                    f"{name} has leading dimension {leaf.shape[0] if leaf.dim() else 0}, not divisible by m={m}: "
-                    f"give a batch size that is a multiple of {m}, or a list of {m} microbatches"
-                )
-        # clones: each microbatch owns its storage, so what autograd saves of it is freed with it
-        parts = [[part.clone() for part in leaf.chunk(m)] for leaf in leaves]
-        return [layout.build([p[i] for p in parts]) for i in range(m)]
-    value = list(value)
-    if len(value) != m:
-        raise ValueError(f"{name} has {len(value)} microbatches but the schedule has m={m}: give exactly {m}")
-    return value
-
-
-def _side_microbatches(side, m: int, device: torch.device) -> list[dict[str, torch.Tensor]] | None:
-    """Per microbatch, name -> tensor (on `device`); None without side inputs."""
-    if not side:
-        return None
-    if not isinstance(side, Mapping):
-        raise TypeError(f"side_inputs must be a dict name -> tensor, got {type(side).__name__}")
-    per_name = {}
-    for name, value in side.items():
-        if not isinstance(name, str) or name == "chunk":
-            raise ValueError(f"side input name {name!r}: names are str keywords of the stages' forward, not 'chunk'")
-        parts = _microbatches(value, m, f"side input {name!r}")
-        bad = [type(t).__name__ for t in parts if not isinstance(t, torch.Tensor)]
-        if bad:
-            raise TypeError(f"side input {name!r} has a microbatch of type {bad[0]}: give tensors")
-        per_name[name] = [t.to(device) for t in parts]
-    return [{name: parts[i] for name, parts in per_name.items()} for i in range(m)]
-
-
-def _side_text(specs: list[dict[str, TensorSpec]]) -> str:
-    if not specs:
-        return "(none)"
-    return str([{name: str(spec) for name, spec in mb.items()} for mb in specs])
-
-
-def _to(value, device: torch.device):
-    """An input or target (a tensor, or a tuple or dict of tensors) on `device`."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    layout, leaves = flatten(value, "an input")
-    return layout.build([t.to(device) for t in leaves])
