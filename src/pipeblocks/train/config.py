@@ -350,6 +350,9 @@ class TrainConfig:
             "lr": self.lr, "seed": self.seed, "data": data_source, "clip_grad": self.clip_grad,
             "seq_chunks": s.seq_chunks, "seq_lengths": list(self.schedule.seq_lengths or ()),
             **({"family": self.model.family} if self.model.family != "gpt" else {}),
+            # the reference GPT's fused qkv weight has been grouped by head (tensor parallelism's
+            # split): a checkpoint written before holds another layout and is refused by its absence
+            **({"qkv_layout": "by-head"} if self.model.family == "gpt" else {}),
             **({"precision": self.precision.name} if self.precision.name not in ("fp32", "fp64") else {}),
             **({"dp": self.dp, "sharding": [str(p) for p in self.sharding]} if self.data_parallel else {}),
             **({"lr_schedule": self.lr_schedule.to_json()} if self.lr_schedule is not None else {}),
