@@ -205,3 +205,17 @@ def test_a_tp_group_that_would_span_nodes_is_warned_about_on_cuda(monkeypatch, c
     for tp, device in ((2, "cuda"), (8, "cpu")):
         warn_tp_across_nodes(tp, device)
         assert capsys.readouterr().err == ""
+
+
+def test_a_gpt_checkpoint_from_before_the_qkv_grouping_is_refused():
+    # the reference GPT's fused qkv is grouped by head (the tensor-parallel split); a checkpoint
+    # written before holds the old layout under the same shapes, and has no qkv_layout to agree on
+    from pipeblocks.train import checkpoint as ckpt
+
+    cfg, _ = _prepare(tp=1, model=GPTConfig(layers=4, hidden=16, heads=2, seq=8))
+    now = cfg.meta("x")
+    assert now["qkv_layout"] == "by-head"
+    before = {k: v for k, v in now.items() if k != "qkv_layout"}
+    with pytest.raises(ValueError, match=r"qkv_layout: checkpoint None, now 'by-head'.*new --checkpoint directory"):
+        ckpt.check_meta(before, now, "ckpt")
+    assert "qkv_layout" not in _prepare(tp=1)[0].meta("x")  # Llama has no fused qkv
