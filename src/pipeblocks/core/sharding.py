@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from enum import Enum
 
-__all__ = ["ShardingPolicy", "parse_sharding", "per_stage"]
+__all__ = ["FSDP_POLICIES", "ShardingPolicy", "parse_sharding", "per_stage"]
 
 
 class ShardingPolicy(str, Enum):
@@ -53,7 +53,7 @@ class ShardingPolicy(str, Enum):
     @property
     def fsdp(self) -> bool:
         """FSDP2 holds the chunk (zero2, zero3, zero3-regather): sharded between steps."""
-        return self in _FSDP
+        return self in FSDP_POLICIES
 
     @property
     def storage(self) -> ShardingPolicy:
@@ -62,7 +62,8 @@ class ShardingPolicy(str, Enum):
         return ShardingPolicy.ZERO3 if self is ShardingPolicy.ZERO3_REGATHER else self
 
 
-_FSDP = frozenset({ShardingPolicy.ZERO2, ShardingPolicy.ZERO3, ShardingPolicy.ZERO3_REGATHER})
+# the policies FSDP2 holds (`fully_shard`): sharded between steps
+FSDP_POLICIES = frozenset({ShardingPolicy.ZERO2, ShardingPolicy.ZERO3, ShardingPolicy.ZERO3_REGATHER})
 _NAMES = ", ".join(p.value for p in ShardingPolicy)
 
 

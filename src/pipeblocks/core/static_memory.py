@@ -50,7 +50,6 @@ from .sharding import ShardingPolicy
 
 __all__ = ["ChunkBytes", "chunk_bytes", "predict_static_peak", "zero1_partition"]
 
-_FSDP = (ShardingPolicy.ZERO2, ShardingPolicy.ZERO3, ShardingPolicy.ZERO3_REGATHER)
 # the dtype of a same-dtype policy (master = compute = reduce) by its element size
 _SAME_DTYPE = {8: "float64", 4: "float32", 2: "bfloat16"}
 
@@ -145,7 +144,7 @@ def _chunk(shapes: Sequence[tuple[int, ...]], b: Precision, policy: ShardingPoli
     policy = ShardingPolicy(policy)
     numels = [math.prod(s) for s in shapes]
     total = sum(numels)
-    if policy in _FSDP:
+    if policy.fsdp:
         padded = local = 0
         for shape, n in zip(shapes, numels):
             n0 = shape[0] if shape else 1
@@ -241,7 +240,7 @@ def predict_static_peak(
             break
         leading.add(op.stage)
     for s in pieces:  # the optimizer steps after every reduction is done, the copies dropped
-        gathered[s] = gather_ahead and s in leading and policy[s] in _FSDP
+        gathered[s] = gather_ahead and s in leading and policy[s].fsdp
         copied[s] = False
         pending[s] = False
         if grads[s]:

@@ -62,7 +62,7 @@ from ..core.program import DPOp, Op, Recompute
 from ..core.sharding import ShardingPolicy
 from .chunk_optimizers import ChunkOptimizers
 from .comm import PeerTimeoutError
-from .dp_chunks import FSDP_POLICIES as _FSDP
+from ..core.sharding import FSDP_POLICIES as _FSDP
 from .dp_chunks import ChunkState, UnitState, reduce_scatter_chunk, shard_chunk
 from .dp_measure import chunk_static_tensors, held_bytes, measure_link
 from .dp_overlap import DPEvent, GathersAhead, InPassReductions

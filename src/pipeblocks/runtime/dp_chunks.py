@@ -24,12 +24,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from ..core.sharding import ShardingPolicy
+from ..core.sharding import FSDP_POLICIES, ShardingPolicy
 from .dp_units import GradBucket, GradReadiness, shard_units, unit_modules
 
-__all__ = ["FSDP_POLICIES", "ChunkState", "UnitState", "accumulate_only", "reduce_scatter_chunk", "shard_chunk"]
+__all__ = ["ChunkState", "UnitState", "accumulate_only", "reduce_scatter_chunk", "shard_chunk"]
 
-FSDP_POLICIES = (ShardingPolicy.ZERO2, ShardingPolicy.ZERO3, ShardingPolicy.ZERO3_REGATHER)
 
 
 @dataclass

@@ -33,7 +33,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from .dp_chunks import FSDP_POLICIES, ChunkState
+from ..core.sharding import FSDP_POLICIES
+from .dp_chunks import ChunkState
 from .dp_units import accumulated_grads, gathers_in_flight
 
 __all__ = ["chunk_static_tensors", "held_bytes", "measure_link"]

@@ -44,7 +44,8 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 
 from ..core.actions import Action, Kind
 from ..core.program import DPOp, Op, Recompute
-from .dp_chunks import FSDP_POLICIES, ChunkState, UnitState
+from ..core.sharding import FSDP_POLICIES
+from .dp_chunks import ChunkState, UnitState
 from .dp_units import GradReadiness, unsharded_leaves
 
 __all__ = ["DPEvent", "GathersAhead", "InPassReductions"]

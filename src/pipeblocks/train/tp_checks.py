@@ -12,11 +12,12 @@ import os
 import sys
 from typing import Any, Sequence
 
+from ..core.sharding import FSDP_POLICIES
 from ..models.tp_plan import check_tp
 
 __all__ = ["check_tensor_parallel", "warn_tp_across_nodes"]
 
-FSDP_POLICIES = ("zero2", "zero3", "zero3-regather")
+FSDP_NAMES = tuple(sorted(str(p) for p in FSDP_POLICIES))
 
 
 def check_tensor_parallel(
@@ -39,7 +40,7 @@ def check_tensor_parallel(
         raise ValueError(f"--clip-grad is not supported with --tp {tp} yet (the global norm over tensor-parallel "
                          "shards): drop --clip-grad, or use --tp 1")
     policies = {str(p) for p in sharding}
-    if (dp > 1 or policies != {"replicate"}) and not policies <= set(FSDP_POLICIES):
+    if (dp > 1 or policies != {"replicate"}) and not policies <= set(FSDP_NAMES):
         raise ValueError(
             f"--tp {tp} with --dp {dp} and sharding {','.join(sorted(policies))}: data parallelism over tensor-parallel "
             "stages runs through FSDP2; use --sharding zero2 or zero3 (or --dp 1 with replicate)"
