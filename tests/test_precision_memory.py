@@ -146,3 +146,24 @@ def test_fp32_and_fp64_figures_are_unchanged():
     assert estimate_memory(CONFIG, schedule, precision="float64").ranks == fp64.ranks
     params = sum(math.prod(s) for s in stage_param_shapes(CONFIG, 2)[0])
     assert plain.ranks[0].static_bytes == 16 * params
+
+
+def test_stage_zero_holds_no_w_gradients_beside_its_gathered_parameters():
+    """Under bf16-mixed a W's bfloat16 gradients wait on an FSDP2 chunk's gathered parameters
+    for the chunk's next B, except on stage 0, whose input (the tokens) takes no gradient:
+    FSDP2 folds its gradients at the end of every backward call (measured exact in the
+    runtime: docs/mesh.md)."""
+    sched = schedules.get("zb-h1")(p=2, m=4)
+    program = lower_for(sched, policies=("zero3",), dp=2)
+    shapes = [(64, 16), (16,)]
+    piece = chunk_bytes(shapes, policy=ShardingPolicy.ZERO3, d=2, precision=MIXED)
+    assert piece.pending > 0
+    got = [predict_static_peak(program, r, {r: shapes}, ("zero3",) * 2, dp=2, dp_rank=0, precision=MIXED)
+           for r in range(2)]
+    assert got == [piece.step_peak(False), piece.step_peak(True)]
+    # the simulator's and the planner's closed forms agree: stage 0 without, stage 1 with
+    from pipeblocks.core.dp_model import DPCostModel
+
+    model = DPCostModel(dp=2, sharding=(ShardingPolicy.ZERO3,), precision="bf16-mixed")
+    alone = [model.static_memory((1000.0, 1000.0), [s], peak=True, split_backward=True) for s in range(2)]
+    assert alone[1] - alone[0] == 1000.0 * model.bytes.gathered

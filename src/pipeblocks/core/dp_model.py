@@ -286,5 +286,6 @@ class DPCostModel:
         policy = self.policies(len(params))
         if not peak:
             return sum(static_bytes(params[s], policy[s], self.dp, self.bytes) for s in stages)
-        return sum(static_peak_bytes(params[s], policy[s], self.dp, self.bytes, split_backward=split_backward)
+        # stage 0's input takes no gradient: FSDP2 folds its W gradients at once (`core.static_memory`)
+        return sum(static_peak_bytes(params[s], policy[s], self.dp, self.bytes, split_backward=split_backward and s != 0)
                    for s in stages)

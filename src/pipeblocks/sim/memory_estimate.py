@@ -216,8 +216,8 @@ def rank_static_peak(config: TransformerConfig, num_stages: int, stages: Sequenc
     _, policy = precision_config(config, precision)
     shapes = stage_param_shapes(config, num_stages, tp)
     return float(max(
-        sum(chunk_bytes(shapes[s], policy=policies[s], d=dp, dp_rank=d, precision=policy).step_peak(split_backward)
-            for s in stages)
+        sum(chunk_bytes(shapes[s], policy=policies[s], d=dp, dp_rank=d, precision=policy).step_peak(split_backward and s != 0)
+            for s in stages)  # stage 0's W gradients are folded at once (`core.static_memory`)
         for d in range(dp)
     ))
 
