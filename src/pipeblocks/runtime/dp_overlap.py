@@ -29,10 +29,10 @@ rank's Program are issued again as soon as their chunk's optimizer step is done
 (`ChunkOptimizers.step` calls back per chunk), not when the next step reaches them; the
 next step's UNSHARD finds its gather in flight. FSDP2 registers the gathered parameters
 only when the next step's first pass waits for them, so between steps the modules hold
-their shards: a checkpoint (the state dict) or an evaluation sees sharded parameters, and
-the static bytes sampled after the optimizer step leave out the gather's buffer, which the
-prediction counts from the next step's UNSHARD (on an accelerator that buffer, the leading
-units' gathered bytes, is held from the optimizer step on). After the last step the
+their shards: a checkpoint (the state dict) or an evaluation sees sharded parameters. The
+gather's output buffer is held from its issue, and the static bytes count it there (the
+measurement adds the buffers of gathers in flight, `dp_units.gathers_in_flight`; the
+prediction holds the leading chunks gathered after the optimizer step). After the last step the
 gathers stay in flight unless `drop_gathers_ahead` frees them. `events` logs when each of
 these happened (`DPEvent`).
 """
