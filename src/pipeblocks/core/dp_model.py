@@ -91,7 +91,7 @@ from .sharding import ShardingPolicy, per_stage
 __all__ = [
     "PRECISIONS", "UNIT_LINK", "DPCostModel", "Link", "Precision", "all_gather_time", "all_reduce_time",
     "gathered_bytes", "precision_bytes", "reduce_scatter_time", "resolve_precision", "static_bytes",
-    "static_peak_bytes",
+    "static_peak_bytes", "w_gradients_wait",
 ]
 
 
@@ -203,6 +203,14 @@ def gathered_bytes(params: float, policy: ShardingPolicy, precision: Precision) 
     return params * precision.gathered if ShardingPolicy(policy).shards_parameters else 0.0
 
 
+def w_gradients_wait(stage: int) -> bool:
+    """Whether, under mixed precision, a split backward's W gradients of global `stage` wait
+    on an FSDP2 chunk's gathered parameters for the chunk's next B (or its reduction): every
+    stage but 0, whose input, the tokens, takes no gradient, so no backward reaches it and
+    FSDP2's root callback folds its gradients at the end of each backward call."""
+    return stage != 0
+
+
 def static_peak_bytes(params: float, policy: ShardingPolicy, d: int, precision: Precision, *,
                       split_backward: bool = False) -> float:
     """Static bytes at the step's peak: full-size accumulated gradients before the
@@ -286,6 +294,6 @@ class DPCostModel:
         policy = self.policies(len(params))
         if not peak:
             return sum(static_bytes(params[s], policy[s], self.dp, self.bytes) for s in stages)
-        # stage 0's input takes no gradient: FSDP2 folds its W gradients at once (`core.static_memory`)
-        return sum(static_peak_bytes(params[s], policy[s], self.dp, self.bytes, split_backward=split_backward and s != 0)
+        return sum(static_peak_bytes(params[s], policy[s], self.dp, self.bytes,
+                                     split_backward=split_backward and w_gradients_wait(s))
                    for s in stages)

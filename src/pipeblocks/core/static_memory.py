@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .actions import Action, Kind
-from .dp_model import Precision
+from .dp_model import Precision, w_gradients_wait
 from .precision import PrecisionPolicy, precision_policy
 from .program import DPOp, Program
 from .sharding import ShardingPolicy
@@ -198,9 +198,8 @@ def predict_static_peak(
     grads: dict[int, int] = dict.fromkeys(pieces, 0)
     # FSDP2 folds a microbatch's gradient into its float32 sum when the chunk's backward reaches
     # the chunk's input; a split backward's W comes after that, so under mixed precision its
-    # compute-dtype gradients stay on the gathered parameters until the next fold or REDUCE_GRAD.
-    # Stage 0's input (the tokens) takes no gradient: no backward reaches it, and FSDP2's root
-    # callback at the end of each backward call folds that chunk's gradients instead (its W's too)
+    # compute-dtype gradients stay on the gathered parameters until the next fold or REDUCE_GRAD
+    # (not on stage 0: `dp_model.w_gradients_wait`)
     pending = dict.fromkeys(pieces, False)
 
     def total(with_state: bool) -> int:
@@ -219,7 +218,7 @@ def predict_static_peak(
                 gathered[s] = True  # gathered by its first pass of the step
             if op.kind is Kind.W or op.kind is Kind.BW:
                 grads[s] = pieces[s].grads_full
-            if op.kind is Kind.W and s != 0:
+            if op.kind is Kind.W and w_gradients_wait(s):
                 pending[s] = True
         elif type(op) is DPOp:
             s = op.stage

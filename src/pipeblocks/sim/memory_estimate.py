@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.costs import Costs
-from ..core.dp_model import resolve_precision
+from ..core.dp_model import resolve_precision, w_gradients_wait
 from ..core.lowering import lower_for
 from ..core.precision import PRECISION_NAMES, PrecisionPolicy
 from ..core.schedule import Schedule
@@ -216,8 +216,8 @@ def rank_static_peak(config: TransformerConfig, num_stages: int, stages: Sequenc
     _, policy = precision_config(config, precision)
     shapes = stage_param_shapes(config, num_stages, tp)
     return float(max(
-        sum(chunk_bytes(shapes[s], policy=policies[s], d=dp, dp_rank=d, precision=policy).step_peak(split_backward and s != 0)
-            for s in stages)  # stage 0's W gradients are folded at once (`core.static_memory`)
+        sum(chunk_bytes(shapes[s], policy=policies[s], d=dp, dp_rank=d, precision=policy).step_peak(split_backward and w_gradients_wait(s))
+            for s in stages)
         for d in range(dp)
     ))
 
