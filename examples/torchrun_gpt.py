@@ -33,7 +33,7 @@ from pipeblocks.core.sharding import parse_sharding, per_stage
 from pipeblocks.data.text import TokenWindows
 from pipeblocks.models.config import GPTConfig
 from pipeblocks.models.gpt import cross_entropy
-from pipeblocks.models.split import build_stages
+from pipeblocks.models import build_stages
 from pipeblocks.runtime import PipelineRunner, init_from_env
 from pipeblocks.runtime.data_parallel import DataParallel
 from pipeblocks.runtime.mesh import check_world_size, init_mesh

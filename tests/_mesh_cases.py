@@ -12,7 +12,7 @@ import torch
 from pipeblocks import schedules
 from pipeblocks.core.sharding import parse_sharding, per_stage
 from pipeblocks.models import GPTConfig, cross_entropy
-from pipeblocks.models.split import build_stages
+from pipeblocks.models import build_stages
 from pipeblocks.runtime import PipelineRunner
 from pipeblocks.runtime.data_parallel import DataParallel
 from pipeblocks.runtime.mesh import init_mesh

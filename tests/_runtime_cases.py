@@ -21,12 +21,12 @@ def model_for(schedule: Schedule) -> tuple[list[torch.nn.Module], ToyConfig, obj
     sequence chunks (which needs causal attention over earlier chunks), the reference GPT."""
     if schedule.seq_chunks == 1:
         return toy_stages(schedule.num_stages, CONFIG), CONFIG, cross_entropy
-    from pipeblocks.models import GPT, GPTConfig, split_gpt
+    from pipeblocks.models import GPT, GPTConfig, split_stages
     from pipeblocks.models import cross_entropy as gpt_loss
 
     cfg = GPTConfig(layers=schedule.num_stages, hidden=8, heads=2, seq=SEQ_CONFIG.seq, vocab=SEQ_CONFIG.vocab,
                     dtype="float64")
-    return split_gpt(GPT(cfg, seed=0), schedule.num_stages), SEQ_CONFIG, gpt_loss
+    return split_stages(cfg, GPT(cfg, seed=0), schedule.num_stages), SEQ_CONFIG, gpt_loss
 
 
 def split_later(schedule: Schedule) -> Schedule:

@@ -136,13 +136,13 @@ def exact_and_memory_worker(ctx, runs: list[tuple[str, int, int, str]], seq: int
 def predicted_peaks(case: str, p: int, m: int, k: int, how: str, model: dict,
                     microbatch: int = MICROBATCH) -> tuple[float, ...]:
     """The simulator's per-rank peak, fed per-stage bytes and per-chunk shares profiled from the same model."""
-    from pipeblocks.models import split_gpt
+    from pipeblocks.models import split_stages
     from pipeblocks.runtime.profile import profile_chunk_memory, profile_stage_memory
     from pipeblocks.sim import Costs, simulate
 
     schedule = build(case, p, m, k) if k > 1 else schedules.get(case)(p=p, m=m)
     cfg = GPTConfig(**model)
-    stages = split_gpt(GPT(cfg, seed=0), schedule.num_stages)
+    stages = split_stages(cfg, GPT(cfg, seed=0), schedule.num_stages)
     x, y = (t[:microbatch] for t in batch(cfg, max(1, -(-microbatch // MICROBATCH)), seed=1))
     profile = profile_stage_memory(stages, x, cross_entropy, y)
     seq_mem = profile_chunk_memory(stages, x, cross_entropy, y, lengths(cfg, k, how)) if k > 1 else None
@@ -155,13 +155,13 @@ def kv_ratio(case: str, p: int, m: int, k: int, model: dict, microbatch: int = M
     (k+p-1)/(kp), the K/V fraction of one microbatch's saved bytes on rank 0 (its buffers
     hold 2 x layers x b x seq x hidden values; the rest is profiled), the K/V buffers rank 0
     holds at once, and formula + K/V share (`sim.sequence_split.memory_ratio`)."""
-    from pipeblocks.models import split_gpt
+    from pipeblocks.models import split_stages
     from pipeblocks.runtime.profile import profile_stage_memory
     from pipeblocks.sim.sequence_split import kv_buffers_held, memory_ratio
 
     schedule = build(case, p, m, k)
     cfg = GPTConfig(**model)
-    stages = split_gpt(GPT(cfg, seed=0), schedule.num_stages)
+    stages = split_stages(cfg, GPT(cfg, seed=0), schedule.num_stages)
     x, y = (t[:microbatch] for t in batch(cfg, max(1, -(-microbatch // MICROBATCH)), seed=1))
     profile = profile_stage_memory(stages, x, cross_entropy, y)
     mine = schedule.placement.stages_of(0)

@@ -14,7 +14,7 @@ from pipeblocks.schedules.asynchronous import one_f_one_b_delay
 from pipeblocks.core.async_mode import AsyncMode
 from pipeblocks.train.asynchronous.run import check_against_replay
 from pipeblocks.core.precision import precision_policy
-from pipeblocks.train.config import EmulationSpec, MeshSpec, ModelSpec, ScheduleSpec, TrainConfig
+from pipeblocks.train.config import EmulationSpec, MeshSpec, ModelChoice, ScheduleSpec, TrainConfig
 
 from _async_cases import async_worker
 
@@ -33,7 +33,7 @@ CASES = {
 
 def _cfg(mode: AsyncMode, p: int = P, **extra) -> TrainConfig:
     options = {"verify": True, **extra}
-    return TrainConfig(schedule=ScheduleSpec(get("1f1b")(p=p, m=N)), model=ModelSpec("gpt", MODEL),
+    return TrainConfig(schedule=ScheduleSpec(get("1f1b")(p=p, m=N)), model=ModelChoice("gpt", MODEL),
                        precision=precision_policy(MODEL.dtype), mesh=MeshSpec(threads_per_rank=1), steps=STEPS,
                        microbatch_size=2, lr=1e-2, async_mode=mode, timeout_s=60.0, **options)
 

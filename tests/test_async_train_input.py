@@ -7,7 +7,7 @@ import pytest
 from pipeblocks.cli.main import main
 from pipeblocks.schedules import get
 from pipeblocks.core.async_mode import AsyncMode
-from pipeblocks.train.config import ModelSpec, ScheduleSpec, TrainConfig
+from pipeblocks.train.config import ModelChoice, ScheduleSpec, TrainConfig
 
 
 @pytest.mark.parametrize(
@@ -62,5 +62,5 @@ def test_simulate_weight_memory_follows_the_discrepancy_decay(capsys):
 
 def test_config_refuses_a_warm_up_as_long_as_the_run():
     with pytest.raises(ValueError, match="leaves no asynchronous step"):
-        TrainConfig(schedule=ScheduleSpec(get("1f1b")(p=2, m=2)), model=ModelSpec(), steps=3,
+        TrainConfig(schedule=ScheduleSpec(get("1f1b")(p=2, m=2)), model=ModelChoice(), steps=3,
                     async_mode=AsyncMode("naive", sync_warmup_steps=3))

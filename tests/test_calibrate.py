@@ -47,11 +47,14 @@ def test_the_counter_counts_the_zero_bubble_flops_of_a_block():
     from pipeblocks.models.family import get_family
     from pipeblocks.runtime.calibrate import count_stage_passes
 
+    from pipeblocks.models import build_model, split_stages
+
     fam = get_family("gpt")
     s, b, h = 16, 2, 32
-    model = fam.build_model(fam.config(layers=3, hidden=h, heads=2, seq=s, vocab=64), seed=0)
+    spec = fam.spec(fam.config(layers=3, hidden=h, heads=2, seq=s, vocab=64))
+    model = build_model(spec, seed=0)
     tokens = torch.randint(0, 64, (b, s + 1))
-    counts = count_stage_passes(fam.split(model, 3), tokens[:, :-1], fam.loss_fn, tokens[:, 1:])
+    counts = count_stage_passes(split_stages(spec, model, 3), tokens[:, :-1], spec.loss, tokens[:, 1:])
     f, bb, w = counts[1]
     assert f.flops == s * b * h * (24 * h + 4 * s)
     assert bb.flops == s * b * h * (24 * h + 8 * s)
@@ -77,16 +80,18 @@ def test_the_partition_is_found_once_and_reused_exactly():
     from pipeblocks.models.family import get_family
     from pipeblocks.runtime.backward import PartitionCache
 
+    from pipeblocks.models import build_model, split_stages
+
     fam = get_family("gpt")
-    model = fam.build_model(fam.config(layers=2, hidden=32, heads=2, seq=16, vocab=64, dtype="float64"), seed=0)
-    stage = fam.split(model, 2)[1]
+    spec = fam.spec(fam.config(layers=2, hidden=32, heads=2, seq=16, vocab=64, dtype="float64"))
+    stage = split_stages(spec, build_model(spec, seed=0), 2)[1]
     cache = PartitionCache()
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         x = torch.randn(2, 16, 32, dtype=torch.float64, generator=gen)
         y = torch.randint(0, 64, (2, 16), generator=gen)
-        fresh = _grads(stage, x, y, fam.loss_fn, None)
-        cached = _grads(stage, x, y, fam.loss_fn, cache)
+        fresh = _grads(stage, x, y, spec.loss, None)
+        cached = _grads(stage, x, y, spec.loss, cache)
         assert all(torch.equal(a, c) for a, c in zip(fresh, cached, strict=True))
     assert (cache.hits, cache.misses) == (2, 1)
 

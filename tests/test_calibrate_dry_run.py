@@ -29,10 +29,13 @@ def test_train_dry_run_predicts_from_a_profile(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"predicted from hardware {profile}" in out
     shown = float(out.split("predicted iteration time ")[1].split(" ms")[0])
+    from pipeblocks.models import build_model, split_stages
+
     fam = get_family("gpt")
-    model = fam.build_model(fam.config(layers=2, hidden=32, heads=2, seq=16, vocab=256), seed=0)
+    spec = fam.spec(fam.config(layers=2, hidden=32, heads=2, seq=16, vocab=256))
+    model = build_model(spec, seed=0)
     tokens = torch.randint(0, 256, (2, 17))
-    f, b, w, t_comm = predicted_times(fam.split(model, 2), tokens[:, :-1], fam.loss_fn, tokens[:, 1:],
+    f, b, w, t_comm = predicted_times(split_stages(spec, model, 2), tokens[:, :-1], spec.loss, tokens[:, 1:],
                                       load_profile(profile))
     assert b[0] == 0.0 and w[0] > 0 and b[1] > 0 and t_comm > 0
     want = simulate(schedules.get("zb-h1")(p=2, m=2), Costs(t_f=f, t_b=b, t_w=w, t_comm=t_comm)).makespan

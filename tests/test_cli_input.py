@@ -121,13 +121,13 @@ def test_parse_costs_and_sequence_shares_reject_non_finite_values():
 
 
 def test_train_config_rejects_non_finite_learning_rate_and_timeout():
-    from pipeblocks.train.config import ModelSpec, ScheduleSpec, TrainConfig
+    from pipeblocks.train.config import ModelChoice, ScheduleSpec, TrainConfig
 
     schedule = ScheduleSpec(schedules.get("1f1b")(p=2, m=2))
     for field in ("lr", "timeout_s"):
         for bad in (math.nan, math.inf, 0.0):
             with pytest.raises(ValueError, match=f"{field} must be a finite number > 0"):
-                TrainConfig(schedule=schedule, model=ModelSpec(), **{field: bad})
+                TrainConfig(schedule=schedule, model=ModelChoice(), **{field: bad})
 
 
 def test_json_output_never_holds_nan_or_infinity(capsys):

@@ -45,7 +45,7 @@ def test_verify_passes_at_both_grains(runs, case):
 
 @pytest.mark.torch
 def test_unit_modules_hold_whole_blocks_with_the_end_parts():
-    from pipeblocks.models.split import build_stages
+    from pipeblocks.models import build_stages
     from pipeblocks.runtime.dp_units import unit_modules
 
     first, last = build_stages(GPTConfig(layers=4, hidden=8, heads=2, seq=8, vocab=16), seed=0, num_stages=2,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeblocks.models import GPTConfig, cross_entropy, split_gpt
+from pipeblocks.models import GPTConfig, cross_entropy, split_stages
 from pipeblocks.models.gpt import GPT, CausalSelfAttention
 from pipeblocks.runtime.compute import ModuleCompute
 from pipeblocks.runtime.memory import SavedTensorTracker
@@ -107,7 +107,7 @@ def test_chunked_stages_match_the_whole_sequence(split, lengths):
     tokens = torch.randint(0, cfg.vocab, (2, cfg.seq + 1), generator=gen)
     x, y = tokens[:, :-1], tokens[:, 1:]
     want = _reference(cfg, x, y)
-    stages = split_gpt(GPT(cfg, seed=0), 2)
+    stages = split_stages(cfg, GPT(cfg, seed=0), 2)
     tracker = SavedTensorTracker(enabled=False)
     computes = [ModuleCompute({s: stage}, cross_entropy, 1, 1, tracker) for s, stage in enumerate(stages)]
     k, units = len(lengths), []

@@ -51,12 +51,12 @@ def test_stage_activation_terms_match_the_runtime_profile(layers, hidden, heads,
     the first stage, final LayerNorm and loss on the last), and B frees exactly the loss."""
     import torch
 
-    from pipeblocks.models import GPT, GPTConfig, cross_entropy, split_gpt
+    from pipeblocks.models import GPT, GPTConfig, cross_entropy, split_stages
     from pipeblocks.runtime.profile import profile_stage_memory
     from pipeblocks.sim.analytic import loss_activation_bytes
 
     model = GPTConfig(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, dtype=dtype)
-    modules = split_gpt(GPT(model, seed=0), stages)
+    modules = split_stages(model, GPT(model, seed=0), stages)
     x, y = torch.randint(0, vocab, (b, seq)), torch.randint(0, vocab, (b, seq))
     profile = profile_stage_memory(modules, x, cross_entropy, y)
     config = TransformerConfig(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, microbatch_size=b,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pipeblocks.core import Placement
-from pipeblocks.models import GPT, GPTConfig, build_stages, causal_attention, cross_entropy, layer_counts, split_gpt
+from pipeblocks.models import GPT, GPTConfig, build_stages, causal_attention, cross_entropy, layer_counts, split_stages
 
 pytestmark = pytest.mark.torch
 
@@ -54,7 +54,7 @@ def test_stages_built_per_rank_compose_to_the_full_model(placement):
 
 def test_split_shares_parameters_and_names_with_the_model():
     full = GPT(CFG, seed=0)
-    stages = split_gpt(full, 4)
+    stages = split_stages(full.config, full, 4)
     params = {id(p) for st in stages for p in st.parameters()}
     assert params == {id(p) for p in full.parameters()}
     merged = {k: v for st in stages for k, v in st.state_dict().items()}
@@ -92,14 +92,15 @@ def test_fewer_layers_than_stages_is_a_clear_error():
     with pytest.raises(ValueError, match=r"3 transformer layers but the pipeline has 4 stages.*--layers 4"):
         layer_counts(3, 4)
     with pytest.raises(ValueError, match="4 stages"):
-        split_gpt(GPT(GPTConfig(layers=3, hidden=16, heads=2, seq=8, vocab=16)), 4)
+        small = GPTConfig(layers=3, hidden=16, heads=2, seq=8, vocab=16)
+        split_stages(small, GPT(small), 4)
 
 
 def test_explicit_layer_counts_are_checked():
     full = GPT(CFG)
-    assert [len(s.layers) for s in split_gpt(full, 2, counts=(1, 5))] == [1, 5]
+    assert [len(s.layers) for s in split_stages(full.config, full, 2, counts=(1, 5))] == [1, 5]
     with pytest.raises(ValueError, match="summing to 6"):
-        split_gpt(full, 2, counts=(2, 2))
+        split_stages(full.config, full, 2, counts=(2, 2))
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
-"""The three model families through the splitter and the family registry: stages built per
-rank (loop and V placements) and stages sharing the model's parameters give exactly the
-unsplit model's loss and gradients in float64; no stage tensor is left uninitialised."""
+"""The three built-in families through their specs (`models.build`): stages built per rank
+(loop and V placements) and stages sharing the model's parameters give exactly the unsplit
+model's loss and gradients in float64; no stage tensor is left uninitialised."""
 from __future__ import annotations
 
 import ast
@@ -13,7 +13,8 @@ import torch
 
 import pipeblocks
 from pipeblocks.core import Placement
-from pipeblocks.models import GPTConfig, LlamaConfig, family_names, get_family
+from pipeblocks.models import GPTConfig, LlamaConfig, build_model, build_stages, family_names, get_family, model_logits
+from pipeblocks.models import split_stages
 
 pytestmark = pytest.mark.torch
 
@@ -33,12 +34,12 @@ def _batch(cfg) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _assert_exact(family, full, stages, cfg) -> None:
+def _assert_exact(spec, full, stages, cfg) -> None:
     x, y = _batch(cfg)
     h = x
     for stage in stages:
         h = stage(h)
-    loss, want = family.loss_fn(h, y), family.loss_fn(full(x), y)
+    loss, want = spec.loss(h, y), spec.loss(model_logits(full(x)), y)
     assert math.isclose(loss.item(), want.item(), rel_tol=1e-10)
     loss.backward()
     want.backward()
@@ -52,12 +53,12 @@ def _assert_exact(family, full, stages, cfg) -> None:
 @pytest.mark.parametrize("placement", [Placement.loop(2, 2), Placement.v_shape(2)], ids=["loop-2x2", "v-2"])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_stages_built_per_rank_equal_the_unsplit_model(name, placement):
-    family, cfg = get_family(name), _config(name)
-    full = family.build_model(cfg, seed=3)
+    spec, cfg = get_family(name).spec(_config(name)), _config(name)
+    full = build_model(spec, seed=3)
     S = placement.num_stages
     by_stage = {}
     for rank in range(placement.num_ranks):
-        mine = family.build_stages(cfg, seed=3, num_stages=S, stages=placement.stages_of(rank), device="cpu")
+        mine = build_stages(spec, seed=3, num_stages=S, stages=placement.stages_of(rank), device="cpu")
         by_stage.update({s.index: s for s in mine})
     stages = [by_stage[s] for s in range(S)]
     assert [s.layers for s in stages] == [range(i, i + 1) for i in range(4)]
@@ -67,19 +68,20 @@ def test_stages_built_per_rank_equal_the_unsplit_model(name, placement):
             assert torch.equal(p, params[n]), n
         for n, b in stage.named_buffers():
             assert torch.equal(b, buffers[n]), n
-    _assert_exact(family, full, stages, cfg)
+    _assert_exact(spec, full, stages, cfg)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_split_shares_the_models_parameters(name):
     family, cfg = get_family(name), _config(name)
-    full = family.build_model(cfg, seed=1)
-    stages = family.split(full, 3)
+    spec = family.spec(cfg)
+    full = build_model(spec, seed=1)
+    stages = split_stages(spec, full, 3)
     assert [len(s.layers) for s in stages] == [1, 2, 1]
     assert {id(p) for s in stages for p in s.parameters()} == {id(p) for p in full.parameters()}
     assert {k for s in stages for k in s.state_dict()} == full.state_dict().keys()
     assert all(s.supports_sequence_chunks == family.supports_sequence_chunks for s in stages)
-    _assert_exact(family, full, stages, cfg)
+    _assert_exact(spec, full, stages, cfg)
 
 
 def test_registry_names_configs_and_descriptions():
@@ -88,18 +90,18 @@ def test_registry_names_configs_and_descriptions():
     assert gpt.supports_sequence_chunks and llama.supports_sequence_chunks
     cfg = gpt.config(layers=8, hidden=64, heads=4, seq=64, vocab=256)
     assert cfg == GPTConfig(layers=8, hidden=64, heads=4, seq=64, vocab=256)
-    assert gpt.describe(cfg) == "8-layer GPT (hidden 64, 4 heads)"
+    assert gpt.spec(cfg).describe() == "8-layer GPT (hidden 64, 4 heads)"
     lcfg = llama.config(layers=8, hidden=64, heads=4, kv_heads=2, seq=64, vocab=256, dtype="float32")
     assert isinstance(lcfg, LlamaConfig) and lcfg.num_kv_heads == 2
-    assert llama.describe(lcfg) == "8-layer Llama (hidden 64, 4 heads, 2 KV heads)"
-    assert llama.describe(llama.config(layers=2, hidden=8, heads=2, seq=4, vocab=8)) == \
-        "2-layer Llama (hidden 8, 2 heads, 2 KV heads)"
+    assert llama.spec(lcfg).describe() == "8-layer Llama (hidden 64, 4 heads, 2 KV heads)"
+    assert llama.spec(llama.config(layers=2, hidden=8, heads=2, seq=4, vocab=8)).describe() == \
+        "2-layer Llama (hidden 8, 2 heads)"
     with pytest.raises(ValueError, match="unknown model family 'mamba': choose one of gpt, llama, hf-llama"):
         get_family("mamba")
     with pytest.raises(ValueError, match="--kv-heads 2 applies to the llama and hf-llama families.*drop --kv-heads"):
         gpt.config(layers=8, hidden=64, heads=4, kv_heads=2, seq=64, vocab=256)
     with pytest.raises(TypeError, match=r"the llama family takes a LlamaConfig, got GPTConfig.*get_family\('llama'\)"):
-        llama.build_model(cfg, seed=0)
+        llama.spec(cfg)
 
 
 def test_hf_llama_without_transformers_is_one_line(monkeypatch):
@@ -109,24 +111,21 @@ def test_hf_llama_without_transformers_is_one_line(monkeypatch):
     with pytest.raises(ValueError, match=message):
         get_family("hf-llama")
     from pipeblocks.models.family import FAMILIES
-    from pipeblocks.models.hf_llama import build_hf_llama_stages
 
     family = FAMILIES["hf-llama"]
     cfg = family.config(layers=2, hidden=8, heads=2, seq=4, vocab=8)  # the config needs no transformers
     with pytest.raises(ValueError, match=message):
-        family.build_model(cfg, seed=0)
-    with pytest.raises(ValueError, match=message):
-        build_hf_llama_stages(cfg, seed=0, num_stages=1, stages=[0])
+        family.spec(cfg)
 
 
 def test_loss_is_computed_in_float32_or_wider():
-    family = get_family("llama")
+    loss = get_family("llama").spec(get_family("llama").config(layers=2, hidden=8, heads=2, seq=4, vocab=8)).loss
     logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0))
     y = torch.tensor([[1, 2, 3], [4, 0, 1]])
-    low = family.loss_fn(logits.to(torch.bfloat16), y)
+    low = loss(logits.to(torch.bfloat16), y)
     assert low.dtype == torch.float32
-    assert low.item() == pytest.approx(family.loss_fn(logits.to(torch.bfloat16).float(), y).item(), abs=0)
-    assert family.loss_fn(logits.double(), y).dtype == torch.float64
+    assert low.item() == pytest.approx(loss(logits.to(torch.bfloat16).float(), y).item(), abs=0)
+    assert loss(logits.double(), y).dtype == torch.float64
 
 
 def _top_level_imports(path: Path) -> set[str]:

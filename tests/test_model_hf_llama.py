@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipeblocks.models import LlamaConfig, Stage
-from pipeblocks.models.hf_llama import HFLlamaAdapter
+from pipeblocks.models import LlamaConfig, Stage, build_stages, split_stages
+from pipeblocks.models.hf.adapter import HF_LAYOUT, HFDecoderAdapter
 
 pytestmark = pytest.mark.torch
 
@@ -22,14 +22,14 @@ def _tokens() -> torch.Tensor:
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_stages_give_hf_forward_logits(attn):
     pytest.importorskip("transformers", reason="hf-llama needs transformers (pip install -e .[hf])")
-    from pipeblocks.models.hf_llama import build_hf_llama, build_hf_llama_stages, split_hf_llama
+    from pipeblocks.models.hf_llama import build_hf_llama, hf_llama_spec
 
     model = build_hf_llama(CFG, seed=2, attn_implementation=attn)
+    spec = hf_llama_spec(CFG, attn_implementation=attn)
     assert model.config.num_key_value_heads == 2 and not model.config.tie_word_embeddings
     x = _tokens()
-    want = model(x)  # HF's own forward: create_causal_mask, its rotary, its layer loop
-    for stages in (split_hf_llama(model, 2),
-                   build_hf_llama_stages(CFG, seed=2, num_stages=3, stages=(0, 1, 2), attn_implementation=attn)):
+    want = model(x).logits  # HF's own forward: create_causal_mask, its rotary, its layer loop
+    for stages in (split_stages(spec, model, 2), build_stages(spec, seed=2, num_stages=3, stages=(0, 1, 2))):
         h = x
         for stage in stages:
             h = stage(h)
@@ -38,19 +38,19 @@ def test_stages_give_hf_forward_logits(attn):
 
 def test_weights_are_fixed_by_the_seed_and_stages_refuse_chunks():
     pytest.importorskip("transformers", reason="hf-llama needs transformers (pip install -e .[hf])")
-    from pipeblocks.models.hf_llama import build_hf_llama, split_hf_llama
+    from pipeblocks.models.hf_llama import build_hf_llama, hf_llama_spec
 
     a, b = build_hf_llama(CFG, seed=0), build_hf_llama(CFG, seed=0)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert not torch.equal(a.lm_head.weight, build_hf_llama(CFG, seed=1).lm_head.weight)
     assert a.model.layers[0].input_layernorm.weight.eq(1).all()
-    stage = split_hf_llama(a, 1)[0]
+    stage = split_stages(hf_llama_spec(CFG), a, 1)[0]
     assert "model.layers.2.self_attn.q_proj.weight" in dict(stage.named_parameters())
 
     class Chunk:
         offset = 0
 
-    with pytest.raises(ValueError, match="cannot run sequence chunks: its adapter HFLlamaAdapter"):
+    with pytest.raises(ValueError, match="cannot run sequence chunks: its adapter HFDecoderAdapter"):
         stage(_tokens(), chunk=Chunk())
 
 
@@ -81,11 +81,10 @@ def test_adapter_takes_a_tuple_or_a_tensor_from_a_layer():
     model.model.norm = nn.Identity()
     model.model.rotary_emb = _Rotary()
     model.lm_head = nn.Identity()
-    from pipeblocks.models.hf_llama import HF_LLAMA_LAYOUT
     from pipeblocks.models.splitter import split_model
 
     for attn in ("sdpa", "eager"):
-        (stage,) = split_model(model, HF_LLAMA_LAYOUT, 1, adapter=HFLlamaAdapter(attn))
+        (stage,) = split_model(model, HF_LAYOUT, 1, adapter=HFDecoderAdapter(attn))
         assert isinstance(stage, Stage)
         out = stage(torch.zeros(1, 3, 2))
         assert out.eq(4).all()  # (0 + 1) then (1 + 1) * 2

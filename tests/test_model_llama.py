@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeblocks.models import LlamaConfig, get_family
+from pipeblocks.models import LlamaConfig, build_stages, get_family
 from pipeblocks.models.llama import Llama, LlamaBlock, apply_rotary
 from pipeblocks.runtime.sequence import KVCache, SequenceChunk, chunk_bounds
 
@@ -61,25 +61,25 @@ def test_rotary_keeps_norms_and_depends_on_relative_position():
 
 
 def test_untrained_loss_is_near_log_vocab():
-    family = get_family("llama")
+    spec = get_family("llama").spec(CFG)
     tokens = torch.randint(0, CFG.vocab, (4, CFG.seq + 1), generator=torch.Generator().manual_seed(1))
-    loss = family.loss_fn(Llama(CFG, seed=0)(tokens[:, :-1]), tokens[:, 1:])
+    loss = spec.loss(Llama(CFG, seed=0)(tokens[:, :-1]), tokens[:, 1:])
     assert abs(loss.item() - torch.log(torch.tensor(float(CFG.vocab))).item()) < 0.05
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 @pytest.mark.parametrize("lengths", [(7, 5), (4, 3, 5)], ids=["k2", "k3"])
 def test_sequence_chunks_equal_the_whole_sequence(name, lengths):
-    family = get_family(name)
     fields = dict(layers=2, hidden=16, heads=4, seq=12, vocab=19, dtype="float64")
-    cfg = family.config(**fields, kv_heads=2 if name == "llama" else None)
+    cfg = get_family(name).config(**fields, kv_heads=2 if name == "llama" else None)
+    family = get_family(name).spec(cfg)
     tokens = torch.randint(0, cfg.vocab, (2, cfg.seq + 1), generator=torch.Generator().manual_seed(3))
     x, y = tokens[:, :-1], tokens[:, 1:]
-    whole = family.build_stages(cfg, seed=0, num_stages=2, stages=(0, 1))
-    want = family.loss_fn(whole[1](whole[0](x)), y)
+    whole = build_stages(family, seed=0, num_stages=2, stages=(0, 1))
+    want = family.loss(whole[1](whole[0](x)), y)
     want.backward()
 
-    stages = family.build_stages(cfg, seed=0, num_stages=2, stages=(0, 1))
+    stages = build_stages(family, seed=0, num_stages=2, stages=(0, 1))
     assert all(s.supports_sequence_chunks for s in stages)
     cache, losses = KVCache(), []
     k = len(lengths)
@@ -87,7 +87,7 @@ def test_sequence_chunks_equal_the_whole_sequence(name, lengths):
         h = x[:, offset:offset + n]
         for s, stage in enumerate(stages):
             h = stage(h, chunk=SequenceChunk(s, 0, c, k, offset, n, cfg.seq, cache))
-        losses.append(family.loss_fn(h, y[:, offset:offset + n]) * n / cfg.seq)  # mean over the whole sequence
+        losses.append(family.loss(h, y[:, offset:offset + n]) * n / cfg.seq)  # mean over the whole sequence
     for loss in reversed(losses):  # backward LIFO over chunks, as the schedules run it
         loss.backward()
     assert sum(loss.item() for loss in losses) == pytest.approx(want.item(), rel=1e-12)

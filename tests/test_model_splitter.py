@@ -263,15 +263,48 @@ def test_layout_paths_are_checked():
         Layout(blocks="a..b")
 
 
-def test_tied_weights_are_refused():
+def test_tied_weights_other_than_the_head_are_refused():
     model = _model(Tiny)
-    model.head.weight = model.embed.weight
-    with pytest.raises(ValueError, match="head.weight and embed.weight are one parameter.*tie_word_embeddings=False"):
+    model.layers[1].fc.weight = model.layers[0].fc.weight
+    with pytest.raises(ValueError, match="layers.1.fc.weight and layers.0.fc.weight are one parameter.*untie the others"):
         split_model(model, TINY, 2)
 
 
+class TiedTiny(Tiny):
+    """Tiny whose head shares the embedding's weight (a bias-free head of V x H)."""
+
+    def __init__(self, blocks: int = 5) -> None:
+        super().__init__(blocks)
+        self.head = nn.Linear(H, VOCAB, bias=False, dtype=F64)
+        self.head.weight = self.embed.weight
+
+
+def test_a_head_tied_to_the_embedding_is_recorded_and_built_as_two_equal_copies():
+    model = _model(TiedTiny)
+    stages = split_model(model, TINY, 2)  # one process: the stages share the one parameter
+    assert stages[0].tied == stages[1].tied == (("embed.weight", "head.weight"),)
+    assert stages[1].part("head").weight is stages[0].part("embed").weight
+    assert set(stages[0].tied_here) == {"embed.weight"} and set(stages[1].tied_here) == {"head.weight"}
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(stages[1](stages[0](tokens)), model(tokens))
+    # built apart (a V rank holds stages 0 and 3): a copy each, filled from the embedding's name
+    init_calls = []
+
+    def init(name, tensor):
+        init_calls.append(name)
+        seeded_normal_(tensor, seed=0, name=name, std=0.5)
+
+    first, last = allocate_stages(TiedTiny, TINY, num_stages=4, stages=[0, 3], init=init)
+    head, embed = last.part("head").weight, first.part("embed").weight
+    assert head is not embed and torch.equal(head, embed) and "head.weight" not in init_calls
+    # from a state dict that holds the weight once, as tied checkpoints do
+    weights = {k: v for k, v in model.state_dict().items() if k != "head.weight"}
+    (alone,) = allocate_stages(TiedTiny, TINY, num_stages=2, stages=[1], state_dict=weights)
+    assert torch.equal(alone.part("head").weight, model.embed.weight)
+
+
 def test_allocate_needs_weights_and_every_key():
-    with pytest.raises(ValueError, match="exactly one of init= .* or state_dict="):
+    with pytest.raises(ValueError, match="exactly one of init= .* state_dict= .* or weights="):
         allocate_stages(Tiny, TINY, num_stages=2, stages=[0])
     partial = {k: v for k, v in _model(Tiny).state_dict().items() if not k.startswith("layers.4.")}
     assert len(allocate_stages(Tiny, TINY, num_stages=2, stages=[0], state_dict=partial)) == 1

@@ -91,7 +91,7 @@ def test_request_bad_input_names_the_fix():
 
 def test_train_dry_run_predicts_memory_and_time_without_launching(monkeypatch, capsys):
     torch = pytest.importorskip("torch")
-    from pipeblocks.models import GPT, split_gpt
+    from pipeblocks.models import GPT, split_stages
     from pipeblocks.models.config import GPTConfig
     from pipeblocks.train import loop, run
 
@@ -110,7 +110,8 @@ def test_train_dry_run_predicts_memory_and_time_without_launching(monkeypatch, c
     assert "predicted iteration time 25.0 ms" in out  # (m+p-1)(F+BW) = 5 * (2 + 3) ms at one layer per stage
     assert "nothing launched" in out
     figures = printed[0]
-    stages = split_gpt(GPT(GPTConfig(layers=2, hidden=32, heads=2, seq=16, vocab=256), seed=0), 2)
+    cfg = GPTConfig(layers=2, hidden=32, heads=2, seq=16, vocab=256)
+    stages = split_stages(cfg, GPT(cfg, seed=0), 2)
     for rank, stage in enumerate(stages):
         params = sum(p.numel() for p in stage.parameters())
         row = figures["ranks"][rank]

@@ -114,7 +114,7 @@ def test_analytic_formulas():
 
 
 def test_layer_split_is_the_model_splitters_rule():
-    from pipeblocks.models.split import layer_counts
+    from pipeblocks.core.split import layer_counts
 
     assert layer_split(8, 4) == (2, 2, 2, 2)
     assert layer_split(10, 4) == (2, 3, 3, 2)  # the ends carry the embedding and the head

@@ -12,6 +12,7 @@ from pipeblocks.core.async_mode import AsyncMode
 from pipeblocks.core.request import Mesh, ScheduleRequest
 from pipeblocks.core.sharding import parse_sharding
 from pipeblocks.models.config import GPTConfig
+from pipeblocks.models import build_model, split_stages
 from pipeblocks.models.family import get_family
 from pipeblocks.models.llama_config import LlamaConfig
 from pipeblocks.models.tp_plan import check_tp
@@ -31,16 +32,19 @@ def _prepare(tp: int = 2, *, name: str = "1f1b", dp: int = 1, sharding: str = "r
 
 
 def test_tp_must_divide_heads_kv_heads_mlp_vocab_and_seq():
-    check_tp(LlamaConfig(heads=4, kv_heads=2, hidden=64, seq=64, vocab=256), 2)
-    check_tp(GPTConfig(heads=4, hidden=64, seq=64, vocab=256), 4)
+    from pipeblocks.models.gpt import gpt_shape
+    from pipeblocks.models.llama import llama_shape
+
+    check_tp(llama_shape(LlamaConfig(heads=4, kv_heads=2, hidden=64, seq=64, vocab=256)), 2, seq=64)
+    check_tp(gpt_shape(GPTConfig(heads=4, hidden=64, seq=64, vocab=256)), 4, seq=64)
     with pytest.raises(ValueError, match=r"--tp 3 does not divide the model's 4 heads: .*--tp 1 or 2 or 4"):
-        check_tp(LlamaConfig(heads=4, hidden=64), 3)
-    with pytest.raises(ValueError, match=r"--tp 2 does not divide the model's 1 KV heads \(kv_heads\).*--kv-heads"):
-        check_tp(LlamaConfig(heads=4, kv_heads=1, hidden=64), 2)
-    with pytest.raises(ValueError, match=r"--tp 4 does not divide the model's 66 tokens per sequence.*--seq"):
-        check_tp(GPTConfig(heads=4, hidden=64, seq=66), 4)
+        check_tp(llama_shape(LlamaConfig(heads=4, hidden=64)), 3, seq=64)
+    with pytest.raises(ValueError, match=r"--tp 2 does not divide the model's 1 KV heads"):
+        check_tp(llama_shape(LlamaConfig(heads=4, kv_heads=1, hidden=64)), 2, seq=64)
+    with pytest.raises(ValueError, match=r"--tp 4 does not divide the model's 66 tokens per sequence"):
+        check_tp(gpt_shape(GPTConfig(heads=4, hidden=64, seq=66)), 4, seq=66)
     with pytest.raises(ValueError, match=r"--tp 2 does not divide the model's 255 vocabulary"):
-        check_tp(GPTConfig(heads=4, hidden=64, vocab=255), 2)
+        check_tp(gpt_shape(GPTConfig(heads=4, hidden=64, vocab=255)), 2, seq=64)
     with pytest.raises(ValueError, match=r"--tp 2 does not divide the model's 1 heads"):
         _prepare(model=LlamaConfig(layers=4, hidden=16, heads=1, seq=8))
 
@@ -89,9 +93,9 @@ def test_cli_tp_option_reaches_the_config(capsys):
 def test_every_projection_of_a_block_is_in_the_plan(family):
     """Each block's linear layers are split (column- or row-wise), its norms run sequence-parallel."""
     fam = get_family(family)
-    cfg = fam.config(layers=2, hidden=16, heads=2, seq=8, vocab=256)
-    stage = fam.split(fam.build_model(cfg, seed=0), 1)[0]
-    plan = fam.tp_plan()
+    spec = fam.spec(fam.config(layers=2, hidden=16, heads=2, seq=8, vocab=256))
+    stage = split_stages(spec, build_model(spec, seed=0), 1)[0]
+    plan = spec.tp_plan()
     _, block = stage.block_items()[0]
     linears = {name for name, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
     assert linears <= set(plan.block), linears - set(plan.block)
@@ -129,13 +133,12 @@ def test_the_memory_model_holds_the_shapes_the_gpt_plan_splits(num_stages):
     from pipeblocks.sim.analytic import TransformerConfig
     from pipeblocks.sim.memory_estimate import stage_param_shapes
 
-    fam = get_family("gpt")
-    cfg = GPTConfig(layers=4, hidden=16, heads=2, seq=8, vocab=256)
+    spec = get_family("gpt").spec(GPTConfig(layers=4, hidden=16, heads=2, seq=8, vocab=256))
     analytic = TransformerConfig(layers=4, hidden=16, heads=2, seq=8, vocab=256)
-    stages = fam.split(fam.build_model(cfg, seed=0), num_stages)
+    stages = split_stages(spec, build_model(spec, seed=0), num_stages)
     for tp in (1, 2):
         expected = stage_param_shapes(analytic, num_stages, tp)
-        assert [tuple(planned_shapes(st, fam.tp_plan(), tp)) for st in stages] == list(expected)
+        assert [tuple(planned_shapes(st, spec.tp_plan(), tp)) for st in stages] == list(expected)
 
 
 def test_estimate_memory_at_tp1_is_unchanged_and_tp_splits_it():

@@ -17,11 +17,28 @@
     pipeblocks train --schedule zb-v -p 4 -m 8 --layers 8 --dry-run   # predicted memory and time, no launch
     pipeblocks train --schedule zb-v -p 2 -m 4 --dp 2 --sharding zero3 --dtype float64 --verify   # 2 x 2 mesh
     pipeblocks train --model-family llama -p 2 --tp 2 --precision bf16-mixed   # 2 pipeline x 2 tensor-parallel
+    pipeblocks train --hf models/qwen2 --data notes.jsonl --seq 256 --save-hf out/   # a checkpoint, fine-tuned
+    pipeblocks train --model my_model.py:SPEC --dp 2 --precision bf16-mixed   # your own ModelSpec
+    pipeblocks train --model-family llama --tokenizer tok/ --vocab 32000 --data corpus.bin --data-dtype uint16
 
-`--model-family` picks the model: gpt (the reference GPT), llama (the built-in Llama-style
-model: RMSNorm, rotary positions, SwiGLU, grouped-query attention with --kv-heads), or
-hf-llama (Hugging Face transformers' LlamaForCausalLM of the same size, random weights;
-needs `pip install -e .[hf]`). Your own model: docs/your-model.md.
+`--model-family` picks a built-in model: gpt (the reference GPT), llama (the built-in
+Llama-style model: RMSNorm, rotary positions, SwiGLU, grouped-query attention with
+--kv-heads), or hf-llama (Hugging Face transformers' LlamaForCausalLM of the same size,
+random weights; needs `pip install -e .[hf]`), sized by --layers, --hidden, --heads,
+--kv-heads, --seq and --vocab. `--hf DIR` trains the model of a Hugging Face directory
+(config.json, safetensors weights, tokenizer files) from its own weights, with its own
+tokenizer (docs/fine-tune.md); `--model FILE.py:NAME` (or package.module:NAME, or a name
+given to `register_model`) trains your own `ModelSpec` (docs/your-model.md). With either,
+the sizes come from the model and only --seq is the run's.
+
+`--data` takes a text file, a JSONL file (documents in the "text" field, or
+`--data-field`), a pre-tokenized token file or a directory of them (little-endian
+`--data-dtype` uint16 or uint32, as nanoGPT writes them), or a `datasets` directory
+saved with save_to_disk. Text is tokenized once with `--tokenizer` (a directory or a
+tokenizer.json; default the --hf directory's, else UTF-8 bytes) into a memory-mapped
+token file cached beside it; no rank reads the corpus into memory. `--save-hf DIR` writes
+the trained model as a Hugging Face directory at the end (config.json, safetensors,
+tokenizer files), which `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
 `--precision` is fp32 (default), fp64, or bf16-mixed: bfloat16 compute and activations,
 float32 master weights, AdamW state, gradient accumulation and reduction, and loss
@@ -105,11 +122,12 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 from ..core.precision import PRECISION_NAMES
 from ..core.request import CostSpec
 from ..models.config import GPTConfig
-from ..models.family import family_names
+from ..models.family import FAMILIES, family_names
 from ..train.config import TrainConfig
 from ..train.run import DEFAULT_SCHEDULE, FALLBACK_SCHEDULE, default_schedule
 from .argtypes import nonneg_float, nonneg_int, plot_file, positive_float, positive_int
@@ -123,6 +141,8 @@ from ..sim.hardware_profile import check_hardware_text
 __all__ = ["register", "run", "DEFAULT_SCHEDULE"]
 
 ASYNC_DEFAULT_SCHEDULE = next(iter(ASYNC_FORMS))
+DEFAULT_OTHER_SEQ = 256
+"""--seq's default with --hf and --model (at most the model's context)"""
 
 
 def register(sub) -> None:
@@ -133,18 +153,28 @@ def register(sub) -> None:
     add_generator_options(parser, name="option", p=2, m=4,
                           name_help=f"schedule name (default {DEFAULT_SCHEDULE}, or {FALLBACK_SCHEDULE} if absent)")
     model = parser.add_argument_group("model and data")
-    model.add_argument("--model-family", default="gpt", choices=family_names(),
-                       help="gpt (the reference GPT, default), llama (built-in Llama-style), hf-llama (transformers' "
-                       "LlamaForCausalLM; pip install -e .[hf])")
-    # defaults come from GPTConfig and TrainConfig, the one place they are set
-    model.add_argument("--layers", type=positive_int, default=GPTConfig.layers,
+    which = model.add_mutually_exclusive_group()
+    which.add_argument("--model-family", default=None, choices=family_names(),
+                       help="a built-in model: gpt (the reference GPT, default), llama (built-in Llama-style), hf-llama "
+                       "(transformers' LlamaForCausalLM; pip install -e .[hf])")
+    which.add_argument("--hf", default=None, metavar="DIR",
+                       help="a Hugging Face model directory (config.json, safetensors, tokenizer files): train it from "
+                       "its own weights (docs/fine-tune.md)")
+    which.add_argument("--model", default=None, metavar="FILE.py:NAME",
+                       help="your own ModelSpec: FILE.py:NAME, package.module:NAME or a registered name "
+                       "(docs/your-model.md)")
+    # defaults come from GPTConfig and TrainConfig, the one place they are set; None marks "not given"
+    model.add_argument("--layers", type=positive_int, default=None,
                        help=f"transformer blocks (default {GPTConfig.layers}: enough for V schedules up to p=4)")
-    model.add_argument("--hidden", type=positive_int, default=GPTConfig.hidden, help=f"model width (default {GPTConfig.hidden})")
-    model.add_argument("--heads", type=positive_int, default=GPTConfig.heads,
-                       help=f"attention heads (default {GPTConfig.heads})")
+    model.add_argument("--hidden", type=positive_int, default=None, help=f"model width (default {GPTConfig.hidden})")
+    model.add_argument("--heads", type=positive_int, default=None, help=f"attention heads (default {GPTConfig.heads})")
     model.add_argument("--kv-heads", type=positive_int, default=None,
                        help="key/value heads of grouped-query attention (llama, hf-llama; default: --heads)")
-    model.add_argument("--seq", type=positive_int, default=GPTConfig.seq, help=f"tokens per sequence (default {GPTConfig.seq})")
+    model.add_argument("--vocab", type=positive_int, default=None,
+                       help="the built-in model's vocabulary (default: the tokenizer's; 256 for bytes)")
+    model.add_argument("--seq", type=positive_int, default=None,
+                       help=f"tokens per sequence (default {GPTConfig.seq}; with --hf or --model, the smaller of "
+                       f"{DEFAULT_OTHER_SEQ} and the model's context)")
     model.add_argument("--precision", default=None, choices=PRECISION_NAMES,
                        help="fp32 (default), fp64, or bf16-mixed (bfloat16 compute, float32 weights, optimizer "
                        "state, gradient sums and loss)")
@@ -152,8 +182,15 @@ def register(sub) -> None:
                        help="the older name of --precision fp32 / fp64")
     model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                        help="auto (default: CUDA when there is a GPU for every local rank, else the CPU), cpu, cuda")
-    model.add_argument("--data", default=None, metavar="FILE",
-                       help="a text file to train on (default: Python's own pydoc topics, no download)")
+    model.add_argument("--data", default=None, metavar="PATH",
+                       help="a text or JSONL file, a token file (.bin) or a directory of them, or a datasets directory "
+                       "(default: Python's own pydoc topics, no download)")
+    model.add_argument("--tokenizer", default=None, metavar="DIR|tokenizer.json",
+                       help="tokenize text with this tokenizer (default: the --hf directory's, else UTF-8 bytes)")
+    model.add_argument("--data-field", default="text", metavar="NAME",
+                       help="the JSONL (or datasets) field holding each document (default text)")
+    model.add_argument("--data-dtype", default="uint16", choices=("uint16", "uint32"),
+                       help="the element type of a pre-tokenized token file (default uint16)")
     train = parser.add_argument_group("training")
     train.add_argument("--microbatch-size", type=positive_int, default=TrainConfig.microbatch_size,
                        help=f"sequences per microbatch (default {TrainConfig.microbatch_size})")
@@ -212,6 +249,9 @@ def register(sub) -> None:
     out.add_argument("--emulate", default=None, type=_emulate_arg, metavar="F_MS,B_MS,W_MS",
                      help="sleep F/B/W milliseconds per layer and microbatch instead of computing (times only)")
     out.add_argument("--report", default=None, metavar="FILE", help="write the measured-vs-simulated report as JSON")
+    out.add_argument("--save-hf", default=None, metavar="DIR",
+                     help="after the last step, write the trained model as a Hugging Face directory (config.json, "
+                     "safetensors, tokenizer files) that transformers loads")
     add_mode_options(parser.add_argument_group("asynchronous (PipeDream, PipeMare)"),
                      what="--steps counts optimizer steps, --verify compares the run with "
                      "its one-process replay")
@@ -221,38 +261,85 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data import ByteTokenizer
-    from ..models.family import FAMILIES
     from ..train import run as training
+    from ..train.config import DataSpec
 
     emulate = args.emulate
     async_mode = mode_from_args(args)
-    if async_mode is not None:
-        if args.dry_run:
-            raise ValueError("--async with --dry-run is not supported yet: drop --dry-run (simulate 1f1b --async "
-                             "predicts the asynchronous steady state)")
     precision = _precision(args.precision, args.dtype)
     # cost-aware generators see the emulated ratios (unit costs otherwise)
     costs = CostSpec(times=None if emulate is None else ",".join(map(str, emulate)), seq_split=args.seq_split,
                      hardware=args.hardware or CostSpec.hardware)
-    # the asynchronous form exists for 1F1B (asynchronous.run.check_async names the ones that have one)
+    # the asynchronous form exists for 1F1B (composition.REFUSALS names the ones that have one)
     default = ASYNC_DEFAULT_SCHEDULE if async_mode is not None else default_schedule()
     request = request_from_args(args, name=args.name or default, costs=costs)
-    # the weights' dtype: float64 for fp64, float32 otherwise (bf16-mixed keeps float32 masters)
-    model = FAMILIES[args.model_family].config(
-        layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, seq=args.seq,
-        vocab=ByteTokenizer.vocab_size, dtype="float64" if precision == "fp64" else "float32")
-    cfg, data = training.prepare(
-        request, model=model, family=args.model_family, precision=precision, device=args.device, emulate=emulate,
-        microbatch_size=args.microbatch_size, steps=args.steps, lr=args.lr, seed=args.seed, data=args.data,
+    data = DataSpec(args.data, tokenizer=args.tokenizer, field=args.data_field, dtype=args.data_dtype)
+    cfg, corpus = training.prepare(
+        request, model=model_from_args(args, precision), precision=precision, device=args.device, emulate=emulate,
+        data=data, sizes=given_sizes(args), dry_run=args.dry_run,
+        microbatch_size=args.microbatch_size, steps=args.steps, lr=args.lr, seed=args.seed,
         checkpoint=args.checkpoint, resume=args.resume, save_every=args.save_every, verify=args.verify,
         timeout_s=args.timeout, quiet=args.quiet, overwrite=args.overwrite, clip_grad=args.clip_grad,
         inject_nonfinite=args.inject_nonfinite, optimistic_step=not args.step_barrier, async_mode=async_mode,
         lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr,
         lr_decay_steps=args.lr_decay_steps, held_out=args.held_out,
-        eval_every=args.eval_every, metrics=args.metrics,
+        eval_every=args.eval_every, metrics=args.metrics, save_hf=args.save_hf,
     )
-    return training.execute(cfg, data, dry=args.dry_run, report=args.report, plot=args.plot, hardware=args.hardware)
+    return training.execute(cfg, corpus, dry=args.dry_run, report=args.report, plot=args.plot, hardware=args.hardware)
+
+
+# the size options of the built-in models, by flag (argparse dest)
+_SIZES = {"--layers": "layers", "--hidden": "hidden", "--heads": "heads", "--kv-heads": "kv_heads",
+          "--vocab": "vocab"}
+
+
+def given_sizes(args: argparse.Namespace) -> tuple[str, ...]:
+    """The size options given on the command line (refused with --hf and --model)."""
+    return tuple(flag for flag, dest in _SIZES.items() if getattr(args, dest) is not None)
+
+
+def model_from_args(args: argparse.Namespace, precision: str):
+    """The run's `ModelChoice`: a built-in family sized by the options, an --hf directory, or --model."""
+    from ..train.model_choice import HF_PREFIX, ModelChoice
+
+    dtype = "float64" if precision == "fp64" else "float32"  # the weights' (bf16-mixed keeps float32 masters)
+    if args.hf is not None or args.model is not None:
+        if given_sizes(args):  # refused, with the fix, by the composition table: build nothing first
+            return ModelChoice(HF_PREFIX + args.hf if args.hf else args.model, None, seq=args.seq or 1, dtype=dtype)
+        return _other_model(args, dtype)
+    family = FAMILIES[args.model_family or "gpt"]
+    vocab = args.vocab if args.vocab is not None else _tokenizer_vocab(args.tokenizer)
+    config = family.config(layers=args.layers or GPTConfig.layers, hidden=args.hidden or GPTConfig.hidden,
+                           heads=args.heads or GPTConfig.heads, kv_heads=args.kv_heads, seq=args.seq or GPTConfig.seq,
+                           vocab=vocab, dtype=dtype)
+    return ModelChoice(family.name, config)
+
+
+def _other_model(args: argparse.Namespace, dtype: str):
+    from ..core.hf_config import read_hf_config
+    from ..models.spec import portable_reference
+    from ..train.model_choice import HF_PREFIX, ModelChoice
+
+    if args.hf is not None:
+        directory = str(Path(args.hf).expanduser().resolve())
+        context = read_hf_config(directory).shape.context  # a bad directory fails here, in one line
+        source = HF_PREFIX + directory
+    else:
+        source = portable_reference(args.model)
+        context = ModelChoice(source, None, seq=1, dtype=dtype).shape.context
+    seq = args.seq or min(DEFAULT_OTHER_SEQ, context or DEFAULT_OTHER_SEQ)
+    return ModelChoice(source, None, seq=seq, dtype=dtype)
+
+
+def _tokenizer_vocab(tokenizer: str | None) -> int:
+    """A built-in model's default vocabulary: the tokenizer's (256 for bytes)."""
+    if tokenizer is None:
+        from ..data import ByteTokenizer
+
+        return ByteTokenizer.vocab_size
+    from ..data.tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer).vocab_size
 
 
 def _precision(precision: str | None, dtype: str | None) -> str:

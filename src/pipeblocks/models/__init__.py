@@ -1,34 +1,39 @@
-"""Models and their split into pipeline stages: the splitter for any model with a block list,
-the reference GPT, a Llama-style model, Hugging Face's Llama, and the family registry.
+"""Models and their split into pipeline stages: the `ModelSpec` every model is trained through,
+the splitter for any model with a block list, the built-in models, and Hugging Face models.
 
-    splitter    Layout, split_model, allocate_stages, Stage, BlockAdapter   (bring your own model)
-    gpt         GPTConfig, GPT, split_gpt, build_stages, GPTStage
-    llama       LlamaConfig, Llama, split_llama, build_llama_stages
-    hf-llama    pipeblocks.models.hf_llama (needs transformers)
+    spec        ModelSpec, ModelShape, register_model, load_spec       (what `train` needs from a model)
+    build       build_stages, build_model, split_stages, spec_of      (one path for every spec)
+    splitter    Layout, split_model, allocate_stages, Stage, BlockAdapter, TiedPair   (bring your own model)
+    gpt         GPTConfig, GPT, gpt_spec                               (the reference GPT)
+    llama       LlamaConfig, Llama, llama_spec                         (the built-in Llama-style model)
+    hf          pipeblocks.models.hf: hf_spec(DIR), save_hf            (Hugging Face directories; transformers)
     families    get_family("gpt" | "llama" | "hf-llama"), family_names()
 
 Names are imported on first use, so `from pipeblocks.models import GPTConfig` (and
-LlamaConfig, Layout, get_family, and the command line) does not import torch; `GPT`,
-`split_gpt`, `split_model` and the rest do. Nothing here imports transformers.
+LlamaConfig, Layout, ModelShape, get_family, and the command line) does not import torch;
+`GPT`, `build_stages`, `split_model` and the rest do. Nothing here imports transformers.
 """
 from __future__ import annotations
 
 import importlib
 
 __all__ = [
-    "GPTConfig", "GPT", "causal_attention", "cross_entropy",
-    "GPTStage", "build_stages", "layer_counts", "layer_ranges", "split_gpt",
-    "LlamaConfig", "Llama", "split_llama", "build_llama_stages",
-    "Layout", "Stage", "BlockAdapter", "split_model", "allocate_stages",
+    "ModelSpec", "ModelShape", "register_model", "load_spec", "model_logits",
+    "build_stages", "build_model", "split_stages", "spec_of",
+    "GPTConfig", "GPT", "causal_attention", "cross_entropy", "gpt_spec", "layer_counts", "layer_ranges",
+    "LlamaConfig", "Llama", "llama_spec",
+    "Layout", "Stage", "TiedPair", "BlockAdapter", "split_model", "allocate_stages",
     "Family", "get_family", "family_names",
 ]
 
 _HOME = {
-    "GPTConfig": "config", "GPT": "gpt", "causal_attention": "gpt", "cross_entropy": "gpt",
-    "GPTStage": "split", "build_stages": "split", "layer_counts": "split", "layer_ranges": "split",
-    "split_gpt": "split",
-    "LlamaConfig": "llama_config", "Llama": "llama", "split_llama": "llama", "build_llama_stages": "llama",
-    "Layout": "layout", "Stage": "stage", "BlockAdapter": "adapter", "split_model": "splitter",
+    "ModelSpec": "spec", "register_model": "spec", "load_spec": "spec", "model_logits": "spec",
+    "ModelShape": "..core.model_shape",
+    "build_stages": "build", "build_model": "build", "split_stages": "build", "spec_of": "build",
+    "GPTConfig": "config", "GPT": "gpt", "causal_attention": "gpt", "cross_entropy": "gpt", "gpt_spec": "gpt",
+    "layer_counts": "..core.split", "layer_ranges": "layout",
+    "LlamaConfig": "llama_config", "Llama": "llama", "llama_spec": "llama",
+    "Layout": "layout", "Stage": "stage", "TiedPair": "stage", "BlockAdapter": "adapter", "split_model": "splitter",
     "allocate_stages": "splitter",
     "Family": "family", "get_family": "family", "family_names": "family",
 }
@@ -37,7 +42,9 @@ _HOME = {
 def __getattr__(name: str):
     if name not in _HOME:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    home = _HOME[name]
+    module = importlib.import_module(home if home.startswith("..") else f".{home}", __name__)
+    return getattr(module, name)
 
 
 def __dir__() -> list[str]:

@@ -19,9 +19,17 @@ The LM head is not tied to the token embedding: the embedding lives on the first
 stage and the head on the last, and tying would make them share a parameter across ranks.
 
 Initialisation is a function of (seed, parameter name) alone (see `init_parameters`), so a
-pipeline rank can build just its own stages (`pipeblocks.models.split.build_stages`) and get
-exactly the weights that the whole model built from the same seed has (`parameter_init` is
-the same rule as an `init(name, tensor)` function, the form the splitter takes).
+pipeline rank can build just its own stages (`pipeblocks.models.build_stages(gpt_spec(cfg),
+...)`) and get exactly the weights that the whole model built from the same seed has
+(`parameter_init` is the same rule as an `init(name, tensor)` function, the form the
+splitter takes). `gpt_spec(cfg)` is the model as `pipeblocks train` sees it (`ModelSpec`).
+
+Stages: stage s holds the s-th contiguous slice of blocks (`core.split.layer_counts`: the
+end stages, which carry the embedding and the head, get the lighter share); stage 0 also
+the embedding and the last stage the head, by GPT_LAYOUT. Sequence chunks (Seq1F1B):
+`stage(x, chunk=c)` runs the tokens [c.offset, c.offset + c.length) of a microbatch:
+positions start at c.offset and every block's attention takes its K/V over the earlier
+chunks from `c.kv("blocks.<i>")` (`pipeblocks.runtime.sequence.SequenceChunk`).
 
 Attention. `torch.nn.functional.scaled_dot_product_attention` (SDPA): on CPU it runs the
 flash kernel for float32 and float64 alike, which saves q, k, v, the output and one
@@ -44,13 +52,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..core.model_shape import ModelShape
+from .adapter import BlockAdapter
 from .config import GPTConfig
 from .init import seeded_normal_
+from .layout import Layout
 
 __all__ = [
-    "GPTConfig", "GPT", "Embedding", "Block", "Head", "CausalSelfAttention", "MLP", "KVExtender",
-    "causal_attention", "bottom_right_mask", "init_parameters", "parameter_init", "cross_entropy", "gpt_tp_plan",
+    "GPTConfig", "GPT", "Embedding", "Block", "Head", "CausalSelfAttention", "MLP", "KVExtender", "GPT_LAYOUT",
+    "GPTAdapter", "causal_attention", "bottom_right_mask", "init_parameters", "parameter_init", "cross_entropy",
+    "gpt_shape", "gpt_spec", "gpt_tp_plan",
 ]
+
+GPT_LAYOUT = Layout(blocks="blocks", before=("embed",), after=("head",))
 
 
 class KVExtender(Protocol):
@@ -240,6 +254,33 @@ def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     if logits.is_floating_point() and torch.finfo(logits.dtype).bits < 32:
         logits = logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class GPTAdapter(BlockAdapter):
+    """The embedding takes the chunk's position offset; each block takes its K/V extender."""
+
+    supports_sequence_chunks = True
+
+    def run_before(self, name, module, x, chunk):
+        return module(x, chunk.offset if chunk is not None else 0)
+
+    def run_block(self, name: str, block: nn.Module, h, ctx):
+        return block(h, ctx.kv(name) if ctx is not None else None)
+
+
+def gpt_shape(cfg: GPTConfig) -> ModelShape:
+    """The reference GPT's sizes as the simulator reads them."""
+    return ModelShape(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, vocab=cfg.vocab,
+                      ffn=cfg.mlp_ratio * cfg.hidden, context=cfg.seq)
+
+
+def gpt_spec(cfg: GPTConfig):
+    """The reference GPT of `cfg` as a `ModelSpec` (weights from the run's seed)."""
+    from .spec import ModelSpec
+
+    return ModelSpec(name="gpt", title="GPT", build=lambda: GPT(cfg, seed=0), layout=GPT_LAYOUT,
+                     shape=gpt_shape(cfg), init=lambda seed: parameter_init(cfg, seed=seed), adapter=GPTAdapter(),
+                     loss=cross_entropy, tp_plan=gpt_tp_plan)
 
 
 def gpt_tp_plan():

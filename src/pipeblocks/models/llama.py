@@ -1,12 +1,14 @@
 """A Llama-style decoder, and its split into pipeline stages.
 
-    >>> from pipeblocks.models.llama import Llama, build_llama_stages, split_llama
+    >>> from pipeblocks.models import build_stages, split_stages
+    >>> from pipeblocks.models.llama import Llama, llama_spec
     >>> from pipeblocks.models.llama_config import LlamaConfig
     >>> cfg = LlamaConfig(layers=4, hidden=64, heads=4, kv_heads=2, seq=64, vocab=256, dtype="float64")
     >>> model = Llama(cfg, seed=0)                    # the same seed gives the same weights, everywhere
     >>> logits = model(torch.zeros(2, 64, dtype=torch.long))               # [2, 64, 256]
-    >>> stages = split_llama(model, 2)                                     # sharing model's parameters
-    >>> mine = build_llama_stages(cfg, seed=0, num_stages=4, stages=(0, 3))  # only these, same weights
+    >>> stages = split_stages(cfg, model, 2)                               # sharing model's parameters
+    >>> mine = build_stages(cfg, seed=0, num_stages=4, stages=(0, 3))      # only these, same weights
+    >>> spec = llama_spec(cfg)                        # the model as `pipeblocks train` sees it
 
 Layout (parameter names in brackets; the stages use the same names)::
 
@@ -33,22 +35,22 @@ the keys and values of this and earlier chunks (kv_heads heads) and the causal m
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..core.model_shape import ModelShape
 from .adapter import BlockAdapter, KVExtenderLike, SequenceChunkLike
 from .init import seeded_normal_
-from .layout import Layout, block_ranges
+from .layout import Layout
 from .llama_config import LlamaConfig
-from .splitter import allocate_stages, split_model
 from .stage import Stage
 
 __all__ = [
     "LlamaConfig", "Llama", "LlamaBlock", "Attention", "SwiGLU", "Rotary", "apply_rotary",
-    "LLAMA_LAYOUT", "LlamaAdapter", "parameter_init", "split_llama", "build_llama_stages", "llama_tp_plan",
+    "LLAMA_LAYOUT", "LlamaAdapter", "parameter_init", "llama_shape", "llama_spec", "llama_tp_plan",
 ]
 
 LLAMA_LAYOUT = Layout(blocks="blocks", before=("embed",), after=("norm", "head"), shared=("rotary",))
@@ -194,26 +196,22 @@ class LlamaAdapter(BlockAdapter):
         return block(h, ctx.cos, ctx.sin, ctx.chunk.kv(name) if ctx.chunk is not None else None)
 
 
-def split_llama(model: Llama, num_stages: int, *, counts: Sequence[int] | None = None) -> list[Stage]:
-    """All stages of `model`, sharing its parameters."""
-    return split_model(model, LLAMA_LAYOUT, num_stages, adapter=LlamaAdapter(), counts=counts)
+def llama_shape(cfg: LlamaConfig) -> ModelShape:
+    """The Llama-style model's sizes as the simulator reads them (Hugging Face's Llama of the
+    same config has the same)."""
+    return ModelShape(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, vocab=cfg.vocab, kv_heads=cfg.kv_heads,
+                      ffn=cfg.intermediate_size, mlp="swiglu", norm="rmsnorm", positions="rotary", context=cfg.seq,
+                      linear_bias=False)
 
 
-def build_llama_stages(
-    cfg: LlamaConfig,
-    *,
-    seed: int,
-    num_stages: int,
-    stages: Sequence[int],
-    counts: Sequence[int] | None = None,
-    device: torch.device | str | None = None,
-) -> list[Stage]:
-    """Build only the listed stages, with the weights `Llama(cfg, seed=seed)` has."""
-    block_ranges(cfg.layers, num_stages, counts)  # the config's errors before any module is built
-    return allocate_stages(
-        lambda: Llama(cfg, seed=seed), LLAMA_LAYOUT, num_stages=num_stages, stages=stages, device=device,
-        init=parameter_init(cfg, seed=seed), adapter=LlamaAdapter(), counts=counts,
-    )
+def llama_spec(cfg: LlamaConfig):
+    """The built-in Llama-style model of `cfg` as a `ModelSpec` (weights from the run's seed)."""
+    from .gpt import cross_entropy
+    from .spec import ModelSpec
+
+    return ModelSpec(name="llama", title="Llama", build=lambda: Llama(cfg, seed=0), layout=LLAMA_LAYOUT,
+                     shape=llama_shape(cfg), init=lambda seed: parameter_init(cfg, seed=seed), adapter=LlamaAdapter(),
+                     loss=cross_entropy, tp_plan=llama_tp_plan)
 
 
 def llama_tp_plan():

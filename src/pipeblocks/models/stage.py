@@ -11,18 +11,29 @@ plain `nn.Module` for "model", an `nn.ModuleDict` keyed by the global block inde
     stage.is_first, stage.is_last      whether it holds the before / after modules
     stage.supports_sequence_chunks     whether forward takes chunk= (Seq1F1B)
     stage.part("model.norm")           one of its modules, by its path in the full model
+    stage.tied                         the model's tied embedding/head pairs (TiedPair: first, last)
+    stage.tied_here                    those of them whose parameter this stage holds, by name
     stage(x), stage(x, chunk=c)        token ids or hidden state in, hidden state or logits out
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 from torch import nn
 
 from .adapter import BlockAdapter, SequenceChunkLike
 from .layout import Layout
 
-__all__ = ["Stage"]
+__all__ = ["Stage", "TiedPair"]
+
+
+class TiedPair(NamedTuple):
+    """A head weight that is the embedding's (tied embeddings), by full-model names."""
+
+    first: str
+    """the parameter's name on the first stage: "model.embed_tokens.weight" """
+    last: str
+    """the copy's name on the last stage: "lm_head.weight" """
 
 
 class Stage(nn.Module):
@@ -42,6 +53,7 @@ class Stage(nn.Module):
         parts: Mapping[str, nn.Module],
         blocks: Mapping[int, nn.Module],
         adapter: BlockAdapter | None = None,
+        tied: tuple[TiedPair, ...] = (),
     ) -> None:
         super().__init__()
         if sorted(blocks) != list(layers):
@@ -51,6 +63,7 @@ class Stage(nn.Module):
         self.layers = layers
         self.layout = layout
         self.adapter = adapter if adapter is not None else BlockAdapter()
+        self.tied = tuple(TiedPair(*pair) for pair in tied)
         self._before = tuple(p for p in layout.before if p in parts)
         self._after = tuple(p for p in layout.after if p in parts)
         # Written into `_modules` directly: a model part may share a name with a stage
@@ -73,6 +86,18 @@ class Stage(nn.Module):
     @property
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
+
+    @property
+    def tied_here(self) -> dict[str, TiedPair]:
+        """This stage's parameters that are one end of a tie: {name: pair} (the first stage
+        holds `pair.first`, the last `pair.last`; one stage of a one-stage model holds both)."""
+        held = {}
+        for pair in self.tied:
+            if self.is_first:
+                held[pair.first] = pair
+            if self.is_last:
+                held[pair.last] = pair
+        return held
 
     @property
     def supports_sequence_chunks(self) -> bool:

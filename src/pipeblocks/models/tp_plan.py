@@ -1,10 +1,10 @@
 """How a model family's stage is split over tensor-parallel ranks: a plan of parallel styles
 by module path, and the sizes tp must divide (checked before anything is launched).
 
-    >>> check_tp(LlamaConfig(heads=4, kv_heads=2, hidden=64, seq=64, vocab=256), 2)   # fine
-    >>> check_tp(LlamaConfig(heads=4, kv_heads=1), 2)
-    ValueError: --tp 2 does not divide the model's 1 KV heads (kv_heads): ...
-    >>> plan = get_family("llama").tp_plan()       # TPPlan; runtime.tensor_parallel applies it
+    >>> check_tp(llama_shape(LlamaConfig(heads=4, kv_heads=2, hidden=64, seq=64, vocab=256)), 2, seq=64)   # fine
+    >>> check_tp(llama_shape(LlamaConfig(heads=4, kv_heads=1)), 2, seq=64)
+    ValueError: --tp 2 does not divide the model's 1 KV heads: ...
+    >>> plan = llama_spec(cfg).tp_plan()           # TPPlan; runtime.tensor_parallel applies it
 
 Every family shards the same way (Megatron's tensor parallelism with sequence parallelism,
 as torchtitan writes it with `torch.distributed.tensor.parallel`):
@@ -46,30 +46,24 @@ class TPPlan:
     last: Mapping[str, Any]
 
 
-def tp_sizes(config: Any) -> dict[str, tuple[int, str]]:
-    """Every size tensor parallelism splits, by what it is called: (size, the option that sets it)."""
-    sizes = {"heads": (config.heads, "--heads"), "hidden": (config.hidden, "--hidden")}
-    kv = getattr(config, "num_kv_heads", None)
-    if kv is not None:
-        sizes["KV heads (kv_heads)"] = (kv, "--kv-heads")
-        sizes["MLP width (intermediate)"] = (config.intermediate_size, "--hidden")
-    else:
-        sizes["MLP width (mlp_ratio x hidden)"] = (config.mlp_ratio * config.hidden, "--hidden")
-    sizes["vocabulary (vocab)"] = (config.vocab, "the tokenizer's vocabulary")
-    sizes["tokens per sequence (seq; sequence parallelism)"] = (config.seq, "--seq")
-    return sizes
+def tp_sizes(shape: Any, seq: int) -> dict[str, int]:
+    """Every size tensor parallelism splits, by what it is called (a `core.model_shape.ModelShape`)."""
+    return {
+        "heads": shape.heads, "KV heads": shape.num_kv_heads, "MLP width": shape.ffn_width,
+        "vocabulary": shape.vocab, "tokens per sequence (sequence parallelism)": seq,
+    }
 
 
-def check_tp(config: Any, tp: int) -> None:
+def check_tp(shape: Any, tp: int, *, seq: int) -> None:
     """Raise ValueError, naming the numbers and a fix, unless tp divides every size it splits."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"--tp must be an integer >= 1, got {tp!r}")
     if tp == 1:
         return
-    for what, (size, option) in tp_sizes(config).items():
+    for what, size in tp_sizes(shape, seq).items():
         if size % tp:
             fits = [t for t in range(1, size + 1) if size % t == 0 and t <= 64]
             raise ValueError(
                 f"--tp {tp} does not divide the model's {size} {what}: tensor parallelism gives each of the {tp} ranks "
-                f"an equal share; use --tp {' or '.join(map(str, fits[-4:]))}, or change {option} to a multiple of {tp}"
+                f"an equal share; use --tp {' or '.join(map(str, fits[-4:]))}, or a model whose {what} {tp} divides"
             )

@@ -234,6 +234,7 @@ def measure_shape(
     repeats: int = 5, seed: int = 0,
 ) -> ShapePoint:
     """Time and count one shape (see the module docstring); the weights of `seed`."""
+    from ..models.build import build_model, split_stages
     from ..models.family import get_family
 
     device = torch.device(device)
@@ -241,15 +242,16 @@ def measure_shape(
     dtype = COMPUTE_DTYPES[precision]
     config = fam.config(layers=3, hidden=shape.hidden, heads=shape.heads, seq=shape.seq, vocab=vocab,
                         dtype="float64" if precision == "fp64" else "float32")
-    model = fam.build_model(config, seed=seed).to(device=device, dtype=dtype)
-    stages = fam.split(model, 3)
+    spec = fam.spec(config)
+    stages = split_stages(spec, build_model(spec, seed=seed).to(device=device, dtype=dtype), 3)
+    loss_fn = spec.loss
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (shape.microbatch, shape.seq + 1), generator=gen).to(device)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     # the fastest run: on a shared machine other work only ever slows a pass down
-    times = profile_stage_times(stages, x, fam.loss_fn, y, repeats=repeats, clock=device_clock(device), reduce=min)
-    counts = count_stage_passes(stages, x, fam.loss_fn, y)
-    memory = profile_stage_memory(stages, x, fam.loss_fn, y)
+    times = profile_stage_times(stages, x, loss_fn, y, repeats=repeats, clock=device_clock(device), reduce=min)
+    counts = count_stage_passes(stages, x, loss_fn, y)
+    memory = profile_stage_memory(stages, x, loss_fn, y)
     kinds = ("F", "B", "W")
     block = {k: PassMeasure(times[1][i], counts[1][i].flops, counts[1][i].intensity) for i, k in enumerate(kinds)}
     notes = []

@@ -2,7 +2,7 @@
 
     mesh = init_mesh(pp=2, dp=1, tp=2, device=ctx.device)
     for stage in my_stages:                                   # models.stage.Stage, built whole
-        parallelize_stage(stage, family.tp_plan(), mesh.tp_mesh)
+        parallelize_stage(stage, spec.tp_plan(), mesh.tp_mesh)
     # then FSDP2 (runtime.data_parallel) and the optimizer, over the sharded parameters
 
 TP comes first, then sharding, as torchtitan composes them: `parallelize_stage` replaces

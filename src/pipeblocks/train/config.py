@@ -1,7 +1,7 @@
 """What one `pipeblocks train` run is: a typed, frozen config in sections (no torch here).
 
     >>> from pipeblocks.schedules import get
-    >>> cfg = TrainConfig(model=ModelSpec("llama", LlamaConfig(layers=4)), schedule=ScheduleSpec(get("v-half")(p=2, m=4)),
+    >>> cfg = TrainConfig(model=ModelChoice("llama", LlamaConfig(layers=4)), schedule=ScheduleSpec(get("v-half")(p=2, m=4)),
     ...                   precision=precision_policy("bf16-mixed"), steps=40)
     >>> cfg.schedule.p, cfg.schedule.schedule        # the section answers what the schedule answers
     (2, Schedule(...))
@@ -11,7 +11,7 @@
 Sections, each holding resolved values only (`train.run.prepare` resolves them once, from
 the command line or a request; nothing here calls into the simulator):
 
-    model       ModelSpec: the model family ("gpt", "llama", "hf-llama") and its config
+    model       ModelChoice: a built-in family and its config, a Hugging Face directory, or a user's ModelSpec
     schedule    ScheduleSpec: the schedule, its sequence-chunk lengths, the recomputed pairs
     mesh        MeshSpec: data-parallel replicas, sharding per chunk, tensor-parallel ranks, the device type
     precision   core.precision.PrecisionPolicy: fp32, fp64 or bf16-mixed
@@ -19,65 +19,24 @@ the command line or a request; nothing here calls into the simulator):
     emulation   EmulationSpec: sleep instead of computing (None: real compute)
 
 and the loop's own settings (microbatch size, steps, learning rate and its schedule, seed,
-data and its held-out share, evaluation, the metrics file, clipping, timeouts, the
-asynchronous mode) as plain fields.
+data, its tokenizer and its held-out share, evaluation, the metrics file, clipping,
+timeouts, the asynchronous mode, the Hugging Face export) as plain fields.
 """
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..core.async_mode import AsyncMode
 from ..core.precision import PrecisionPolicy, precision_policy
 from ..core.schedule import Schedule
 from ..core.dp_units import check_dp_unit
 from ..core.sharding import ShardingPolicy, per_stage
-from ..models.config import GPTConfig
 from .lr_schedule import LRSchedule
+from .model_choice import ModelChoice
 
-__all__ = ["CheckpointSpec", "EmulationSpec", "MeshSpec", "ModelSpec", "ScheduleSpec", "TrainConfig"]
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What is trained: a model family (`pipeblocks.models.family`) and its config."""
-
-    family: str = "gpt"
-    config: Any = field(default_factory=GPTConfig)
-    """GPTConfig for "gpt", LlamaConfig for "llama" and "hf-llama"; its dtype is the master dtype."""
-
-    def __post_init__(self) -> None:
-        from ..models.family import family_names
-
-        if self.family not in family_names():
-            raise ValueError(f"model family {self.family!r}: choose one of {', '.join(family_names())}")
-
-    @property
-    def layers(self) -> int:
-        return self.config.layers
-
-    @property
-    def seq(self) -> int:
-        return self.config.seq
-
-    @property
-    def hidden(self) -> int:
-        return self.config.hidden
-
-    def family_object(self):
-        """The `models.family.Family` (checks that an optional package it needs is installed)."""
-        from ..models.family import get_family
-
-        return get_family(self.family)
-
-    def describe(self) -> str:
-        """'8-layer Llama (hidden 64, 4 heads, 2 KV heads)'."""
-        return self.family_object().describe(self.config)
-
-    def to_json(self) -> dict:
-        return {"family": self.family, **self.config.to_json()}
+__all__ = ["CheckpointSpec", "DataSpec", "EmulationSpec", "MeshSpec", "ModelChoice", "ScheduleSpec", "TrainConfig"]
 
 
 @dataclass(frozen=True)
@@ -214,10 +173,30 @@ class EmulationSpec:
 
 
 @dataclass(frozen=True)
+class DataSpec:
+    """What the run trains on, and how its text becomes tokens (`pipeblocks.data.load_tokens`)."""
+
+    path: str | None = None
+    """a text or JSONL file, a token file or a directory of them, a datasets directory; None: the embedded corpus"""
+    tokenizer: str | None = None
+    """a tokenizer directory or tokenizer.json; None: UTF-8 bytes (256 ids)"""
+    field: str = "text"
+    """the JSONL (or datasets) field holding a document"""
+    dtype: str = "uint16"
+    """a pre-tokenized token file's element type: uint16 or uint32"""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("uint16", "uint32"):
+            raise ValueError(f"--data-dtype {self.dtype!r}: choose uint16 or uint32")
+        if not isinstance(self.field, str) or not self.field:
+            raise ValueError("--data-field needs a field name, e.g. text")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """One training run. Defaults are visible here and in `pipeblocks train --help`."""
 
-    model: ModelSpec
+    model: ModelChoice
     schedule: ScheduleSpec
     mesh: MeshSpec = field(default_factory=MeshSpec)
     precision: PrecisionPolicy = field(default_factory=lambda: precision_policy("fp32"))
@@ -230,8 +209,10 @@ class TrainConfig:
     lr: float = 3e-3
     seed: int = 0
     """seeds the weights and the data order"""
-    data: str | None = None
-    """a text file; None: the embedded corpus (pydoc_data.topics)"""
+    data: DataSpec = field(default_factory=DataSpec)
+    """the corpus and its tokenizer (DataSpec: the embedded corpus, bytes, by default)"""
+    save_hf: str | None = None
+    """after the last step, write the trained model here as a Hugging Face directory (None: no export)"""
     verify: bool = False
     """run one step and return every gradient, for comparison with one process"""
     timeout_s: float = 300.0
@@ -273,10 +254,10 @@ class TrainConfig:
         object.__setattr__(self, "mesh", MeshSpec(self.mesh.dp, per_stage(self.mesh.sharding, self.num_stages),
                                                   self.mesh.device, self.mesh.threads_per_rank, self.mesh.tp,
                                                   dp_unit=self.mesh.dp_unit))
-        if self.precision.master != self.model.config.dtype:
+        if self.precision.master != self.model.weights_dtype:
             raise ValueError(
                 f"precision {self.precision.name} keeps {self.precision.master} weights but the model is built in "
-                f"{self.model.config.dtype}: build it in {self.precision.master}"
+                f"{self.model.weights_dtype}: build it in {self.precision.master}"
             )
         if self.async_mode is not None and self.async_mode.sync_warmup_steps >= self.steps:
             w = self.async_mode.sync_warmup_steps
@@ -339,17 +320,19 @@ class TrainConfig:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.global_batch_size * self.model.seq
+        return self.global_batch_size * self.model.sequence
 
     def meta(self, data_source: str) -> dict:
         """What a checkpoint must agree on to be resumed by this run."""
         s = self.schedule
         return {
-            "model": self.model.config.to_json(), "schedule": s.name, "p": s.p, "m": s.m,
+            "model": self.model.config.to_json() if self.model.builtin else self.model.to_json(),
+            "schedule": s.name, "p": s.p, "m": s.m,
             "placement": list(s.placement.stage_to_rank), "microbatch_size": self.microbatch_size,
             "lr": self.lr, "seed": self.seed, "data": data_source, "clip_grad": self.clip_grad,
             "seq_chunks": s.seq_chunks, "seq_lengths": list(self.schedule.seq_lengths or ()),
             **({"family": self.model.family} if self.model.family != "gpt" else {}),
+            **({"tokenizer": self.data.tokenizer} if self.data.tokenizer is not None else {}),
             # the reference GPT's fused qkv weight has been grouped by head (tensor parallelism's
             # split): a checkpoint written before holds another layout and is refused by its absence
             **({"qkv_layout": "by-head"} if self.model.family == "gpt" else {}),

@@ -103,7 +103,7 @@ def _build(case: EmulatedMeshCase, mesh, device):
 
     from ..core.sharding import per_stage
     from ..models import GPTConfig, cross_entropy
-    from ..models.split import build_stages
+    from ..models.build import build_stages
     from ..runtime import PipelineRunner
     from ..runtime.data_parallel import DataParallel
     from ..runtime.emulate import EmulatedCompute, EmulatedCosts

@@ -112,7 +112,8 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
     start = _restore(cfg, ctx, setup, optimizer)
     # with data or tensor parallelism the optimizer steps directly (prepare refuses --clip-grad there)
     validator = None if dp is not None or cfg.tp > 1 else PostValidator(
-        optimizer, max_norm=cfg.clip_grad, optimistic=cfg.optimistic_step, timeout_s=cfg.timeout_s)
+        optimizer, max_norm=cfg.clip_grad, optimistic=cfg.optimistic_step, timeout_s=cfg.timeout_s,
+        counted_twice=setup.tied.counted_twice if setup.tied is not None else ())
     runner = _runner(cfg, ctx, setup)
     shapes = {s: [tp_local_shape(p) for p in m.parameters() if p.requires_grad] for s, m in stages.items()}
     static_predicted = _predict_static(cfg, runner.program, rank, replica, shapes)
@@ -135,6 +136,8 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
         result = runner.step(inputs if runner.holds_first_stage else None, targets if runner.holds_last_stage else None)
         if cfg.tp > 1:
             settle_partial_grads(setup.params)
+        if setup.tied is not None:  # the two copies of a tied embedding take the sum of their gradients
+            setup.tied.sum_gradients()
         if cfg.inject_nonfinite == step + 1 and rank == cfg.schedule.p - 1:
             next(p.grad for p in setup.params if p.grad is not None).view(-1)[0] = float("inf")
         if dp is None:

@@ -63,7 +63,7 @@ def resolve_loop_options(options: dict, data: TokenWindows, *, checkpoint: str |
             raise ValueError(f"--eval-every {every} with --held-out 0: no data is held out to evaluate on; give "
                              f"--held-out {DEFAULT_HELD_OUT:g}, say")
         if held is None:
-            tail = data.tokens.numel() - train.tokens.numel()
+            tail = data.num_tokens - train.num_tokens
             raise ValueError(
                 f"--eval-every {every}: the held-out share {held_out:g} of {data.source} is {tail} tokens, fewer than one "
                 f"window of {data.seq + 1}: raise --held-out, give more data (--data) or a shorter --seq"

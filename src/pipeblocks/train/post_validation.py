@@ -89,6 +89,8 @@ class PostValidator:
     optimistic: step before the global norm arrives and undo if needed (True), or wait for
         it first (False: the barrier).
     timeout_s: the wait for the all-reduce gives up after this long (None: the group's).
+    counted_twice: parameters whose gradient another parameter of the run also holds (the
+        last stage's copy of a tied embedding): left out of the norm, clipped with the rest.
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class PostValidator:
         group: dist.ProcessGroup | None = None,
         optimistic: bool = True,
         timeout_s: float | None = None,
+        counted_twice=(),
     ) -> None:
         if max_norm is not None and not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm)
                                          and max_norm > 0):
@@ -111,12 +114,14 @@ class PostValidator:
         self.optimistic = optimistic
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        skipped = {id(p) for p in counted_twice}
+        self._norm_params = [p for p in self._params if id(p) not in skipped]
         self._update = tentative_step(optimizer)
 
     def step(self) -> StepCheck:
         """Validate and take (or undo, redo, skip) this rank's optimizer step."""
         grads = [p.grad for p in self._params if p.grad is not None]
-        total = self._squared_norm(grads)
+        total = self._squared_norm([p.grad for p in self._norm_params if p.grad is not None])
         if not self.optimistic:
             start = time.perf_counter()
             self._all_reduce(total, async_op=False)

@@ -13,7 +13,10 @@ from .config import TrainConfig
 if TYPE_CHECKING:
     from ..data import TokenWindows
 
-__all__ = ["check_resume", "check_torchrun_world", "emulated_link", "run_device", "sequence_chunk_lengths", "tp_link"]
+__all__ = [
+    "check_checkpoint_directory", "check_resume", "check_torchrun_world", "emulated_link", "run_device",
+    "sequence_chunk_lengths", "tp_link",
+]
 
 
 def check_torchrun_world(world: int, tp: int = 1) -> None:
@@ -50,7 +53,8 @@ def run_device(requested: str, ranks: int, policy) -> str:
 
 
 def sequence_chunk_lengths(schedule, split: str, model) -> tuple[int, ...] | None:
-    """Tokens per sequence chunk (None without sequence chunks), balanced or even."""
+    """Tokens per sequence chunk (None without sequence chunks), balanced or even; `model`: the
+    run's `model_choice.ModelChoice`."""
     k = schedule.seq_chunks
     if k == 1:
         return None
@@ -59,14 +63,16 @@ def sequence_chunk_lengths(schedule, split: str, model) -> tuple[int, ...] | Non
 
     if split not in SPLITS:
         raise ValueError(f"seq_split must be one of {', '.join(SPLITS)}, got {split!r}")
-    if k > model.seq:
+    seq = model.sequence
+    if k > seq:
         raise ValueError(
             f"schedule {schedule.name!r} cuts every sequence into {k} chunks but sequences have "
-            f"{model.seq} tokens: use --seq-chunks {model.seq} or fewer, or a longer --seq"
+            f"{seq} tokens: use --seq-chunks {seq} or fewer, or a longer --seq"
         )
-    analytic = TransformerConfig(layers=model.layers, hidden=model.hidden, heads=model.heads, seq=model.seq,
-                                 vocab=model.vocab)
-    lengths = split_lengths(model.seq, k, split, analytic)
+    shape = model.shape
+    analytic = TransformerConfig(layers=shape.layers, hidden=shape.hidden, heads=shape.heads, seq=seq,
+                                 vocab=shape.vocab)
+    lengths = split_lengths(seq, k, split, analytic)
     if min(lengths) < 1:
         raise ValueError(f"the {split} split {list(lengths)} leaves an empty chunk: use fewer chunks")
     return tuple(lengths)
@@ -92,6 +98,21 @@ def tp_link(request: ScheduleRequest) -> tuple[float, float]:
 
     hardware = resolve_hardware(request.costs.hardware)
     return hardware.intra_bandwidth, hardware.intra_latency
+
+
+def check_checkpoint_directory(cfg: TrainConfig, data: TokenWindows) -> None:
+    """A resume that cannot work, or a new run into another run's checkpoints, is refused now."""
+    ck = cfg.checkpoint
+    if ck is None:
+        return
+    if ck.resume:
+        check_resume(cfg, data)
+        return
+    from . import checkpoint as ckpt
+    from . import sharded_checkpoint as sharded_ckpt
+
+    ckpt.claim_directory(ck.directory, overwrite=ck.overwrite, dry_run=True)
+    sharded_ckpt.claim_sharded(ck.directory, overwrite=ck.overwrite, dry_run=True)
 
 
 def check_resume(cfg: TrainConfig, data: TokenWindows) -> None:

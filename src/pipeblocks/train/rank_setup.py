@@ -6,12 +6,15 @@
                             precision=setup.copies, ...)
 
 In order: the (pp, dp, tp) mesh when the run is data- or tensor-parallel; this rank's stages
-of the model, and only those, with the weights the whole model of the same seed has
-(`models.family.Family.build_stages`); with tp > 1 each stage split over the tp group
-(`runtime.tensor_parallel.parallelize_stage`, before FSDP2 wraps it); the precision (bf16-mixed: FSDP2's
+of the model, and only those, with the weights the whole model of the same seed has, or
+the model's pretrained weights, of which it reads only its stages' tensors
+(`models.build.build_stages`); with tp > 1 each stage split over the tp group while still
+on the meta device (`runtime.tensor_parallel.parallelize_stage`, before FSDP2 wraps it),
+so each rank fills, and reads, only its shards; the precision (bf16-mixed: FSDP2's
 MixedPrecisionPolicy on the chunks it shards, `runtime.precision.ComputeCopies` on the
 others); the data-parallel wrapper (FSDP2, ZeroRedundancyOptimizer) before any optimizer is
-built over the parameters; the data; the seed of torch's generator.
+built over the parameters; the tied embeddings' group (`runtime.tied`); the data; the seed
+of torch's generator.
 
 `emulated_costs` is the one rule for emulated compute: each pass sleeps its per-layer
 time times the blocks of its stage (`core.split.layer_counts`).
@@ -53,6 +56,8 @@ class RankSetup:
     loss_fn: Any
     held_out: TokenWindows | None = None
     """the held-out tail of the data (`cfg.held_out` of it; None when nothing is held out)"""
+    tied: Any = None
+    """runtime.tied.TiedWeights when the model ties its head to its embedding, else None"""
 
     @property
     def stages(self) -> list[torch.nn.Module]:
@@ -78,7 +83,9 @@ def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
     from ..core.sharding import ShardingPolicy
     from ..runtime.precision import ComputeCopies, fsdp_policy, torch_dtype
 
-    family = cfg.model.family_object()
+    from ..models.build import build_stages
+
+    spec = cfg.model.spec()
     mesh = None
     if cfg.data_parallel or cfg.tp > 1:
         from ..runtime.mesh import init_mesh
@@ -86,15 +93,10 @@ def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
         mesh = init_mesh(cfg.schedule.p, cfg.dp, ctx.device, tp=cfg.tp)
     rank, replica = (mesh.pp_rank, mesh.dp_rank) if mesh is not None else (ctx.rank, 0)
     mine = cfg.schedule.placement.stages_of(rank)
-    built = family.build_stages(cfg.model.config, seed=cfg.seed, num_stages=cfg.num_stages, stages=mine,
-                                device=ctx.device)
+    # TP first (on the meta device), then FSDP2 over the DTensor shards: torchtitan's order
+    built = build_stages(spec, seed=cfg.seed, num_stages=cfg.num_stages, stages=mine, device=ctx.device,
+                         dtype=getattr(torch, cfg.precision.master), tp_mesh=mesh.tp_mesh if cfg.tp > 1 else None)
     modules = {stage.index: stage for stage in built}
-    if cfg.tp > 1:  # TP first, then FSDP2 over the DTensor shards (torchtitan's order)
-        from ..runtime.tensor_parallel import parallelize_stage
-
-        plan = family.tp_plan()
-        for module in modules.values():
-            parallelize_stage(module, plan, mesh.tp_mesh)
     precision = cfg.precision
     cast = {s: m for s, m in modules.items()
             if precision.mixed and not (mesh is not None and ShardingPolicy(cfg.sharding[s]).fsdp)}
@@ -111,10 +113,16 @@ def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
             if precision.mixed else None,
             extra_static=copies.held if copies is not None else None, units=dp_units(cfg),
         )
-    data, held_out = TokenWindows.load(cfg.data, seq=cfg.model.seq).split(cfg.held_out)
+    from ..runtime.tied import TiedWeights
+    from .corpus import load_corpus
+
+    tied = TiedWeights.build(modules, cfg.schedule.placement, mesh=mesh, timeout_s=cfg.timeout_s)
+    corpus = load_corpus(cfg.data, seq=cfg.model.sequence, vocab=cfg.model.vocab,
+                         model_tokenizer=cfg.model.hf_directory)
+    data, held_out = corpus.split(cfg.held_out)
     torch.manual_seed(cfg.seed)
-    return RankSetup(rank, replica, mesh, modules, runner_stages, copies, data_parallel, data, family.loss_fn,
-                     held_out)
+    return RankSetup(rank, replica, mesh, modules, runner_stages, copies, data_parallel, data, spec.loss,
+                     held_out, tied)
 
 
 def emulated_costs(cfg: TrainConfig):

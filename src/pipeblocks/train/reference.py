@@ -3,8 +3,9 @@
     >>> loss, grads = reference_step(cfg, seed=0, inputs=x, targets=y, microbatches=8)
     >>> worst = compare_grads(pipeline_grads, grads)     # GradDiff(name, relative difference)
 
-One process builds the whole model from the same seed (`model`: a GPTConfig or a
-LlamaConfig, or a `config.ModelSpec` that names the family), runs the step's m microbatches
+One process builds the whole model from the same seed (`model`: the run's `ModelChoice`, a
+`pipeblocks.models.ModelSpec`, or a built-in's GPTConfig / LlamaConfig), with its pretrained
+weights where it has them, runs the step's m microbatches
 one after another with loss/m each (the pipeline's per-step loss is the mean of its
 microbatch losses), and keeps every parameter's gradient by name. The names are the ones
 the stage modules use, so a pipeline's gradients compare one to one. Under bf16-mixed
@@ -79,15 +80,37 @@ class GradDiff(NamedTuple):
     relative: float
 
 
-def whole_model(model, *, seed: int) -> tuple[torch.nn.Module, Callable[[Tensor, Tensor], Tensor]]:
-    """(the whole model of `seed`, its loss function) for a config or a `ModelSpec`."""
-    from ..models.config import GPTConfig
-    from ..models.family import get_family
+def whole_model(model, *, seed: int) -> tuple[torch.nn.Module, Callable[[object, Tensor], Tensor]]:
+    """(the whole model of `seed`, its loss on the model's output) for a `ModelChoice`, a
+    `ModelSpec` or a built-in's config. The loss takes what the forward returns: logits, or a
+    Hugging Face output object holding them."""
+    from ..models.build import build_model, spec_of
+    from ..models.spec import model_logits
+    from .model_choice import ModelChoice
 
-    family = getattr(model, "family", None) or ("gpt" if isinstance(model, GPTConfig) else "llama")
-    config = getattr(model, "config", model)
-    chosen = get_family(family)
-    return chosen.build_model(config, seed=seed), chosen.loss_fn
+    dtype = None
+    if isinstance(model, ModelChoice):
+        dtype = getattr(torch, model.weights_dtype)
+        model = model.spec()
+    spec = spec_of(model)
+    loss = spec.loss
+    whole = build_model(spec, seed=seed, dtype=dtype)
+    whole.pipeline_layout = spec.layout  # where its tied copies are named (`named_as_stages`)
+    return whole, lambda output, targets: loss(model_logits(output), targets)
+
+
+def named_as_stages(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The whole model's parameters by the names the pipeline's stages give them: a weight the
+    head shares with the embedding (tied) appears under both names, as the first and the last
+    stage each hold a copy of it."""
+    from ..models.splitter import tied_pairs
+
+    named = dict(model.named_parameters())
+    layout = getattr(model, "pipeline_layout", None)
+    if layout is not None:
+        for pair in tied_pairs(model, layout):
+            named[pair.last] = named[pair.first]
+    return named
 
 
 def reference_step(
@@ -98,7 +121,7 @@ def reference_step(
         raise ValueError(f"a batch of {inputs.size(0)} does not split into {microbatches} equal microbatches")
     model, loss_fn = whole_model(cfg, seed=seed)
     loss = _accumulate(model, loss_fn, inputs, targets, microbatches, precision)
-    return loss, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return loss, {n: p.grad.detach().clone() for n, p in named_as_stages(model).items()}
 
 
 def reference_update(
@@ -111,8 +134,9 @@ def reference_update(
     loss = _accumulate(model, loss_fn, inputs, targets, microbatches, precision)
     norm = _clip(model, max_norm)
     optimizer.step()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return loss, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, norm
+    named = named_as_stages(model)
+    grads = {n: p.grad.detach().clone() for n, p in named.items()}
+    return loss, grads, {n: p.detach().clone() for n, p in named.items()}, norm
 
 
 def reference_apply(cfg, *, seed: int, grads: Mapping[str, Tensor], lr: float) -> dict[str, Tensor]:
@@ -124,7 +148,8 @@ def reference_apply(cfg, *, seed: int, grads: Mapping[str, Tensor], lr: float) -
     (float32 sums in another order: microbatches, replicas, reduce-scatter) move a weight
     whose gradient is near zero by very different amounts. Those gradients are compared
     with the reference's own; the step is compared with the step the reference optimizer
-    takes from the same gradients, which is well conditioned."""
+    takes from the same gradients, which is well conditioned. A tied weight steps with the
+    gradient its first-stage copy holds."""
     model, _ = whole_model(cfg, seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     for name, param in model.named_parameters():
@@ -132,7 +157,7 @@ def reference_apply(cfg, *, seed: int, grads: Mapping[str, Tensor], lr: float) -
             raise ValueError(f"no gradient for parameter {name!r}: give the gradient of every parameter")
         param.grad = grads[name].to(dtype=param.dtype, device=param.device).clone()
     optimizer.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in named_as_stages(model).items()}
 
 
 def reference_losses(

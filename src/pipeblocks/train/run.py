@@ -1,5 +1,5 @@
 """One `pipeblocks train` run, from a request to a report: prepare (every user error is
-found here, before any process starts), then dry-run, verify, or train.
+found there, before any process starts: prepare.py), then dry-run, verify, or train.
 
     >>> request = ScheduleRequest(name="v-half", m=4, mesh=Mesh(pp=2))
     >>> cfg, data = prepare(request, model=GPTConfig(), steps=20)
@@ -14,20 +14,15 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from ..core.recompute import recompute_pairs
-from ..core.request import ScheduleRequest
 from ..core.jsontext import json_text
 from ..core.schedule import write_atomically
-from ..core.validate import validate
 from ..schedules import names
-from ..sim.build import build
 from .config import TrainConfig
-from .loop_options import resolve_loop_options
-from .prepare_checks import check_resume, check_torchrun_world, emulated_link, run_device, sequence_chunk_lengths, tp_link
+from .describe import describe, describe_loop
+from .prepare import prepare
 from .report import format_bytes
-from .tp_checks import check_tensor_parallel, warn_tp_across_nodes
 from .tp_predict import tp_shapes, tp_stage_memory
 
 if TYPE_CHECKING:  # torch enters only when a run starts, so `pipeblocks list` stays fast
@@ -48,128 +43,6 @@ SPARE_COPIES = 3
 
 def default_schedule() -> str:
     return DEFAULT_SCHEDULE if DEFAULT_SCHEDULE in names() else FALLBACK_SCHEDULE
-
-
-def prepare(
-    request: ScheduleRequest, *, model: Any, family: str | None = None, precision: str | None = None,
-    device: str = "cpu", emulate: tuple[float, float, float] | None = None, checkpoint: str | None = None,
-    resume: bool = False, save_every: int = 0, overwrite: bool = False, threads_per_rank: int | None = None,
-    **train_options,
-) -> tuple[TrainConfig, TokenWindows]:
-    """The run's config and data, with every user error raised here (ValueError), before
-    anything is launched.
-
-    model: the family's config (GPTConfig, or LlamaConfig for "llama" and "hf-llama"; its
-        dtype is the weights' dtype: float32 under bf16-mixed). family: None takes "gpt" for
-        a GPTConfig and "llama" for a LlamaConfig. precision: "fp32", "fp64" or "bf16-mixed"
-        (None: the model's dtype, fp32 or fp64). device: "auto", "cpu" or "cuda", resolved
-        here against the GPUs this machine has for its local ranks. The other options are
-        `TrainConfig`'s loop settings.
-    """
-    from ..core.precision import precision_policy
-    from ..core.split import layer_counts
-    from ..data import TokenWindows
-    from ..models.config import GPTConfig
-    from .config import CheckpointSpec, EmulationSpec, MeshSpec, ModelSpec, ScheduleSpec
-
-    family = family or ("gpt" if isinstance(model, GPTConfig) else "llama")
-    spec = ModelSpec(family, model)
-    spec.family_object()  # hf-llama without transformers fails here, in one line
-    policy = precision_policy(precision or model.dtype)
-    built = build(request)  # with --sharding auto, the policies the simulator chose are in built.request
-    request, schedule = built.request, built.schedule
-    if resume and not checkpoint:
-        raise ValueError("--resume needs --checkpoint DIR: the directory to resume from")
-    ck = CheckpointSpec(checkpoint, resume=resume, save_every=save_every, overwrite=overwrite) if checkpoint else None
-    if save_every and ck is None:
-        raise ValueError(f"--save-every {save_every} needs --checkpoint DIR: where to save")
-    async_mode = train_options.get("async_mode")
-    if async_mode is not None:
-        from .asynchronous.run import check_async
-
-        check_async(request, schedule, async_mode, {**train_options, "checkpoint": checkpoint, "resume": resume},
-                    emulate, policy)
-    dp, tp = request.mesh.dp, request.mesh.tp
-    check_tensor_parallel(tp, model=model, seq_chunks=schedule.seq_chunks, dp=dp, sharding=request.sharding,
-                          async_mode=async_mode, clip_grad=train_options.get("clip_grad"))
-    sharded = dp > 1 or any(str(p) != "replicate" for p in request.sharding)
-    if sharded and train_options.get("clip_grad") is not None:
-        raise ValueError(
-            "--clip-grad is not supported with data parallelism or sharding yet (the global norm over sharded "
-            "and replicated gradients): drop --clip-grad, or use --dp 1 --sharding replicate"
-        )
-    if train_options.get("verify") and (emulate is not None or ck is not None):
-        raise ValueError("--verify runs one real step from the seed: drop --emulate, --checkpoint and --resume")
-    if train_options.get("verify") and policy.mixed and schedule.seq_chunks > 1:
-        # measured: 3e-2 on a gradient (llama, zb-v, 2 chunks): another rounding, not an error
-        raise ValueError(
-            f"--verify under {policy.name} with --seq-chunks {schedule.seq_chunks}: chunks attend over the cached K/V "
-            "of earlier chunks and sum their K/V gradients in bfloat16, a different rounding from one process on "
-            "whole sequences, beyond bf16-mixed's tolerance; verify the chunked schedule in --precision fp64 "
-            "(exact to 1e-10), or bf16-mixed without --seq-chunks"
-        )
-    validate(schedule)
-    if schedule.seq_chunks > 1 and emulate is not None:
-        raise ValueError(
-            f"--emulate does not run sequence chunks (schedule {schedule.name!r} has {schedule.seq_chunks}): "
-            "drop --emulate or --seq-chunks"
-        )
-    if schedule.seq_chunks > 1 and not spec.family_object().supports_sequence_chunks:
-        raise ValueError(
-            f"--model-family {family} cannot run sequence chunks (schedule {schedule.name!r} cuts sequences into "
-            f"{schedule.seq_chunks}): its attention takes no K/V of earlier chunks; use --model-family llama or gpt, "
-            "or drop --seq-chunks"
-        )
-    layer_counts(model.layers, schedule.num_stages)
-    emulation = None
-    if emulate is not None:
-        emulation = EmulationSpec(tuple(emulate), emulated_link(request) if sharded else None,
-                                  tp_link=tp_link(request) if tp > 1 else None)
-    check_torchrun_world(schedule.p * dp * tp, tp)
-    mesh = MeshSpec(dp, request.sharding, run_device(device, schedule.p * dp * tp, policy), threads_per_rank, tp,
-                    dp_unit=request.costs.dp_unit)
-    warn_tp_across_nodes(tp, mesh.device)
-    seq_lengths = sequence_chunk_lengths(schedule, request.costs.seq_split, model)
-    train_options, data = resolve_loop_options(
-        train_options, TokenWindows.load(train_options.get("data"), seq=model.seq), checkpoint=checkpoint,
-        resume=resume, emulate=emulate, p=schedule.p, hidden=model.hidden, async_mode=train_options.get("async_mode"))
-    pairs = recompute_pairs(schedule, built.recompute)  # --recompute's, or the schedule's own (1f1b-r)
-    cfg = TrainConfig(model=spec, schedule=ScheduleSpec(schedule, seq_lengths, pairs), mesh=mesh, precision=policy,
-                      checkpoint=ck, emulation=emulation, **train_options)
-    if dp > 1 and cfg.global_batch_size > data.num_windows:
-        raise ValueError(
-            f"--dp {dp}: a step takes dp x m x microbatch = {dp} x {schedule.m} x {cfg.microbatch_size} = "
-            f"{cfg.global_batch_size} sequences but the data ({data.source}) holds only {data.num_windows} windows "
-            f"of {model.seq + 1} tokens: lower --dp, -m or --microbatch-size, or give more data (--data)"
-        )
-    if ck is not None and ck.resume:
-        check_resume(cfg, data)
-    elif ck is not None:
-        from . import checkpoint as ckpt
-        from . import sharded_checkpoint as sharded_ckpt
-
-        ckpt.claim_directory(ck.directory, overwrite=ck.overwrite, dry_run=True)
-        sharded_ckpt.claim_sharded(ck.directory, overwrite=ck.overwrite, dry_run=True)
-    return cfg, data
-
-
-def describe(cfg: TrainConfig) -> str:
-    """'8-layer Llama (hidden 64, 4 heads, 2 KV heads), bf16-mixed, schedule v-half p=2 m=4 v=2,
-    microbatch 4x64 tokens' and the mesh, for headers and reports."""
-    s = cfg.schedule
-    return (f"{cfg.model.describe()}, {cfg.precision.name}, schedule {s.name} p={s.p} m={s.m} v={s.v}, microbatch "
-            f"{cfg.microbatch_size}x{cfg.model.seq} tokens"
-            + (f" in {s.seq_chunks} chunks {list(s.seq_lengths)}" if s.seq_chunks > 1 else "")
-            + (f", dp={cfg.dp} sharding {','.join(map(str, cfg.sharding))}" if cfg.data_parallel else "")
-            + (f", tp={cfg.tp}" if cfg.tp > 1 else "")
-            + (f" ({cfg.world_size} processes)" if cfg.data_parallel or cfg.tp > 1 else "")
-            + (f", on {cfg.mesh.device}" if cfg.mesh.device != "cpu" else ""))
-
-
-def describe_loop(cfg: TrainConfig, data: TokenWindows) -> str:
-    """'pydoc_data.topics (the last 5% held out); lr cosine 0.003 -> 0.0003 over 30 steps (3 warm-up)'."""
-    return (data.source + (f" (the last {cfg.held_out:.0%} held out)" if cfg.held_out else "")
-            + f"; lr {cfg.lr_schedule.describe() if cfg.lr_schedule is not None else f'constant {cfg.lr:g}'}")
 
 
 # ---- before launch: what the run will hold and how long a step takes ----------------------
@@ -253,14 +126,35 @@ def _static_predicted(cfg: TrainConfig, stages) -> list[int]:
 
 def profiled_stages(cfg: TrainConfig):
     """All stage modules of the run's model in this process, in the compute dtype (bf16-mixed:
-    bfloat16 weights, which save what the ranks' compute copies save), and the loss function."""
+    bfloat16 weights, which save what the ranks' compute copies save), and the loss function.
+    A pretrained model is profiled with weights drawn from the seed instead of its own: what
+    a pass saves and how long it takes do not depend on the values, and nothing is read."""
+    from ..models.build import build_stages
     from ..runtime.precision import torch_dtype
 
-    family = cfg.model.family_object()
-    model = family.build_model(cfg.model.config, seed=cfg.seed)
-    if cfg.precision.mixed:
-        model = model.to(torch_dtype(cfg.precision.compute))
-    return family.split(model, cfg.num_stages), family.loss_fn
+    spec = profiling_spec(cfg.model.spec())
+    dtype = torch_dtype(cfg.precision.compute if cfg.precision.mixed else cfg.precision.master)
+    stages = build_stages(spec, seed=cfg.seed, num_stages=cfg.num_stages, stages=range(cfg.num_stages), dtype=dtype)
+    return stages, spec.loss
+
+
+def profiling_spec(spec):
+    """`spec` with weights drawn from the seed where it has pretrained ones (see `profiled_stages`)."""
+    if spec.weights is None:
+        return spec
+    import dataclasses
+
+    from ..models.init import seeded_normal_
+
+    def init(seed: int):
+        def fill(name, tensor):
+            if name.endswith("norm.weight"):
+                tensor.fill_(1.0)
+            else:
+                seeded_normal_(tensor, seed=seed, name=name, std=0.02)
+        return fill
+
+    return dataclasses.replace(spec, weights=None, init=init)
 
 
 def _times_from(cfg: TrainConfig, hardware: str | None) -> str:

@@ -23,7 +23,9 @@ def tp_shapes(cfg: Any, stages: Sequence[Any]) -> dict[int, list[tuple[int, ...]
     """Global stage -> the shapes of one tp rank's share of its trainable parameters."""
     from ..runtime.tensor_parallel import planned_shapes
 
-    plan = cfg.model.family_object().tp_plan()
+    from ..models.build import tp_plan_of
+
+    plan = tp_plan_of(cfg.model.spec())
     return {st.index: planned_shapes(st, plan, cfg.tp) for st in stages}
 
 
@@ -32,9 +34,9 @@ def tp_stage_memory(cfg: Any, memory: Sequence[Any]) -> list[Any]:
     from ..sim.analytic import TransformerConfig, stage_activation_bytes
     from ..sim.tp_memory import tp_stage_activation_bytes
 
-    model = cfg.model
-    analytic = TransformerConfig(layers=model.layers, hidden=model.hidden, heads=model.config.heads, seq=model.seq,
-                                 vocab=model.config.vocab, microbatch_size=cfg.microbatch_size,
+    shape = cfg.model.shape
+    analytic = TransformerConfig(layers=shape.layers, hidden=shape.hidden, heads=shape.heads, seq=cfg.model.sequence,
+                                 vocab=shape.vocab, microbatch_size=cfg.microbatch_size,
                                  dtype={"bfloat16": "bf16"}.get(cfg.precision.compute, cfg.precision.compute),
                                  flash_attention=True, dropout=False)
     whole = stage_activation_bytes(analytic, cfg.num_stages)
@@ -56,6 +58,6 @@ def tp_emulated_times(cfg: Any) -> tuple[float, float, float]:
 
     f, b, w = cfg.emulation.times_ms
     bandwidth, latency = cfg.emulation.tp_link
-    activation = cfg.microbatch_size * cfg.model.seq * cfg.model.hidden * cfg.precision.compute_bytes
+    activation = cfg.microbatch_size * cfg.model.sequence * cfg.model.hidden * cfg.precision.compute_bytes
     comm_ms = TPCostModel(tp=cfg.tp, link=Link(bandwidth, latency)).layer_comm(activation) * 1e3
     return f / cfg.tp + comm_ms, b / cfg.tp + comm_ms, w / cfg.tp

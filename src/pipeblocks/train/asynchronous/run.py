@@ -25,16 +25,12 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-from ...core.request import ScheduleRequest
-from ...core.schedule import Schedule
-from ...schedules.asynchronous import ASYNC_FORMS
-from ...core.async_mode import AsyncMode
 from ..config import TrainConfig
 from .plan import nominal_delays, plan_segments, run_versions
 from .rank import AsyncRankResult, async_rank, microbatches
 
 __all__ = [
-    "AsyncRankResult", "ReplayCheck", "async_rank", "check_against_replay", "check_async",
+    "AsyncRankResult", "ReplayCheck", "async_rank", "check_against_replay",
     "launch_async", "steady_step_s", "train_async", "verify_async",
 ]
 
@@ -45,38 +41,6 @@ __all__ = [
 # several steps: AdamW divides by the root of tiny second moments, so a rounding difference
 # in a gradient near zero moves its weight by up to 2 lr (2.4e-4 relative measured over 8
 # steps at p=4 with 1 thread against 2); float64 stays within 1e-12 there.
-
-
-def check_async(request: ScheduleRequest, schedule: Schedule, mode: AsyncMode, options: dict,
-                emulate: object | None, precision=None) -> None:
-    """Raise ValueError for what an asynchronous run cannot do (before anything starts)."""
-    if precision is not None and precision.mixed:
-        raise ValueError(
-            f"--async with --precision {precision.name} is not supported yet (the modes' weight stashes and "
-            "corrections are kept in the weights' own dtype): use --precision fp32 or fp64"
-        )
-    if request.mesh.dp > 1 or any(str(p) != "replicate" for p in request.sharding):
-        raise ValueError(
-            f"--async with --dp {request.mesh.dp} or --sharding is not supported yet: use --dp 1 --sharding replicate"
-        )
-    if schedule.seq_chunks > 1:
-        raise ValueError("--async with sequence chunks is not supported: drop --seq-chunks")
-    if request.recompute != "none":
-        raise ValueError(
-            f"--async with --recompute {request.recompute}: the asynchronous backward recomputes its forward "
-            "already (at the mode's weights); drop --recompute"
-        )
-    if schedule.name not in ASYNC_FORMS:
-        forms = ", ".join(ASYNC_FORMS)
-        raise ValueError(
-            f"--async {mode.name}: schedule {schedule.name!r} has no asynchronous form; the schedules that have one "
-            f"are {forms}: use --schedule {next(iter(ASYNC_FORMS))}"
-        )
-    for option, flag in (("clip_grad", "--clip-grad"), ("eval_every", "--eval-every")):
-        if options.get(option):
-            raise ValueError(f"--async with {flag} is not supported yet: drop {flag}")
-    if options.get("verify") and emulate is not None:
-        raise ValueError("--verify compares real training: drop --emulate")
 
 
 def launch_async(cfg: TrainConfig) -> list[AsyncRankResult]:
@@ -136,7 +100,7 @@ def describe_async(cfg: TrainConfig) -> str:
         extra = f" D={mode.d:g}"
     return (f"asynchronous {s.name} ({mode.name}{extra}), p={s.p}, {s.m} microbatches per step, {cfg.steps} steps "
             f"({mode.sync_warmup_steps} synchronous), {cfg.model.describe()}, {cfg.precision.name}, microbatch "
-            f"{cfg.microbatch_size}x{cfg.model.seq} tokens")
+            f"{cfg.microbatch_size}x{cfg.model.sequence} tokens")
 
 
 def delay_lines(results: list[AsyncRankResult], w: int, n: int) -> list[str]:
@@ -151,7 +115,7 @@ def delay_lines(results: list[AsyncRankResult], w: int, n: int) -> list[str]:
 def train_async(cfg: TrainConfig, data, *, report: str | None = None, plot: str | None = None) -> int:
     """Train asynchronously; print loss per step (as the run goes), delays per stage and
     throughput; with `report`, the measured steady state beside the simulator's (report.py)."""
-    from ..run import describe_loop
+    from ..describe import describe_loop
     from .report import build_async_report, format_async_report, write_async_report
 
     print(f"training {describe_async(cfg)} on {describe_loop(cfg, data)}", flush=True)
@@ -205,12 +169,15 @@ def check_against_replay(cfg: TrainConfig, data, results: list[AsyncRankResult])
     # the replay runs the W synchronous steps itself, then these
     after_warmup = run_versions(schedule, tuple(s for s in segments if not s.synchronous), prefix=False)
     xs, ys = microbatches(cfg, data, range(cfg.steps))
-    family = cfg.model.family_object()
-    stages = family.split(family.build_model(cfg.model.config, seed=cfg.seed), schedule.num_stages)
+    from ...models.build import build_model, split_stages
+
+    spec = cfg.model.spec()
+    whole = build_model(spec, seed=cfg.seed, dtype=getattr(torch, cfg.model.weights_dtype))
+    stages = split_stages(spec, whole, schedule.num_stages)
     factor = cfg.lr_schedule.factor if cfg.lr_schedule is not None else None
     # the ranks' thread count: matrix products then round as on the ranks
     with torch_threads(cfg.threads_for(schedule.p)):
-        expected = replay(stages, after_warmup, list(zip(xs, ys)), loss_fn=family.loss_fn,
+        expected = replay(stages, after_warmup, list(zip(xs, ys)), loss_fn=spec.loss,
                           optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr), mode=mode,
                           nominal_delays=nominal_delays(schedule), lr_factor=factor)
     losses = next(r.losses for r in results if r.losses)

@@ -1,0 +1,60 @@
+"""The `ModelSpec` of a Hugging Face model directory: its architecture, shape and weights.
+
+    >>> spec = hf_spec("path/to/qwen2")      # config.json + model.safetensors (or an index and shards)
+    >>> spec.shape.layers, spec.shape.tied, spec.title
+    (24, True, 'Qwen2ForCausalLM')
+    >>> stages = build_stages(spec, num_stages=4, stages=(0, 3))   # reads only those stages' tensors
+
+The architecture and the sizes come from config.json (`core.hf_config.read_hf_config`,
+which names the supported architectures and refuses the others); the model is built by
+transformers' own class of that architecture from the directory's config (never remote
+code), with SDPA attention, no K/V cache and no dropout (pipeblocks verifies exact
+gradients, which dropout's random masks would not give). Its weights are the directory's
+safetensors, read lazily per rank (`weights.SafetensorsWeights`), in the run's precision.
+Positions and rotary tables are recomputed on every stage by the model's own rotary module.
+"""
+from __future__ import annotations
+
+import os
+from functools import partial
+
+from ...core.hf_config import HFConfig, read_hf_config
+from ..spec import ModelSpec
+from .adapter import HF_LAYOUT, HFDecoderAdapter, require_transformers
+from .tp import hf_tp_plan
+from .weights import SafetensorsWeights
+
+__all__ = ["hf_spec", "hf_model_config"]
+
+_DROPOUTS = ("attention_dropout", "hidden_dropout", "embd_pdrop", "resid_pdrop", "attn_pdrop")
+
+
+def hf_spec(directory: str | os.PathLike, *, attn_implementation: str = "sdpa") -> ModelSpec:
+    """The model in `directory` with its own weights (bad directories are refused in one line)."""
+    config = read_hf_config(directory)
+    require_transformers()
+    weights = SafetensorsWeights(config.directory)
+    return ModelSpec(
+        name=f"hf:{config.directory}", title=config.architecture,
+        build=partial(_build, config, attn_implementation), layout=HF_LAYOUT, shape=config.shape, weights=weights,
+        adapter=HFDecoderAdapter(attn_implementation, config.sliding_window),
+        tp_plan=partial(hf_tp_plan, qk_norm=config.shape.qk_norm),
+    )
+
+
+def hf_model_config(config: HFConfig, attn_implementation: str = "sdpa"):
+    """transformers' config object of the directory, as pipeblocks runs it (no cache, no dropout)."""
+    tf = require_transformers()
+    model_class = getattr(tf, config.architecture)
+    hf = model_class.config_class.from_pretrained(config.directory, trust_remote_code=False)
+    hf.use_cache = False
+    hf._attn_implementation = attn_implementation
+    for name in _DROPOUTS:
+        if getattr(hf, name, 0.0):
+            setattr(hf, name, 0.0)
+    return hf
+
+
+def _build(config: HFConfig, attn_implementation: str):
+    tf = require_transformers()
+    return getattr(tf, config.architecture)(hf_model_config(config, attn_implementation))

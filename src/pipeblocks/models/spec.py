@@ -1,0 +1,233 @@
+"""What `pipeblocks train` needs from a model: a `ModelSpec`.
+
+    >>> from pipeblocks.models import Layout, ModelShape, ModelSpec
+    >>> SPEC = ModelSpec(
+    ...     name="tiny-lm",
+    ...     build=lambda: TinyLM(),                               # the whole model; its weights are not used
+    ...     layout=Layout(blocks="layers", before=("embed",), after=("norm", "head")),
+    ...     shape=ModelShape(layers=4, hidden=32, heads=4, vocab=256, mlp="gelu", positions="rotary"),
+    ...     init=lambda seed: my_init(seed),                      # seed -> init(name, tensor)
+    ... )
+    $ pipeblocks train --model my_model.py:SPEC -p 2 --dp 2 --precision bf16-mixed
+
+A spec is data about a model, and `train` asks it rather than the model's type:
+
+    build        a function that builds the whole model (an `nn.Module`). Stages are built
+                 from it with every parameter on the meta device, so it must not need its
+                 parameters' values; the one-process reference of `--verify` builds it whole.
+    layout       where the blocks are, and what runs before and after them (`Layout`)
+    shape        its sizes, for the simulator and the memory model (`ModelShape`)
+    init         `init(seed) -> init(name, tensor)`: a parameter's values from its full-model
+                 name and the run's seed alone, so every rank builds the same weights
+    weights      pretrained weights instead (`WeightSource`, e.g. the safetensors files of a
+                 Hugging Face directory): exactly one of init and weights
+    adapter      how a stage calls its parts (`BlockAdapter`; side inputs, sequence chunks)
+    loss         `loss(logits, targets)`: mean next-token cross entropy by default
+    tp_plan      `tp_plan() -> TPPlan` (`models.tp_plan`), or None: `--tp > 1` is refused
+    title        what progress lines call it ("Llama", "Qwen2ForCausalLM")
+
+The model's forward maps token ids [b, s] to logits [b, s, V] (or an output object with a
+`.logits`, as Hugging Face models return). `supports_sequence_chunks` is the adapter's.
+A head that shares the embedding's weight (tied embeddings) is found by the splitter.
+
+Where `train --model TEXT` finds a spec (`load_spec`): `FILE.py:NAME` (a file, imported by
+path), `package.module:NAME`, or a name registered with `register_model(name, spec)` by an
+imported module or by an installed package's entry point in the group "pipeblocks.models".
+NAME is a ModelSpec, or a function of no arguments that returns one.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..core.model_shape import ModelShape
+from .adapter import BlockAdapter
+from .layout import Layout
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
+
+    from .splitter import ParamInit, WeightSource
+    from .tp_plan import TPPlan
+
+__all__ = [
+    "ENTRY_POINT_GROUP", "ModelSpec", "load_spec", "model_logits", "portable_reference", "register_model",
+    "registered_models",
+]
+
+ENTRY_POINT_GROUP = "pipeblocks.models"
+
+
+def _cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    from .gpt import cross_entropy
+
+    return cross_entropy(logits, targets)
+
+
+@dataclass(frozen=True, eq=False)
+class ModelSpec:
+    """A model as `pipeblocks train` sees it (the module docstring says what each field is)."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    layout: Layout
+    shape: ModelShape
+    init: Callable[[int], ParamInit] | None = None
+    weights: WeightSource | None = None
+    adapter: BlockAdapter = field(default_factory=BlockAdapter)
+    loss: Callable[[Tensor, Tensor], Tensor] = _cross_entropy
+    tp_plan: Callable[[], TPPlan] | None = None
+    title: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("ModelSpec.name must be a non-empty string (what progress lines and errors call it)")
+        if not callable(self.build):
+            raise TypeError(f"ModelSpec {self.name!r}: build must be a function that returns the model, got "
+                            f"{type(self.build).__name__}")
+        if not isinstance(self.layout, Layout):
+            raise TypeError(f"ModelSpec {self.name!r}: layout must be a pipeblocks.models.Layout, got "
+                            f"{type(self.layout).__name__}")
+        if not isinstance(self.shape, ModelShape):
+            raise TypeError(f"ModelSpec {self.name!r}: shape must be a pipeblocks.models.ModelShape, got "
+                            f"{type(self.shape).__name__}")
+        if (self.init is None) == (self.weights is None):
+            raise ValueError(f"ModelSpec {self.name!r} needs exactly one of init= (seed -> init(name, tensor)) and "
+                             "weights= (pretrained weights)")
+        if not isinstance(self.adapter, BlockAdapter):
+            raise TypeError(f"ModelSpec {self.name!r}: adapter must be a BlockAdapter, got {type(self.adapter).__name__}")
+
+    @property
+    def supports_sequence_chunks(self) -> bool:
+        return bool(self.adapter.supports_sequence_chunks)
+
+    @property
+    def pretrained(self) -> bool:
+        return self.weights is not None
+
+    def describe(self) -> str:
+        """'8-layer Llama (hidden 64, 4 heads, 2 KV heads)'."""
+        s = self.shape
+        kv = f", {s.num_kv_heads} KV heads" if s.num_kv_heads != s.heads else ""
+        tied = ", tied embeddings" if s.tied else ""
+        return f"{s.layers}-layer {self.title or self.name} (hidden {s.hidden}, {s.heads} heads{kv}{tied})"
+
+
+def model_logits(output: Any) -> Tensor:
+    """The logits of a model's forward: the tensor itself, or an output object's `.logits`."""
+    logits = getattr(output, "logits", output)
+    if logits is None or not hasattr(logits, "dim") or logits.dim() != 3:
+        raise TypeError(f"the model's forward returned {type(output).__name__}: it must return logits [b, s, V] or an "
+                        "object with .logits")
+    return logits
+
+
+# ---- finding a spec by text ---------------------------------------------------------------
+_REGISTRY: dict[str, tuple[ModelSpec, str]] = {}
+
+
+def register_model(name: str, spec: ModelSpec | Callable[[], ModelSpec]) -> None:
+    """Make `spec` trainable as `pipeblocks train --model NAME` in this process and in the
+    ranks it starts (they import the module that called this). A name registered twice by
+    different modules is refused."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"register_model: a name is a non-empty string without ':', got {name!r}")
+    caller = sys._getframe(1).f_globals.get("__name__", "__main__")
+    held = _REGISTRY.get(name)
+    if held is not None and held[1] != caller:
+        raise ValueError(f"register_model: {name!r} is registered already (by {held[1]}): choose another name")
+    _REGISTRY[name] = (spec, caller)
+
+
+def registered_models() -> dict[str, str]:
+    """{name: the module that registered it} for the specs registered in this process."""
+    return {name: module for name, (_, module) in _REGISTRY.items()}
+
+
+def load_spec(text: str) -> ModelSpec:
+    """The spec `--model TEXT` names: FILE.py:NAME, package.module:NAME or a registered name."""
+    if not isinstance(text, str) or not text:
+        raise ValueError("--model needs FILE.py:NAME, package.module:NAME or a registered model name")
+    where, sep, name = text.rpartition(":")
+    if not sep:
+        name, at, module = text.partition("@")
+        if at:  # a registered name and the module that registers it (`portable_reference`)
+            _import_module(module, text)
+        return _registered(name)
+    if not name.isidentifier():
+        raise ValueError(f"--model {text!r}: after the ':' give the name of a ModelSpec in {where!r}")
+    module = _import_file(where) if where.endswith(".py") else _import_module(where, text)
+    if not hasattr(module, name):
+        found = sorted(k for k, v in vars(module).items() if isinstance(v, ModelSpec))
+        hint = f" (it defines the ModelSpec {', '.join(found)})" if found else " (it defines no ModelSpec)"
+        raise ValueError(f"--model {text!r}: {where} has no {name!r}{hint}")
+    return _as_spec(getattr(module, name), text)
+
+
+def portable_reference(text: str) -> str:
+    """`text` as the ranks of a run resolve it: a file made absolute, a name registered in this
+    process with the module that registers it ("NAME@module")."""
+    where, sep, name = text.rpartition(":")
+    if sep and where.endswith(".py"):
+        return f"{Path(where).expanduser().resolve()}:{name}"
+    if not sep and "@" not in text and text in _REGISTRY and _REGISTRY[text][1] != "__main__":
+        return f"{text}@{_REGISTRY[text][1]}"
+    return text
+
+
+def _registered(name: str) -> ModelSpec:
+    if name not in _REGISTRY:
+        for entry in _entry_points():
+            if entry.name == name:
+                return _as_spec(entry.load(), f"entry point {entry.value}")
+        known = sorted(set(_REGISTRY) | {e.name for e in _entry_points()})
+        raise ValueError(
+            f"--model {name!r}: no model is registered by that name ({', '.join(known) or 'none registered'}); give "
+            "FILE.py:NAME or package.module:NAME of a ModelSpec (docs/your-model.md), or --hf DIR"
+        )
+    return _as_spec(_REGISTRY[name][0], name)
+
+
+def _entry_points() -> list:
+    from importlib.metadata import entry_points
+
+    return list(entry_points(group=ENTRY_POINT_GROUP))
+
+
+def _as_spec(value: Any, text: str) -> ModelSpec:
+    if not isinstance(value, ModelSpec) and callable(value) and not isinstance(value, type):
+        value = value()
+    if not isinstance(value, ModelSpec):
+        raise ValueError(f"--model {text!r} is a {type(value).__name__}, not a ModelSpec: give the name of a "
+                         "pipeblocks.models.ModelSpec (or of a function returning one)")
+    return value
+
+
+def _import_file(path: str):
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise ValueError(f"--model: no file {path!r}: give FILE.py:NAME with an existing Python file")
+    module_name = f"pipeblocks_user_model_{abs(hash(str(file))):x}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
+def _import_module(name: str, text: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        raise ValueError(f"--model {text!r}: cannot import {name!r} ({err}): give FILE.py:NAME or an importable "
+                         "package.module:NAME") from None

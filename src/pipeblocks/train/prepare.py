@@ -1,0 +1,141 @@
+"""From a request to a run: `prepare` finds every user error before any process starts.
+
+    >>> cfg, data = prepare(ScheduleRequest(name="v-half", m=4, mesh=Mesh(pp=2)), model=GPTConfig(), steps=20)
+    >>> cfg, data = prepare(request, model=ModelChoice("hf:models/qwen2", seq=256), data=DataSpec("notes.jsonl"))
+
+In order: the model (its spec, resolved once here: a bad directory or spec fails now), the
+schedule (built and validated once), what composes with what (`composition.REFUSALS`, on a
+draft of the run), whether the model fits the pipeline (layers per stage, tensor-parallel
+sizes, its context), the mesh and device, the data (tokenized once, its ids within the
+model's vocabulary), the loop's options, and the checkpoint directory. Each step raises
+ValueError with the numbers and the fix.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..core.precision import PrecisionPolicy, precision_policy
+from ..core.recompute import recompute_pairs
+from ..core.request import ScheduleRequest
+from ..core.schedule import Schedule
+from ..core.split import layer_counts
+from ..core.validate import validate
+from ..models.config import GPTConfig
+from ..schedules.asynchronous import ASYNC_FORMS
+from ..sim.build import build
+from .composition import Draft, check_composition
+from .config import CheckpointSpec, DataSpec, EmulationSpec, MeshSpec, ScheduleSpec, TrainConfig
+from .loop_options import resolve_loop_options
+from .model_choice import ModelChoice
+from .prepare_checks import (
+    check_checkpoint_directory, check_torchrun_world, emulated_link, run_device, sequence_chunk_lengths, tp_link,
+)
+from .tp_checks import warn_tp_across_nodes
+
+if TYPE_CHECKING:
+    from ..data import TokenWindows
+
+__all__ = ["prepare", "model_choice"]
+
+
+def prepare(
+    request: ScheduleRequest, *, model: Any, family: str | None = None, precision: str | None = None,
+    device: str = "cpu", emulate: tuple[float, float, float] | None = None, checkpoint: str | None = None,
+    resume: bool = False, save_every: int = 0, overwrite: bool = False, threads_per_rank: int | None = None,
+    data: DataSpec | str | None = None, dry_run: bool = False, sizes: tuple[str, ...] = (), **train_options,
+) -> tuple[TrainConfig, TokenWindows]:
+    """The run's config and training data, every user error raised here (ValueError).
+
+    model: a `ModelChoice`, or a built-in family's config (GPTConfig, LlamaConfig; `family`
+        names which: None takes "gpt" for a GPTConfig and "llama" for a LlamaConfig).
+    precision: "fp32", "fp64" or "bf16-mixed" (None: the model's dtype, fp32 or fp64).
+    device: "auto", "cpu" or "cuda", resolved against this machine's GPUs for its local ranks.
+    data: a `DataSpec` (or a path: its text, bytes). dry_run: the run will only be predicted.
+    sizes: the size options the command line was given (refused with --hf and --model).
+    The other options are `TrainConfig`'s loop settings.
+    """
+    choice = model_choice(model, family)
+    spec = choice.spec()
+    policy = precision_policy(precision or choice.weights_dtype)
+    data = data if isinstance(data, DataSpec) else DataSpec(data)
+    built = build(request)  # with --sharding auto, the policies the simulator chose are in built.request
+    request, schedule = built.request, built.schedule
+    check_composition(_draft(request, schedule, built.recompute, choice, spec, policy, emulate=emulate,
+                             checkpoint=checkpoint, resume=resume, save_every=save_every, dry_run=dry_run,
+                             sizes=sizes, options=train_options))
+    validate(schedule)
+    _check_fits(choice, schedule, request.mesh.tp)
+    dp, tp = request.mesh.dp, request.mesh.tp
+    check_torchrun_world(schedule.p * dp * tp, tp)
+    mesh = MeshSpec(dp, request.sharding, run_device(device, schedule.p * dp * tp, policy), threads_per_rank, tp,
+                    dp_unit=request.costs.dp_unit)
+    warn_tp_across_nodes(tp, mesh.device)
+    emulation = None if emulate is None else EmulationSpec(
+        tuple(emulate), emulated_link(request) if mesh.data_parallel else None,
+        tp_link=tp_link(request) if tp > 1 else None)
+    corpus = _load_data(data, choice)
+    options, train_data = resolve_loop_options(
+        train_options, corpus, checkpoint=checkpoint, resume=resume, emulate=emulate, p=schedule.p,
+        hidden=choice.hidden, async_mode=train_options.get("async_mode"))
+    ck = CheckpointSpec(checkpoint, resume=resume, save_every=save_every, overwrite=overwrite) if checkpoint else None
+    scheduled = ScheduleSpec(schedule, sequence_chunk_lengths(schedule, request.costs.seq_split, choice),
+                             recompute_pairs(schedule, built.recompute))  # --recompute's, or the schedule's own
+    cfg = TrainConfig(model=choice, schedule=scheduled, mesh=mesh, precision=policy, checkpoint=ck,
+                      emulation=emulation, data=data, **options)
+    _check_batch(cfg, train_data)
+    check_checkpoint_directory(cfg, train_data)
+    return cfg, train_data
+
+
+def model_choice(model: Any, family: str | None = None) -> ModelChoice:
+    """A `ModelChoice` from what `prepare` was given (a choice, or a built-in family's config)."""
+    if isinstance(model, ModelChoice):
+        return model
+    family = family or ("gpt" if isinstance(model, GPTConfig) else "llama")
+    return ModelChoice(family, model)
+
+
+def _draft(request: ScheduleRequest, schedule: Schedule, recompute, choice: ModelChoice, spec, policy: PrecisionPolicy,
+           *, emulate, checkpoint, resume, save_every, dry_run, sizes, options: dict) -> Draft:
+    """The run as `composition.check_composition` reads it."""
+    async_mode = options.get("async_mode")
+    return Draft(
+        async_mode=async_mode.name if async_mode is not None else None, schedule=schedule.name, tp=request.mesh.tp,
+        dp=request.mesh.dp, sharding=tuple(str(p) for p in request.sharding), seq_chunks=schedule.seq_chunks,
+        precision=policy.name, recompute=bool(recompute_pairs(schedule, recompute)) or request.recompute != "none",
+        clip_grad=options.get("clip_grad"), verify=bool(options.get("verify")), emulate=emulate is not None,
+        checkpoint=checkpoint is not None, resume=resume, save_every=save_every,
+        eval_every=options.get("eval_every") or 0, held_out=options.get("held_out"), dry_run=dry_run,
+        save_hf=options.get("save_hf") is not None, sizes=tuple(sizes), model=choice.source,
+        model_takes_chunks=spec.supports_sequence_chunks, model_has_tp_plan=spec.tp_plan is not None,
+        model_tied=bool(spec.shape.tied), async_forms=tuple(ASYNC_FORMS),
+    )
+
+
+def _check_fits(choice: ModelChoice, schedule: Schedule, tp: int) -> None:
+    """The model's blocks fill the stages, tensor parallelism divides its sizes, its context holds a sequence."""
+    from ..models.tp_plan import check_tp
+
+    shape = choice.shape
+    layer_counts(shape.layers, schedule.num_stages)
+    check_tp(shape, tp, seq=choice.sequence)
+    if shape.context is not None and choice.sequence > shape.context:
+        raise ValueError(f"--seq {choice.sequence} is longer than the model's context of {shape.context} positions: "
+                         f"use --seq {shape.context} or less")
+
+
+def _load_data(data: DataSpec, choice: ModelChoice) -> TokenWindows:
+    """The corpus in windows of the run's sequence, its ids checked against the model's vocabulary."""
+    from .corpus import load_corpus
+
+    return load_corpus(data, seq=choice.sequence, vocab=choice.vocab, model_tokenizer=choice.hf_directory)
+
+
+def _check_batch(cfg: TrainConfig, data: TokenWindows) -> None:
+    if cfg.dp > 1 and cfg.global_batch_size > data.num_windows:
+        s = cfg.schedule
+        raise ValueError(
+            f"--dp {cfg.dp}: a step takes dp x m x microbatch = {cfg.dp} x {s.m} x {cfg.microbatch_size} = "
+            f"{cfg.global_batch_size} sequences but the data ({data.source}) holds only {data.num_windows} windows "
+            f"of {cfg.model.sequence + 1} tokens: lower --dp, -m or --microbatch-size, or give more data (--data)"
+        )
