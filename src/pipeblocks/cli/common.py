@@ -15,10 +15,11 @@ import sys
 
 from ..core.dp_units import DP_UNIT_GRAINS
 from ..core.errors import ScheduleError
+from ..core.hf_config import supported_text
 from ..core.jsontext import json_text
 from ..core.request import RECOMPUTE_MODES, CostSpec, Mesh, ScheduleRequest
 from ..core.sharding import parse_sharding
-from ..sim.analytic import MODELS
+from ..sim.analytic import HF_SEQ, MODELS
 from ..sim.hardware_profile import check_hardware_text, hardware_names_text
 from ..sim.build import Built, build
 from ..sim.sequence_split import SPLITS
@@ -26,7 +27,7 @@ from .argtypes import costs_text, positive_float, positive_int, setting_text, un
 
 __all__ = [
     "add_generator_options", "add_mesh_options", "add_cost_options", "add_schedule_options", "request_from_args", "build", "Built",
-    "json_text", "print_json", "progress",
+    "json_text", "print_json", "progress", "analytic_costs",
 ]
 
 # generator keyword <- CLI option (argparse dest)
@@ -90,7 +91,8 @@ def add_mesh_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dp", type=int, default=1, metavar="D", help="data-parallel replicas of the pipeline (default 1)")
     group.add_argument("--tp", type=int, default=1, metavar="T",
                        help="tensor-parallel ranks per stage (default 1): train runs them (p x dp x T processes); "
-                       "with --model the simulator prices them (compute / T, the per-layer collectives, a rank's memory)")
+                       "with --model or --hf the simulator prices them (compute / T, the per-layer collectives, "
+                       "a rank's memory)")
     group.add_argument(
         "--sharding", default="replicate", metavar="POLICY[,POLICY...]",
         help="per chunk (global stage), or one for all: replicate, zero1, zero2, zero3; or auto "
@@ -113,7 +115,7 @@ def add_mesh_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--gpu-memory", type=float, default=None, metavar="GB",
         help="--sharding auto, --recompute auto, elastic: memory per device for static memory plus peak activation "
-        "(GB under --model; memory units under unit costs)",
+        "(GB under --model or --hf; memory units under unit costs)",
     )
     group.add_argument(
         "--mixed-precision", action="store_true",
@@ -123,8 +125,10 @@ def add_mesh_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_cost_options(parser: argparse.ArgumentParser) -> None:
-    """Where the simulated costs come from: unit costs, --costs, or the analytic --model."""
+def add_cost_options(parser: argparse.ArgumentParser, *, hf: bool = True) -> None:
+    """Where the simulated costs come from: unit costs, --costs, or the analytic model of
+    --model or --hf (a Hugging Face directory's config.json; `CostSpec.hf`), sized by --seq
+    and --microbatch-size. hf=False leaves --hf to the command (`export --hf CHECKPOINT OUT`)."""
     group = parser.add_argument_group("costs")
     group.add_argument(
         "--costs", type=costs_text, default=None, metavar="TF,TB,TW[,TCOMM]",
@@ -133,9 +137,25 @@ def add_cost_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--mem-w-ratio", type=unit_float, default=None, help="M_W/M_B: share of activation B keeps until W (default 1)"
     )
-    group.add_argument(
+    source = group.add_mutually_exclusive_group()
+    source.add_argument(
         "--model", default=None, metavar="PRESET|L,H,A,S[,V[,B]]",
         help=f"analytic transformer costs instead of unit costs (presets: {', '.join(MODELS)}); memory then in bytes",
+    )
+    if hf:
+        source.add_argument(
+            "--hf", default=None, metavar="DIR|config.json",
+            help=f"analytic costs of a Hugging Face model, read from its config.json ({supported_text()}: "
+            "grouped-query attention, head width, SwiGLU width, vocabulary, tied head); instead of --model",
+        )
+    group.add_argument(
+        "--seq", type=positive_int, default=None, metavar="S",
+        help="--model/--hf: tokens per sequence (default: the preset's; with --hf the model's context, at most "
+        f"{HF_SEQ})",
+    )
+    group.add_argument(
+        "--microbatch-size", type=positive_int, default=None, metavar="B",
+        help="--model/--hf: sequences per microbatch (default: the preset's; with --hf 1)",
     )
     group.add_argument(
         "--hardware", default="a100", type=check_hardware_text, metavar="NAME|PROFILE.json",
@@ -143,14 +163,20 @@ def add_cost_options(parser: argparse.ArgumentParser) -> None:
         "`pipeblocks calibrate`",
     )
     group.add_argument(
-        "--flash-attention", action="store_true", help="--model: attention that does not store the s x s scores"
+        "--flash-attention", action="store_true",
+        help="--model/--hf: attention that does not store the s x s scores (torch's scaled_dot_product_attention)"
     )
 
 
-def add_schedule_options(parser: argparse.ArgumentParser, *, name: bool = True) -> None:
+def analytic_costs(args: argparse.Namespace) -> bool:
+    """The parsed cost options name the analytic model (--model or --hf): seconds and bytes."""
+    return bool(getattr(args, "model", None) or getattr(args, "hf", None))
+
+
+def add_schedule_options(parser: argparse.ArgumentParser, *, name: bool = True, hf: bool = True) -> None:
     """Generator and cost options: what `show`, `simulate`, `compare`, `plot` and `export` read."""
     add_generator_options(parser, name="positional" if name else None)
-    add_cost_options(parser)
+    add_cost_options(parser, hf=hf)
 
 
 def request_from_args(
@@ -170,13 +196,14 @@ def request_from_args(
     if costs is None:
         costs = CostSpec(
             times=args.costs, mem_w_ratio=args.mem_w_ratio, model=args.model, hardware=args.hardware,
-            flash_attention=args.flash_attention, seq_split=args.seq_split, **link,
+            flash_attention=args.flash_attention, seq_split=args.seq_split, hf=getattr(args, "hf", None), seq=args.seq,
+            microbatch_size=args.microbatch_size, **link,
         )
     else:
         costs = dataclasses.replace(costs, **link)
     tp = getattr(args, "tp", 1)
-    if tp > 1 and priced_here and not costs.model:
-        raise ScheduleError(f"--tp {tp} is priced by the analytic model: add --model NAME (and --hardware)")
+    if tp > 1 and priced_here and not costs.analytic:
+        raise ScheduleError(f"--tp {tp} is priced by the analytic model: add --model NAME or --hf DIR (and --hardware)")
     return ScheduleRequest(
         name=name or getattr(args, "name", None), m=args.m, mesh=Mesh(pp=args.p, dp=args.dp, tp=tp),
         options=tuple(options),

@@ -12,7 +12,7 @@ from ..sim.recompute_auto import fits_memory
 from ..core.simulate import simulate
 from ..core.request import ScheduleRequest
 from .argtypes import plot_file
-from .common import add_schedule_options, build, print_json, progress, request_from_args
+from .common import add_schedule_options, analytic_costs, build, print_json, progress, request_from_args
 
 
 def register(sub) -> None:
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_curve and "v-adaptive" in chosen:
             points += _adaptive_curve(base)
         plot_pareto(points, args.plot, title=f"p={args.p}, m={args.m}: peak activation against bubble ratio",
-                    memory_unit="bytes" if args.model else "units")
+                    memory_unit="bytes" if analytic_costs(args) else "units")
     if args.json:
         print_json({"p": args.p, "m": args.m, "dp": args.dp, "sharding": args.sharding, "schedules": rows, "skipped": [{"name": n, "reason": w} for n, w in skipped]})
         return 0
@@ -91,15 +91,16 @@ def _adaptive_curve(base: ScheduleRequest) -> list[ParetoPoint]:
 
 def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
     width = max(len("schedule"), *(len(r["schedule"]) for r in rows))
-    if args.model:
-        print(f"p={args.p} m={args.m} model {args.model} on {args.hardware}  (makespan in s, peak activation in GiB)")
+    if analytic_costs(args):
+        model = args.model or f"--hf {args.hf}"
+        print(f"p={args.p} m={args.m} model {model} on {args.hardware}  (makespan in s, peak activation in GiB)")
     else:
         print(f"p={args.p} m={args.m}  (peak activation: 1 = one microbatch through one full stage; 1F1B peaks at p)")
-    unit = 2**30 if args.model else 1
+    unit = 2**30 if analytic_costs(args) else 1
     mesh = args.dp > 1 or args.sharding != "replicate"
     if mesh:
         print(f"dp={args.dp} sharding={args.sharding}  (exposed DP comm: max over ranks; static: max over ranks"
-              f"{', GiB' if args.model else ', 16 per full stage in fp32 replicate'})")
+              f"{', GiB' if analytic_costs(args) else ', 16 per full stage in fp32 replicate'})")
     extra = f"  {'exp comm':>8}  {'static':>8}" if mesh else ""
     budget = args.gpu_memory is not None
     # in play only when asked for: 1f1b-r alone says by its name that it recomputes

@@ -6,6 +6,12 @@ sends, receives and the DP ops UNSHARD, RESHARD, REDUCE_GRAD), JSON, or the text
     pipeblocks export zb-v -p 4 -m 8 --dp 2 --sharding zero3 --format torch-comms-csv -o zbv_lowered.csv
                                                       # torch: _load_csv(..., format="compute_comms")
     pipeblocks simulate --file zbv.csv                # and back: CSV, JSON and text files load alike
+    pipeblocks export --hf ckpt/ out/                 # a training checkpoint as a Hugging Face directory
+
+`--hf CHECKPOINT_DIR OUT_DIR` writes the newest complete checkpoint of a `pipeblocks train
+--checkpoint` directory (per-rank or data-parallel, at whatever p x dp x tp it was saved
+with) as config.json, safetensors weights (sharded with an index above `--max-shard-gb`)
+and the tokenizer's files, which `transformers.AutoModelForCausalLM.from_pretrained` loads.
 """
 from __future__ import annotations
 
@@ -22,8 +28,12 @@ _FORMATS = ("torch-csv", "torch-comms-csv", "json", "text")
 
 def register(sub) -> None:
     parser = sub.add_parser("export", help="write a schedule as torch.distributed.pipelining CSV, JSON or text")
-    add_schedule_options(parser)
+    add_schedule_options(parser, hf=False)  # --hf here is a checkpoint's export
     parser.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
+    parser.add_argument("--hf", nargs=2, default=None, metavar=("CHECKPOINT_DIR", "OUT_DIR"),
+                        help="write a training checkpoint as a Hugging Face directory instead of a schedule")
+    parser.add_argument("--max-shard-gb", type=float, default=5.0, metavar="GB",
+                        help="--hf: weights above this size are written in shards of at most this size (default 5)")
     parser.add_argument(
         "--format", choices=_FORMATS, default=None,
         help="default from the suffix: .csv torch-csv, .json json, otherwise the text form; "
@@ -34,6 +44,8 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.hf is not None:
+        return _export_checkpoint(*args.hf, max_shard_gb=args.max_shard_gb)
     fmt = args.format or _format_of(args.output)
     if fmt == "torch-comms-csv" and args.dp_unit is None:
         args.dp_unit = "chunk"  # torch's lowered CSV has one DP op per stage, not per block
@@ -60,3 +72,13 @@ def run(args: argparse.Namespace) -> int:
 def _format_of(path: str | None) -> str:
     suffix = Path(path).suffix.lower() if path else ""
     return {".csv": "torch-csv", ".json": "json"}.get(suffix, "text")
+
+
+def _export_checkpoint(checkpoint: str, out: str, *, max_shard_gb: float) -> int:
+    from ..train.export_hf import export_checkpoint
+
+    if not max_shard_gb > 0:
+        raise ValueError(f"--max-shard-gb {max_shard_gb}: give a size > 0")
+    files = export_checkpoint(checkpoint, out, max_shard_bytes=int(max_shard_gb * 1e9))
+    print(f"wrote {out}: config.json and {len(files)} safetensors file(s) from {checkpoint}", file=sys.stderr)
+    return 0

@@ -5,6 +5,7 @@ on a cluster, by simulation, before the GPU hours are spent.
         --global-batch 160 --seq 1024
     pipeblocks plan --model 9.6b --gpus 16 --gpu-memory 80 --global-batch 64 --seq 2048 \\
         --schedules 1f1b,v-half,v-zb --json
+    pipeblocks plan --hf path/to/Llama-3-8B --gpus 16 --gpu-memory 80 --global-batch 64 --seq 4096
     pipeblocks plan ... --plot plan.png --top 20
 
 Prints the ranked configurations that fit (MFU, tokens/s, iteration time, peak memory per
@@ -16,14 +17,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 from ..core.dp_units import DP_UNIT_GRAINS
 from ..core.errors import ScheduleError
+from ..core.hf_config import supported_text
 from ..plan import PlanProblem, search
 from ..plan.plot import plot_plan
 from ..plan.report import commands, table, to_json
 from ..plan.space import DEFAULT_MICROBATCH_SIZES, DEFAULT_SCHEDULES
-from ..sim.analytic import MODELS, parse_model
+from ..sim.analytic import HF_SEQ, MODELS, model_from_hf, parse_model
 from ..sim.hardware_profile import check_hardware_text, hardware_names_text, resolve_hardware
 from ..sim.memory_estimate import W_KEEPS
 from .argtypes import plot_file, positive_float, positive_int
@@ -47,8 +50,13 @@ def register(sub) -> None:
         "plan", help="search dp x tp x pp x microbatch x schedule x sharding by simulation; print the best plans",
         description=__doc__.split("\n\n")[0],
     )
-    parser.add_argument("--model", required=True, metavar="PRESET|L,H,A[,S[,V]]",
-                        help=f"a preset ({', '.join(MODELS)}) or LAYERS,HIDDEN,HEADS,SEQ[,VOCAB]")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="PRESET|L,H,A[,S[,V]]",
+                        help=f"a preset ({', '.join(MODELS)}) or LAYERS,HIDDEN,HEADS,SEQ[,VOCAB] (a GPT)")
+    source.add_argument("--hf", metavar="DIR|config.json",
+                        help=f"a Hugging Face model directory or its config.json ({supported_text()}): its shape is "
+                        "priced (grouped-query attention, head width, SwiGLU width, vocabulary, tied head) and the "
+                        "printed commands name --hf DIR")
     parser.add_argument("--gpus", type=positive_int, required=True, help="GPUs in all")
     parser.add_argument("--gpus-per-node", type=positive_int, default=None,
                         help="GPUs sharing the intra-node link (default: the hardware profile's)")
@@ -57,7 +65,9 @@ def register(sub) -> None:
                         "file written by `pipeblocks calibrate`")
     parser.add_argument("--gpu-memory", type=positive_float, required=True, metavar="GB", help="memory per GPU")
     parser.add_argument("--global-batch", type=positive_int, required=True, help="sequences per optimizer step")
-    parser.add_argument("--seq", type=positive_int, default=None, help="tokens per sequence (default: the model's)")
+    parser.add_argument("--seq", type=positive_int, default=None,
+                        help=f"tokens per sequence (default: the preset's; with --hf the model's context, at most "
+                        f"{HF_SEQ})")
     parser.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
                         help=f"schedules to try, comma-separated (default {','.join(DEFAULT_SCHEDULES)})")
     parser.add_argument("--microbatch-sizes", type=_int_list, default=DEFAULT_MICROBATCH_SIZES, metavar="B1,B2,...",
@@ -81,9 +91,10 @@ def register(sub) -> None:
                         help="price training in fp32 (`train --precision fp32`): 4+4+8 bytes per parameter, fp32 "
                         "activations and DP traffic (default: bf16-mixed, fp32 master, gradient and AdamW state plus "
                         "a bf16 compute copy, 4+2+4+8, with bf16 activations)")
-    parser.add_argument("--no-dropout", dest="dropout", action="store_false", default=True,
+    parser.add_argument("--no-dropout", dest="dropout", action="store_false", default=None,
                         help="the model trains without dropout (no masks saved), as the reference GPT of "
-                        "`pipeblocks train`; default: with dropout, Megatron's accounting")
+                        "`pipeblocks train`; default: the model's (the GPT presets and sizes with dropout, "
+                        "Megatron's accounting; the Llama and Qwen presets and --hf without)")
     parser.add_argument("--w-keeps", choices=W_KEEPS, default="graph",
                         help="what a split backward keeps from B until W: graph (default: pipeblocks' runtime, "
                         "all the forward saved but the loss) or weights (the Zero Bubble paper's M_W)")
@@ -106,10 +117,15 @@ def register(sub) -> None:
 
 
 def problem_from_args(args: argparse.Namespace) -> PlanProblem:
-    model = parse_model(args.model) if args.model in MODELS or args.model.count(",") >= 3 else _short_model(args.model)
+    if args.hf:
+        model = model_from_hf(args.hf, seq=args.seq)
+    elif args.model in MODELS or args.model.count(",") >= 3:
+        model = parse_model(args.model)
+    else:
+        model = _short_model(args.model)
     model = dataclasses.replace(
         model, seq=args.seq or model.seq, microbatch_size=1, flash_attention=args.flash_attention,
-        dropout=args.dropout,
+        dropout=model.dropout if args.dropout is None else args.dropout,
     )
     hardware = resolve_hardware(args.hardware)
     if args.gpus_per_node is not None:
@@ -120,8 +136,14 @@ def problem_from_args(args: argparse.Namespace) -> PlanProblem:
         global_batch=args.global_batch, schedules=schedules, microbatch_sizes=args.microbatch_sizes,
         precision="fp32" if args.fp32 else "bf16-mixed", seq_chunks=args.seq_chunks, tp_degrees=args.tp,
         extrapolate=not args.exact, intensity=_intensity(args.intensity_model, hardware), w_keeps=args.w_keeps,
-        dp_unit=args.dp_unit,
+        dp_unit=args.dp_unit, hf=_hf_directory(args.hf) if args.hf else None,
     )
+
+
+def _hf_directory(path: str) -> str:
+    """The model directory `train --hf` takes: the directory of a config.json, else `path` as given."""
+    given = Path(path)
+    return str(given.parent) if given.name == "config.json" and given.is_file() else path
 
 
 def _intensity(setting: str, hardware) -> bool:
@@ -160,7 +182,12 @@ def run(args: argparse.Namespace) -> int:
         print_json(to_json(result))
         return 0
     p = problem
-    print(f"plan: {p.model.layers} layers, hidden {p.model.hidden}, {p.model.heads} heads, seq {p.model.seq}, "
+    if p.model.fused_qkv and p.hf is None:  # the GPT: as it always read
+        model = f"{p.model.layers} layers, hidden {p.model.hidden}, {p.model.heads} heads"
+    else:
+        model = (f"{p.model.shape.describe()}, {p.model.shape.total_params() / 1e9:.2f}B parameters"
+                 + (f" (--hf {p.hf})" if p.hf else ""))
+    print(f"plan: {model}, seq {p.model.seq}, "
           f"batch {p.global_batch} on {p.gpus} x {p.hardware.name} ({p.hardware.gpus_per_node} per node, "
           f"{p.gpu_memory / 1e9:g} GB)")
     print(table(result, args.top))

@@ -6,7 +6,7 @@ import argparse
 from ..sim.plots import plot_timeline
 from ..core.simulate import simulate
 from .argtypes import plot_file
-from .common import add_schedule_options, build, request_from_args
+from .common import add_schedule_options, analytic_costs, build, request_from_args
 
 
 def register(sub) -> None:
@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     schedule = built.schedule
     timeline = simulate(schedule, built.costs, recompute=built.recompute)
     # analytic costs are seconds and bytes; otherwise the cost model's own units
-    units = {"time_unit": "s", "memory_unit": "bytes"} if args.model else {}
+    units = {"time_unit": "s", "memory_unit": "bytes"} if analytic_costs(args) else {}
     path = plot_timeline(timeline, args.output, memory=not args.no_memory, **units)
     print(f"wrote {path}")
     return 0

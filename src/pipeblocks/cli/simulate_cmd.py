@@ -8,7 +8,7 @@ from ..sim.build import memory_budget
 from ..core.recompute import all_pairs
 from ..sim.recompute_auto import fits_memory, memory_need
 from .async_sim import add_async_options, mode_from_args, run_async
-from .common import add_schedule_options, build, request_from_args, print_json
+from .common import add_schedule_options, analytic_costs, build, request_from_args, print_json
 
 
 def register(sub) -> None:
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r:>4}  {summary['busy'][r]:<8.6g}  {summary['peak_activation'][r]:<15.6g}  "
               f"{summary['static_memory'][r]:<13.6g}  {summary['static_memory_peak'][r]:<12.6g}  "
               f"{summary['comm_time'][r]:<8.4g}  {summary['exposed_comm'][r]:.4g}")
-    unit = "bytes" if args.model else "units: a full stage holds 1 parameter, 16 per parameter in fp32 AdamW"
+    unit = "bytes" if analytic_costs(args) else "units: a full stage holds 1 parameter, 16 per parameter in fp32 AdamW"
     if "tp" in summary:
         print("tp comm       " + " ".join(f"{t:.4g}" for t in summary["tp_comm"])
               + "   (seconds per rank in tensor-parallel collectives, inside its F and B)")
@@ -57,21 +57,19 @@ def run(args: argparse.Namespace) -> int:
     if summary["fits_memory"] is not None:
         print(f"fits memory   {'yes' if summary['fits_memory'] else 'no'} (--gpu-memory {args.gpu_memory:g})")
         if not summary["fits_memory"]:
-            print(_what_fits(built, timeline, 1e9 if args.model else 1.0))
+            print(_what_fits(built, timeline, 1e9 if analytic_costs(args) else 1.0))
     print(f"(static memory: parameters, gradients and optimizer state between steps, and at the step's peak; {unit})")
     return 0
 
 
 def _tp_comm(built) -> list[float]:
-    """Seconds each rank spends in tensor-parallel collectives per step (--tp > 1, --model)."""
-    import dataclasses
-
-    from ..sim.analytic import parse_model
+    """Seconds each rank spends in tensor-parallel collectives per step (--tp > 1, --model or --hf)."""
+    from ..sim.build import model_config
     from ..sim.hardware_profile import resolve_hardware
     from ..sim.tp_costs import tp_comm_per_rank
 
     spec = built.request.costs
-    config = dataclasses.replace(parse_model(spec.model), flash_attention=spec.flash_attention)
+    config = model_config(spec)
     return tp_comm_per_rank(built.schedule, config, resolve_hardware(spec.hardware), tp=built.request.mesh.tp,
                             recompute=built.recompute)
 

@@ -47,7 +47,8 @@ class Mesh:
 
 @dataclass(frozen=True)
 class CostSpec:
-    """Where the costs come from: unit costs, explicit pass times, or the analytic model."""
+    """Where the costs come from: unit costs, explicit pass times, or the analytic model of a
+    preset or given sizes (`model`) or of a Hugging Face model directory (`hf`)."""
 
     times: str | None = None
     """'TF,TB,TW[,TCOMM]' pass times per full stage (None: unit costs)"""
@@ -77,10 +78,35 @@ class CostSpec:
     dp_prefetch: int | None = None
     """at block grain, how many of a zero3 chunk's units are gathered ahead of its first
     pass (None: all; k: the rest each while the pass computes the unit k before it)"""
+    hf: str | None = None
+    """analytic transformer costs of a Hugging Face model: its directory or config.json, read
+    by `core.hf_config.read_hf_config` when the costs are built (`sim.build.model_config`);
+    instead of `model`"""
+    seq: int | None = None
+    """the analytic model's tokens per sequence (None: the preset's or L,H,A,S's; with `hf`
+    its context, at most 4096: `sim.analytic.HF_SEQ`)"""
+    microbatch_size: int | None = None
+    """the analytic model's sequences per microbatch (None: the preset's or L,H,A,S,V,B's;
+    with `hf` 1)"""
+
+    @property
+    def analytic(self) -> bool:
+        """The costs come from the analytic model (`model` or `hf`): seconds and bytes."""
+        return bool(self.model or self.hf)
 
     def __post_init__(self) -> None:
         check_dp_unit(self.dp_unit)
         check_prefetch(self.dp_prefetch)
+        if self.model is not None and self.hf is not None:
+            raise ValueError(f"give either --model ({self.model!r}) or --hf ({self.hf!r}), not both: --hf reads the "
+                             "model's sizes from its config.json")
+        if self.hf is not None and self.times is not None:
+            raise ValueError("give either --hf (analytic costs) or --costs, not both")
+        for flag, size in (("--seq", self.seq), ("--microbatch-size", self.microbatch_size)):
+            if size is not None:
+                _positive(flag, size, f"give {flag} 1 or more")
+        if (self.seq is not None or self.microbatch_size is not None) and not self.analytic:
+            raise ValueError("--seq and --microbatch-size size the analytic model: give --model or --hf with them")
         for flag, value, positive in (("--dp-bandwidth", self.dp_bandwidth, True), ("--dp-latency", self.dp_latency, False)):
             if value is None:
                 continue

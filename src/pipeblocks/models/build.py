@@ -24,7 +24,7 @@ from .layout import block_ranges
 from .spec import ModelSpec
 from .stage import Stage
 
-__all__ = ["build_model", "build_stages", "spec_of", "split_stages"]
+__all__ = ["build_model", "build_stages", "spec_of", "split_stages", "stage_parameter_shapes"]
 
 
 def spec_of(model: Any) -> ModelSpec:
@@ -108,3 +108,13 @@ def split_stages(model: Any, whole: nn.Module, num_stages: int, *, counts: Seque
 
     spec = spec_of(model)
     return split_model(whole, spec.layout, num_stages, adapter=spec.adapter, counts=counts)
+
+
+def stage_parameter_shapes(model: Any, num_stages: int, stage: int) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the parameters stage `stage` holds, a tied head's copy left out (it is
+    the embedding's weight), read off a skeleton on the meta device: nothing is allocated."""
+    from .splitter import skeleton_stage
+
+    built = skeleton_stage(spec_of(model), num_stages, stage)
+    copies = {pair.last for pair in built.tied}
+    return {name: tuple(p.shape) for name, p in built.named_parameters() if name not in copies}

@@ -29,7 +29,8 @@ from .init import seeded_normal_
 from .llama import llama_shape
 from .llama_config import LlamaConfig
 
-__all__ = ["MISSING_TRANSFORMERS", "build_hf_llama", "hf_config", "hf_llama_spec", "parameter_init"]
+__all__ = ["MISSING_TRANSFORMERS", "build_hf_llama", "hf_config", "hf_llama_spec", "llama_config_json", "llama_hf_name",
+           "parameter_init"]
 
 
 def hf_config(cfg: LlamaConfig, *, attn_implementation: str = "sdpa") -> Any:
@@ -71,10 +72,42 @@ def parameter_init(cfg: LlamaConfig, *, seed: int) -> Callable[[str, Tensor], No
 
 def hf_llama_spec(cfg: LlamaConfig, *, attn_implementation: str = "sdpa"):
     """HF's Llama of `cfg` as a `ModelSpec` (weights from the run's seed)."""
-    from .spec import ModelSpec
+    from .spec import HFExport, ModelSpec
 
     require_transformers()
     return ModelSpec(name="hf-llama", title="Hugging Face Llama",
                      build=partial(build_hf_llama, cfg, attn_implementation=attn_implementation), layout=HF_LAYOUT,
                      shape=llama_shape(cfg), init=lambda seed: parameter_init(cfg, seed=seed),
-                     adapter=HFDecoderAdapter(attn_implementation), tp_plan=hf_tp_plan)
+                     adapter=HFDecoderAdapter(attn_implementation), tp_plan=hf_tp_plan,
+                     export=HFExport(config=partial(llama_config_json, cfg)))
+
+
+def llama_config_json(cfg: LlamaConfig) -> dict:
+    """config.json of transformers' LlamaForCausalLM of `cfg`'s shape (what `--save-hf` writes)."""
+    config = hf_config(cfg).to_dict()
+    config.update(architectures=["LlamaForCausalLM"], use_cache=True)
+    config.pop("_attn_implementation_autoset", None)
+    return config
+
+
+_LLAMA_NAMES = (  # the built-in Llama's names -> transformers' LlamaForCausalLM's
+    ("embed.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight"), ("head.weight", "lm_head.weight"),
+)
+_BLOCK_NAMES = (
+    ("attn_norm.", "input_layernorm."), ("mlp_norm.", "post_attention_layernorm."), ("attn.", "self_attn."),
+    ("mlp.", "mlp."),
+)
+
+
+def llama_hf_name(name: str) -> str:
+    """A parameter of the built-in Llama by its name in transformers' LlamaForCausalLM:
+    "blocks.3.attn.q_proj.weight" -> "model.layers.3.self_attn.q_proj.weight"."""
+    for ours, theirs in _LLAMA_NAMES:
+        if name == ours:
+            return theirs
+    if name.startswith("blocks."):
+        _, index, rest = name.split(".", 2)
+        for ours, theirs in _BLOCK_NAMES:
+            if rest.startswith(ours):
+                return f"model.layers.{index}.{theirs}{rest[len(ours):]}"
+    raise ValueError(f"the built-in Llama has no parameter {name!r} that LlamaForCausalLM names")

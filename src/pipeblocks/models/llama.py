@@ -206,12 +206,16 @@ def llama_shape(cfg: LlamaConfig) -> ModelShape:
 
 def llama_spec(cfg: LlamaConfig):
     """The built-in Llama-style model of `cfg` as a `ModelSpec` (weights from the run's seed)."""
+    from functools import partial
+
     from .gpt import cross_entropy
-    from .spec import ModelSpec
+    from .hf_llama import llama_config_json, llama_hf_name
+    from .spec import HFExport, ModelSpec
 
     return ModelSpec(name="llama", title="Llama", build=lambda: Llama(cfg, seed=0), layout=LLAMA_LAYOUT,
                      shape=llama_shape(cfg), init=lambda seed: parameter_init(cfg, seed=seed), adapter=LlamaAdapter(),
-                     loss=cross_entropy, tp_plan=llama_tp_plan)
+                     loss=cross_entropy, tp_plan=llama_tp_plan,
+                     export=HFExport(config=partial(llama_config_json, cfg), rename=llama_hf_name))
 
 
 def llama_tp_plan():

@@ -24,6 +24,8 @@ A spec is data about a model, and `train` asks it rather than the model's type:
     adapter      how a stage calls its parts (`BlockAdapter`; side inputs, sequence chunks)
     loss         `loss(logits, targets)`: mean next-token cross entropy by default
     tp_plan      `tp_plan() -> TPPlan` (`models.tp_plan`), or None: `--tp > 1` is refused
+    export       `HFExport`: how the trained weights become a Hugging Face directory (its
+                 config.json, the parameters' names there), or None: `--save-hf` is refused
     title        what progress lines call it ("Llama", "Qwen2ForCausalLM")
 
 The model's forward maps token ids [b, s] to logits [b, s, V] (or an output object with a
@@ -55,7 +57,7 @@ if TYPE_CHECKING:
     from .tp_plan import TPPlan
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "ModelSpec", "load_spec", "model_logits", "portable_reference", "register_model",
+    "ENTRY_POINT_GROUP", "HFExport", "ModelSpec", "load_spec", "model_logits", "portable_reference", "register_model",
     "registered_models",
 ]
 
@@ -66,6 +68,23 @@ def _cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     from .gpt import cross_entropy
 
     return cross_entropy(logits, targets)
+
+
+def _same_name(name: str) -> str:
+    return name
+
+
+@dataclass(frozen=True)
+class HFExport:
+    """How a spec's weights are written for transformers (`pipeblocks train --save-hf`,
+    `pipeblocks export --hf`)."""
+
+    config: Callable[[], dict]
+    """config.json's contents (its "architectures" names the transformers class)"""
+    rename: Callable[[str], str] = _same_name
+    """a parameter's full-model name -> its name in the Hugging Face checkpoint"""
+    files_from: str | None = None
+    """a directory whose tokenizer files and generation_config.json go with the weights"""
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,6 +100,7 @@ class ModelSpec:
     adapter: BlockAdapter = field(default_factory=BlockAdapter)
     loss: Callable[[Tensor, Tensor], Tensor] = _cross_entropy
     tp_plan: Callable[[], TPPlan] | None = None
+    export: HFExport | None = None
     title: str | None = None
 
     def __post_init__(self) -> None:

@@ -57,7 +57,10 @@ from .adapter import BlockAdapter
 from .layout import Layout, block_ranges
 from .stage import Stage, TiedPair
 
-__all__ = ["split_model", "allocate_stages", "default_dtype", "resolve", "ParamInit", "WeightSource", "tied_pairs"]
+__all__ = [
+    "split_model", "allocate_stages", "default_dtype", "resolve", "ParamInit", "WeightSource", "skeleton_stage",
+    "tied_pairs",
+]
 
 ParamInit = Callable[[str, Tensor], None]
 """init(name, tensor): fill `tensor` in place from the full-model parameter `name` alone."""
@@ -136,6 +139,16 @@ def allocate_stages(
             _load(stage, state_dict)
         built.append(stage)
     return built
+
+
+def skeleton_stage(spec, num_stages: int, stage: int) -> Stage:
+    """Stage `stage` of a `ModelSpec`'s model with its parameters on the meta device (shapes and
+    names only; nothing is allocated)."""
+    with _parameters_on_meta():
+        skeleton = spec.build()
+    blocks, parts, tied = _parts(skeleton, spec.layout)
+    ranges = block_ranges(len(blocks), num_stages, None, blocks=spec.layout.blocks)
+    return _stage(stage, num_stages, ranges, spec.layout, parts, blocks, spec.adapter, tied, shared=copy.deepcopy)
 
 
 def tied_pairs(model: nn.Module, layout: Layout) -> tuple[TiedPair, ...]:

@@ -15,19 +15,21 @@ dense bf16 and 2039 GB/s of HBM, R = 153 FLOP/byte. Nothing is fitted to a bench
 
 In a transformer layer every GEMM has M = s*b rows (the tokens of a microbatch), and
 under Megatron tensor parallelism its other two sides are the hidden size h and the
-per-rank width: QKV h x 3h/t, the attention projection h/t x h, the MLP h x 4h/t and
-4h/t x h. The forward, the input gradient and the weight gradient multiply the same three
-sides in a different order, so one intensity serves all three passes. The layer's
-efficiency is the FLOP-weighted harmonic mean of its four GEMMs'; attention's s x s
-products (4s/(24h) of a layer's FLOPs: 2% at s = 1024 on a 10240-wide model) are charged
-at the same rate, and element-wise kernels stay inside the profile's fraction. The LM head
-is an s*b x h by h x V/t product. So larger microbatches (more rows) and lower tensor
+per-rank width (`sim.analytic.layer_gemms`): for the GPT QKV h x 3h/t, the attention
+projection h/t x h, the MLP h x 4h/t and 4h/t x h; for other shapes q h x a*d/t, k and v
+h x k*d/t each (grouped-query attention makes them narrow), the out projection a*d/t x h,
+the MLP's gate and up h x f/t each (SwiGLU) and down f/t x h. The forward, the input
+gradient and the weight gradient multiply the same three sides in a different order, so
+one intensity serves all three passes. The layer's efficiency is the FLOP-weighted
+harmonic mean of its GEMMs'; attention's s x s products (4s/(24h) of a GPT layer's FLOPs:
+2% at s = 1024 on a 10240-wide model) are charged at the same rate, and element-wise
+kernels stay inside the profile's fraction. The LM head is an s*b x h by h x V/t product. So larger microbatches (more rows) and lower tensor
 parallelism (wider GEMMs) run closer to the ceiling, as the Controllable Memory paper
 observes of larger microbatches (Qi et al. 2024, Fig. 8).
 """
 from __future__ import annotations
 
-from ..sim.analytic import Hardware, TransformerConfig
+from ..sim.analytic import Hardware, TransformerConfig, layer_gemms
 
 __all__ = ["gemm_efficiency", "layer_efficiency", "head_efficiency"]
 
@@ -51,9 +53,9 @@ def _ridge(hardware: Hardware) -> float:
 
 def layer_efficiency(config: TransformerConfig, hardware: Hardware, tp: int) -> float:
     """A transformer layer's fraction of the ceiling at tensor-parallel degree `tp`."""
-    h, rows, e = config.hidden, config.seq * config.microbatch_size, config.dtype_bytes
+    rows, e = config.seq * config.microbatch_size, config.dtype_bytes
     ridge = _ridge(hardware)
-    gemms = ((h, 3 * h / tp), (h / tp, h), (h, 4 * h / tp), (4 * h / tp, h))
+    gemms = layer_gemms(config, tp)
     flops = [inner * outer for inner, outer in gemms]
     time = sum(f / gemm_efficiency(rows, k, n, ridge=ridge, dtype_bytes=e) for f, (k, n) in zip(flops, gemms))
     return sum(flops) / time

@@ -1,6 +1,8 @@
 """What `pipeblocks plan` prints: the ranked table, the JSON object, the launch commands."""
 from __future__ import annotations
 
+import shlex
+
 from .search import Evaluated, PlanResult
 
 __all__ = ["table", "to_json", "commands", "row"]
@@ -46,7 +48,8 @@ def to_json(result: PlanResult, top: int | None = None) -> dict:
     ranked = result.ranked
     return {
         "model": {"layers": p.model.layers, "hidden": p.model.hidden, "heads": p.model.heads, "seq": p.model.seq,
-                  "vocab": p.model.vocab, "flash_attention": p.model.flash_attention, "dropout": p.model.dropout},
+                  "vocab": p.model.vocab, "flash_attention": p.model.flash_attention, "dropout": p.model.dropout,
+                  "shape": p.model.shape.to_json(), "params": p.model.shape.total_params(), "hf": p.hf},
         "precision": p.precision, "w_keeps": p.w_keeps, "dp_unit": p.dp_unit,
         "hardware": p.hardware.name, "gpus": p.gpus, "gpus_per_node": p.hardware.gpus_per_node,
         "gpu_memory": p.gpu_memory, "global_batch": p.global_batch,
@@ -59,8 +62,12 @@ def to_json(result: PlanResult, top: int | None = None) -> dict:
 
 def commands(result: PlanResult) -> list[str]:
     """How to run the chosen plan: `pipeblocks train` (local processes), and the same run
-    under torchrun. A tp > 1 plan's commands carry --tp and the model family the planner
-    priced (the reference GPT); its tensor-parallel groups stay inside a node."""
+    under torchrun. The model is the one the planner priced: a plan of `--hf DIR` names
+    `--hf DIR --seq S --microbatch-size B` (the directory fixes the shape); otherwise the
+    sizes `--layers --hidden --heads --seq`, and a tp > 1 plan of the GPT the model family
+    (`--model-family gpt`); a Llama-shaped preset names `--model-family llama` (and
+    `--kv-heads`), whose MLP width and vocabulary are then train's own. Tensor-parallel
+    groups stay inside a node."""
     return _commands(result, result.ranked[0])
 
 
@@ -72,18 +79,24 @@ def _commands(result: PlanResult, e: Evaluated) -> list[str]:
     grain = f" --dp-unit {p.dp_unit}" if c.dp > 1 and p.dp_unit != "block" else ""
     mesh = f" --dp {c.dp} --sharding {e.sharding}{grain}" if c.dp > 1 else ""
     tp = f" --tp {c.tp}" if c.tp > 1 else ""
-    family = " --model-family gpt" if c.tp > 1 else ""
     ranks = c.dp * c.pp * c.tp
     # torchrun starts the same number of processes on every node; a tp group stays inside one
     per_node = max(d for d in range(1, p.hardware.gpus_per_node + 1) if ranks % d == 0 and d % c.tp == 0)
     nodes = ranks // per_node
     # the precision the memory was priced with (train's default is fp32)
     precision = f" --precision {p.precision}" if p.precision != "fp32" else ""
-    options = (
-        f" --schedule {c.schedule} -p {c.pp} -m {c.m}{mesh}{tp}{seq} --layers {model.layers} "
-        f"--hidden {model.hidden} --heads {model.heads} --seq {model.seq} --microbatch-size {c.microbatch_size}"
-        f"{precision}{family}"
-    )
+    if p.hf is not None:
+        sizes = f"--hf {shlex.quote(p.hf)} --seq {model.seq} --microbatch-size {c.microbatch_size}"
+        family = ""
+    else:
+        sizes = (f"--layers {model.layers} --hidden {model.hidden} --heads {model.heads} --seq {model.seq} "
+                 f"--microbatch-size {c.microbatch_size}")
+        if model.fused_qkv:
+            family = " --model-family gpt" if c.tp > 1 else ""
+        else:
+            kv = model.shape.num_kv_heads
+            family = " --model-family llama" + (f" --kv-heads {kv}" if kv != model.heads else "")
+    options = f" --schedule {c.schedule} -p {c.pp} -m {c.m}{mesh}{tp}{seq} {sizes}{precision}{family}"
     # under torchrun `python -m pipeblocks train` runs the same run, one rank per process
     return [f"pipeblocks train{options}",
             f"torchrun --nnodes {nodes} --nproc-per-node {per_node} -m pipeblocks train{options}"]

@@ -29,8 +29,9 @@ it may win), and for shorter sequences only when no configuration fits whole, so
 searches cost what they did.
 
 MFU counts model FLOPs only (a recomputed forward is not useful work), over the
-iteration time on all GPUs at the profile's peak:
-72*s*h^2*L*(1 + s/(6h) + V/(12*h*L)) per sequence, as Megatron-LM and the papers count.
+iteration time on all GPUs at the profile's peak: `sim.analytic.sequence_flops` per
+sequence, L*(6*s*W_l + 12*s^2*(a*d)) + 6*s*h*V with W_l the elements of a block's matrices,
+for the GPT 72*s*h^2*L*(1 + s/(6h) + V/(12*h*L)), as Megatron-LM and the papers count.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from ..core.sharding import ShardingPolicy
 from ..core.simulate import simulate
 from ..schedules import get
 from ..schedules.sequence import split_sequence
+from ..sim.analytic import sequence_flops
 from ..sim.memory_estimate import rank_static_peak
 from ..sim.sequence_split import chunk_shares, split_lengths
 from .costs import replica_costs
@@ -168,10 +170,7 @@ def _rank_key(e: Evaluated) -> tuple:
 
 def model_flops(problem: PlanProblem) -> float:
     """Model FLOPs of one step (forward and backward of the global batch)."""
-    cfg = problem.model
-    s, h, layers, vocab = cfg.seq, cfg.hidden, cfg.layers, cfg.vocab
-    per_sequence = layers * s * h * (72 * h + 12 * s) + 6 * s * h * vocab
-    return problem.global_batch * per_sequence
+    return problem.global_batch * sequence_flops(problem.model)
 
 
 def _placement(name: str, pp: int, stages: int) -> Placement:

@@ -1,7 +1,8 @@
 """What the planner searches: the problem (model, cluster, batch) and its candidate meshes.
 
 A mesh is dp x tp x pp = the GPU count. tp divides the GPUs per node (tensor parallelism
-stays on the intra-node link) and the attention heads; pp is at most the layer count. A
+stays on the intra-node link) and the model's heads, KV heads, MLP width, vocabulary and
+sequence (`sim.tp_memory.tp_mismatch`); pp is at most the layer count. A
 microbatch size b is a candidate for a mesh when dp * b divides the global batch; the
 pipeline then runs m = global_batch / (dp * b) microbatches per step.
 """
@@ -18,6 +19,7 @@ from ..core.sharding import ShardingPolicy
 from ..schedules import get
 from ..sim.analytic import Hardware, TransformerConfig
 from ..sim.memory_estimate import W_KEEPS, precision_config
+from ..sim.tp_memory import tp_mismatch
 
 __all__ = ["DEFAULT_SCHEDULES", "DEFAULT_MICROBATCH_SIZES", "SEQUENCE_SCHEDULES", "PlanProblem", "MeshShape", "meshes", "microbatch_sizes"]
 
@@ -68,6 +70,8 @@ class PlanProblem:
     dp_unit: the grain of the DP collectives (`core.dp_units`), as `train --dp-unit` runs
         them: "block" (the default: a gather and a reduction per layer, pipelined with the
         passes) or "chunk" (one per chunk).
+    hf: the Hugging Face model directory the model was read from (`plan --hf`), which the
+        printed commands name instead of the model's sizes (None: a preset or given sizes).
     """
 
     model: TransformerConfig
@@ -84,6 +88,7 @@ class PlanProblem:
     intensity: bool = True
     w_keeps: str = "graph"
     dp_unit: str = "block"
+    hf: str | None = None
 
     def __post_init__(self) -> None:
         _check_count("--gpus", self.gpus, "give the number of GPUs to plan for")
@@ -157,13 +162,13 @@ def _divisors(n: int) -> list[int]:
 
 
 def meshes(problem: PlanProblem) -> list[MeshShape]:
-    """Every dp x tp x pp = gpus with tp inside a node and dividing the heads, pp <= layers
+    """Every dp x tp x pp = gpus with tp inside a node and dividing the heads (`tp_mismatch`), pp <= layers
     and some microbatch size that divides the batch per replica. The errors name the
     constraint that left nothing."""
     gpus, node = problem.gpus, problem.hardware.gpus_per_node
     model = problem.model
     allowed = problem.tp_degrees
-    tps = [t for t in _divisors(math.gcd(gpus, node)) if model.heads % t == 0 and (allowed is None or t in allowed)]
+    tps = [t for t in _divisors(math.gcd(gpus, node)) if tp_mismatch(model, t) is None and (allowed is None or t in allowed)]
     shapes = [
         MeshShape(dp, tp, gpus // (dp * tp))
         for tp in tps for dp in _divisors(gpus // tp)
@@ -172,7 +177,9 @@ def meshes(problem: PlanProblem) -> list[MeshShape]:
     if not shapes:
         raise ValueError(
             f"{gpus} GPUs do not divide into any dp x tp x pp mesh: tp must divide both the GPUs per node "
-            f"({node}) and the heads ({model.heads}){'' if allowed is None else f' and be one of --tp {allowed}'}, "
+            f"({node}) and the heads ({model.heads}), KV heads ({model.shape.num_kv_heads}), MLP width "
+            f"({model.shape.ffn_width}), vocabulary ({model.vocab}) and sequence ({model.seq})"
+            f"{'' if allowed is None else f' and be one of --tp {allowed}'}, "
             f"and pp is at most the {model.layers} layers; "
             "choose a GPU count that is a multiple of a pipeline depth <= the layers"
         )

@@ -1,28 +1,42 @@
 """An analytic transformer cost model: pass times and activation bytes per stage from a
 model config and a hardware profile.
 
-Per transformer layer, with s = sequence, b = microbatch size, h = hidden, a = heads
-(FLOPs from the Zero Bubble paper, Table 1)::
+The model is a decoder of `layers` blocks (`TransformerConfig`, whose sizes are a
+`core.model_shape.ModelShape`): with s = sequence, b = microbatch size, h = hidden,
+a = query heads, k = key/value heads, d = head width (a*d the queries' width, k*d the
+keys' and the values'), f = the MLP's inner width, V = vocabulary, and
+W_l = 2*h*(a*d) + 2*h*(k*d) + m*h*f the elements of one block's projection matrices
+(q and out: h x a*d; k and v: h x k*d; the MLP's m = 2 (GELU: up, down) or 3 (SwiGLU:
+gate, up, down) matrices of h x f), the FLOPs of one block per microbatch are::
 
-    F = s*b*h*(24h + 4s)    B = s*b*h*(24h + 8s)    W = 24*s*b*h^2        (so B + W = 2F)
+    F = 2*s*b*W_l + 4*s^2*b*(a*d)    B = 2*s*b*W_l + 8*s^2*b*(a*d)    W = 2*s*b*W_l    (B + W = 2F)
 
-Activation bytes (what autograd saves for the backward; `layer_activation_bytes`, the
-terms are listed there and in docs/memory.md) are, with dropout and 16-bit activations,
-M_B = s*b*(34h + 5*a*s) as in Megatron's accounting (Korthikanti et al. 2022), plus the
-LayerNorm statistics; with flash attention the s x s scores are not stored and a
-log-sum-exp per query and head is (M_B = 34*s*b*h + 4*a*s*b + 16*s*b). M_W = 32*s*b*h.
+the matrix products' 2 FLOPs per weight and token, and attention's q.k^T and p.v
+products of 2*s*d FLOPs per query and head each (the Zero Bubble paper's Table 1,
+whose GPT has W_l = 12h^2 and a*d = h: F = s*b*h*(24h + 4s), B = s*b*h*(24h + 8s),
+W = 24*s*b*h^2). Biases, norms, rotary and element-wise work are not counted (O(s*b*h)).
+The last stage adds the LM head, 2*s*b*h*V FLOPs to each of F, B and W, tied or not.
 
-Each layer also costs stage-level terms (`stage_activation_bytes`): the LM head on the last
-stage (layers per stage follow `core.split.layer_counts`, which gives the end stages the
-lighter share of an uneven split) adds 2*s*b*h*V FLOPs to each of F, B and W and saves the
-final LayerNorm's input and output and the loss's log-probabilities (fp32, s*b*V*4 bytes);
-the embedding on the first stage saves the token and position ids. Time = FLOPs / (peak
-FLOP/s * achievable fraction); one hop between ranks takes latency + s*b*h*dtype_bytes /
-bandwidth.
+Activation bytes (what autograd saves for the backward) are listed term by term in
+`layer_activation_bytes` and `stage_activation_bytes` and in docs/memory.md. For the GPT,
+with dropout and 16-bit activations, a layer saves M_B = s*b*(34h + 5*a*s) as in
+Megatron's accounting (Korthikanti et al. 2022), plus the LayerNorm statistics; with flash
+attention the s x s scores are not stored and a log-sum-exp per query and head is
+(M_B = 34*s*b*h + 4*a*s*b + 16*s*b). M_W = 32*s*b*h (`transformer_w_ratio`).
 
-Parameters per stage (they size the data-parallel collectives and the static memory), as
-the reference GPT has them: 12h^2 + 13h per layer, the embeddings (V + s)*h on the first
-stage, the final LayerNorm and the untied head 2h + h*V on the last.
+Layers per stage follow `core.split.layer_counts`, which gives the end stages the lighter
+share of an uneven split. The first stage also saves the token ids (and a learned position
+table's ids); the last saves the final norm's input and output and the loss's
+log-probabilities (fp32, s*b*V*4 bytes), which at a vocabulary of 128k outweigh several
+layers. Time = FLOPs / (peak FLOP/s * achievable fraction); one hop between ranks takes
+latency + s*b*h*dtype_bytes / bandwidth.
+
+Parameters per stage (they size the data-parallel collectives and the static memory) are
+`ModelShape.stage_params`: per block its matrices, biases and norms (the GPT's
+12h^2 + 13h), the token embedding V*h (and a learned position table, s*h for the GPT)
+on the first stage, the final norm and the head h*V on the last. A tied head is the
+embedding's weight, but the first and last stages each hold a copy (kept equal by
+summing their gradients), so both count; on a single stage it is one tensor.
 
 Data-parallel link: the mesh orders ranks (pp, dp), so a stage's d replicas are
 consecutive ranks and share a node when d <= gpus_per_node; a ring that leaves the node
@@ -30,10 +44,12 @@ runs at the inter-node link (`dp_link`).
 
     >>> from pipeblocks.sim.analytic import MODELS, HARDWARE, transformer_costs
     >>> costs = transformer_costs(MODELS["1.5b"], HARDWARE["a100"], num_stages=8)
+    >>> costs = transformer_costs(MODELS["llama-3-8b"], HARDWARE["h100"], num_stages=4)
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -41,12 +57,16 @@ from types import MappingProxyType
 from ..core.errors import ScheduleError
 from ..core.costs import Costs
 from ..core.dp_model import Link
+from ..core.hf_config import read_hf_config
+from ..core.model_shape import ModelShape
 from ..core.split import layer_counts
 
 __all__ = [
     "TransformerConfig", "Hardware", "MODELS", "HARDWARE", "layer_split", "layer_activation_bytes", "transformer_costs",
     "parse_model", "stage_params", "dp_link", "stage_activation_bytes", "loss_activation_bytes",
     "transformer_w_ratio", "PassEfficiency", "layer_intensity", "head_intensity", "stage0_backward_in_w",
+    "layer_flops", "head_flops", "sequence_flops", "layer_gemms", "w_elements", "rotary_table_bytes",
+    "model_from_hf", "HF_SEQ",
 ]
 
 _DTYPE_BYTES = MappingProxyType({"fp32": 4, "float32": 4, "bf16": 2, "fp16": 2, "float16": 2, "float64": 8})
@@ -54,9 +74,14 @@ _DTYPE_BYTES = MappingProxyType({"fp32": 4, "float32": 4, "bf16": 2, "fp16": 2, 
 
 @dataclass(frozen=True)
 class TransformerConfig:
-    """A GPT-style decoder.
+    """A decoder-only transformer as the cost model prices it: its sizes (those of a
+    `core.model_shape.ModelShape`, the `shape` property) and how it is trained (sequence,
+    microbatch, dtype, attention kernel, dropout). The defaults are the reference GPT's
+    (multi-head attention of width h, a GELU MLP of 4h, LayerNorm, learned positions, a bias
+    on every projection, an untied head), so `TransformerConfig(layers, hidden, heads, seq)`
+    prices what it always did.
 
-    layers, hidden, heads: the transformer stack.
+    layers, hidden, heads: the transformer stack (heads: query heads).
     seq: tokens per sequence.  vocab: vocabulary (padded).  microbatch_size: sequences per microbatch.
     dtype: activation dtype name (bf16, fp16, fp32, float64).
     flash_attention: attention that does not store the s x s scores (drops the 5*a*s term
@@ -65,7 +90,21 @@ class TransformerConfig:
     dropout: the model trains with dropout, whose masks are saved for the backward (one
         byte per element: after attention, after the MLP, on the embedding, and on the
         attention probabilities unless flash attention). Megatron's accounting has it; the
-        reference GPT of `pipeblocks train` has no dropout.
+        reference GPT of `pipeblocks train` and the Llama-style models have no dropout.
+
+    The block's shape (as `ModelShape`, whose docstring lists what each fixes):
+    kv_heads: key/value heads k of grouped-query attention (None: as many as heads).
+    head_dim: one head's width d (None: hidden / heads); q is a*d wide, k and v k*d.
+    ffn: the MLP's inner width f (None: 4h for gelu, Llama's 8h/3 rule for swiglu).
+    mlp: "gelu" (up and down) or "swiglu" (gate, up and down).
+    norm: "layernorm" (weight and bias; mean and deviation saved) or "rmsnorm" (weight; one
+        statistic saved).
+    positions: "learned" (a position table on the first stage) or "rotary" (no parameters).
+    context: a learned position table's rows (None: seq, the reference GPT's rule); with
+        rotary positions the model's context, which nothing here prices.
+    tied: the head shares the embedding's weight (the end stages each hold a copy).
+    linear_bias: every projection of a block has a bias; qkv_bias: only q, k and v do.
+    qk_norm: an RMSNorm of d on every query and key head (Qwen3).
     """
 
     layers: int
@@ -77,20 +116,77 @@ class TransformerConfig:
     dtype: str = "bf16"
     flash_attention: bool = False
     dropout: bool = True
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn: int | None = None
+    mlp: str = "gelu"
+    norm: str = "layernorm"
+    positions: str = "learned"
+    context: int | None = None
+    tied: bool = False
+    linear_bias: bool = True
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq", "vocab", "microbatch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ScheduleError(f"model {name} must be an integer >= 1, got {value!r}")
-        if self.hidden % self.heads:
+        if self.head_dim is None and self.hidden % self.heads:
             raise ScheduleError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if self.dtype not in _DTYPE_BYTES:
             raise ScheduleError(f"unknown dtype {self.dtype!r}; choose one of {sorted(_DTYPE_BYTES)}")
+        try:
+            _ = self.shape  # ModelShape checks the block's sizes and kinds
+        except ValueError as err:
+            raise ScheduleError(f"model: {err}") from None
+        if self.positions == "learned" and self.context is not None and self.seq > self.context:
+            raise ScheduleError(f"seq {self.seq} is longer than the learned position table's {self.context} rows "
+                                f"(context): give seq <= {self.context}")
+
+    @classmethod
+    def from_shape(cls, shape: ModelShape, *, seq: int, microbatch_size: int = 1, dtype: str = "bf16",
+                   flash_attention: bool = False, dropout: bool = False) -> TransformerConfig:
+        """The config that prices `shape` trained on sequences of `seq` tokens, `microbatch_size` per
+        microbatch; `config.shape == shape`."""
+        if not isinstance(shape, ModelShape):
+            raise TypeError(f"shape must be a ModelShape, got {type(shape).__name__}")
+        return cls(
+            layers=shape.layers, hidden=shape.hidden, heads=shape.heads, seq=seq, vocab=shape.vocab,
+            microbatch_size=microbatch_size, dtype=dtype, flash_attention=flash_attention, dropout=dropout,
+            kv_heads=shape.kv_heads, head_dim=shape.head_dim, ffn=shape.ffn, mlp=shape.mlp, norm=shape.norm,
+            positions=shape.positions, context=shape.context, tied=shape.tied, linear_bias=shape.linear_bias,
+            qkv_bias=shape.qkv_bias, qk_norm=shape.qk_norm,
+        )
+
+    @functools.cached_property
+    def shape(self) -> ModelShape:
+        """The model's sizes; a learned position table without a context has seq rows."""
+        context = self.context
+        if context is None and self.positions == "learned":
+            context = self.seq
+        return ModelShape(
+            layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab, kv_heads=self.kv_heads,
+            head_dim=self.head_dim, ffn=self.ffn, mlp=self.mlp, norm=self.norm, positions=self.positions,
+            context=context, tied=self.tied, linear_bias=self.linear_bias, qkv_bias=self.qkv_bias,
+            qk_norm=self.qk_norm,
+        )
 
     @property
     def dtype_bytes(self) -> int:
         return _DTYPE_BYTES[self.dtype]
+
+    @property
+    def fused_qkv(self) -> bool:
+        """The reference GPT's module layout (`pipeblocks train --model-family gpt`): one fused q/k/v
+        projection and a GELU MLP, LayerNorms, learned positions, multi-head attention. Every other
+        shape is laid out as Llama's and Hugging Face's decoders are: separate q, k, v and o
+        projections; gate, up and down. It decides the parameter tensors (`sim.tp_memory`) and the
+        GEMMs the intensity model sizes (`layer_gemms`), not the FLOPs or the parameter count."""
+        shape = self.shape
+        return (self.mlp == "gelu" and self.norm == "layernorm" and self.positions == "learned"
+                and shape.num_kv_heads == self.heads and shape.dim * self.heads == self.hidden and not self.qk_norm)
 
 
 @dataclass(frozen=True)
@@ -183,6 +279,23 @@ MODELS = MappingProxyType({
     "21b": TransformerConfig(layers=46, hidden=6144, heads=48, seq=1024),
     "38.5b": TransformerConfig(layers=62, hidden=7168, heads=64, seq=1024),
     "98.5b": TransformerConfig(layers=78, hidden=10240, heads=80, seq=1024),
+    # Shaped like the public config.json of these models (RMSNorm, rotary positions, SwiGLU,
+    # grouped-query attention, an untied head, no dropout), priced at 4096-token sequences,
+    # a common pre-training length within their context (`--seq` and the planner override
+    # it); `TransformerConfig.from_shape(read_hf_config(dir).shape, seq=4096)` equals them
+    "llama-3-8b": TransformerConfig(
+        layers=32, hidden=4096, heads=32, seq=4096, vocab=128256, dropout=False, kv_heads=8, ffn=14336,
+        mlp="swiglu", norm="rmsnorm", positions="rotary", context=8192, linear_bias=False,
+    ),
+    "llama-3-70b": TransformerConfig(
+        layers=80, hidden=8192, heads=64, seq=4096, vocab=128256, dropout=False, kv_heads=8, ffn=28672,
+        mlp="swiglu", norm="rmsnorm", positions="rotary", context=8192, linear_bias=False,
+    ),
+    # q, k and v have biases, the other projections none
+    "qwen2.5-7b": TransformerConfig(
+        layers=28, hidden=3584, heads=28, seq=4096, vocab=152064, dropout=False, kv_heads=4, ffn=18944,
+        mlp="swiglu", norm="rmsnorm", positions="rotary", context=131072, linear_bias=False, qkv_bias=True,
+    ),
 })
 
 # Dense 16-bit peak, a typical achievable fraction, and an inter-node link (one NIC) for the
@@ -237,15 +350,14 @@ def dp_link(hardware: Hardware, dp: int) -> Link:
 
 
 def stage_params(config: TransformerConfig, num_stages: int) -> tuple[int, ...]:
-    """Parameters per stage: layers, embeddings on the first stage, the head on the last."""
-    h, V, s = config.hidden, config.vocab, config.seq
-    layer = 12 * h * h + 13 * h
-    counts = layer_split(config.layers, num_stages)
-    last = num_stages - 1
-    return tuple(
-        n * layer + ((V + s) * h if i == 0 else 0) + ((2 * h + h * V) if i == last else 0)
-        for i, n in enumerate(counts)
-    )
+    """Parameters per stage (`ModelShape.stage_params`): its blocks' matrices, biases and norms,
+    the token embedding (and a learned position table) on the first stage, the final norm and
+    the head on the last. A tied head counts on both end stages, which each hold a copy; a
+    single stage holds the one tensor once."""
+    params = config.shape.stage_params(layer_split(config.layers, num_stages))
+    if config.tied and num_stages == 1:
+        return (params[0] - config.hidden * config.vocab,)
+    return params
 
 
 def layer_split(layers: int, num_stages: int) -> tuple[int, ...]:
@@ -254,31 +366,96 @@ def layer_split(layers: int, num_stages: int) -> tuple[int, ...]:
     return layer_counts(layers, num_stages)
 
 
+# statistics a norm saves per token (fp32 at least): LayerNorm its mean and reciprocal
+# deviation, RMSNorm its reciprocal root mean square
+_NORM_STATISTICS = MappingProxyType({"layernorm": 2, "rmsnorm": 1})
+
+
+def layer_flops(config: TransformerConfig) -> tuple[int, int, int]:
+    """F, B and W FLOPs of one block for one microbatch: 2*s*b*W_l for the matrix products
+    (W_l = `ModelShape.layer_weights`) in each pass, and attention's two s x s products,
+    2*s^2*b*(a*d) each, once in F and twice in B (the module docstring)."""
+    s, b = config.seq, config.microbatch_size
+    matrices = 2 * s * b * config.shape.layer_weights()
+    attention = 4 * s * s * b * config.shape.q_width
+    return matrices + attention, matrices + 2 * attention, matrices
+
+
+def head_flops(config: TransformerConfig) -> int:
+    """FLOPs of the LM head in each of F, B and W: an s*b x h by h x V product (tied or not)."""
+    return 2 * config.seq * config.microbatch_size * config.hidden * config.vocab
+
+
+def sequence_flops(config: TransformerConfig) -> int:
+    """Model FLOPs of one sequence, forward and backward (F + B + W = 3F): the blocks'
+    6*s*W_l + 12*s^2*(a*d) each and the head's 6*s*h*V. For the GPT,
+    72*s*h^2*L*(1 + s/(6h) + V/(12*h*L)), as Megatron-LM counts MFU."""
+    s, shape = config.seq, config.shape
+    block = 6 * s * shape.layer_weights() + 12 * s * s * shape.q_width
+    return config.layers * block + 6 * s * config.hidden * config.vocab
+
+
 def layer_activation_bytes(config: TransformerConfig, tokens: int, keys: int, *, kv: bool = True) -> float:
     """Bytes one layer's forward saves for `tokens` queries attending over `keys` keys, per
-    microbatch. Per token, with e the activation element size and f = max(4, e) the size of
-    the statistics kept in fp32 at least (a pre-norm block, MLP 4h, GELU)::
+    microbatch. Per token, with e the activation element size, f = max(4, e) the size of the
+    statistics kept in fp32 at least, h hidden, a query heads, k key/value heads, d the head
+    width and f_m the MLP's inner width (a pre-norm block)::
 
-        16*h*e   the block input, LayerNorm 1's output (the QKV GEMM's input), Q, K and V
-                 (one 3h tensor), the attention output (the projection's input), the
-                 residual after attention, LayerNorm 2's output, the MLP's 4h GEMM output
-                 (GELU's input) and GELU's 4h output (the second GEMM's input)
-        4*f      mean and reciprocal deviation of both LayerNorms
-        a*f      flash attention: one log-sum-exp per head;  else  a*keys*e  probabilities
+        4*h*e        the block input, the first norm's output (the q, k, v products' input),
+                     the residual after attention and the second norm's output (the MLP's input)
+        (a*d + 2*k*d)*e   q, k and v as attention takes them (after rotary positions)
+        a*d*e        the attention output (the out projection's input)
+        2*f_m*e      GELU: the up product's output (GELU's input) and GELU's output (the down
+                     product's input)
+        4*f_m*e      SwiGLU, down(silu(gate(x)) * up(x)): the gate product's output (SiLU's
+                     input), SiLU's output and the up product's output (the product's inputs)
+                     and their product (the down product's input)
+        2*n*f        the two norms' statistics: n = 2 for LayerNorm (mean and reciprocal
+                     deviation), 1 for RMSNorm (reciprocal root mean square)
+        qk_norm      (a*d + k*d)*e, q and k before their norm, and (a + k)*f statistics
+        a*f          flash attention: one log-sum-exp per query head;  else  a*keys*e  probabilities
         dropout: 2*h (masks after attention and after the MLP, a byte each), and without
                  flash attention a*keys*(1 + e) (the probabilities' mask and dropped copy)
 
-    With dropout and 16-bit activations this is Megatron's 34*h + 5*a*s (plus 16 bytes).
-    kv=False leaves K and V out (2*h*e: a sequence chunk's K/V live in a buffer of the
+    For the reference GPT (a*d = k*d = h, f_m = 4h, LayerNorm) that is 16*h*e + 4*f + ...;
+    with dropout and 16-bit activations Megatron's 34*h + 5*a*s (plus 16 bytes).
+
+    What is assumed: biases save nothing (an addition's backward needs no input); an RMSNorm
+    is fused (torch's rms_norm on CUDA, `_fused_rms_norm`, keeps its input and the statistic;
+    on CPU torch composes it of elementary operations, which also keep the normalised tensor,
+    h*e more per norm: measured on the Llama-style block, that is the whole difference);
+    rotary positions multiply q and k by cos and
+    sin tables that take no gradient, so they save those tables, once per stage and
+    microbatch (`rotary_table_bytes`), and not q or k again; attention reads K and V at k
+    heads (scaled_dot_product_attention with enable_gqa, flash kernels): an implementation
+    that repeats them to a heads before the products saves 2*(a - k)*d*e more, not counted.
+    kv=False leaves K and V out (2*k*d*e: a sequence chunk's K/V live in a buffer of the
     whole sequence)."""
     b, h, a = config.microbatch_size, config.hidden, config.heads
+    shape = config.shape
+    q, kv_width = shape.q_width, shape.kv_width
     e = config.dtype_bytes
     f = max(4, e)
-    per_token = (16 if kv else 14) * h * e + 4 * f
+    mlp = (2 if config.mlp == "gelu" else 4) * shape.ffn_width
+    elements = 4 * h + 2 * q + mlp + (2 * kv_width if kv else 0)
+    statistics = 2 * _NORM_STATISTICS[config.norm]
+    if config.qk_norm:
+        elements += q + kv_width
+        statistics += a + shape.num_kv_heads
+    per_token = elements * e + statistics * f
     per_token += a * f if config.flash_attention else a * keys * e
     if config.dropout:
         per_token += 2 * h + (0 if config.flash_attention else a * keys * (1 + e))
     return tokens * b * per_token
+
+
+def rotary_table_bytes(config: TransformerConfig) -> int:
+    """What rotary positions save on every stage per microbatch: the cos and sin tables of
+    the sequence's positions, s x d each in the activation dtype, computed once by the stage
+    and shared by its layers (0 with learned positions)."""
+    if config.positions != "rotary":
+        return 0
+    return 2 * config.seq * config.shape.dim * config.dtype_bytes
 
 
 def loss_activation_bytes(config: TransformerConfig) -> float:
@@ -289,37 +466,71 @@ def loss_activation_bytes(config: TransformerConfig) -> float:
 
 
 def stage_activation_bytes(config: TransformerConfig, num_stages: int) -> tuple[float, ...]:
-    """M_B per global stage for one microbatch: its layers, and the end stages' extras.
+    """M_B per global stage for one microbatch: its layers, and the stages' extras.
 
-    First stage: the int64 token ids (8 bytes per token) and position ids (8 per position),
-    and with dropout the embedding's mask (h bytes per token). Last stage: the final
-    LayerNorm's input, statistics and output (the head GEMM's input), 2*h*e + 2*f per
-    token, and the loss (`loss_activation_bytes`)."""
+    First stage: the int64 token ids (8 bytes per token), with learned positions the
+    position ids (8 per position), and with dropout the embedding's mask (h bytes per
+    token). Last stage: the final norm's input, statistics and output (the head GEMM's
+    input), 2*h*e + n*f per token (n = 2 for LayerNorm, 1 for RMSNorm), and the loss
+    (`loss_activation_bytes`), tied head or not. Every stage, with rotary positions: the
+    cos and sin tables (`rotary_table_bytes`)."""
     s, b, h = config.seq, config.microbatch_size, config.hidden
     e, f = config.dtype_bytes, max(4, config.dtype_bytes)
     layer = layer_activation_bytes(config, s, s)
-    embed = 8 * s * b + 8 * s + (s * b * h if config.dropout else 0)
-    head = s * b * (2 * h * e + 2 * f) + loss_activation_bytes(config)
+    embed = 8 * s * b + (8 * s if config.positions == "learned" else 0) + (s * b * h if config.dropout else 0)
+    head = s * b * (2 * h * e + _NORM_STATISTICS[config.norm] * f) + loss_activation_bytes(config)
+    rotary = rotary_table_bytes(config)
     last = num_stages - 1
     return tuple(
-        n * layer + (embed if i == 0 else 0) + (head if i == last else 0)
+        n * layer + rotary + (embed if i == 0 else 0) + (head if i == last else 0)
         for i, n in enumerate(layer_split(config.layers, num_stages))
     )
 
 
+def w_elements(config: TransformerConfig) -> int:
+    """Elements per token a layer's W needs kept after B: its GEMMs' inputs (the first norm's
+    output, the attention output, the second norm's output, the down product's input:
+    2h + a*d + f_m) and output gradients (q, k, v, the out projection, the MLP's up (and
+    gate) and down products: a*d + 2*k*d + 2h + (m - 1)*f_m). 16h for the GPT."""
+    shape = config.shape
+    return 4 * config.hidden + 2 * shape.q_width + 2 * shape.kv_width + shape.mlp_matrices * shape.ffn_width
+
+
 def transformer_w_ratio(config: TransformerConfig) -> float:
     """M_W / M_B of a layer: what W needs kept after B, its GEMMs' inputs and output
-    gradients (16*h*e per token, the Zero Bubble paper's 32*s*b*h in 16-bit bytes)."""
+    gradients (`w_elements` per token: 16*h*e for the GPT, the Zero Bubble paper's
+    32*s*b*h in 16-bit bytes)."""
     s = config.seq
-    return 16 * s * config.microbatch_size * config.hidden * config.dtype_bytes / layer_activation_bytes(config, s, s)
+    return w_elements(config) * s * config.microbatch_size * config.dtype_bytes / layer_activation_bytes(config, s, s)
+
+
+def layer_gemms(config: TransformerConfig, tp: int = 1) -> tuple[tuple[float, float], ...]:
+    """The (inner, outer) sides of a layer's matrix products, each with s*b rows, on one of
+    `tp` tensor-parallel ranks (the column-parallel products' outer side and the row-parallel
+    ones' inner side divided by tp). The reference GPT (`TransformerConfig.fused_qkv`):
+    q/k/v h x (a*d + 2*k*d) as one product, out a*d x h, MLP h x f_m and f_m x h; other
+    shapes: q h x a*d, k and v h x k*d each, out a*d x h, and the MLP's gate and up h x f_m
+    (SwiGLU) or up (GELU), down f_m x h."""
+    shape = config.shape
+    h, q, kv, f = config.hidden, shape.q_width, shape.kv_width, shape.ffn_width
+
+    def part(width: int) -> float:
+        return width if tp == 1 else width / tp
+
+    if config.fused_qkv:
+        attention = ((h, part(q + 2 * kv)), (part(q), h))
+    else:
+        attention = ((h, part(q)), (h, part(kv)), (h, part(kv)), (part(q), h))
+    return attention + ((h, part(f)),) * (shape.mlp_matrices - 1) + ((part(f), h),)
 
 
 def layer_intensity(config: TransformerConfig) -> float:
-    """FLOPs per byte of a layer's four matrix products (QKV h x 3h, projection h x h, MLP
-    h x 4h and 4h x h, s*b rows each): their FLOPs over the bytes of their operands and
-    results. F, B and W multiply the same three sides, so one intensity serves all three."""
-    rows, h, e = config.seq * config.microbatch_size, config.hidden, config.dtype_bytes
-    sides = ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h))
+    """FLOPs per byte of a layer's matrix products (`layer_gemms`: for the GPT QKV h x 3h,
+    projection h x h, MLP h x 4h and 4h x h, s*b rows each): their FLOPs over the bytes of
+    their operands and results. F, B and W multiply the same three sides, so one intensity
+    serves all three."""
+    rows, e = config.seq * config.microbatch_size, config.dtype_bytes
+    sides = layer_gemms(config)
     flops = sum(2 * rows * k * n for k, n in sides)
     return flops / (e * sum(rows * k + k * n + rows * n for k, n in sides))
 
@@ -337,11 +548,11 @@ def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stag
     Stage 0's B is 0 and its W the whole backward, as the runtime runs it (its input, token
     ids, needs no gradient); `stage0_input_grad=True` splits it like any other stage (with
     sequence chunks, whose earlier K/V need their gradient in B)."""
-    s, b, h, V = config.seq, config.microbatch_size, config.hidden, config.vocab
+    s, b, h = config.seq, config.microbatch_size, config.hidden
     peak = hardware.flops
     layer_i, head_i = layer_intensity(config), head_intensity(config)
-    layer = (s * b * h * (24 * h + 4 * s), s * b * h * (24 * h + 8 * s), 24 * s * b * h * h)  # F, B, W
-    head = 2 * s * b * h * V
+    layer = layer_flops(config)  # F, B, W
+    head = head_flops(config)
     counts = layer_split(config.layers, num_stages)
     last = num_stages - 1
 
@@ -374,7 +585,8 @@ def stage0_backward_in_w(costs: Costs) -> Costs:
 
 
 def parse_model(text: str) -> TransformerConfig:
-    """A preset name (1.5b, 6.2b, 14.6b, 28.3b, 9.6b, 21b, 38.5b, 98.5b) or 'LAYERS,HIDDEN,HEADS,SEQ[,VOCAB[,MICROBATCH]]'."""
+    """A preset name (`MODELS`: 1.5b, 6.2b, 14.6b, 28.3b, 9.6b, 21b, 38.5b, 98.5b, llama-3-8b,
+    llama-3-70b, qwen2.5-7b) or 'LAYERS,HIDDEN,HEADS,SEQ[,VOCAB[,MICROBATCH]]' (a GPT)."""
     if text in MODELS:
         return MODELS[text]
     try:
@@ -387,3 +599,21 @@ def parse_model(text: str) -> TransformerConfig:
         )
     names = ("layers", "hidden", "heads", "seq", "vocab", "microbatch_size")
     return TransformerConfig(**dict(zip(names, values)))
+
+
+HF_SEQ = 4096
+"""The training sequence of a `--hf` model when none is given: its context, at most this."""
+
+
+def model_from_hf(path: str, *, seq: int | None = None, microbatch_size: int = 1, dtype: str = "bf16",
+                  flash_attention: bool = False, dropout: bool = False) -> TransformerConfig:
+    """The config that prices the Hugging Face model whose directory (or config.json) is
+    `path` (`core.hf_config.read_hf_config`: an architecture pipeblocks does not train, or a
+    path without a config.json, is a ValueError saying so), trained on `seq`-token
+    sequences (None: min(context, HF_SEQ), the context being max_position_embeddings).
+    A sliding attention window (Mistral) is priced as full causal attention."""
+    shape = read_hf_config(path).shape
+    if seq is None:
+        seq = min(shape.context or HF_SEQ, HF_SEQ)
+    return TransformerConfig.from_shape(shape, seq=seq, microbatch_size=microbatch_size, dtype=dtype,
+                                        flash_attention=flash_attention, dropout=dropout)

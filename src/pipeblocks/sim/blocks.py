@@ -2,11 +2,15 @@
 the pass times, so that the simulator can time data-parallel communication per block
 (`core.costs.BlockCosts`, `core.dp_units`).
 
-Per layer, as `sim.analytic` counts a stage (same formulas, split by layer): 12h^2 + 13h
-parameters, and F = s*b*h*(24h + 4s), B = s*b*h*(24h + 8s), W = 24*s*b*h^2 FLOPs. The
-embeddings (V + s)*h join the first layer of stage 0 and the head (final LayerNorm and
-untied LM head, 2h + h*V parameters, 2*s*b*h*V FLOPs in each of F, B and W) the last layer
-of the last stage: a DP unit holds the end parts with their neighbouring block.
+Per layer, as `sim.analytic` counts a stage (same formulas, split by layer): the block's
+parameters (`ModelShape.layer_params`: 12h^2 + 13h for the GPT) and its F, B and W FLOPs
+(`analytic.layer_flops`: s*b*h*(24h + 4s), s*b*h*(24h + 8s) and 24*s*b*h^2 for the GPT).
+The embeddings (`ModelShape.embedding_params`: (V + s)*h for the GPT) join the first layer
+of stage 0 and the head (`ModelShape.head_params`: the final norm and the LM head, 2h + h*V
+for the GPT; a tied head's copy too, held by the last stage; on a single stage the one
+tensor is counted once, with the embedding) the last layer of the last stage, with the
+head's 2*s*b*h*V FLOPs in each of F, B and W: a DP unit holds the end parts with their
+neighbouring block.
 
     >>> from pipeblocks.sim.analytic import MODELS
     >>> blocks = transformer_blocks(MODELS["6.2b"], num_stages=8)
@@ -16,30 +20,31 @@ of the last stage: a DP unit holds the end parts with their neighbouring block.
 from __future__ import annotations
 
 from ..core.costs import BlockCosts
-from .analytic import TransformerConfig, layer_split
+from .analytic import TransformerConfig, head_flops, layer_flops, layer_split
 
 __all__ = ["transformer_blocks"]
 
 
 def transformer_blocks(config: TransformerConfig, *, num_stages: int) -> BlockCosts:
     """Per global stage, its layers' parameters and shares of F, B and W."""
-    s, b, h, V = config.seq, config.microbatch_size, config.hidden, config.vocab
-    layer_params = 12 * h * h + 13 * h
-    flops = {"f": s * b * h * (24 * h + 4 * s), "b": s * b * h * (24 * h + 8 * s), "w": 24 * s * b * h * h}
-    head_flops = 2 * s * b * h * V
+    shape = config.shape
+    layer_params = shape.layer_params()
+    flops = dict(zip("fbw", layer_flops(config)))
+    head = head_flops(config)
+    head_params = shape.head_params() - (config.hidden * config.vocab if config.tied and num_stages == 1 else 0)
     last = num_stages - 1
     params, shares = [], {kind: [] for kind in flops}
     for stage, n in enumerate(layer_split(config.layers, num_stages)):
         row = [float(layer_params)] * n
         if stage == 0:
-            row[0] += (V + s) * h
+            row[0] += shape.embedding_params()
         if stage == last:
-            row[-1] += 2 * h + h * V
+            row[-1] += head_params
         params.append(tuple(row))
         for kind, per_layer in flops.items():
             work = [float(per_layer)] * n
             if stage == last:
-                work[-1] += head_flops
+                work[-1] += head
             total = sum(work)
             shares[kind].append(tuple(x / total for x in work))
     return BlockCosts(tuple(params), tuple(shares["f"]), tuple(shares["b"]), tuple(shares["w"]))

@@ -24,7 +24,7 @@ from ..core.schedule import Schedule, read_text_file
 from ..interop import from_torch_csv, program_from_torch_csv
 from ..schedules import get
 from ..schedules.sequence import split_sequence
-from .analytic import dp_link, parse_model, stage0_backward_in_w, transformer_costs
+from .analytic import TransformerConfig, dp_link, model_from_hf, parse_model, stage0_backward_in_w, transformer_costs
 from .tp_costs import tensor_parallel_costs
 from ..core.recompute import all_pairs
 from .auto_sharding import choose_sharding
@@ -34,7 +34,7 @@ from .hardware_profile import resolve_hardware
 from .recompute_auto import choose_recompute
 from .sequence_split import chunk_shares, split_lengths
 
-__all__ = ["Built", "build", "data_parallel", "memory_budget", "resolve_costs"]
+__all__ = ["Built", "build", "data_parallel", "memory_budget", "resolve_costs", "model_config"]
 
 _LOWERED_CELL = re.compile(r"\d(?:SEND_|RECV_|UNSHARD|RESHARD|REDUCE_GRAD)")
 
@@ -86,7 +86,7 @@ def build(request: ScheduleRequest) -> Built:
     if request.recompute == "all":
         return dataclasses.replace(built, recompute=all_pairs(built.schedule))
     if request.recompute == "auto":
-        unit = 1e9 if request.costs.model else 1.0
+        unit = 1e9 if request.costs.analytic else 1.0
         pairs = choose_recompute(built.schedule, built.costs, memory_budget(request), unit=unit)
         return dataclasses.replace(built, recompute=pairs)
     return built
@@ -121,7 +121,7 @@ def _build_elastic_plan(request: ScheduleRequest) -> Built:
     costs = _with_dp(dataclasses.replace(request, sharding=start), resolve_costs(request.costs, stages), stages)
     plan = choose_elastic_plan(
         request.p, request.m, v, costs, budget=memory_budget(request), recompute=request.recompute == "auto",
-        start=start, unit=1e9 if request.costs.model else 1.0, search_sharding=request.auto_sharding,
+        start=start, unit=1e9 if request.costs.analytic else 1.0, search_sharding=request.auto_sharding,
     )
     dp = dataclasses.replace(costs.data_parallel, sharding=plan.sharding if request.auto_sharding else start)
     chosen = dataclasses.replace(request, sharding=plan.sharding) if request.auto_sharding else request
@@ -131,7 +131,7 @@ def _build_elastic_plan(request: ScheduleRequest) -> Built:
 def memory_budget(request: ScheduleRequest) -> float | None:
     """--gpu-memory in the costs' memory units: bytes under the analytic model."""
     budget = request.gpu_memory
-    if budget is not None and request.costs.model:
+    if budget is not None and request.costs.analytic:
         budget *= 1e9
     return budget
 
@@ -169,7 +169,7 @@ def data_parallel(request: ScheduleRequest) -> DPCostModel:
     """The request's mesh, sharding, DP link and precision for the cost model."""
     spec = request.costs
     dp = request.mesh.dp
-    if spec.model:
+    if spec.analytic:
         base = dp_link(resolve_hardware(spec.hardware), dp)
         bandwidth = base.bandwidth if spec.dp_bandwidth is None else spec.dp_bandwidth * 1e9
         latency = base.latency if spec.dp_latency is None else spec.dp_latency * 1e-6
@@ -191,21 +191,40 @@ def _with_dp(request: ScheduleRequest, costs: Costs, num_stages: int) -> Costs:
     return dataclasses.replace(costs, data_parallel=dp)
 
 
+def model_config(spec: CostSpec) -> TransformerConfig:
+    """The analytic model `spec` names: a preset or 'L,H,A,S[,V[,B]]' (`model`, with
+    `analytic.parse_model`), or the config.json of a Hugging Face directory (`hf`, with
+    `analytic.model_from_hf`: an unsupported architecture or a missing file is a ValueError);
+    `seq` and `microbatch_size` replace the model's own when given (with `hf`: its context
+    at most 4096, and 1), and `flash_attention` is the spec's."""
+    if spec.hf:
+        config = model_from_hf(spec.hf, seq=spec.seq, microbatch_size=spec.microbatch_size or 1,
+                               flash_attention=spec.flash_attention)
+    elif spec.model:
+        config = parse_model(spec.model)
+        sizes = {"seq": spec.seq, "microbatch_size": spec.microbatch_size}
+        config = dataclasses.replace(config, flash_attention=spec.flash_attention,
+                                     **{key: value for key, value in sizes.items() if value is not None})
+    else:
+        raise ScheduleError("these costs have no analytic model: give --model PRESET|L,H,A,S or --hf DIR")
+    return config
+
+
 def resolve_costs(spec: CostSpec, num_stages: int, seq_chunks: int = 1, tp: int = 1) -> Costs:
-    """Costs from the analytic model (for `num_stages` stages; with tp > 1 as one of tp
-    tensor-parallel ranks runs them, `tp_costs`), or from pass times (unit costs by
-    default; tp is then the runtime's alone, not priced)."""
-    if spec.model and tp > 1:
+    """Costs from the analytic model (`model_config`, for `num_stages` stages; with tp > 1 as
+    one of tp tensor-parallel ranks runs them, `tp_costs`), or from pass times (unit costs
+    by default; tp is then the runtime's alone, not priced)."""
+    if spec.analytic and tp > 1:
         if seq_chunks > 1:
             raise ScheduleError(f"--tp {tp} with --seq-chunks {seq_chunks}: tensor parallelism already splits the "
                                 "tokens (sequence parallelism); drop one")
-        config = dataclasses.replace(parse_model(spec.model), flash_attention=spec.flash_attention)
+        config = model_config(spec)
         costs = resolve_costs(spec, num_stages, seq_chunks)
         costs = tensor_parallel_costs(costs, config, resolve_hardware(spec.hardware), num_stages=num_stages, tp=tp)
         # stage 0 runs its whole backward in W, its tensor-parallel collectives too
         return stage0_backward_in_w(costs)
-    if spec.model:
-        config = dataclasses.replace(parse_model(spec.model), flash_attention=spec.flash_attention)
+    if spec.analytic:
+        config = model_config(spec)
         # with sequence chunks stage 0's B has work: the earlier chunks' K/V need their gradient
         costs = transformer_costs(config, resolve_hardware(spec.hardware), num_stages=num_stages,
                                   stage0_input_grad=seq_chunks > 1)

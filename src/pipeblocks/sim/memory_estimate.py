@@ -14,13 +14,13 @@ Per process (pipeline rank r, replica d) it gives:
 
 * static bytes: parameters, gradients and AdamW state at the step's peak, as the sharding
   policies and the precision hold them (`core.static_memory.predict_static_peak` over the
-  lowered Program, with the reference GPT's parameter shapes per stage: FSDP2's padded
+  lowered Program, with the model's parameter shapes per stage: FSDP2's padded
   shards, the zero1 partition of whole tensors; under bf16-mixed the float32 masters,
   gradients and state, and the bfloat16 compute copy or FSDP2's bfloat16 gathered
   parameters: 18 bytes per parameter at replicate);
 * activation bytes: the simulator's peak of saved activations for the schedule, fed the
   analytic M_B per stage (`analytic.stage_activation_bytes`: layers, embedding ids on the
-  first stage, final LayerNorm and loss on the last) and M_W as the runtime keeps it (B
+  first stage, final norm and loss on the last) and M_W as the runtime keeps it (B
   frees only the loss: the split backward keeps the rest of the graph for W; `w_keeps`
   "weights" takes the Zero Bubble paper's M_W instead), at the precision's compute dtype
   (bf16-mixed: 2 bytes per element). Sequence chunks take their share
@@ -63,7 +63,6 @@ __all__ = [
 # also the names `dp_model.resolve_precision` takes: "mixed", "float32", "float64", "bf16"
 PRECISION_CHOICES = ("auto", *PRECISION_NAMES)
 W_KEEPS = ("graph", "weights")
-_MLP_RATIO = 4
 
 
 @dataclass(frozen=True)
@@ -110,21 +109,16 @@ class MemoryEstimate:
 
 
 def stage_param_shapes(config: TransformerConfig, num_stages: int, tp: int = 1) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """The trainable parameters' shapes per global stage, in module order, as the reference
-    GPT has them: token and position embeddings on the first stage; per layer two
-    LayerNorms, the fused QKV and output projections and the 4h MLP, with biases; the final
-    LayerNorm and the untied head (no bias) on the last. tp > 1: one tensor-parallel rank's
-    share (`tp_memory.tp_stage_param_shapes`)."""
-    if tp != 1:
-        return tp_stage_param_shapes(config, num_stages, tp)
-    h, V, s = config.hidden, config.vocab, config.seq
-    inner = _MLP_RATIO * h
-    layer = ((h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,), (inner, h), (inner,), (h, inner), (h,))
-    last = num_stages - 1
-    return tuple(
-        (((V, h), (s, h)) if i == 0 else ()) + layer * n + (((h,), (h,), (V, h)) if i == last else ())
-        for i, n in enumerate(layer_split(config.layers, num_stages))
-    )
+    """The trainable parameters' shapes per global stage, in module order, as the model holds
+    them (`tp_memory.tp_stage_param_shapes`, which lists them; tp > 1: one tensor-parallel
+    rank's share). For the reference GPT: token and position embeddings on the first stage;
+    per layer two LayerNorms, the fused QKV and output projections and the 4h MLP, with
+    biases; the final LayerNorm and the untied head (no bias) on the last. Other shapes have
+    separate q, k, v, o (and gate, up, down) tensors of their widths; a tied head is a tensor
+    of each end stage (one on a single stage). The static memory sizes each tensor on its own
+    (FSDP2 pads every tensor to its shards, zero1 partitions whole tensors), so the shapes,
+    not only the count, decide it."""
+    return tp_stage_param_shapes(config, num_stages, tp)
 
 
 # TransformerConfig's name of a core.precision dtype where the two differ
@@ -203,8 +197,8 @@ def rank_static_peak(config: TransformerConfig, num_stages: int, stages: Sequenc
     """Static bytes at the step's peak of a pipeline rank holding `stages`, the most over
     its `dp` replicas: what `estimate_memory` gives that rank.
 
-    The reference GPT's shapes per stage (one tensor-parallel rank's share when tp > 1:
-    the projections and tables split, the norms and the row-parallel biases whole), as
+    The model's shapes per stage (`stage_param_shapes`; one tensor-parallel rank's share when
+    tp > 1: the projections and tables split, the norms and the row-parallel biases whole), as
     FSDP2 pads them and ZeroRedundancyOptimizer partitions them (`core.static_memory`), in
     `precision` (`precision_config`). split_backward: the schedule runs W apart from B
     (`Schedule.has_split_backward`), which under mixed precision holds more on FSDP2

@@ -2,13 +2,18 @@
 
 Causal attention makes later tokens dearer: the tokens [a, e) attend to e keys on average
 more than earlier ones. FLOPs of the tokens [a, e), s = e - a, for L layers, hidden H,
-h heads of size d = H/h, FFN size F_ff and vocabulary V (Seq1F1B's compute-balanced split)::
+h query heads of width d, block matrices of W_l elements (`ModelShape.layer_weights`:
+4H^2 + 2*H*F_ff for the GPT's attention and GELU MLP of width F_ff) and vocabulary V
+(Seq1F1B's compute-balanced split)::
 
-    C(a, e) = 4sHV + L * [(4d+3) h (s e - s^2/2) + 8 s H^2 + 4 s H F_ff]
+    C(a, e) = 4sHV + L * [(4d+3) h (s e - s^2/2) + 2 s W_l]
+            = 4sHV + L * [(4d+3) h (s e - s^2/2) + 8 s H^2 + 4 s H F_ff]     (the GPT)
 
+Grouped-query attention and a head width d other than H/h change only W_l (k and v are
+H x k*d) and the (4d+3)h term's d: attention's products run over the query heads.
 `balanced_split` equalises C over the chunks, solving from the end of the sequence:
 C(e-s, e) = C_total/k is the quadratic alpha s^2 - beta s + gamma = 0 with
-alpha = L(4d+3)h/2, beta = 4HV + L[(4d+3)h e + 8H^2 + 4H F_ff], gamma = C_total/k, whose
+alpha = L(4d+3)h/2, beta = 4HV + L[(4d+3)h e + 2 W_l], gamma = C_total/k, whose
 smaller root is the chunk length; the first chunk takes the remainder. `even_split` cuts
 equal token counts. `chunk_shares` gives each chunk's share of the microbatch's time and
 activation memory, for `Costs(seq_time=..., seq_mem=...)`.
@@ -50,25 +55,35 @@ def even_split(seq: int, k: int) -> tuple[int, ...]:
     return tuple(base + (1 if i < extra else 0) for i in range(k))
 
 
+def _block_sizes(config: TransformerConfig, ffn: int | None) -> tuple[int, int, int, int]:
+    """H, h (query heads), d and the block's attention and MLP matrix elements (ffn: the MLP
+    width instead of the config's)."""
+    shape = config.shape
+    H, f = config.hidden, ffn or shape.ffn_width
+    attention = 2 * H * shape.q_width + 2 * H * shape.kv_width
+    return H, config.heads, shape.dim, attention, shape.mlp_matrices * H * f
+
+
 def chunk_flops(start: int, end: int, config: TransformerConfig, ffn: int | None = None) -> float:
-    """Forward FLOPs of tokens [start, end) of one sequence, attention over a causal prefix."""
-    H, h, V, L = config.hidden, config.heads, config.vocab, config.layers
-    d, f = H // h, ffn or 4 * H
+    """Forward FLOPs of tokens [start, end) of one sequence, attention over a causal prefix
+    (`ffn`: the MLP's width instead of the config's)."""
+    V, L = config.vocab, config.layers
+    H, h, d, attention, mlp = _block_sizes(config, ffn)
     s = end - start
-    return 4 * s * H * V + L * ((4 * d + 3) * h * (s * end - s * s / 2) + 8 * s * H * H + 4 * s * H * f)
+    return 4 * s * H * V + L * ((4 * d + 3) * h * (s * end - s * s / 2) + 2 * s * attention + 2 * s * mlp)
 
 
 def balanced_split(seq: int, k: int, config: TransformerConfig, ffn: int | None = None) -> tuple[int, ...]:
     """Chunk lengths with equal FLOPs per chunk (the first chunk gets the remainder)."""
     _check(seq, k)
-    H, h, V, L = config.hidden, config.heads, config.vocab, config.layers
-    d, f = H // h, ffn or 4 * H
+    V, L = config.vocab, config.layers
+    H, h, d, attention, mlp = _block_sizes(config, ffn)
     target = chunk_flops(0, seq, config, ffn) / k
     alpha = L * (4 * d + 3) * h / 2
     lengths: list[int] = []
     end = seq
     for _ in range(k - 1):
-        beta = 4 * H * V + L * ((4 * d + 3) * h * end + 8 * H * H + 4 * H * f)
+        beta = 4 * H * V + L * ((4 * d + 3) * h * end + 2 * attention + 2 * mlp)
         root = (beta - math.sqrt(max(beta * beta - 4 * alpha * target, 0.0))) / (2 * alpha)
         length = max(1, round(root))
         if end - length < len(lengths) + 1:  # leave at least one token for every earlier chunk
@@ -94,9 +109,9 @@ def chunk_shares(lengths: tuple[int, ...], config: TransformerConfig) -> tuple[t
     (against the whole sequence run at once).
 
     Memory per layer of a chunk of s tokens with e keys: its activations without K and V
-    (30*H per token, `analytic.layer_activation_bytes`), the attention scores of its queries
-    against all e keys unless flash attention, and on chunk 0 the K/V buffer of the whole
-    sequence (4*H per token). With flash attention the shares sum to 1; stored scores make
+    (`analytic.layer_activation_bytes` with kv=False: 14*H*e per token for the GPT), the
+    attention scores of its queries against all e keys unless flash attention, and on chunk 0
+    the K/V buffer of the whole sequence (2*k*d*e per token: 2*H*e for the GPT). With flash attention the shares sum to 1; stored scores make
     them sum to less (a chunk's queries see fewer keys than the whole sequence's square).
     """
     if any(n < 1 for n in lengths):

@@ -6,9 +6,13 @@
 
 The collectives are `core.tp_model.TPCostModel`'s (the planner's too): two all-gather +
 reduce-scatter pairs per layer in F and in B, on the hardware's intra-node link; W has
-none. F, B and W compute and the parameters are divided by tp; a rank's saved activations
-are `tp_memory`'s; a pipeline hop carries 1/tp of the activation (sequence parallelism).
-The DP side (`--dp`) then sees a rank's 1/tp of the parameters.
+none. They move the hidden state (s*b*h values), whatever the block's inner widths (the
+heads, KV heads and MLP features each rank computes stay on it). F, B and W compute and
+the parameters are divided by tp, which must divide the heads, the KV heads, the MLP width
+and the vocabulary (`tp_memory.tp_mismatch`); a rank's saved activations are `tp_memory`'s;
+a pipeline hop carries 1/tp of the activation (sequence parallelism). The DP side (`--dp`)
+then sees a rank's 1/tp of the parameters (the norms, whole on every rank, are counted
+1/tp too: a few h per layer).
 """
 from __future__ import annotations
 

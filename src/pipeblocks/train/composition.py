@@ -27,6 +27,7 @@ The features (`Draft.features`):
     not-fsdp    a sharding policy FSDP2 does not run (replicate, zero1) with data parallelism
     no-async-form   the schedule has no asynchronous form
     tied        the model ties its head to its embedding
+    no-export   the model has no Hugging Face form (its spec has no export)
 """
 from __future__ import annotations
 
@@ -65,6 +66,8 @@ class Draft:
     model_takes_chunks: bool = True
     model_has_tp_plan: bool = True
     model_tied: bool = False
+    model_exports: bool = True
+    """the model has a Hugging Face form (its spec's export)"""
     async_forms: tuple[str, ...] = ()
     """the schedules that have an asynchronous form"""
     fsdp_policies: tuple[str, ...] = ("zero2", "zero3")
@@ -83,7 +86,7 @@ class Draft:
             "no-chunk-model": not self.model_takes_chunks, "no-tp-plan": not self.model_has_tp_plan,
             "not-fsdp": sharded and not set(self.sharding) <= set(self.fsdp_policies),
             "no-async-form": self.async_mode is not None and self.schedule not in self.async_forms,
-            "tied": self.model_tied,
+            "tied": self.model_tied, "no-export": not self.model_exports,
         }
         return frozenset(name for name, on in flags.items() if on)
 
@@ -185,6 +188,9 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda d: "--clip-grad is not supported with data parallelism or sharding yet (the global norm over "
             "sharded and replicated gradients): drop --clip-grad, or use --dp 1 --sharding replicate"),
     # ---- exports -----------------------------------------------------------------------
+    Refusal(("save-hf", "no-export"),
+            lambda d: f"--save-hf: model {d.model} has no Hugging Face form (its ModelSpec has no export); --save-hf "
+            "writes --hf models, hf-llama and llama (as LlamaForCausalLM): drop --save-hf, or give the spec an export"),
     Refusal(("save-hf", "emulate"),
             lambda d: "--save-hf with --emulate: emulated passes compute no gradients, so the weights written would "
             "be the starting ones; drop one of them"),

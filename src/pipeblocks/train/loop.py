@@ -185,6 +185,12 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
             last_good.saved = step + 1
         if stop:
             break
+    if cfg.save_hf is not None and spans and spans[-1][0] + 1 == cfg.steps:
+        from .export_hf import save_rank_part
+
+        with control.critical():
+            save_rank_part(cfg, setup)  # every rank: the gathers of sharded stages are collectives
+        control.beat()
     sys.stdout.flush()
     # the optimizer state exists from the second step on: the steady-state peak
     predicted = static_predicted[1] if len(spans) > 1 else static_predicted[0]

@@ -108,7 +108,7 @@ def _draft(request: ScheduleRequest, schedule: Schedule, recompute, choice: Mode
         eval_every=options.get("eval_every") or 0, held_out=options.get("held_out"), dry_run=dry_run,
         save_hf=options.get("save_hf") is not None, sizes=tuple(sizes), model=choice.source,
         model_takes_chunks=spec.supports_sequence_chunks, model_has_tp_plan=spec.tp_plan is not None,
-        model_tied=bool(spec.shape.tied), async_forms=tuple(ASYNC_FORMS),
+        model_tied=bool(spec.shape.tied), model_exports=spec.export is not None, async_forms=tuple(ASYNC_FORMS),
     )
 
 

@@ -269,6 +269,12 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
             print(f"skipped steps {skipped[0]} (non-finite gradient) on every rank")
         else:
             print(f"skipped steps per rank {skipped} (non-finite gradient): the ranks disagree")
+    if cfg.save_hf is not None:
+        from .export_hf import finish_save
+
+        files = finish_save(cfg)
+        print(f"saved    {cfg.save_hf} (Hugging Face: config.json, {len(files)} safetensors file(s)"
+              f"{', tokenizer' if (Path(cfg.save_hf) / 'tokenizer.json').exists() else ''})")
     if report:
         write_atomically(Path(report), json_text(built.data, indent=1) + "\n")
         print(f"report   {report}")

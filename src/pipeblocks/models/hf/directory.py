@@ -19,7 +19,7 @@ import os
 from functools import partial
 
 from ...core.hf_config import HFConfig, read_hf_config
-from ..spec import ModelSpec
+from ..spec import HFExport, ModelSpec
 from .adapter import HF_LAYOUT, HFDecoderAdapter, require_transformers
 from .tp import hf_tp_plan
 from .weights import SafetensorsWeights
@@ -39,6 +39,7 @@ def hf_spec(directory: str | os.PathLike, *, attn_implementation: str = "sdpa") 
         build=partial(_build, config, attn_implementation), layout=HF_LAYOUT, shape=config.shape, weights=weights,
         adapter=HFDecoderAdapter(attn_implementation, config.sliding_window),
         tp_plan=partial(hf_tp_plan, qk_norm=config.shape.qk_norm),
+        export=HFExport(config=lambda: dict(config.raw), files_from=config.directory),
     )
 
 
