@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 from .model_shape import ModelShape
 
-__all__ = ["SUPPORTED", "HFConfig", "config_path", "read_hf_config", "supported_text"]
+__all__ = ["FLOAT32_NORMS", "SUPPORTED", "HFConfig", "config_path", "read_hf_config", "supported_text"]
 
 # architecture -> (tie_word_embeddings default, q/k/v biases always, q/k norms, rope base default)
 _ARCHITECTURES: Mapping[str, tuple[bool, bool, bool, float]] = MappingProxyType({
@@ -41,6 +41,8 @@ _ARCHITECTURES: Mapping[str, tuple[bool, bool, bool, float]] = MappingProxyType(
 })
 SUPPORTED = tuple(_ARCHITECTURES)
 """The architectures (config.json's "architectures") `pipeblocks train --hf` trains."""
+FLOAT32_NORMS = frozenset({"GemmaForCausalLM"})
+"""Architectures whose RMSNorm computes in float32 whatever the model's dtype (transformers' own)."""
 
 
 def supported_text() -> str:

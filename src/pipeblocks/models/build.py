@@ -24,7 +24,7 @@ from .layout import block_ranges
 from .spec import ModelSpec
 from .stage import Stage
 
-__all__ = ["build_model", "build_stages", "spec_of", "split_stages", "stage_parameter_shapes"]
+__all__ = ["build_model", "build_stages", "check_weights", "spec_of", "split_stages", "stage_parameter_shapes"]
 
 
 def spec_of(model: Any) -> ModelSpec:
@@ -118,3 +118,20 @@ def stage_parameter_shapes(model: Any, num_stages: int, stage: int) -> dict[str,
     built = skeleton_stage(spec_of(model), num_stages, stage)
     copies = {pair.last for pair in built.tied}
     return {name: tuple(p.shape) for name, p in built.named_parameters() if name not in copies}
+
+
+def check_weights(model: Any) -> None:
+    """A pretrained spec's weights hold every parameter the model has, in its shape (read off
+    the files' headers and a meta skeleton: nothing is loaded); the first miss is a ValueError
+    naming the tensor (and both shapes). A spec without weights checks nothing."""
+    from .splitter import skeleton_stage
+
+    spec = spec_of(model)
+    if spec.weights is None or not hasattr(spec.weights, "shape"):
+        return
+    whole = skeleton_stage(spec, 1, 0)
+    for name, param in whole.named_parameters():  # a tied copy once, by the embedding's name
+        stored = spec.weights.shape(name)
+        if stored != tuple(param.shape):
+            raise ValueError(f"tensor {name} has shape {list(stored)} in the weights of {spec.name!r}, but the model "
+                             f"(its config.json) expects {list(param.shape)}: the weights and config.json disagree")

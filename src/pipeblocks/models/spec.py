@@ -102,6 +102,9 @@ class ModelSpec:
     tp_plan: Callable[[], TPPlan] | None = None
     export: HFExport | None = None
     title: str | None = None
+    float32_norms: bool = False
+    """its norms compute in float32 whatever the weights' dtype (transformers' Gemma): a float64
+    run that splits a norm's sums over ranks (--tp) matches one process to float32 rounding"""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

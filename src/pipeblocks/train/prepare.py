@@ -65,6 +65,9 @@ def prepare(
                              sizes=sizes, options=train_options))
     validate(schedule)
     _check_fits(choice, schedule, request.mesh.tp)
+    from ..models.build import check_weights
+
+    check_weights(spec)  # a pretrained model's files hold every tensor, in its shape (headers only)
     dp, tp = request.mesh.dp, request.mesh.tp
     check_torchrun_world(schedule.p * dp * tp, tp)
     mesh = MeshSpec(dp, request.sharding, run_device(device, schedule.p * dp * tp, policy), threads_per_rank, tp,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from functools import partial
 
-from ...core.hf_config import HFConfig, read_hf_config
+from ...core.hf_config import FLOAT32_NORMS, HFConfig, read_hf_config
 from ..spec import HFExport, ModelSpec
 from .adapter import HF_LAYOUT, HFDecoderAdapter, require_transformers
 from .tp import hf_tp_plan
@@ -40,6 +40,7 @@ def hf_spec(directory: str | os.PathLike, *, attn_implementation: str = "sdpa") 
         adapter=HFDecoderAdapter(attn_implementation, config.sliding_window),
         tp_plan=partial(hf_tp_plan, qk_norm=config.shape.qk_norm),
         export=HFExport(config=lambda: dict(config.raw), files_from=config.directory),
+        float32_norms=config.architecture in FLOAT32_NORMS,
     )
 
 
