@@ -166,7 +166,7 @@ def kv_ratio(case: str, p: int, m: int, k: int, model: dict, microbatch: int = M
     profile = profile_stage_memory(stages, x, cross_entropy, y)
     mine = schedule.placement.stages_of(0)
     saved = sum(profile[s].m_b for s in mine)
-    layers = sum(len(stages[s].layers) for s in mine)
+    layers = sum(len(stages[s].block_indices) for s in mine)
     kv = 2 * layers * microbatch * cfg.seq * cfg.hidden * cfg.torch_dtype.itemsize
     buffers = kv_buffers_held(schedule, 0)
     return {

@@ -98,7 +98,7 @@ def test_fewer_layers_than_stages_is_a_clear_error():
 
 def test_explicit_layer_counts_are_checked():
     full = GPT(CFG)
-    assert [len(s.layers) for s in split_stages(full.config, full, 2, counts=(1, 5))] == [1, 5]
+    assert [len(s.block_indices) for s in split_stages(full.config, full, 2, counts=(1, 5))] == [1, 5]
     with pytest.raises(ValueError, match="summing to 6"):
         split_stages(full.config, full, 2, counts=(2, 2))
 

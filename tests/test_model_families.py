@@ -61,7 +61,7 @@ def test_stages_built_per_rank_equal_the_unsplit_model(name, placement):
         mine = build_stages(spec, seed=3, num_stages=S, stages=placement.stages_of(rank), device="cpu")
         by_stage.update({s.index: s for s in mine})
     stages = [by_stage[s] for s in range(S)]
-    assert [s.layers for s in stages] == [range(i, i + 1) for i in range(4)]
+    assert [s.block_indices for s in stages] == [range(i, i + 1) for i in range(4)]
     params, buffers = dict(full.named_parameters()), dict(full.named_buffers())
     for stage in stages:  # every tensor holds the model's values: none is to_empty's garbage
         for n, p in stage.named_parameters():
@@ -77,7 +77,7 @@ def test_split_shares_the_models_parameters(name):
     spec = family.spec(cfg)
     full = build_model(spec, seed=1)
     stages = split_stages(spec, full, 3)
-    assert [len(s.layers) for s in stages] == [1, 2, 1]
+    assert [len(s.block_indices) for s in stages] == [1, 2, 1]
     assert {id(p) for s in stages for p in s.parameters()} == {id(p) for p in full.parameters()}
     assert {k for s in stages for k in s.state_dict()} == full.state_dict().keys()
     assert all(s.supports_sequence_chunks == family.supports_sequence_chunks for s in stages)

@@ -154,7 +154,7 @@ IDS = ["tiny", "nested-shared"]
 def test_split_model_shares_parameters_and_names(cls, layout, adapter):
     full = _model(cls)
     stages = split_model(full, layout, 3, adapter=adapter)
-    assert [s.layers for s in stages] == list(layer_ranges(layer_counts(len(resolve(full, layout.blocks)), 3)))
+    assert [s.block_indices for s in stages] == list(layer_ranges(layer_counts(len(resolve(full, layout.blocks)), 3)))
     assert {id(p) for s in stages for p in s.parameters()} == {id(p) for p in full.parameters()}
     merged = {k: v for s in stages for k, v in s.state_dict().items()}
     assert merged.keys() == full.state_dict().keys()
@@ -164,7 +164,7 @@ def test_split_model_shares_parameters_and_names(cls, layout, adapter):
 
 def test_stage_attributes_survive_a_model_part_of_the_same_name():
     stages = split_model(_model(Tiny), TINY, 2)
-    assert [s.layers for s in stages] == [range(0, 3), range(3, 5)]  # layer_counts(5, 2): ends lighter
+    assert [s.block_indices for s in stages] == [range(0, 3), range(3, 5)]  # layer_counts(5, 2): ends lighter
     assert isinstance(stages[0].part("layers"), nn.ModuleDict) and list(stages[1].part("layers")) == ["3", "4"]
     assert [n for n, _ in stages[1].block_items()] == ["layers.3", "layers.4"]
     assert "layers.4.fc.weight" in dict(stages[1].named_parameters())
@@ -208,7 +208,7 @@ def test_allocate_builds_on_the_meta_device_first():
 
 def test_explicit_counts():
     stages = split_model(_model(Tiny), TINY, 2, counts=(1, 4))
-    assert [s.layers for s in stages] == [range(0, 1), range(1, 5)]
+    assert [s.block_indices for s in stages] == [range(0, 1), range(1, 5)]
     assert [s.index for s in split_model(_model(Tiny), TINY, 3, stages=(2, 0))] == [2, 0]
 
 

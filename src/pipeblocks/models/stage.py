@@ -7,7 +7,7 @@ plain `nn.Module` for "model", an `nn.ModuleDict` keyed by the global block inde
 "model.layers"). Build stages with `pipeblocks.models.splitter`; a stage reads:
 
     stage.index, stage.num_stages      global stage s of S
-    stage.layers                       range of global block indices it holds
+    stage.block_indices                range of global block indices it holds
     stage.is_first, stage.is_last      whether it holds the before / after modules
     stage.supports_sequence_chunks     whether forward takes chunk= (Seq1F1B)
     stage.part("model.norm")           one of its modules, by its path in the full model
@@ -37,7 +37,8 @@ class TiedPair(NamedTuple):
 
 
 class Stage(nn.Module):
-    """Stage `index` of `num_stages`: blocks `layers` of `layout.blocks`, plus its end parts.
+    """Stage `index` of `num_stages`: blocks `layers` of `layout.blocks` (kept as `block_indices`:
+    `layers` is a common name for a model's own block list, which the stage mirrors), plus its end parts.
 
     parts: the modules of `layout.before` (stage 0), `layout.after` (last stage) and
     `layout.shared` (every stage) by path; blocks: the block of every index in `layers`.
@@ -60,7 +61,7 @@ class Stage(nn.Module):
             raise ValueError(f"stage {index}: blocks {sorted(blocks)} given for layers {list(layers)}")
         self.index = index
         self.num_stages = num_stages
-        self.layers = layers
+        self.block_indices = layers
         self.layout = layout
         self.adapter = adapter if adapter is not None else BlockAdapter()
         self.tied = tuple(TiedPair(*pair) for pair in tied)
@@ -116,7 +117,7 @@ class Stage(nn.Module):
     def block_items(self) -> list[tuple[str, nn.Module]]:
         """(full name, block) of this stage's blocks in order: [("model.layers.3", block), ...]."""
         container = self.part(self.layout.blocks)
-        return [(f"{self.layout.blocks}.{i}", container._modules[str(i)]) for i in self.layers]
+        return [(f"{self.layout.blocks}.{i}", container._modules[str(i)]) for i in self.block_indices]
 
     def forward(self, x: Any, chunk: SequenceChunkLike | None = None) -> Any:
         """Run this stage on `x`; `chunk`: which slice of the sequence `x` holds (Seq1F1B)."""
@@ -136,7 +137,7 @@ class Stage(nn.Module):
         return x
 
     def extra_repr(self) -> str:
-        return f"stage={self.index}/{self.num_stages}, layers={self.layers.start}..{self.layers.stop - 1}"
+        return f"stage={self.index}/{self.num_stages}, layers={self.block_indices.start}..{self.block_indices.stop - 1}"
 
     def _mirror(self, path: str, module: nn.Module) -> None:
         *parents, leaf = path.split(".")
