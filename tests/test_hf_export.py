@@ -1,7 +1,8 @@
 """The weights back out: a run of a Hugging Face directory on a p = 2 x dp = 2 zero3 mesh
 writes `--save-hf OUT`, which transformers loads, and whose loss on the held-out batch equals
 the pipeline's own held-out loss after the last step (float64, the ranks' evaluation through
-the sharded stages); `pipeblocks export --hf` of the run's data-parallel checkpoint writes
+the sharded stages), its memory measured within 5% of the prediction on every rank;
+`pipeblocks export --hf` of the run's data-parallel checkpoint writes
 the same tensors, sharded with an index when asked; a tied head is written once. The
 built-in Llama exports as transformers' LlamaForCausalLM."""
 from __future__ import annotations
@@ -56,6 +57,10 @@ def test_save_hf_and_export_of_a_tied_model_at_p2_dp2_zero3(tmp_path):
                 "--report", str(tmp_path / "run.json"), "--quiet", cwd=tmp_path)
     report = json.loads((tmp_path / "run.json").read_text())
     pipeline_loss = report["eval_losses"][-1]["loss"]
+    for rank in report["ranks"]:  # the memory model prices the directory's model as it prices the built-ins
+        for what in ("peak_activation_bytes", "static_bytes"):
+            measured, predicted = rank[f"{what}_measured"], rank[f"{what}_predicted"]
+            assert abs(measured - predicted) <= 0.05 * measured, (rank, what)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
                                                     "tokenizer.json", "tokenizer_config.json"]
     with safe_open(str(out / "model.safetensors"), "pt") as handle:
