@@ -2,6 +2,12 @@
 
     PYTHONPATH=src python benchmarks/data_memory.py                 # files in a temporary directory
     PYTHONPATH=src python benchmarks/data_memory.py --dir /scratch --json data_memory.json
+    PYTHONPATH=src python benchmarks/data_memory.py --train         # whole `pipeblocks train` runs
+
+With --train, each file is trained on by a real run instead (`pipeblocks train
+--model-family llama --data FILE --vocab V -p 2`, --steps steps of m = 4 microbatches of
+--batch / 4 sequences), and the peak is that of the largest process of the run (the
+launcher or a rank: the run's RUSAGE_CHILDREN, measured in a fresh process per file).
 
 Writes a large and a small uint16 token file (random ids below --vocab, the large one a
 chunk at a time), then, in a fresh process for each so that each measures its own peak,
@@ -61,6 +67,21 @@ def measure(path: str, *, seq: int, batch: int, batches: int, vocab: int) -> dic
             "batches_s": t2 - t1, "batches": batches, "batch": batch, "seq": seq, "checksum": checksum}
 
 
+def train_peak(path: str, *, seq: int, batch: int, vocab: int, steps: int) -> dict:
+    """In this process: one `pipeblocks train` run on `path`; the largest process's peak."""
+    command = [sys.executable, "-m", "pipeblocks.cli.main", "train", "--model-family", "llama", "--layers", "4",
+               "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", str(vocab), "--seq", str(seq),
+               "--data", path, "-p", "2", "-m", "4", "--microbatch-size", str(max(1, batch // 4)),
+               "--steps", str(steps), "--quiet"]
+    t0 = time.perf_counter()
+    run = subprocess.run(command, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(run.stderr[-2000:])
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return {"file_bytes": os.path.getsize(path), "peak_rss_mib": peak, "run_s": time.perf_counter() - t0,
+            "steps": steps}
+
+
 def write_token_file(path: Path, tokens: int, vocab: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     with open(path, "wb") as out:
@@ -78,11 +99,25 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON ('-': stdout)")
+    parser.add_argument("--train", action="store_true", help="measure whole pipeblocks train runs on the files")
+    parser.add_argument("--steps", type=int, default=20, help="--train: steps of each run (default 20)")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # the child's mode
+    parser.add_argument("--measure-train", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.train and "--vocab" not in sys.argv:
+        args.vocab = 512  # the trained model's vocabulary: a small head
+    if args.train and "--seq" not in sys.argv:
+        args.seq = 128
     sizes = {"seq": args.seq, "batch": args.batch, "batches": args.batches, "vocab": args.vocab}
     if args.measure:
         print(json.dumps(measure(args.measure, **sizes)))
+        return
+    if args.measure_train:
+        print(json.dumps(train_peak(args.measure_train, seq=args.seq, batch=args.batch, vocab=args.vocab,
+                                    steps=args.steps)))
+        return
+    if args.train:
+        _train_table(args)
         return
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="data_memory_") as folder:
         rows = []
@@ -103,6 +138,27 @@ def main() -> None:
               f"{row['after_imports_mib']:14.1f} {row['load_check_s']:13.3f} {row['batches_s']:10.3f}")
     if args.json:
         write_json({"rows": rows, **sizes}, args.json)
+
+
+def _train_table(args) -> None:
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="data_memory_") as folder:
+        rows = []
+        for name, mib in (("small", args.small_mib), ("big", args.big_mib)):
+            path = Path(folder) / f"{name}.bin"
+            write_token_file(path, mib * 2**20 // 2, args.vocab, seed=len(rows))
+            child = subprocess.run([sys.executable, __file__, "--measure-train", str(path), f"--seq={args.seq}",
+                                    f"--batch={args.batch}", f"--vocab={args.vocab}", f"--steps={args.steps}"],
+                                   check=True, capture_output=True, text=True)
+            rows.append({"file": name, **json.loads(child.stdout.splitlines()[-1])})
+            path.unlink()
+    print(f"pipeblocks train, llama 4 x 64, vocabulary {args.vocab}, p=2, {args.steps} steps of {args.batch} x "
+          f"{args.seq} tokens; each file in its own run")
+    print(f"{'file':>6s} {'size MiB':>9s} {'peak RSS MiB (largest process)':>31s} {'run s':>7s}")
+    for row in rows:
+        print(f"{row['file']:>6s} {row['file_bytes'] / 2**20:9.1f} {row['peak_rss_mib']:31.1f} {row['run_s']:7.1f}")
+    if args.json:
+        write_json({"rows": rows, "train": True, "steps": args.steps, "seq": args.seq, "batch": args.batch,
+                    "vocab": args.vocab}, args.json)
 
 
 if __name__ == "__main__":

@@ -150,7 +150,7 @@ def model_logits(output: Any) -> Tensor:
 
 
 # ---- finding a spec by text ---------------------------------------------------------------
-_REGISTRY: dict[str, tuple[ModelSpec, str]] = {}
+_REGISTRY: dict[str, tuple[ModelSpec, str, str | None]] = {}
 
 
 def register_model(name: str, spec: ModelSpec | Callable[[], ModelSpec]) -> None:
@@ -159,16 +159,18 @@ def register_model(name: str, spec: ModelSpec | Callable[[], ModelSpec]) -> None
     different modules is refused."""
     if not isinstance(name, str) or not name or ":" in name:
         raise ValueError(f"register_model: a name is a non-empty string without ':', got {name!r}")
-    caller = sys._getframe(1).f_globals.get("__name__", "__main__")
+    caller = sys._getframe(1).f_globals
+    module, file = caller.get("__name__", "__main__"), caller.get("__file__")
     held = _REGISTRY.get(name)
-    if held is not None and held[1] != caller:
+    # the same file imported twice (by path and by module name) registers the same spec again
+    if held is not None and held[1] != module and (file is None or held[2] != file):
         raise ValueError(f"register_model: {name!r} is registered already (by {held[1]}): choose another name")
-    _REGISTRY[name] = (spec, caller)
+    _REGISTRY[name] = (spec, module, file)
 
 
 def registered_models() -> dict[str, str]:
     """{name: the module that registered it} for the specs registered in this process."""
-    return {name: module for name, (_, module) in _REGISTRY.items()}
+    return {name: module for name, (_, module, _) in _REGISTRY.items()}
 
 
 def load_spec(text: str) -> ModelSpec:
