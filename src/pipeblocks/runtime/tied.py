@@ -42,6 +42,8 @@ class TiedWeights:
     group: Any = None
     """the two ranks holding the ends; None when this rank holds both, or neither"""
     timeout: Any = None
+    source: int = 0
+    """the global rank of this group's first-stage end (what `copy_first_to_last` broadcasts from)"""
     sums: int = field(default=0)
 
     @staticmethod
@@ -56,13 +58,27 @@ class TiedWeights:
         first_rank, last_rank = placement.rank_of(0), placement.rank_of(num_stages - 1)
         first = {p.first: _parameter(stages[0], p.first) for p in pairs} if 0 in stages else {}
         last = {p.first: _parameter(stages[num_stages - 1], p.last) for p in pairs} if num_stages - 1 in stages else {}
-        group = None
+        group, source = None, 0
         if first_rank != last_rank and dist.is_available() and dist.is_initialized():
             group = _pair_group(first_rank, last_rank, mesh)
+            source = mesh.global_rank(first_rank) if mesh is not None else first_rank
         import datetime
 
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-        return TiedWeights(first, last, group if (first or last) else None, timeout)
+        return TiedWeights(first, last, group if (first or last) else None, timeout, source)
+
+    def copy_first_to_last(self) -> None:
+        """Give the last stage's copies the first stage's values (after a resume from a checkpoint,
+        which holds the tied weight once): locally, or by a broadcast over the pair's group."""
+        with torch.no_grad():
+            for key in sorted(set(self.first) | set(self.last)):
+                first, last = self.first.get(key), self.last.get(key)
+                if first is not None and last is not None:
+                    _local(last).copy_(_local(first))
+                elif self.group is not None:
+                    end = first if first is not None else last
+                    work = dist.broadcast(_local(end.data), src=self.source, group=self.group, async_op=True)
+                    work.wait(self.timeout) if self.timeout is not None else work.wait()
 
     @property
     def counted_twice(self) -> list[nn.Parameter]:

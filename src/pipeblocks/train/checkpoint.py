@@ -93,7 +93,7 @@ def save_rank(
     state = {
         "step": step,
         "rank": rank,
-        "stages": {int(s): module.state_dict() for s, module in stages.items()},
+        "stages": {int(s): held_once(module, module.state_dict()) for s, module in stages.items()},
         "optimizer": optimizer.state_dict(),
         "rng": torch.get_rng_state(),
         "meta": dict(meta),
@@ -209,6 +209,28 @@ def load_agreed(directory: str | os.PathLike, *, rank: int, world_size: int, met
     return state
 
 
+def tied_copies(module: nn.Module) -> set[str]:
+    """The names of the tied head weights `module` (a last stage) holds as a copy of the embedding's."""
+    if not getattr(module, "is_last", False):
+        return set()
+    return {pair.last for pair in getattr(module, "tied", ())}
+
+
+def held_once(module: nn.Module, state: Mapping[str, object], prefix: str = "") -> dict:
+    """`state` (a stage's, keys under `prefix`) without the copies of a tied weight: a checkpoint
+    holds the weight once, on the first stage; a resume copies it back (`runtime.tied`)."""
+    copies = {prefix + name for name in tied_copies(module)}
+    return {k: v for k, v in state.items() if k not in copies}
+
+
+def with_tied_copies(module: nn.Module, saved: Mapping[str, object], current: Mapping[str, object],
+                     prefix: str = "") -> dict:
+    """`saved` with the tied copies it left out taken from `current` (the stage's own values, which
+    the resume then replaces by the first stage's weight), so that every other key is still checked."""
+    missing = {prefix + name for name in tied_copies(module)} - set(saved)
+    return {**saved, **{k: current[k] for k in missing}}
+
+
 def restore_rank(state: Mapping, stages: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer) -> int:
     """Load weights, optimizer state and RNG into this rank's objects; return the step to run next."""
     saved = state["stages"]
@@ -218,7 +240,7 @@ def restore_rank(state: Mapping, stages: Mapping[int, nn.Module], optimizer: tor
             f"{sorted(stages)}: resume with the schedule and -p the checkpoint was written with"
         )
     for s, module in stages.items():
-        module.load_state_dict(saved[s])
+        module.load_state_dict(with_tied_copies(module, saved[s], module.state_dict()))
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
     return int(state["step"])

@@ -256,8 +256,12 @@ def _restore(cfg: TrainConfig, ctx, setup, optimizer) -> int:
     if not ck.resume:
         return 0
     if uses_sharded_checkpoints(cfg):
-        return _resume_sharded(cfg, setup.modules, optimizer)
-    return _resume(cfg, ctx, setup.modules, optimizer, setup.data.source)
+        step = _resume_sharded(cfg, setup.modules, optimizer)
+    else:
+        step = _resume(cfg, ctx, setup.modules, optimizer, setup.data.source)
+    if setup.tied is not None:  # the checkpoint holds a tied weight once, on the first stage
+        setup.tied.copy_first_to_last()
+    return step
 
 
 def _runner(cfg: TrainConfig, ctx, setup):

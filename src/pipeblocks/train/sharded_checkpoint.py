@@ -76,8 +76,16 @@ def portable_meta(meta: Mapping[str, object]) -> dict:
 
 
 def _state(stages: Mapping[int, nn.Module], optimizers: Sequence[torch.optim.Optimizer]):
+    """The module and the state dict DCP saves and loads: every stage's weights (a tied head's
+    copy left out: the checkpoint holds the weight once) and the optimizers' state."""
+    from .checkpoint import held_once
+
     model = nn.ModuleDict({f"stage{s}": stages[s] for s in sorted(stages)})
     model_state, optim_state = get_state_dict(model, optimizers=list(optimizers), options=_OPTIONS)
+    for s in sorted(stages):
+        model_state = {**{k: v for k, v in model_state.items() if not k.startswith(f"stage{s}.")},
+                       **held_once(stages[s], {k: v for k, v in model_state.items() if k.startswith(f"stage{s}.")},
+                                   prefix=f"stage{s}.")}
     return model, {"model": model_state, "optim": optim_state}
 
 
@@ -132,8 +140,13 @@ def load_sharded(
         raise ValueError(
             f"{str(path)!r} is not a complete checkpoint (no {MARKER}): resume from latest_sharded_step"
         )
+    from .checkpoint import with_tied_copies
+
     model, state = _state(stages, optimizers)
     dcp.load(state, checkpoint_id=str(path))
+    current = get_state_dict(model, optimizers=[], options=_OPTIONS)[0]
+    for s in sorted(stages):  # the tied copies keep their values until the resume copies the embedding's
+        state["model"] = with_tied_copies(stages[s], state["model"], current, prefix=f"stage{s}.")
     set_state_dict(model, optimizers=list(optimizers), model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=_OPTIONS)
     return int(read_marker(directory, step)["step"])
