@@ -320,15 +320,28 @@ def _other_model(args: argparse.Namespace, dtype: str):
     from ..models.spec import portable_reference
     from ..train.model_choice import HF_PREFIX, ModelChoice
 
+    weights = True
     if args.hf is not None:
-        directory = str(Path(args.hf).expanduser().resolve())
-        context = read_hf_config(directory).shape.context  # a bad directory fails here, in one line
+        config = read_hf_config(Path(args.hf).expanduser().resolve())  # a bad directory fails here, in one line
+        directory, context = config.directory, config.shape.context
         source = HF_PREFIX + directory
+        # a prediction needs no weights: a config.json alone (or a directory without them) is priced as is
+        weights = not args.dry_run or _has_weights(directory)
     else:
         source = portable_reference(args.model)
         context = ModelChoice(source, None, seq=1, dtype=dtype).shape.context
     seq = args.seq or min(DEFAULT_OTHER_SEQ, context or DEFAULT_OTHER_SEQ)
-    return ModelChoice(source, None, seq=seq, dtype=dtype)
+    return ModelChoice(source, None, seq=seq, dtype=dtype, weights=weights)
+
+
+def _has_weights(directory: str) -> bool:
+    from ..models.hf.weights import find_weights
+
+    try:
+        find_weights(directory)
+    except ValueError:
+        return False
+    return True
 
 
 def _tokenizer_vocab(tokenizer: str | None) -> int:

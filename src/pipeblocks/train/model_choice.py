@@ -41,6 +41,9 @@ class ModelChoice:
     """tokens per sequence; None: the built-in config's"""
     dtype: str | None = None
     """the weights' dtype, "float32" or "float64"; None: the built-in config's (else float32)"""
+    weights: bool = True
+    """an `hf:DIR` model with its own weights (False: drawn from the seed, for a prediction of a
+    directory, or a config.json, that has none)"""
     _spec: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -103,7 +106,7 @@ class ModelChoice:
         if self.hf_directory is not None:
             from ..models.hf import hf_spec
 
-            return hf_spec(self.hf_directory)
+            return hf_spec(self.hf_directory, weights=self.weights)
         from ..models.spec import load_spec
 
         return load_spec(self.source)

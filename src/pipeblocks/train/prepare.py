@@ -131,7 +131,18 @@ def _load_data(data: DataSpec, choice: ModelChoice) -> TokenWindows:
     """The corpus in windows of the run's sequence, its ids checked against the model's vocabulary."""
     from .corpus import load_corpus
 
-    return load_corpus(data, seq=choice.sequence, vocab=choice.vocab, model_tokenizer=choice.hf_directory)
+    return load_corpus(data, seq=choice.sequence, vocab=choice.vocab, model_tokenizer=model_tokenizer(choice))
+
+
+def model_tokenizer(choice: ModelChoice) -> str | None:
+    """The model's own tokenizer: its --hf directory's (None for other models, and for a
+    prediction of a config.json with no tokenizer beside it, which is priced on bytes)."""
+    from pathlib import Path
+
+    directory = choice.hf_directory
+    if directory is None or (not choice.weights and not (Path(directory) / "tokenizer.json").is_file()):
+        return None
+    return directory
 
 
 def _check_batch(cfg: TrainConfig, data: TokenWindows) -> None:

@@ -115,10 +115,11 @@ def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
         )
     from ..runtime.tied import TiedWeights
     from .corpus import load_corpus
+    from .prepare import model_tokenizer
 
     tied = TiedWeights.build(modules, cfg.schedule.placement, mesh=mesh, timeout_s=cfg.timeout_s)
     corpus = load_corpus(cfg.data, seq=cfg.model.sequence, vocab=cfg.model.vocab,
-                         model_tokenizer=cfg.model.hf_directory)
+                         model_tokenizer=model_tokenizer(cfg.model))
     data, held_out = corpus.split(cfg.held_out)
     torch.manual_seed(cfg.seed)
     return RankSetup(rank, replica, mesh, modules, runner_stages, copies, data_parallel, data, spec.loss,

@@ -29,14 +29,16 @@ __all__ = ["hf_spec", "hf_model_config"]
 _DROPOUTS = ("attention_dropout", "hidden_dropout", "embd_pdrop", "resid_pdrop", "attn_pdrop")
 
 
-def hf_spec(directory: str | os.PathLike, *, attn_implementation: str = "sdpa") -> ModelSpec:
-    """The model in `directory` with its own weights (bad directories are refused in one line)."""
+def hf_spec(directory: str | os.PathLike, *, attn_implementation: str = "sdpa", weights: bool = True) -> ModelSpec:
+    """The model in `directory` (or of a config.json) with its own weights (bad directories are
+    refused in one line). weights=False: the same model with weights drawn from the run's seed,
+    for a prediction (`train --dry-run --hf config.json`) where there are none to read."""
     config = read_hf_config(directory)
     require_transformers()
-    weights = SafetensorsWeights(config.directory)
+    source = {"weights": SafetensorsWeights(config.directory)} if weights else {"init": _seeded}
     return ModelSpec(
         name=f"hf:{config.directory}", title=config.architecture,
-        build=partial(_build, config, attn_implementation), layout=HF_LAYOUT, shape=config.shape, weights=weights,
+        build=partial(_build, config, attn_implementation), layout=HF_LAYOUT, shape=config.shape, **source,
         adapter=HFDecoderAdapter(attn_implementation, config.sliding_window),
         tp_plan=partial(hf_tp_plan, qk_norm=config.shape.qk_norm),
         export=HFExport(config=lambda: dict(config.raw), files_from=config.directory),
@@ -55,6 +57,18 @@ def hf_model_config(config: HFConfig, attn_implementation: str = "sdpa"):
         if getattr(hf, name, 0.0):
             setattr(hf, name, 0.0)
     return hf
+
+
+def _seeded(seed: int):
+    """Weights from (seed, name): norms one, every other weight N(0, 0.02), as transformers draws them."""
+    from ..init import seeded_normal_
+
+    def fill(name, tensor):
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        else:
+            seeded_normal_(tensor, seed=seed, name=name, std=0.02)
+    return fill
 
 
 def _build(config: HFConfig, attn_implementation: str):
