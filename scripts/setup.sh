@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) the virtual environment .venv inside this checkout and install into it
 # torch==2.13.0 first, then pipeblocks itself (editable) with its test tools and the
-# Hugging Face extra (transformers, for --model-family hf-llama). Each checkout
+# Hugging Face extras (transformers, safetensors and tokenizers for --hf and --save-hf;
+# datasets for --data of a save_to_disk directory). Each checkout
 # has its own environment: the system's Python is never touched (Debian refuses pip there)
 # and two clones never re-point each other's `pipeblocks`.
 #
@@ -84,6 +85,6 @@ else
     "${pip[@]}" "$TORCH"
 fi
 say "installing pipeblocks (editable) and its test tools into $VENV"
-"${pip[@]}" -e ".[test,hf]"
+"${pip[@]}" -e ".[test,hf,datasets]"
 echo "$want" >"$STAMP"
 say "ready: 'source $VENV/bin/activate', or run $VENV/bin/pipeblocks directly"

@@ -32,7 +32,7 @@ echo "venv-python $*" >> "$SETUP_LOG"
 if [ "$1" = "-c" ]; then
   case "$2" in *find_spec*) [ -f "$INSTALLED" ] && echo "$CHECKOUT/src/pipeblocks/__init__.py";; esac
 fi
-case "$*" in *"pip install"*"-e .[test,hf]"*) touch "$INSTALLED";; esac
+case "$*" in *"pip install"*"-e .[test,hf,datasets]"*) touch "$INSTALLED";; esac
 exit 0
 """
 
@@ -81,7 +81,7 @@ def test_a_fresh_checkout_gets_its_own_venv_torch_first(checkout):
     proc, log = run()
     assert proc.returncode == 0, proc.stderr
     assert "python3 -m venv .venv" in log  # created inside the checkout, by the system python
-    assert _pip_installs(log) == ["torch==2.13.0", ".[test,hf]"]
+    assert _pip_installs(log) == ["torch==2.13.0", ".[test,hf,datasets]"]
     assert all(line.startswith(("python3 -c", "python3 -m venv", "python3 --version")) or
                line.startswith("venv-python") for line in log)  # pip never runs on the system python
     assert (root / ".venv" / ".pipeblocks-setup").is_file()
@@ -101,7 +101,7 @@ def test_a_changed_pyproject_reinstalls_into_the_same_venv(checkout):
     (root / "pyproject.toml").write_text('[project]\nname = "pipeblocks"\ndependencies = ["numpy"]\n')
     proc, log = run()
     assert proc.returncode == 0
-    assert "python3 -m venv .venv" not in log and _pip_installs(log) == ["torch==2.13.0", ".[test,hf]"]
+    assert "python3 -m venv .venv" not in log and _pip_installs(log) == ["torch==2.13.0", ".[test,hf,datasets]"]
 
 
 def test_the_cpu_index_is_used_for_torch_only_when_asked(checkout):
@@ -110,7 +110,7 @@ def test_the_cpu_index_is_used_for_torch_only_when_asked(checkout):
     assert proc.returncode == 0
     torch_line = next(line for line in log if "torch==2.13.0" in line)
     assert "--index-url https://download.pytorch.org/whl/cpu" in torch_line
-    assert "--index-url" not in next(line for line in log if ".[test,hf]" in line)
+    assert "--index-url" not in next(line for line in log if ".[test,hf,datasets]" in line)
 
 
 def test_without_venv_support_and_not_root_it_says_what_to_install(checkout):

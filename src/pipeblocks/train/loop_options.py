@@ -55,13 +55,7 @@ def resolve_loop_options(options: dict, data: TokenWindows, *, checkpoint: str |
         held_out = DEFAULT_HELD_OUT if saved is None else saved.get("held_out", 0.0)
     train, held = data.split(held_out)
     every = options.get("eval_every") or 0
-    if every:
-        if emulate is not None:
-            raise ValueError(f"--eval-every {every} with --emulate: emulated compute learns nothing to evaluate; "
-                             "drop one of them")
-        if not held_out:
-            raise ValueError(f"--eval-every {every} with --held-out 0: no data is held out to evaluate on; give "
-                             f"--held-out {DEFAULT_HELD_OUT:g}, say")
+    if every:  # what --eval-every composes with is composition.REFUSALS'; here what the data holds
         if held is None:
             tail = data.num_tokens - train.num_tokens
             raise ValueError(
