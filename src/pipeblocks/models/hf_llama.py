@@ -20,12 +20,11 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable
 
-import torch
 from torch import Tensor, nn
 
 from .hf.adapter import HF_LAYOUT, MISSING_TRANSFORMERS, HFDecoderAdapter, require_transformers
 from .hf.tp import hf_tp_plan
-from .init import seeded_normal_
+from .init import normal_init
 from .llama import llama_shape
 from .llama_config import LlamaConfig
 
@@ -59,15 +58,7 @@ def build_hf_llama(cfg: LlamaConfig, *, seed: int | None = None, attn_implementa
 
 def parameter_init(cfg: LlamaConfig, *, seed: int) -> Callable[[str, Tensor], None]:
     """`init(name, tensor)` from (seed, the HF name): norms one, every other weight N(0, 0.02) (HF's range)."""
-
-    def init(name: str, param: Tensor) -> None:
-        with torch.no_grad():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                seeded_normal_(param, seed=seed, name=name, std=0.02)
-
-    return init
+    return normal_init(seed)
 
 
 def hf_llama_spec(cfg: LlamaConfig, *, attn_implementation: str = "sdpa"):

@@ -13,7 +13,7 @@ import zlib
 import torch
 from torch import Tensor
 
-__all__ = ["param_seed", "seeded_normal_"]
+__all__ = ["normal_init", "param_seed", "seeded_normal_"]
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -27,3 +27,17 @@ def seeded_normal_(tensor: Tensor, *, seed: int, name: str, std: float) -> Tenso
     values = torch.randn(tensor.shape, generator=gen, dtype=torch.float64) * std
     with torch.no_grad():
         return tensor.copy_(values.to(tensor.dtype))
+
+
+def normal_init(seed: int, std: float = 0.02):
+    """`init(name, tensor)`: norms' weights one, every other parameter N(0, std²) from (seed, name),
+    as transformers draws a fresh model's weights."""
+
+    def init(name: str, tensor: Tensor) -> None:
+        with torch.no_grad():
+            if name.endswith("norm.weight"):
+                tensor.fill_(1.0)
+            else:
+                seeded_normal_(tensor, seed=seed, name=name, std=std)
+
+    return init

@@ -144,17 +144,9 @@ def profiling_spec(spec):
         return spec
     import dataclasses
 
-    from ..models.init import seeded_normal_
+    from ..models.init import normal_init
 
-    def init(seed: int):
-        def fill(name, tensor):
-            if name.endswith("norm.weight"):
-                tensor.fill_(1.0)
-            else:
-                seeded_normal_(tensor, seed=seed, name=name, std=0.02)
-        return fill
-
-    return dataclasses.replace(spec, weights=None, init=init)
+    return dataclasses.replace(spec, weights=None, init=normal_init)
 
 
 def _times_from(cfg: TrainConfig, hardware: str | None) -> str:

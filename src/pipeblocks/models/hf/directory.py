@@ -19,6 +19,7 @@ import os
 from functools import partial
 
 from ...core.hf_config import FLOAT32_NORMS, HFConfig, read_hf_config
+from ..init import normal_init
 from ..spec import HFExport, ModelSpec
 from .adapter import HF_LAYOUT, HFDecoderAdapter, require_transformers
 from .tp import hf_tp_plan
@@ -35,7 +36,7 @@ def hf_spec(directory: str | os.PathLike, *, attn_implementation: str = "sdpa", 
     for a prediction (`train --dry-run --hf config.json`) where there are none to read."""
     config = read_hf_config(directory)
     require_transformers()
-    source = {"weights": SafetensorsWeights(config.directory)} if weights else {"init": _seeded}
+    source = {"weights": SafetensorsWeights(config.directory)} if weights else {"init": normal_init}
     return ModelSpec(
         name=f"hf:{config.directory}", title=config.architecture,
         build=partial(_build, config, attn_implementation), layout=HF_LAYOUT, shape=config.shape, **source,
@@ -57,18 +58,6 @@ def hf_model_config(config: HFConfig, attn_implementation: str = "sdpa"):
         if getattr(hf, name, 0.0):
             setattr(hf, name, 0.0)
     return hf
-
-
-def _seeded(seed: int):
-    """Weights from (seed, name): norms one, every other weight N(0, 0.02), as transformers draws them."""
-    from ..init import seeded_normal_
-
-    def fill(name, tensor):
-        if name.endswith("norm.weight"):
-            tensor.fill_(1.0)
-        else:
-            seeded_normal_(tensor, seed=seed, name=name, std=0.02)
-    return fill
 
 
 def _build(config: HFConfig, attn_implementation: str):
