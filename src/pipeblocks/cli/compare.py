@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     for name in chosen:
         try:
             built = build(base.with_name(name))
-            timeline = simulate(built.schedule, built.costs, recompute=built.recompute)
+            timeline = built.simulate()
         except ScheduleError as err:
             if args.schedules:  # asked for by name: the user wants to know
                 raise
@@ -83,7 +83,7 @@ def _adaptive_curve(base: ScheduleRequest) -> list[ParetoPoint]:
             built = build(adaptive.with_options(memory_limit=limit))
         except ScheduleError:
             continue  # below the smallest feasible budget
-        timeline = simulate(built.schedule, built.costs, recompute=built.recompute)
+        timeline = built.simulate()
         points.append(ParetoPoint(f"{limit:g}", max(timeline.peak_activation), timeline.bubble_ratio, "v-adaptive"))
     progress(f"compare: v-adaptive curve over {len(points)} budgets")
     return points

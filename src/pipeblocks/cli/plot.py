@@ -20,7 +20,7 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     built = build(request_from_args(args))
     schedule = built.schedule
-    timeline = simulate(schedule, built.costs, recompute=built.recompute)
+    timeline = built.simulate()
     # analytic costs are seconds and bytes; otherwise the cost model's own units
     units = {"time_unit": "s", "memory_unit": "bytes"} if analytic_costs(args) else {}
     path = plot_timeline(timeline, args.output, memory=not args.no_memory, **units)

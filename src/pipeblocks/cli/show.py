@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     if args.program:
         print(built.program().to_text(), end="")
         return 0
-    timeline = simulate(schedule, built.costs, recompute=built.recompute)
+    timeline = built.simulate()
     print(render_text_timeline(timeline), end="")
     print(f"makespan {timeline.makespan:.6g}   bubble ratio {timeline.bubble_ratio:.4f}   "
           f"peak activation per rank {[round(x, 4) for x in timeline.peak_activation]}")

@@ -5,7 +5,7 @@ import argparse
 
 from ..core.simulate import simulate
 from ..sim.build import memory_budget
-from ..core.recompute import all_pairs
+from ..core.recompute import all_pairs, recompute_pairs
 from ..sim.recompute_auto import fits_memory, memory_need
 from .async_sim import add_async_options, mode_from_args, run_async
 from .common import add_schedule_options, analytic_costs, build, request_from_args, print_json
@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     if mode_from_args(args) is not None:
         return run_async(args, built)
     schedule = built.schedule
-    timeline = simulate(schedule, built.costs, recompute=built.recompute)
+    timeline = built.simulate()
     summary = timeline.summary()
     summary["fits_memory"] = fits_memory(timeline, memory_budget(built.request))
     # what was chosen (elastic's groups, --sharding auto's policy per chunk), to reproduce it
@@ -52,8 +52,13 @@ def run(args: argparse.Namespace) -> int:
         print("tp comm       " + " ".join(f"{t:.4g}" for t in summary["tp_comm"])
               + "   (seconds per rank in tensor-parallel collectives, inside its F and B)")
     if any(summary["recompute_time"]):
-        print(f"recompute     {len(built.recompute)} (stage, microbatch) pairs; time per rank "
-              + " ".join(f"{t:.4g}" for t in summary["recompute_time"]))
+        pairs = recompute_pairs(schedule, built.recompute)
+        print(f"recompute     {len(pairs)} (stage, microbatch) pairs ({len(built.recompute_at)} moved into "
+              "idle time); time per rank " + " ".join(f"{t:.4g}" for t in summary["recompute_time"]))
+        cost = summary["recompute_step_cost"]
+        print("              of which exposed (lengthens the rank's step) "
+              + " ".join(f"{t:.4g}" for t in summary["recompute_exposed"])
+              + f"; the step {cost:.4g} longer ({cost / summary['makespan']:.1%})")
     if summary["fits_memory"] is not None:
         print(f"fits memory   {'yes' if summary['fits_memory'] else 'no'} (--gpu-memory {args.gpu_memory:g})")
         if not summary["fits_memory"]:

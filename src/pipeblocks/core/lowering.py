@@ -13,7 +13,8 @@ The passes, in order (`lower.lower` runs them):
                                     (`dp_passes_at_end` with reduce_at_end), one op per
                                     unit of `units` (`dp_units`; None: per stage): only when
                                     the mesh needs DP ops (`passes_dp.needs_dp_ops`)
-    add_recompute(pairs)            RECOMPUTE before each chosen pair's first backward
+    add_recompute(pairs, at)        RECOMPUTE before each chosen pair's first backward, or
+                                    earlier, before the action `recompute_at` names
     extra_passes                    what the caller adds (the optimizer steps of an
                                     asynchronous program)
 
@@ -26,8 +27,9 @@ leaves it off (it finds a deadlock itself, and stays fast).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
+from .actions import Action
 from .dp_units import DPUnits
 from .lower import PASSES, Pass, check_deadlock, lower
 from .passes_dp import check_dp_ops, dp_passes, dp_passes_at_end
@@ -48,6 +50,7 @@ def lower_for(
     policies: Iterable[ShardingPolicy | str] = (),
     dp: int = 1,
     recompute: Iterable[Pair] | None = None,
+    recompute_at: Mapping[tuple[int, int, int], Action] | None = None,
     reduce_at_end: bool = False,
     units: DPUnits | None = None,
     extra_passes: Sequence[Pass] = (),
@@ -57,6 +60,8 @@ def lower_for(
     for every stage or one per stage; none: replicate), recomputing `recompute` (or the
     schedule's own pairs, `recompute.recompute_pairs`).
 
+    recompute_at: where a unit's RECOMPUTE runs when not just before its first backward: the
+        compute action it precedes (`recompute.add_recompute`; `sim.recompute_place` chooses).
     reduce_at_end: every REDUCE_GRAD at the end of the rank's step (the no-overlap baseline)
         instead of after its stage's last weight gradient.
     units: the DP units of every stage (`dp_units.units_for`: None at chunk grain): one
@@ -70,7 +75,7 @@ def lower_for(
     stage_policies = per_stage(tuple(policies), schedule.num_stages) if policies else ()
     dp_lowering = (dp_passes_at_end if reduce_at_end else dp_passes)(stage_policies, dp, units)
     pairs = recompute_pairs(schedule, recompute)
-    passes = PASSES + dp_lowering + ((add_recompute(pairs),) if pairs else ()) + tuple(extra_passes)
+    passes = PASSES + dp_lowering + ((add_recompute(pairs, recompute_at),) if pairs else ()) + tuple(extra_passes)
     program = lower(schedule, passes)
     if check:
         check_deadlock(program)

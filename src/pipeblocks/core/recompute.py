@@ -1,14 +1,21 @@
 """Recomputation as a lowering pass: `add_recompute(pairs)` and `check_recompute`.
 
 A pair (stage, microbatch) marked for recomputation keeps only the stage's input after its
-forward; a `Recompute` op re-runs that forward just before the pair's first backward pass
-(B or fused BW) on the stage's rank. The op is placed before the receives that backward
-waits on, so the recomputation runs while the rank would otherwise wait for the incoming
-gradient. With sequence chunks every chunk of the microbatch is recomputed. 1F1B, p=2,
-m=2, every pair recomputed::
+forward; a `Recompute` op re-runs that forward on the stage's rank before the pair's first
+backward pass (B or fused BW). By default it runs just before that backward, placed before
+the receives the backward waits on, so the recomputation runs while the rank would
+otherwise wait for the incoming gradient. With sequence chunks every chunk of the
+microbatch is recomputed. 1F1B, p=2, m=2, every pair recomputed::
 
     0: 0F0 0SEND_F0 0F1 0SEND_F1 0R0 0RECV_B0 0BW0 0R1 0RECV_B1 0BW1
     1: 1RECV_F0 1F0 1R0 1BW0 1SEND_B0 1RECV_F1 1F1 1R1 1BW1 1SEND_B1
+
+`at` moves a unit's recomputation earlier, into idle time the simulator found
+(`sim.recompute_place`): before another compute action of its rank (and before that
+action's receives), anywhere after the unit's own forward. Rank 0 above with 0R1 run in
+the wait for 0BW0's gradient, `at={(0, 1, 0): 0BW0}`::
+
+    0: 0F0 0SEND_F0 0F1 0SEND_F1 0R1 0R0 0RECV_B0 0BW0 0RECV_B1 0BW1
 
 `check_recompute` proves the placement: each Recompute on the rank that holds its stage,
 at most once per (stage, microbatch, chunk), after its forward and before its first
@@ -16,7 +23,7 @@ backward pass.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from .actions import Action, Kind
 from .errors import ScheduleError
@@ -61,28 +68,44 @@ def _normalise(pairs: Iterable[Pair], schedule: Schedule) -> frozenset[Pair]:
     return frozenset(out)
 
 
-def add_recompute(pairs: Iterable[Pair]):
-    """The pass inserting a `Recompute` before the first backward of each pair in `pairs`."""
+Unit = tuple[int, int, int]
+
+
+def add_recompute(pairs: Iterable[Pair], at: Mapping[Unit, Action] | None = None):
+    """The pass inserting a `Recompute` for every unit of `pairs`: before the compute action
+    `at` names for it (with its receives: the recomputation fills the wait for them), else
+    before its first backward. Units anchored to one action run in `at`'s order."""
     pairs = tuple(pairs)
+    at = dict(at or {})
 
     def add_recompute_pass(program: Program) -> Program:
         chosen = _normalise(pairs, program.schedule)
         if not chosen:
             return program
+        anchored: dict[Action, list[Unit]] = {}
+        for unit, anchor in at.items():
+            if (unit[0], unit[1]) in chosen:
+                anchored.setdefault(anchor, []).append(tuple(unit))
+        moved = {unit for units in anchored.values() for unit in units}
+        chunked = program.schedule.seq_chunks > 1
         ranks = []
         for ops in program.ranks:
             out: list[Op] = []
-            done: set[tuple[int, int, int]] = set()
+            done: set[Unit] = set()
             for op in ops:
-                if type(op) is Action and op.kind is not Kind.F and op.kind is not Kind.W:
-                    unit = op.unit
-                    if (unit[0], unit[1]) in chosen and unit not in done:
-                        done.add(unit)
-                        # before the receives of this backward: recompute while the gradient travels
-                        at = len(out)
-                        while at and type(out[at - 1]) is Comm and not out[at - 1].send:
-                            at -= 1
-                        out.insert(at, Recompute(op.stage, op.microbatch, op.seq_chunk))
+                if type(op) is Action:
+                    due = [u for u in anchored.get(op, ()) if u not in done]
+                    if op.kind is not Kind.F and op.kind is not Kind.W:
+                        unit = op.unit
+                        if (unit[0], unit[1]) in chosen and unit not in done and unit not in moved:
+                            due.append(unit)
+                    if due:
+                        # before the receives of this action: recompute while what it waits for travels
+                        where = len(out)
+                        while where and type(out[where - 1]) is Comm and not out[where - 1].send:
+                            where -= 1
+                        out[where:where] = [Recompute(u[0], u[1], u[2] if chunked else None) for u in due]
+                        done.update(due)
                 out.append(op)
             ranks.append(tuple(out))
         return Program(program.schedule, tuple(ranks))

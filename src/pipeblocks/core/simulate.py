@@ -39,6 +39,7 @@ the backward frees as usual.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from .actions import Action, Kind
@@ -58,12 +59,15 @@ from .timeline import Event, Timeline
 __all__ = ["simulate", "simulate_program"]
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None, *, recompute=()) -> Timeline:
+def simulate(schedule: Schedule, costs: Costs | None = None, *, recompute=(), recompute_at=None) -> Timeline:
     """Validate, lower and simulate a schedule (a deadlock is found by the simulation itself).
     The costs' data-parallel side decides which DP passes lowering runs. `recompute`:
     (stage, microbatch) pairs whose forward is recomputed before the backward
     (`recompute.add_recompute`); none given, a schedule whose options say recompute="all"
-    (`1f1b-r`) recomputes every pair (`lowering.lower_for` decides both)."""
+    (`1f1b-r`) recomputes every pair (`lowering.lower_for` decides both). `recompute_at`:
+    where a unit's recomputation runs when earlier than its backward (`sim.recompute_place`).
+    With recomputation the timeline also says which part of it lengthens the step
+    (`Timeline.recompute_exposed`): the Program is simulated a second time without it."""
     costs = costs or Costs()
     data_parallel = costs.data_parallel
     with collector_paused():
@@ -71,16 +75,34 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, recompute=()) ->
 
         def lowered() -> Program:
             return lower_for(schedule, policies=data_parallel.sharding, dp=data_parallel.dp, recompute=recompute,
-                             units=costs.dp_units(schedule.num_stages))
+                             recompute_at=recompute_at, units=costs.dp_units(schedule.num_stages))
 
-        compiled = _compile_program(lowered(), costs)
-        # the compiled lists hold all the loop needs: the ops (a transfer object per send and
-        # per receive) are freed before the events are made; a deadlock lowers again to name it
-        return _run(compiled, lowered)
+        program = lowered()
+        if not any(type(op) is Recompute for ops in program.ranks for op in ops):
+            # the compiled lists hold all the loop needs: the ops (a transfer object per send and
+            # per receive) are freed before the events are made; a deadlock lowers again to name it
+            del program
+            return _run(_compile_program(lowered(), costs), lowered)
+        return simulate_program(program, costs)
 
 
 def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
-    return _run(_compile_program(program, costs), lambda: program)
+    """Simulate a lowered Program; one that recomputes is also simulated without its RECOMPUTE
+    ops, to tell the part of the recomputation that lengthens the step."""
+    timeline = _run(_compile_program(program, costs), lambda: program)
+    if not any(type(op) is Recompute for ops in program.ranks for op in ops):
+        return timeline
+    plain = Program(program.schedule, tuple(tuple(op for op in ops if type(op) is not Recompute)
+                                             for ops in program.ranks))
+    without = _run(_compile_program(plain, costs), lambda: plain)
+    tiny = 1e-12 * max(timeline.makespan, 1.0)  # sums of the same durations in another order: rounding, not time
+
+    def later(a: float, b: float) -> float:
+        return a - b if a - b > tiny else 0.0
+
+    exposed = tuple(later(timeline.rank_end(r), without.rank_end(r)) for r in range(len(timeline.events)))
+    return dataclasses.replace(timeline, recompute_exposed=exposed,
+                               recompute_step_cost=later(timeline.makespan, without.makespan))
 
 
 def _compile_program(program: Program, costs: Costs | None):

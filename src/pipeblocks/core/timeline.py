@@ -24,6 +24,11 @@ ops, which run on a communication stream per rank beside the compute stream:
                   (the ZeRO closed forms)
     recompute_time[r]  compute time rank r spends re-running forwards (`Recompute` events,
                   counted in busy(r) too)
+    recompute_exposed[r]  the part of it that lengthens rank r's step: how much later the
+                  rank's step ends than the same Program's without its RECOMPUTE ops
+                  (the rest filled waits); empty without recomputation
+    recompute_step_cost  the same for the whole step: makespan with the recomputations minus
+                  makespan without them (None without recomputation)
     static_memory_peak[r]  the same at the step's peak: gradients at full size before their
                   reduction, zero2/zero3 parameters gathered beside their shard
                   (`dp_model.static_peak_bytes`)
@@ -86,6 +91,8 @@ class Timeline:
     static_memory: tuple[float, ...] = ()
     static_memory_peak: tuple[float, ...] = ()
     memory_peak: tuple[float, ...] = ()
+    recompute_exposed: tuple[float, ...] = ()
+    recompute_step_cost: float | None = None
 
     @property
     def memory_need(self) -> tuple[float, ...]:
@@ -122,6 +129,11 @@ class Timeline:
         return tuple(
             sum((e.end - e.start for e in evs if type(e.action) is Recompute), 0.0) for evs in self.events
         )
+
+    def rank_end(self, rank: int) -> float:
+        """When rank `rank`'s step ends: its last compute, or its step end with DP ops."""
+        compute = self.events[rank][-1].end if self.events[rank] else 0.0
+        return max(compute, self.step_end[rank]) if self.step_end else compute
 
     def busy(self, rank: int) -> float:
         return self._busy[rank]
@@ -169,6 +181,8 @@ class Timeline:
             "comm_time": list(self.comm_time),
             "exposed_comm": list(self.exposed_comm) or [0.0] * s.p,
             "recompute_time": list(self.recompute_time),
+            **({"recompute_exposed": list(self.recompute_exposed), "recompute_step_cost": self.recompute_step_cost}
+               if self.recompute_exposed else {}),
             **({"static_memory": list(self.static_memory)} if self.static_memory else {}),
             **({"static_memory_peak": list(self.static_memory_peak)} if self.static_memory_peak else {}),
             **({"memory_peak": list(self.memory_peak)} if self.memory_peak else {}),

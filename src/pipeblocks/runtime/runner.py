@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from ..core.actions import Action
 from ..core.lowering import lower_for
 from ..core.program import Program
 from ..core.recompute import recompute_pairs
@@ -108,6 +109,9 @@ class PipelineRunner:
         ops); the gradients are those without recomputation. None or none given: every pair
         when the schedule's options say recompute="all" (`1f1b-r`), else none
         (`core.recompute.recompute_pairs`). Not with sequence chunks (ValueError).
+    recompute_at: where a unit's RECOMPUTE runs when the simulator moved it into idle time
+        (`sim.recompute_place`): the compute action it precedes; the others run just
+        before their backward. The Program is then the one the simulator ran.
     program: a lowered Program of `schedule` to run instead of `core.lowering.lower_for`'s,
         such as an asynchronous one (`pipeblocks.schedules.asynchronous`) whose OPTIMIZER_STEP
         ops go to `compute.optimizer_step(stage, step)`; then one `step` call runs the
@@ -136,6 +140,7 @@ class PipelineRunner:
         measure_memory: bool = True,
         data_parallel: DataParallel | None = None,
         recompute: Iterable[tuple[int, int]] | None = None,
+        recompute_at: Mapping[tuple[int, int, int], Action] | None = None,
         program: Program | None = None,
         precision: ComputeCopies | None = None,
     ) -> None:
@@ -172,7 +177,7 @@ class PipelineRunner:
                     "recompute sequence chunks (a chunk's recomputation would append its K/V twice); drop the "
                     "recomputation (--recompute none, or a schedule without -r) or the sequence chunks"
                 )
-            self.program = _lower(schedule, data_parallel, self.recompute)
+            self.program = _lower(schedule, data_parallel, self.recompute, recompute_at)
         self.rank = dist.get_rank(group) if rank is None else rank
         if self.rank != dist.get_rank(group):
             raise ValueError(f"rank={rank} but this process is rank {dist.get_rank(group)} of the group")
@@ -400,13 +405,14 @@ class PipelineRunner:
         return out
 
 
-def _lower(schedule: Schedule, dp: DataParallel | None, recompute: frozenset[tuple[int, int]]) -> Program:
-    """The Program with the DP ops this rank's `dp` needs and the recomputations
-    (`lowering.lower_for`), proved free of deadlock and well placed."""
+def _lower(schedule: Schedule, dp: DataParallel | None, recompute: frozenset[tuple[int, int]],
+           recompute_at: Mapping[tuple[int, int, int], Action] | None = None) -> Program:
+    """The Program with the DP ops this rank's `dp` needs and the recomputations where they
+    were placed (`lowering.lower_for`), proved free of deadlock and well placed."""
     if dp is None:
-        return lower_for(schedule, recompute=recompute, check=True)
-    return lower_for(schedule, policies=dp.policies, dp=dp.d, recompute=recompute, reduce_at_end=dp.reduce_at_end,
-                     units=dp.units, check=True)
+        return lower_for(schedule, recompute=recompute, recompute_at=recompute_at, check=True)
+    return lower_for(schedule, policies=dp.policies, dp=dp.d, recompute=recompute, recompute_at=recompute_at,
+                     reduce_at_end=dp.reduce_at_end, units=dp.units, check=True)
 
 
 def _module_device(stages: Mapping[int, torch.nn.Module]) -> torch.device:

@@ -10,13 +10,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.costs import Costs, parse_costs
 from ..core.dp_model import UNIT_LINK, DPCostModel, Link
 from ..core.errors import ScheduleError
+from ..core.actions import Action
 from ..core.lowering import lower_for
+from ..core.simulate import simulate
+from ..core.timeline import Timeline
 from ..core.program import Program
 from ..core.request import CostSpec, ScheduleRequest
 from ..core.sharding import ShardingPolicy
@@ -26,12 +30,13 @@ from ..schedules import get
 from ..schedules.sequence import split_sequence
 from .analytic import TransformerConfig, dp_link, model_from_hf, parse_model, stage0_backward_in_w, transformer_costs
 from .tp_costs import tensor_parallel_costs
-from ..core.recompute import all_pairs
+from ..core.recompute import all_pairs, recompute_pairs
 from .auto_sharding import choose_sharding
 from .blocks import transformer_blocks
 from .elastic_plan import choose_elastic_plan
 from .hardware_profile import resolve_hardware
-from .recompute_auto import choose_recompute
+from .recompute_auto import choose_recompute, minimal_recompute
+from .recompute_place import place_recompute
 from .sequence_split import chunk_shares, split_lengths
 
 __all__ = ["Built", "build", "data_parallel", "memory_budget", "resolve_costs", "model_config"]
@@ -54,13 +59,20 @@ class Built:
     costs: Costs
     recompute: frozenset[tuple[int, int]] = frozenset()
     """(stage, microbatch) pairs to recompute (`--recompute`); pass to `simulate(..., recompute=)`"""
+    recompute_at: Mapping[tuple[int, int, int], Action] = field(default_factory=dict)
+    """where a recomputation runs in idle time, earlier than before its backward
+    (`recompute_place.place_recompute`): pass to `simulate(..., recompute_at=)`"""
 
     def program(self) -> Program:
         """The Program the simulator and the runtime run for this request: its mesh's DP ops
-        and its recomputations (`core.lowering.lower_for`)."""
+        and its recomputations, where they were placed (`core.lowering.lower_for`)."""
         dp = self.costs.data_parallel
         return lower_for(self.schedule, policies=dp.sharding, dp=dp.dp, recompute=self.recompute,
-                         units=self.costs.dp_units(self.schedule.num_stages))
+                         recompute_at=self.recompute_at, units=self.costs.dp_units(self.schedule.num_stages))
+
+    def simulate(self) -> Timeline:
+        """The request's schedule simulated with its costs and its recomputations in place."""
+        return simulate(self.schedule, self.costs, recompute=self.recompute, recompute_at=self.recompute_at)
 
 
 def build(request: ScheduleRequest) -> Built:
@@ -72,6 +84,21 @@ def build(request: ScheduleRequest) -> Built:
             "--recompute auto chooses the pairs to recompute so that each rank fits --gpu-memory, but no "
             "--gpu-memory was given: give --gpu-memory GB, or use --recompute all / none"
         )
+    return _placed(_chosen(request), request)
+
+
+def _placed(built: Built, request: ScheduleRequest) -> Built:
+    """`built` with its recomputations moved into idle time where they fit (`place_recompute`)."""
+    pairs = recompute_pairs(built.schedule, built.recompute)  # --recompute's, or the schedule's own (1f1b-r)
+    if not pairs:
+        return built
+    budget = memory_budget(request) if request.gpu_memory is not None else None
+    at = place_recompute(built.schedule, built.costs, pairs, budget=budget)
+    return dataclasses.replace(built, recompute_at=at) if at else built
+
+
+def _chosen(request: ScheduleRequest) -> Built:
+    """The schedule, its costs, its sharding and its recomputed pairs, before placement."""
     if _joint_elastic(request):
         return _build_elastic_plan(request)
     built = _build(request)
@@ -125,7 +152,12 @@ def _build_elastic_plan(request: ScheduleRequest) -> Built:
     )
     dp = dataclasses.replace(costs.data_parallel, sharding=plan.sharding if request.auto_sharding else start)
     chosen = dataclasses.replace(request, sharding=plan.sharding) if request.auto_sharding else request
-    return Built(chosen, plan.schedule, dataclasses.replace(costs, data_parallel=dp), plan.recompute)
+    final = dataclasses.replace(costs, data_parallel=dp)
+    pairs = plan.recompute
+    if pairs and request.recompute == "auto" and pairs != all_pairs(plan.schedule):
+        # the search scored its candidates with the greedy choice; the one chosen recomputes only what binds
+        pairs = minimal_recompute(plan.schedule, final, memory_budget(request), sorted(pairs))
+    return Built(chosen, plan.schedule, final, pairs)
 
 
 def memory_budget(request: ScheduleRequest) -> float | None:

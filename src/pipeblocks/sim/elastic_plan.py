@@ -82,7 +82,7 @@ def choose_elastic_plan(
             pairs: frozenset = frozenset()
             if recompute and budget is not None:
                 try:
-                    pairs = choose_recompute(schedule, trial, budget, unit=unit)
+                    pairs = choose_recompute(schedule, trial, budget, unit=unit, minimal=False)
                 except ScheduleError:
                     pairs = all_pairs(schedule)  # does not fit even so: scored by how far over
             timeline = simulate(schedule, trial, recompute=pairs)
