@@ -1,6 +1,6 @@
 """Predicted against measured: `train --dry-run --hardware PROFILE.json` beside `train` itself.
 
-    pipeblocks calibrate --threads 1 -o docs/calibration/cpu.json        # one rank's share of 2 cores
+    pipeblocks calibrate -o docs/calibration/cpu.json                    # as a rank of p = 2 (--ranks' default)
     PYTHONPATH=src python benchmarks/calibration_check.py --profile docs/calibration/cpu.json
     PYTHONPATH=src python benchmarks/calibration_check.py --profile cpu.json --sizes 8x256x128x4 --repeats 1 --json out.json
 

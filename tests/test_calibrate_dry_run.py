@@ -40,3 +40,85 @@ def test_train_dry_run_predicts_from_a_profile(tmp_path, capsys):
     assert b[0] == 0.0 and w[0] > 0 and b[1] > 0 and t_comm > 0
     want = simulate(schedules.get("zb-h1")(p=2, m=2), Costs(t_f=f, t_b=b, t_w=w, t_comm=t_comm)).makespan
     assert shown == pytest.approx(want * 1e3, abs=0.051)
+
+
+def _grid(tmp_path, *args: str) -> dict:
+    """calibrate at a two-shape grid with `args`; the profile written."""
+    out = tmp_path / "grid.json"
+    assert main(["calibrate", "--device", "cpu", "--shapes", "32x16x2x2,64x16x2x2", "--no-links", "--repeats", "1",
+                 *args, "-o", str(out)]) == 0
+    import json
+
+    return json.loads(out.read_text())
+
+
+def test_calibrate_times_as_one_of_the_local_ranks_and_records_it(tmp_path, capsys, monkeypatch):
+    import os
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    default = _grid(tmp_path)  # train's default p = 2 ranks share 4 cores
+    assert (default["threads"], default["ranks"]) == (2, 2)
+    assert "2 thread(s)" in default["peak"]["how"]
+    four = _grid(tmp_path, "--ranks", "4")
+    assert (four["threads"], four["ranks"]) == (1, 4)
+    given = _grid(tmp_path, "--threads", "3")
+    assert (given["threads"], given["ranks"]) == (3, None)
+    assert "calibrate: 3 torch thread(s) (--threads on 4 cores)" in capsys.readouterr().err
+    assert torch.get_num_threads() == before  # the caller's threads are restored
+
+
+def test_ranks_and_threads_that_disagree_are_one_line(tmp_path, capsys, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    code = main(["calibrate", "--device", "cpu", "--ranks", "2", "--threads", "2", "-o", str(tmp_path / "x.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--threads 2 and --ranks 2 disagree: one of 2 local ranks on 2 cores has 1 torch thread(s)" in err
+    assert not (tmp_path / "x.json").exists()
+
+
+def _synthetic_profile(path, threads: int) -> str:
+    """A profile file as calibrate writes it, from made-up points (nothing timed)."""
+    import json
+
+    from pipeblocks.sim.hardware_profile import build_profile
+
+    points = [{"part": "block", "pass": kind, "seconds": seconds, "flops": 1e8, "intensity": intensity}
+              for kind in ("F", "B", "W") for seconds, intensity in ((2e-3, 20.0), (1.5e-3, 60.0))]
+    profile = build_profile(name="synthetic", peak_flops=1e11, peak_how="made up", points=points,
+                            about={"threads": threads, "ranks": None})
+    path.write_text(json.dumps(profile))
+    return str(path)
+
+
+def test_dry_run_warns_once_when_the_profile_has_other_threads_than_a_rank(tmp_path, capsys, monkeypatch):
+    import io
+    import os
+
+    from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
+    from pipeblocks.models.config import GPTConfig
+    from pipeblocks.train.run import dry_run, prepare
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # p = 2: one thread a rank
+    args = ["train", "--dry-run", "--schedule", "1f1b", "-p", "2", "-m", "2", "--layers", "2", "--hidden", "32",
+            "--heads", "2", "--seq", "16", "--microbatch-size", "2", "--device", "cpu"]
+    two = _synthetic_profile(tmp_path / "two.json", threads=2)
+    assert main([*args, "--hardware", two]) == 0
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [
+        f"warning: hardware profile {two} was measured with 2 torch thread(s), a rank of this run has 1 (2 cores // 2 "
+        "local ranks): its pass times are predicted for 2; recalibrate with `pipeblocks calibrate --ranks 2` (or "
+        "`--threads 1`)"]
+    assert f"predicted from hardware {two}; measured with 2 torch threads, a rank here has 1" in out
+    one = _synthetic_profile(tmp_path / "one.json", threads=1)
+    assert main([*args, "--hardware", one]) == 0
+    out, err = capsys.readouterr()
+    assert "warning" not in err and "measured with" not in out
+    # the figures say both numbers
+    request = ScheduleRequest(name="1f1b", m=2, mesh=Mesh(pp=2), costs=CostSpec(hardware=two))
+    cfg, data = prepare(request, model=GPTConfig(layers=2, hidden=32, heads=2, seq=16), microbatch_size=2, steps=1,
+                        device="cpu")
+    figures = dry_run(cfg, data, out=io.StringIO(), hardware=two)
+    assert (figures["threads_per_rank"], figures["profile_threads"]) == (1, 2)

@@ -1,8 +1,8 @@
 """`pipeblocks calibrate`: measure this device's pass times and write the hardware profile
 that `--hardware PROFILE.json` reads (simulate, compare, plot, plan, train --dry-run).
 
-    pipeblocks calibrate -o cpu.json                              # the default grid, this CPU, fp32
-    pipeblocks calibrate --threads 1 -o cpu.json                  # as one of 2 ranks on 2 cores sees it
+    pipeblocks calibrate -o cpu.json                              # the default grid, this CPU, fp32, as a rank of p=2
+    pipeblocks calibrate --ranks 4 -o cpu-p4.json                 # as one of 4 local ranks (train -p 4, or -p 2 --dp 2)
     pipeblocks calibrate --device cuda --precision bf16-mixed -o h100.json
     pipeblocks calibrate --shapes 64x32x1,128x64x2 --no-links -o tiny.json --json
 
@@ -16,6 +16,15 @@ the peak per pass kind, constant or as a function of arithmetic intensity, and s
 fits better with the residuals (`pipeblocks.sim.hardware_profile`). A shape that does not
 fit in memory is skipped with a line saying so. Progress goes to stderr; the table (or,
 with --json, the profile) to stdout.
+
+On a CPU a pass takes as long as its torch threads make it, so calibrate times with the
+threads a rank of the run will have: `pipeblocks train` gives each of its R local ranks
+(p x dp x tp) the cores divided by R, at least one (`train.config.threads_per_rank`).
+`--ranks R` times as one of R local ranks; its default is `train`'s default -p (2), so
+that `calibrate` then `train --dry-run --hardware` with default options agree on every
+machine. `--threads T` sets the threads directly; given with a --ranks that implies other
+threads, it is an error. The profile records `threads` and `ranks`, and `train --dry-run
+--hardware` warns when a rank of its run has other threads than the profile's.
 """
 from __future__ import annotations
 
@@ -26,14 +35,29 @@ import sys
 import time
 
 from ..core.precision import PRECISION_NAMES
+from ..train.config import threads_per_rank
+from ..train.run import DEFAULT_P
 from .argtypes import positive_int
 from .common import print_json, progress
 
-__all__ = ["register", "run", "parse_shapes", "DEFAULT_CPU_SHAPES", "DEFAULT_CUDA_SHAPES"]
+__all__ = ["register", "run", "parse_shapes", "calibration_threads", "DEFAULT_CPU_SHAPES", "DEFAULT_CUDA_SHAPES"]
 
 DEFAULT_CPU_SHAPES = "64x64x2,64x128x4,128x64x2,128x128x4,256x64x2,256x128x4,512x64x2,512x128x4"
 DEFAULT_CUDA_SHAPES = ("1024x1024x1x16,1024x2048x2x16,2048x1024x1x16,2048x2048x2x16,4096x1024x1x32,"
                        "4096x2048x1x32,8192x1024x1x64")
+
+
+def calibration_threads(*, ranks: int | None, threads: int | None, cores: int) -> tuple[int, int | None]:
+    """(torch threads to time with, local ranks they are a share of; None when --threads alone
+    said): --threads when given, else one of `ranks` (default DEFAULT_P) ranks' share of `cores`.
+    Both given and disagreeing is a ValueError naming the numbers."""
+    if threads is None:
+        ranks = DEFAULT_P if ranks is None else ranks
+        return threads_per_rank(ranks, cores), ranks
+    if ranks is not None and threads != threads_per_rank(ranks, cores):
+        raise ValueError(f"--threads {threads} and --ranks {ranks} disagree: one of {ranks} local ranks on {cores} "
+                         f"cores has {threads_per_rank(ranks, cores)} torch thread(s); give one of the two")
+    return threads, ranks
 
 
 def parse_shapes(text: str) -> list:
@@ -70,9 +94,13 @@ def register(sub) -> None:
     parser.add_argument("--shapes", default=None, metavar="HxSxB[xA],...",
                         help=f"hidden x seq x microbatch [x heads] per point (default on CPU {DEFAULT_CPU_SHAPES}; "
                         f"on CUDA {DEFAULT_CUDA_SHAPES})")
+    parser.add_argument("--ranks", type=positive_int, default=None, metavar="R",
+                        help=f"on a CPU, time as one of R local ranks of a run (p x dp x tp) would: torch threads = "
+                        f"cores // R, at least 1, as `pipeblocks train` gives its ranks (default {DEFAULT_P}, train's "
+                        "default -p)")
     parser.add_argument("--threads", type=positive_int, default=None,
-                        help="torch threads on a CPU (default: torch's, all cores). Time as a rank will run: "
-                        "`pipeblocks train` gives each of p local ranks cores / p")
+                        help="torch threads on a CPU, instead of --ranks' share (an error beside a --ranks that "
+                        "gives other threads)")
     parser.add_argument("--repeats", type=positive_int, default=7,
                         help="timed runs per shape; the fastest is kept, as other work only slows a pass (default 7)")
     parser.add_argument("--vocab", type=positive_int, default=256, help="vocabulary of the timed head (default 256)")
@@ -107,14 +135,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def calibrate(args: argparse.Namespace, device, shapes) -> dict:
-    """Measure everything and build the profile document."""
+    """Measure everything and build the profile document: on a CPU with the torch threads of
+    `calibration_threads` (the caller's are restored after)."""
+    from ..train.reference import torch_threads
+
+    if device.type != "cpu":  # a GPU's passes do not depend on the host's threads
+        return _measure(args, device, shapes, ranks=None)
+    cores = os.cpu_count() or 1
+    threads, ranks = calibration_threads(ranks=args.ranks, threads=args.threads, cores=cores)
+    progress(f"calibrate: {threads} torch thread(s) "
+             f"({f'one of {ranks} local ranks' if ranks is not None else '--threads'} on {cores} cores)")
+    with torch_threads(threads):
+        return _measure(args, device, shapes, ranks=ranks)
+
+
+def _measure(args: argparse.Namespace, device, shapes, *, ranks: int | None) -> dict:
     import torch
 
     from ..runtime import calibrate as measure
     from ..sim.hardware_profile import UNMEASURED_LINKS, build_profile, link_fields
 
-    if args.threads is not None and device.type == "cpu":
-        torch.set_num_threads(args.threads)
     started = time.monotonic()
     peak, peak_how = measure.peak_flops(args.precision, device)
     progress(f"calibrate: peak {peak / 1e9:.1f} GFLOP/s ({peak_how})")
@@ -156,7 +196,7 @@ def calibrate(args: argparse.Namespace, device, shapes) -> dict:
     about = {
         "device": _device_about(device),
         "model_family": args.model_family, "precision": args.precision, "vocab": args.vocab,
-        "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "threads": torch.get_num_threads() if device.type == "cpu" else None, "ranks": ranks,
         "torch": torch.__version__, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": "pipeblocks " + " ".join(sys.argv[1:]) if sys.argv and "pipeblocks" in sys.argv[0] else None,
         "memory_bandwidth_how": bandwidth_how, "skipped": skipped, "notes": notes,

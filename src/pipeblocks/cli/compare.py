@@ -9,7 +9,6 @@ from ..schedules import names
 from ..sim.build import memory_budget
 from ..sim.plots import ParetoPoint, plot_pareto
 from ..sim.recompute_auto import fits_memory
-from ..core.simulate import simulate
 from ..core.request import ScheduleRequest
 from .argtypes import plot_file
 from .common import add_schedule_options, analytic_costs, build, print_json, progress, request_from_args

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 
 from ..sim.plots import plot_timeline
-from ..core.simulate import simulate
 from .argtypes import plot_file
 from .common import add_schedule_options, analytic_costs, build, request_from_args
 
@@ -19,7 +18,6 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     built = build(request_from_args(args))
-    schedule = built.schedule
     timeline = built.simulate()
     # analytic costs are seconds and bytes; otherwise the cost model's own units
     units = {"time_unit": "s", "memory_unit": "bytes"} if analytic_costs(args) else {}

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 
-from ..core.simulate import simulate
 from ..sim.text_timeline import render_text_timeline
 from .common import add_schedule_options, build, request_from_args
 

@@ -129,7 +129,7 @@ from ..core.request import CostSpec
 from ..models.config import GPTConfig
 from ..models.family import FAMILIES, family_names
 from ..train.config import TrainConfig
-from ..train.run import DEFAULT_SCHEDULE, FALLBACK_SCHEDULE, default_schedule
+from ..train.run import DEFAULT_P, DEFAULT_SCHEDULE, FALLBACK_SCHEDULE, default_schedule
 from .argtypes import nonneg_float, nonneg_int, plot_file, positive_float, positive_int
 from ..train.lr_schedule import DEFAULT_LR, DEFAULT_LR_WIDTH, DEFAULT_WARMUP_CAP, LR_SCHEDULES, default_lr
 from ..train.loop_options import DEFAULT_HELD_OUT
@@ -150,7 +150,7 @@ def register(sub) -> None:
         "train", help="train a model (GPT, Llama, Hugging Face Llama) with a schedule; report measured vs simulated",
         description=__doc__.split("\n\n")[0],
     )
-    add_generator_options(parser, name="option", p=2, m=4,
+    add_generator_options(parser, name="option", p=DEFAULT_P, m=4,
                           name_help=f"schedule name (default {DEFAULT_SCHEDULE}, or {FALLBACK_SCHEDULE} if absent)")
     model = parser.add_argument_group("model and data")
     which = model.add_mutually_exclusive_group()

@@ -36,7 +36,20 @@ from ..core.sharding import ShardingPolicy, per_stage
 from .lr_schedule import LRSchedule
 from .model_choice import ModelChoice
 
-__all__ = ["CheckpointSpec", "DataSpec", "EmulationSpec", "MeshSpec", "ModelChoice", "ScheduleSpec", "TrainConfig"]
+__all__ = [
+    "CheckpointSpec", "DataSpec", "EmulationSpec", "MeshSpec", "ModelChoice", "ScheduleSpec", "TrainConfig",
+    "threads_per_rank",
+]
+
+
+def threads_per_rank(local_ranks: int, cores: int | None = None) -> int:
+    """torch threads in each of `local_ranks` processes sharing this machine's `cores` (default
+    os.cpu_count()): the cores divided among them, at least 1. `pipeblocks train` gives its
+    ranks this, and `pipeblocks calibrate --ranks` times with it, so that a profile prices a
+    pass as a rank runs it."""
+    if isinstance(local_ranks, bool) or not isinstance(local_ranks, int) or local_ranks < 1:
+        raise ValueError(f"local ranks must be an integer >= 1, got {local_ranks!r}")
+    return max(1, (cores if cores is not None else os.cpu_count() or 1) // local_ranks)
 
 
 @dataclass(frozen=True)
@@ -305,7 +318,7 @@ class TrainConfig:
     def threads_for(self, processes: int) -> int:
         """torch threads in each of `processes` processes sharing this machine: the mesh's
         threads_per_rank when given, else the cores divided among them."""
-        return self.mesh.threads_per_rank or max(1, (os.cpu_count() or 1) // processes)
+        return self.mesh.threads_per_rank or threads_per_rank(processes)
 
     @property
     def batch_size(self) -> int:

@@ -10,9 +10,13 @@ products and fused attention) and divided by the peak times the profile's fracti
 pass kind at the pass's arithmetic intensity. Stage 0 has no input gradient: its B counts
 nothing and its W the whole backward, priced at the FLOP-weighted mean of the B and W
 fractions (half of a layer's backward FLOPs are each's). A hop between ranks takes the
-profile's point-to-point latency plus the activation's bytes over its bandwidth. A profile
-measured with other torch threads than a rank of the run has predicts another machine: the
-dry run says so.
+profile's point-to-point latency plus the activation's bytes over its bandwidth.
+
+On a CPU a profile holds for the torch threads it was measured with (its `threads`): a
+rank with other threads runs its passes at another speed (a profile timed with 2 threads
+predicted p = 2 runs on 2 cores, 1 thread a rank, 29-37% short: docs/calibration).
+`threads_mismatch` is the dry run's one-line warning for that, naming both numbers and the
+`calibrate` option that fixes it.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Callable, Sequence
 
-__all__ = ["predicted_times", "profile_threads"]
+__all__ = ["predicted_times", "profile_threads", "threads_mismatch"]
 
 
 def predicted_times(stages: Sequence, inputs, loss_fn: Callable, target, hardware) -> tuple[
@@ -63,3 +67,21 @@ def profile_threads(text: str) -> int | None:
     except (OSError, ValueError, AttributeError):
         return None
     return threads if isinstance(threads, int) and not isinstance(threads, bool) else None
+
+
+def threads_mismatch(hardware: str, *, threads: int, local_ranks: int, cores: int) -> str | None:
+    """The warning when profile `hardware` was measured with other torch threads than the
+    `threads` a rank of a run with `local_ranks` ranks on `cores` cores has (None: they agree,
+    or the profile does not say)."""
+    from .config import threads_per_rank
+
+    measured = profile_threads(hardware)
+    if measured is None or measured == threads:
+        return None
+    share = threads_per_rank(local_ranks, cores)
+    mine = (f"{threads} ({cores} cores // {local_ranks} local ranks)" if share == threads
+            else f"{threads} (the run's threads per rank)")
+    fix = (f"`pipeblocks calibrate --ranks {local_ranks}` (or `--threads {threads}`)" if share == threads
+           else f"`pipeblocks calibrate --threads {threads}`")
+    return (f"warning: hardware profile {hardware} was measured with {measured} torch thread(s), a rank of this run "
+            f"has {mine}: its pass times are predicted for {measured}; recalibrate with {fix}")

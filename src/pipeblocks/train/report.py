@@ -28,7 +28,8 @@ The simulator replays the same schedule with those costs: its makespan is
 `iteration_time_measured_s` is the median, over the steps after the warm-up, of the
 measured makespan (first action's start to last action's end, over all ranks): the
 quantity the simulator predicts. `step_time_s` is the median wall time of a whole step
-(first rank starting to last rank finishing, optimizer and timeline gather included).
+(first rank starting to last rank finishing, optimizer and timeline gather included), and
+`tokens_per_s_measured` the step's tokens (all replicas) over it.
 `cores`, `local_ranks` and `load_average` say what else the CPU time went to: the
 simulated side gives every rank cores of its own, so the report notes (`contention_notes`)
 when ranks outnumber cores or the machine was busy; run p x dp <= cores for a prediction
@@ -177,7 +178,7 @@ def build_report(
     schedule: Schedule, results: Sequence[RankResult], memory: Sequence, *, warmup: int, emulated: bool = False,
     seq_mem: Sequence[float] | None = None, dp: int = 1, sharding: Sequence[str] = ("replicate",),
     stage_param_bytes: Sequence[float] | None = None, recompute: Iterable[tuple[int, int]] = (),
-    dp_units: DPUnits | None = None,
+    dp_units: DPUnits | None = None, tokens_per_step: int | None = None,
 ) -> RunReport:
     """Compare the run with the simulator's replay of it; `memory[s]` has .m_b and .m_w of stage s.
 
@@ -202,6 +203,10 @@ def build_report(
     recompute: the (stage, microbatch) pairs the run recomputed; the simulator replays
     them, a recomputed forward keeping the stage input (`memory[s].input_ratio` of M_B,
     when the memory comes from `profile_stage_memory`).
+
+    tokens_per_step: the tokens of one step over all replicas, for `tokens_per_s_measured`
+    (over `step_time_s`; null without it). The keys the asynchronous report shares are
+    `train.report_keys.SHARED_KEYS`.
     """
     by_rank = sorted(results, key=lambda r: (r.dp_rank, r.rank))
     timelines = next((r.timelines for r in by_rank if r.timelines), ())
@@ -233,6 +238,7 @@ def build_report(
     walls = [t for _, t in iteration_times(results)]
     walls = walls[warmup:] or walls[-1:]
     losses = () if emulated else next((r.losses for r in by_rank if r.losses), ())
+    step_time = statistics.median(walls)
     data = {
         "schedule": schedule.name,
         "p": schedule.p,
@@ -248,7 +254,8 @@ def build_report(
         "iteration_time_simulated_s": simulated.makespan,
         "bubble_ratio_measured": statistics.median(t.bubble_ratio for t in timed),
         "bubble_ratio_simulated": passes_bubble(simulated, between_passes(timed)),
-        "step_time_s": statistics.median(walls),
+        "step_time_s": step_time,
+        "tokens_per_s_measured": tokens_per_step / step_time if tokens_per_step and step_time > 0 else None,
         "t_comm_s": costs.t_comm,
         "between_passes_s": between_passes(timed),
         "losses": [{"step": s + 1, "loss": loss} for s, loss in losses],

@@ -29,13 +29,15 @@ if TYPE_CHECKING:  # torch enters only when a run starts, so `pipeblocks list` s
     from ..data import TokenWindows
 
 __all__ = [
-    "DEFAULT_SCHEDULE", "FALLBACK_SCHEDULE", "default_schedule", "describe", "dry_run", "execute", "judge", "prepare",
+    "DEFAULT_P", "DEFAULT_SCHEDULE", "FALLBACK_SCHEDULE", "default_schedule", "describe", "dry_run", "execute", "judge", "prepare",
     "profiled_stages", "train", "verify",
 ]
 
 # Memory-efficient by default: V-Half holds about half of 1F1B's activations.
 DEFAULT_SCHEDULE = "v-half"
 FALLBACK_SCHEDULE = "1f1b"
+# pipeline ranks of a run that does not say (`-p`): also the local ranks `calibrate` times for
+DEFAULT_P = 2
 WARMUP_STEPS = 2
 # the optimistic (post-validated) step keeps a spare parameter and two spare moments
 SPARE_COPIES = 3
@@ -74,6 +76,7 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None, 
     # shown as `show` shows it: measured times are not multiples of one cell, emulated ones are
     shown = timeline if cfg.emulation is not None else simulate(s.schedule, Costs(), recompute=pairs)
     static = _static_predicted(cfg, stages)
+    threads = _threads_against_profile(cfg, hardware)
     figures = {
         "schedule": s.name, "p": s.p, "m": s.m, "v": s.v, "seq_chunks": s.seq_chunks,
         "model": cfg.model.to_json(), "precision": cfg.precision.name,
@@ -81,6 +84,7 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None, 
         "iteration_time_predicted_s": timeline.makespan,
         "bubble_ratio_predicted": timeline.bubble_ratio,
         "times_from": "emulate" if cfg.emulation is not None else _times_from(cfg, hardware),
+        **threads,
         "ranks": [
             {"rank": r, "stages": list(s.placement.stages_of(r)),
              "activation_bytes_predicted": timeline.peak_activation[r], "static_bytes_predicted": static[r]}
@@ -154,9 +158,28 @@ def _times_from(cfg: TrainConfig, hardware: str | None) -> str:
         return "profiled in this process"
     from .predict import profile_threads
 
-    threads, mine = profile_threads(hardware), cfg.threads_for(cfg.world_size)
-    other = f"; measured with {threads} torch threads, a rank here has {mine}" if threads not in (None, mine) else ""
+    threads, mine = profile_threads(hardware), cfg.threads_for(_local_ranks(cfg))
+    other = (f"; measured with {threads} torch threads, a rank here has {mine}"
+             if cfg.mesh.device == "cpu" and threads not in (None, mine) else "")
     return f"predicted from hardware {hardware}{other}"
+
+
+def _threads_against_profile(cfg: TrainConfig, hardware: str | None) -> dict:
+    """With a profile on a CPU run: the dry run's figures `threads_per_rank` and
+    `profile_threads`, and a warning on stderr when they differ (the prediction is then for
+    another speed; `predict.threads_mismatch` names the fix)."""
+    if hardware is None or cfg.emulation is not None or cfg.mesh.device != "cpu":
+        return {}
+    import os
+
+    from .predict import profile_threads, threads_mismatch
+
+    ranks = _local_ranks(cfg)
+    mine = cfg.threads_for(ranks)
+    warning = threads_mismatch(hardware, threads=mine, local_ranks=ranks, cores=os.cpu_count() or 1)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
+    return {"threads_per_rank": mine, "profile_threads": profile_threads(hardware)}
 
 
 def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = None):
@@ -183,7 +206,7 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = No
 
         f, b, w, t_comm = predicted_times(stages, x, loss_fn, y, resolve_hardware(hardware))
     else:
-        with torch_threads(cfg.threads_for(s.p)):
+        with torch_threads(cfg.threads_for(_local_ranks(cfg))):  # as a rank of the run (p x dp x tp)
             times = profile_stage_times(stages, x, loss_fn, y)
         f, b, w = (tuple(t[i] for t in times) for i in range(3))
     total = sum(x.m_b for x in memory)
@@ -248,7 +271,7 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
                          seq_mem=seq_mem, dp=cfg.dp, sharding=[str(p) for p in cfg.sharding], recompute=s.recompute,
                          stage_param_bytes=[sum(q.numel() for q in st.parameters()) * cfg.precision.master_bytes
                                             for st in stages],
-                         dp_units=dp_units(cfg))
+                         dp_units=dp_units(cfg), tokens_per_step=cfg.tokens_per_step)
     built.data["model"] = cfg.model.to_json()
     built.data["precision"] = cfg.precision.name
     built.data["device"] = cfg.mesh.device

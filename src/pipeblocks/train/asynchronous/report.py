@@ -13,7 +13,9 @@ measured timeline as off a simulated one (per step over the middle steps, the fi
 simulator replays the same Program with costs profiled from those passes (per stage the
 median F, fused backward, and optimizer step; the median hand-over between ranks as
 t_comm), so `bubble_measured` sits beside `bubble_simulated` for the same run, and
-`sync_step_time_simulated_s` gives synchronous 1F1B's step at the same costs.
+`sync_step_time_simulated_s` gives synchronous 1F1B's step at the same costs. The profiled
+costs carry the runtime's time between passes (`report.between_passes`); the simulated
+bubble counts it as idle, as the measured one does.
 
 The JSON (`--report FILE`):
 
@@ -22,6 +24,11 @@ The JSON (`--report FILE`):
     steady_state        steps, step_time_s / bubble / tokens_per_s, each measured and simulated,
                         busy_per_step_s measured, sync_step_time_simulated_s; null under 3 steps
     first_step, done, drained_at, saved, async_s, warmup_s, tokens_per_step, mode, p, m, steps
+
+and, at the top level, the keys the synchronous report has with the same meaning
+(`train.report_keys.SHARED_KEYS`): iteration_time_measured_s / _simulated_s and
+bubble_ratio_measured / _simulated (the steady state's step time and bubble), step_time_s,
+tokens_per_s_measured, steps_timed, t_comm_s (null without a steady state) and losses.
 """
 from __future__ import annotations
 
@@ -30,15 +37,16 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...core.actions import Action
 from ...core.costs import Costs
 from ...core.jsontext import json_text
 from ...core.program import OptimizerStep
 from ...core.schedule import write_atomically
 from ...core.simulate import simulate, simulate_program
-from ...core.steady import steady_state
+from ...core.steady import SteadyState, steady_state
 from ...core.timeline import Event, Timeline
 from ..config import TrainConfig
-from ..report import profiled_costs
+from ..report import between_passes, profiled_costs
 from .plan import segment_program
 from .rank import AsyncRankResult, SegmentRecord
 
@@ -74,8 +82,20 @@ def build_async_report(cfg: TrainConfig, results: list[AsyncRankResult]) -> Asyn
         "delays": delays,
         "async_s": max(r.async_s for r in results), "warmup_s": max(r.warmup_s for r in results),
         "steady_state": steady,
+        **_shared(steady),
     }
     return AsyncReport(data, measured, simulated)
+
+
+def _shared(steady: dict | None) -> dict:
+    """The steady state's figures under the synchronous report's names (report_keys.SHARED_KEYS;
+    `losses` is at the top level already): one optimizer step is one iteration, since the
+    asynchronous run has no flush between them. All null without a steady state."""
+    names = {"iteration_time_measured_s": "step_time_s_measured", "iteration_time_simulated_s": "step_time_s_simulated",
+             "bubble_ratio_measured": "bubble_measured", "bubble_ratio_simulated": "bubble_simulated",
+             "step_time_s": "step_time_s_measured", "tokens_per_s_measured": "tokens_per_s_measured",
+             "steps_timed": "steps_measured", "t_comm_s": "t_comm_s"}
+    return {key: None if steady is None else steady[nested] for key, nested in names.items()}
 
 
 def _steady(cfg: TrainConfig, results: list[AsyncRankResult]):
@@ -106,12 +126,13 @@ def _steady(cfg: TrainConfig, results: list[AsyncRankResult]):
     costs = Costs(t_f=costs.t_f, t_b=costs.t_b, t_w=costs.t_w, t_comm=costs.t_comm, t_step=tuple(step_s))
     simulated_tl = simulate_program(program, costs)
     simulated = steady_state(simulated_tl)
+    bubble_simulated = _passes_bubble(simulated, simulated_tl, between_passes([measured_tl]), ran.steps)
     sync = simulate(schedule, costs)
     tokens = cfg.tokens_per_step
     figures = {
         "first_step": best.segment.first, "steps": best.steps_run, "steps_measured": measured.steps_measured,
         "step_time_s_measured": measured.step_time, "step_time_s_simulated": simulated.step_time,
-        "bubble_measured": measured.bubble, "bubble_simulated": simulated.bubble,
+        "bubble_measured": measured.bubble, "bubble_simulated": bubble_simulated,
         "busy_per_step_s_measured": measured.busy_per_step,
         "tokens_per_s_measured": tokens / measured.step_time if measured.step_time > 0 else None,
         "tokens_per_s_simulated": tokens / simulated.step_time if simulated.step_time > 0 else None,
@@ -121,6 +142,17 @@ def _steady(cfg: TrainConfig, results: list[AsyncRankResult]):
                    for s in range(stages)],
     }
     return figures, measured_tl, simulated_tl
+
+
+def _passes_bubble(state: SteadyState, timeline: Timeline, between: float, steps: int) -> float:
+    """The simulated steady-state bubble with the time between passes counted as idle, as the
+    measured one counts it (the simulated passes carry it in their durations: profiled_costs;
+    the synchronous report's `passes_bubble` does the same). Each rank runs the same passes
+    per step in asynchronous 1F1B, so the busiest rank's busy time loses that many gaps."""
+    if state.step_time <= 0:
+        return 0.0
+    passes = max(sum(1 for e in events if type(e.action) is Action) for events in timeline.events) / steps
+    return min(1.0, max(0.0, (state.step_time - (state.busy_per_step - between * passes)) / state.step_time))
 
 
 def format_async_report(data: dict) -> str:
