@@ -12,7 +12,9 @@ from pipeblocks import schedules
 from pipeblocks.core.program import Recompute
 from pipeblocks.core.recompute import all_pairs
 from pipeblocks.models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
+from pipeblocks.core.costs import Costs
 from pipeblocks.runtime import PipelineRunner
+from pipeblocks.sim.recompute_place import place_recompute
 
 P, M = 2, 4
 MICROBATCH = 2
@@ -28,7 +30,10 @@ CASES = {
     "interleaved+some": ("interleaved-1f1b", ((0, 0), (1, 3), (2, 1), (3, 2), (3, 3))),
     "v-half+all": ("v-half", "all"),  # two stages of one rank hand over locally at the V's turn
     "v-half": ("v-half", ()),
+    # every pair, 7 of 16 moved into the waits slow transfers leave (sim.recompute_place)
+    "v-half+placed": ("v-half", "all"),
 }
+PLACED_WITH = {"v-half+placed": Costs(t_comm=1.0)}
 
 
 def schedule_of(case: str):
@@ -41,6 +46,13 @@ def pairs_of(case: str):
     if pairs == "all":
         return all_pairs(schedule_of(case))
     return pairs
+
+
+def anchors_of(case: str) -> dict:
+    """Where the case's recomputations run when the simulator moved them into idle time (none: {})."""
+    if case not in PLACED_WITH:
+        return {}
+    return place_recompute(schedule_of(case), PLACED_WITH[case], pairs_of(case))
 
 
 def config_of(case: str) -> ToyConfig:
@@ -68,7 +80,8 @@ def recompute_worker(ctx, cases: list[str]) -> dict:
         config = config_of(case)
         stages = toy_stages(schedule.num_stages, config)
         mine = {s: stages[s] for s in schedule.placement.stages_of(ctx.rank)}
-        runner = PipelineRunner(schedule, mine, cross_entropy, timeout_s=30.0, recompute=pairs_of(case))
+        runner = PipelineRunner(schedule, mine, cross_entropy, timeout_s=30.0, recompute=pairs_of(case),
+                                recompute_at=anchors_of(case))
         x0, y0 = toy_batch(MICROBATCH * M, config, seed=1)
         runner.step(x0, y0)
         for module in mine.values():

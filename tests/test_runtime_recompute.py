@@ -17,13 +17,14 @@ from pipeblocks.models.toy import cross_entropy, toy_batch, toy_stages
 from pipeblocks.runtime import spawn
 from pipeblocks.runtime.profile import profile_stage_memory
 
-from _recompute_cases import CASES, MICROBATCH, P, config_of, pairs_of, recompute_worker, schedule_of
+from _recompute_cases import CASES, MICROBATCH, P, anchors_of, config_of, pairs_of, recompute_worker, schedule_of
 
 pytestmark = pytest.mark.spawn
 
 TOLERANCE = 0.10  # as test_runtime_memory.py
 # each recomputing case against the same schedule without recomputation
-BASELINE = {"1f1b-r": "1f1b", "zb-h1+all": "zb-h1", "interleaved+some": None, "v-half+all": "v-half"}
+BASELINE = {"1f1b-r": "1f1b", "zb-h1+all": "zb-h1", "interleaved+some": None, "v-half+all": "v-half",
+            "v-half+placed": "v-half"}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def predicted(case: str) -> tuple[float, ...]:
     profile = profile_stage_memory(toy_stages(schedule.num_stages, config), x, cross_entropy, y)
     costs = Costs(mem_b=tuple(float(s.m_b) for s in profile), mem_w_ratio=1.0,
                   recompute_input_ratio=tuple(s.input_ratio for s in profile))
-    return simulate(schedule, costs, recompute=pairs_of(case) or ()).peak_activation
+    return simulate(schedule, costs, recompute=pairs_of(case) or (), recompute_at=anchors_of(case)).peak_activation
 
 
 def _grads(per_rank) -> dict[int, list[torch.Tensor]]:
@@ -52,6 +53,7 @@ def test_gradients_equal_the_run_without_recomputation(runs, case):
     got, want = _grads(measured[case]), _grads(measured[BASELINE[case]])
     schedule = schedule_of(case)
     assert sum(r["recomputes"] for r in measured[case]) == schedule.num_stages * schedule.m, "every pair recomputed"
+    assert len(anchors_of(case)) == (7 if case == "v-half+placed" else 0)
     assert got.keys() == want.keys()
     for stage in got:
         for a, b in zip(got[stage], want[stage], strict=True):

@@ -62,6 +62,10 @@ class ScheduleSpec:
     recompute: frozenset[tuple[int, int]] = frozenset()
     """(stage, microbatch) pairs whose forward keeps only its input and is re-run before its
     backward: --recompute's, or the schedule's own (`1f1b-r`: all)"""
+    recompute_at: tuple = ()
+    """((stage, microbatch, chunk), action) for each recomputation the simulator moved into
+    idle time (`sim.recompute_place`): it runs before that action, the others just before
+    their backward"""
 
     def __post_init__(self) -> None:
         k = self.schedule.seq_chunks
@@ -69,12 +73,19 @@ class ScheduleSpec:
             raise ValueError(f"schedule {self.schedule.name!r} has {k} sequence chunks but seq_lengths is "
                              f"{self.seq_lengths!r}: give {k} lengths (None for 1)")
         object.__setattr__(self, "recompute", frozenset((int(s), int(mb)) for s, mb in self.recompute))
+        at = self.recompute_at.items() if isinstance(self.recompute_at, dict) else self.recompute_at
+        object.__setattr__(self, "recompute_at", tuple(sorted(((tuple(u), a) for u, a in at), key=lambda x: x[0])))
         if self.recompute and k > 1:
             raise ValueError(
                 f"the runtime does not recompute sequence chunks (schedule {self.schedule.name!r} cuts sequences into "
                 f"{k}): a chunk's recomputation would append its K/V twice; drop --recompute "
                 "(or use 1f1b instead of 1f1b-r) or --seq-chunks"
             )
+
+    @property
+    def recompute_anchors(self) -> dict:
+        """`recompute_at` as the mapping `lower_for(recompute_at=)` takes."""
+        return dict(self.recompute_at)
 
     # what the schedule answers, asked of its section
     @property

@@ -274,7 +274,8 @@ def _runner(cfg: TrainConfig, ctx, setup):
         timeout_s=cfg.timeout_s, record_timeline=not cfg.verify and setup.replica == 0 and setup.tp_rank == 0,
         compute=compute,
         seq_lengths=cfg.schedule.seq_lengths, group=setup.pp_group, data_parallel=setup.data_parallel,
-        recompute=cfg.schedule.recompute, precision=setup.copies if compute is None else None,
+        recompute=cfg.schedule.recompute, recompute_at=cfg.schedule.recompute_anchors,
+        precision=setup.copies if compute is None else None,
     )
 
 

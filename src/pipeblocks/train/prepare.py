@@ -82,7 +82,8 @@ def prepare(
         hidden=choice.hidden, async_mode=train_options.get("async_mode"))
     ck = CheckpointSpec(checkpoint, resume=resume, save_every=save_every, overwrite=overwrite) if checkpoint else None
     scheduled = ScheduleSpec(schedule, sequence_chunk_lengths(schedule, request.costs.seq_split, choice),
-                             recompute_pairs(schedule, built.recompute))  # --recompute's, or the schedule's own
+                             recompute_pairs(schedule, built.recompute),  # --recompute's, or the schedule's own
+                             recompute_at=built.recompute_at)  # where the simulator moved them into idle time
     cfg = TrainConfig(model=choice, schedule=scheduled, mesh=mesh, precision=policy, checkpoint=ck,
                       emulation=emulation, data=data, **options)
     _check_batch(cfg, train_data)

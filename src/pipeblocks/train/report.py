@@ -178,7 +178,7 @@ def build_report(
     schedule: Schedule, results: Sequence[RankResult], memory: Sequence, *, warmup: int, emulated: bool = False,
     seq_mem: Sequence[float] | None = None, dp: int = 1, sharding: Sequence[str] = ("replicate",),
     stage_param_bytes: Sequence[float] | None = None, recompute: Iterable[tuple[int, int]] = (),
-    dp_units: DPUnits | None = None, tokens_per_step: int | None = None,
+    dp_units: DPUnits | None = None, tokens_per_step: int | None = None, recompute_at=None,
 ) -> RunReport:
     """Compare the run with the simulator's replay of it; `memory[s]` has .m_b and .m_w of stage s.
 
@@ -202,7 +202,11 @@ def build_report(
 
     recompute: the (stage, microbatch) pairs the run recomputed; the simulator replays
     them, a recomputed forward keeping the stage input (`memory[s].input_ratio` of M_B,
-    when the memory comes from `profile_stage_memory`).
+    when the memory comes from `profile_stage_memory`), where the run ran them
+    (`recompute_at`: those moved into idle time). Per rank the report then gives the
+    recomputation's time measured and simulated, and the simulated part of it that
+    lengthens the rank's step (`recompute_exposed_s_simulated`); the step's is
+    `recompute_step_cost_s_simulated`.
 
     tokens_per_step: the tokens of one step over all replicas, for `tokens_per_s_measured`
     (over `step_time_s`; null without it). The keys the asynchronous report shares are
@@ -233,7 +237,9 @@ def build_report(
         )
     if all(hasattr(x, "input_ratio") for x in memory):  # profiled: what a recomputed forward keeps
         costs = dataclasses.replace(costs, recompute_input_ratio=tuple(x.input_ratio for x in memory))
-    simulated = simulate(schedule, costs, recompute=frozenset(recompute))
+    simulated = simulate(schedule, costs, recompute=frozenset(recompute), recompute_at=recompute_at)
+    recomputed = bool(simulated.recompute_exposed)
+    measured_recompute = [statistics.median(t.recompute_time[r] for t in timed) for r in range(schedule.p)]
     exposed = list(simulated.exposed_comm) or [0.0] * schedule.p
     walls = [t for _, t in iteration_times(results)]
     walls = walls[warmup:] or walls[-1:]
@@ -258,6 +264,7 @@ def build_report(
         "tokens_per_s_measured": tokens_per_step / step_time if tokens_per_step and step_time > 0 else None,
         "t_comm_s": costs.t_comm,
         "between_passes_s": between_passes(timed),
+        **({"recompute_step_cost_s_simulated": simulated.recompute_step_cost} if recomputed else {}),
         "losses": [{"step": s + 1, "loss": loss} for s, loss in losses],
         "eval_losses": [{"step": s + 1, "loss": loss} for s, loss in next((r.eval_losses for r in by_rank
                                                                               if r.eval_losses), ())],
@@ -279,6 +286,9 @@ def build_report(
                 "dp_comm_exposed_s_measured": statistics.median(r.dp_wait_s[warmup:] or r.dp_wait_s)
                 if r.dp_wait_s else (0.0 if dp == 1 else None),
                 "dp_comm_exposed_s_simulated": exposed[r.rank] if dp == 1 or link is not None else None,
+                **({"recompute_s_measured": measured_recompute[r.rank],
+                    "recompute_s_simulated": simulated.recompute_time[r.rank],
+                    "recompute_exposed_s_simulated": simulated.recompute_exposed[r.rank]} if recomputed else {}),
             }
             for r in by_rank
         ],
@@ -351,6 +361,12 @@ def format_report(data: dict) -> str:
             + ("-" if exposed is None else f"{exposed * 1e3:.2f} ms") + " / "
             + ("-" if exposed_sim is None else f"{exposed_sim * 1e3:.2f} ms")
         )
+    if "recompute_step_cost_s_simulated" in data:
+        lines.append("recomputation   per rank: time measured / simulated, simulated part that lengthens the rank's "
+                     f"step; the step {data['recompute_step_cost_s_simulated'] * 1e3:.2f} ms longer (simulated)")
+        lines.extend(f"{row['rank']:>4}  {row.get('dp_rank', 0):>2}  {row['recompute_s_measured'] * 1e3:9.2f} ms / "
+                     f"{row['recompute_s_simulated'] * 1e3:.2f} ms   exposed {row['recompute_exposed_s_simulated'] * 1e3:.2f} ms"
+                     for row in data["ranks"])
     return "\n".join(lines)
 
 

@@ -72,7 +72,7 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None, 
     s = cfg.schedule
     stages, costs = _stage_costs(cfg, data, hardware)
     pairs = s.recompute
-    timeline = simulate(s.schedule, costs, recompute=pairs)
+    timeline = simulate(s.schedule, costs, recompute=pairs, recompute_at=s.recompute_anchors)
     # shown as `show` shows it: measured times are not multiples of one cell, emulated ones are
     shown = timeline if cfg.emulation is not None else simulate(s.schedule, Costs(), recompute=pairs)
     static = _static_predicted(cfg, stages)
@@ -114,7 +114,8 @@ def _static_predicted(cfg: TrainConfig, stages) -> list[int]:
     from ..runtime.static_memory import predict_static_peak
 
     s = cfg.schedule
-    program = lower_for(s.schedule, policies=cfg.sharding, dp=cfg.dp, recompute=s.recompute)
+    program = lower_for(s.schedule, policies=cfg.sharding, dp=cfg.dp, recompute=s.recompute,
+                        recompute_at=s.recompute_anchors)
     shapes = {st.index: [tuple(p.shape) for p in st.parameters() if p.requires_grad] for st in stages}
     if cfg.tp > 1:  # one tensor-parallel rank's share
         shapes = tp_shapes(cfg, stages)
@@ -269,6 +270,7 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
     warmup = min(WARMUP_STEPS, max(0, len(results[0].step_spans) - 1))
     built = build_report(s.schedule, results, memory, warmup=warmup, emulated=cfg.emulation is not None,
                          seq_mem=seq_mem, dp=cfg.dp, sharding=[str(p) for p in cfg.sharding], recompute=s.recompute,
+                         recompute_at=s.recompute_anchors,
                          stage_param_bytes=[sum(q.numel() for q in st.parameters()) * cfg.precision.master_bytes
                                             for st in stages],
                          dp_units=dp_units(cfg), tokens_per_step=cfg.tokens_per_step)
