@@ -8,20 +8,9 @@ from __future__ import annotations
 import pytest
 
 from _hf_dirs import make_model_dir
+from _tp_reads import RecordingWeights
 
 pytest.importorskip("transformers", reason="needs transformers (pip install -e .[hf])")
-
-
-class _Recording:
-    def __init__(self, inner) -> None:
-        self.inner, self.names = inner, []
-
-    def shape(self, name):
-        return self.inner.shape(name)
-
-    def read(self, name, shape, region=None):
-        self.names.append(name)
-        return self.inner.read(name, shape, region)
 
 
 @pytest.mark.torch
@@ -33,11 +22,12 @@ def test_a_rank_reads_only_its_stages_tensors(tmp_path):
 
     directory = make_model_dir(tmp_path / "llama", "LlamaForCausalLM", layers=4, tokenizer=False)
     spec = hf_spec(directory)
-    recording = _Recording(spec.weights)
+    recording = RecordingWeights(spec.weights)
     build_stages(dataclasses.replace(spec, weights=recording), num_stages=2, stages=[0])
-    assert recording.names[0] == "model.embed_tokens.weight"
-    assert {n.split(".")[2] for n in recording.names if n.startswith("model.layers.")} == {"0", "1"}
-    assert not any(n.startswith(("model.layers.2", "model.layers.3", "lm_head", "model.norm")) for n in recording.names)
+    names = [name for name, _ in recording.reads]
+    assert names[0] == "model.embed_tokens.weight"
+    assert {n.split(".")[2] for n in names if n.startswith("model.layers.")} == {"0", "1"}
+    assert not any(n.startswith(("model.layers.2", "model.layers.3", "lm_head", "model.norm")) for n in names)
 
 
 @pytest.mark.spawn
