@@ -7,12 +7,20 @@ if it has any (`steps.py`), and freedom from deadlock.
 """
 from __future__ import annotations
 
+from itertools import chain
+from operator import attrgetter
+
+import numpy as np
+
 from .actions import Action, Kind
 from .deps import phase_of, requirements
 from .errors import ScheduleError
 from .schedule import Schedule
 
 __all__ = ["check_structure", "check_program", "validate"]
+
+_STAGE, _KIND, _MICROBATCH, _SEQ_CHUNK = (attrgetter(f) for f in ("stage", "kind", "microbatch", "seq_chunk"))
+_KIND_CODE = {Kind.F: 0, Kind.B: 1, Kind.W: 2, Kind.BW: 3}
 
 
 def check_structure(schedule: Schedule) -> None:
@@ -69,16 +77,20 @@ def _check_placement_and_ranges(schedule: Schedule) -> None:
 
 
 def _check_completeness(schedule: Schedule) -> None:
-    units: dict[Kind, set[tuple[int, int, int]]] = {kind: set() for kind in Kind}
-    count = 0
-    for actions in schedule.ranks:
-        for a in actions:
-            units[a.kind].add((a.stage, a.microbatch, a.seq_chunk or 0))
-        count += len(actions)
-    total = schedule.num_stages * schedule.m * schedule.seq_chunks
-    f, b, w, bw = (units[kind] for kind in (Kind.F, Kind.B, Kind.W, Kind.BW))
-    # fast path (set algebra): no pass twice, every F, and per unit either B and W or BW
-    if count == sum(map(len, units.values())) and len(f) == total and b == w and not (b & bw) and len(b | bw) == total:
+    # fast path: count each (unit, kind) in an array over the units, where unit =
+    # (stage * m + microbatch) * k + chunk (the ranges are checked): every F once, and per
+    # unit either B and W once each or BW once, no pass twice
+    S, m, k = schedule.num_stages, schedule.m, schedule.seq_chunks
+    actions = list(chain.from_iterable(schedule.ranks))
+    unit = np.fromiter(map(_STAGE, actions), np.int64, len(actions)) * m
+    unit += np.fromiter(map(_MICROBATCH, actions), np.int64, len(actions))
+    unit *= k
+    if k > 1:
+        unit += np.fromiter(map(_SEQ_CHUNK, actions), np.int64, len(actions))
+    code = np.fromiter(map(_KIND_CODE.__getitem__, map(_KIND, actions)), np.int64, len(actions))
+    counts = np.bincount(unit * 4 + code, minlength=4 * S * m * k).reshape(-1, 4)
+    f, b, w, bw = counts.T
+    if (f == 1).all() and (b == w).all() and (b + bw == 1).all():
         return
     _diagnose_completeness(schedule)
 

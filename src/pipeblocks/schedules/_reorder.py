@@ -17,11 +17,11 @@ from ..core.actions import Action, Kind
 from ..core.costs import Costs, StageCosts
 from ..core.deps import phase_of, requirements
 from ..core.placement import Placement
+from ._grid import KINDS, SlotGrid
 
-__all__ = ["compact", "compact_both", "cost_table", "peaks_of", "replay", "replay_spans"]
+__all__ = ["compact", "compact_both", "cost_table", "float_weights_of", "orders_of", "peaks_of", "replay", "replay_spans"]
 
 Orders = tuple[tuple[Action, ...], ...]
-_EPS = 1e-9
 
 
 def cost_table(placement: Placement, costs: Costs | None) -> StageCosts:
@@ -158,191 +158,40 @@ def compact(
 
     `timed[r]` holds (start slot, length, action) for rank r (the tiled block).
     """
-    grid = _Grid(timed, table)
+    grid, actions = SlotGrid.from_timed(timed, table)
     grid.compact(caps)
     if float_weights:
-        _float_weights(grid, caps)
-    return grid.orders()
+        float_weights_of(grid, caps)
+    return orders_of(grid, actions)
 
 
 def compact_both(
     timed: Sequence[Sequence[tuple[int, int, Action]]], table: StageCosts, caps: Sequence[float]
 ) -> tuple[Orders, Orders]:
     """`compact` without and with `float_weights`, sharing the first round."""
-    grid = _Grid(timed, table)
+    grid, actions = SlotGrid.from_timed(timed, table)
     grid.compact(caps)
-    plain = grid.orders()
-    _float_weights(grid, caps)
-    return plain, grid.orders()
+    plain = orders_of(grid, actions)
+    float_weights_of(grid, caps)
+    return plain, orders_of(grid, actions)
 
 
-def _float_weights(grid: _Grid, caps: Sequence[float]) -> None:
+def float_weights_of(grid: SlotGrid, caps: Sequence[float]) -> None:
+    """`compact`'s second round, on a grid compacted once."""
     lifted = grid.lift_tail_weights()
-    grid.compact(caps)
+    grid.compact(caps, lifted=lifted)
     grid.place_first_free(lifted)
 
 
-class _Grid:
-    """Per rank: which slots are busy (a byte per slot, searched with `bytearray.find`), the
-    activation held in each slot (a float array, moved with range updates), and where each
-    pass sits. Passes are keyed by (stage, kind, microbatch), which sorts as `Action` does."""
-
-    def __init__(self, timed: Sequence[Sequence[tuple[int, int, Action]]], table: StageCosts) -> None:
-        self.table = table
-        self.rank_of = table.placement.stage_to_rank
-        self.last = table.placement.num_stages - 1
-        self.mem_of = _memory_table(table)
-        self.horizon = max((s + n for row in timed for s, n, _ in row), default=0) + 1
-        p = len(timed)
-        size = self.horizon * 2
-        self.busy = [bytearray(size) for _ in range(p)]
-        self.mem = []
-        self.where: dict[tuple[int, Kind, int], tuple[int, int]] = {}
-        self.action: dict[tuple[int, Kind, int], Action] = {}
-        for r, row in enumerate(timed):
-            deltas = [0.0] * (size + 1)
-            for s, n, a in row:
-                key = (a.stage, a.kind, a.microbatch)
-                self.where[key] = (s, n)
-                self.action[key] = a
-                self.busy[r][s : s + n] = b"\x01" * n
-                alloc, release = self.mem_of[(a.stage, a.kind)]
-                deltas[s] += alloc
-                deltas[s + n] += release
-            # a running sum in slot order, as a Python loop would add them (cumsum is sequential)
-            self.mem.append(np.cumsum(np.array(deltas, dtype=np.float64)))
-
-    def _shift_memory(self, r: int, key: tuple[int, Kind, int], old: int | None, new: int | None) -> None:
-        """Move a pass's allocation and release from slot `old` to slot `new` (None: absent)."""
-        n = self.where.get(key, (0, 1))[1]
-        prof = self.mem[r]
-        alloc, release = self.mem_of[(key[0], key[1])]
-        # adding a zero changes no slot: skip it (a pass either allocates or releases, mostly)
-        if old is not None and new is not None:  # only the slots between the two places change
-            sign = 1.0 if new < old else -1.0
-            lo, hi = min(old, new), max(old, new)
-            if alloc:
-                prof[lo:hi] += sign * alloc
-            if release:
-                prof[lo + n : hi + n] += sign * release
-            return
-        start, sign = (old, -1.0) if old is not None else (new, 1.0)
-        if start is None:
-            return
-        if alloc:
-            prof[start:] += sign * alloc
-        if release:
-            prof[start + n :] += sign * release
-
-    def _earliest(self, key: tuple[int, Kind, int]) -> int:
-        stage, kind, mb = key
-        where = self.where
-        if kind is Kind.F:
-            if stage == 0:
-                return 0
-            s, n = where[(stage - 1, Kind.F, mb)]
-            return s + n
-        if kind is Kind.W:
-            s, n = where.get((stage, Kind.B, mb)) or where[(stage, Kind.BW, mb)]
-            return s + n
-        s, n = where[(stage, Kind.F, mb)]
-        t = s + n
-        if stage < self.last:
-            s, n = where.get((stage + 1, Kind.B, mb)) or where[(stage + 1, Kind.BW, mb)]
-            t = max(t, s + n)
-        return t
-
-    def _visit_order(self) -> list[tuple[int, Kind, int]]:
-        """The passes by (start, length, stage, kind, microbatch), as sorting the
-        ((start, length), key) pairs would give: bucketed by start slot, then each slot's
-        passes sorted by (length, stage), which is unique there (a stage lives on one rank
-        and a rank starts one pass per slot)."""
-        stages = self.last + 1
-        buckets: list[list | None] = [None] * (2 * self.horizon + 1)
-        for key, (s, n) in self.where.items():
-            bucket = buckets[s]
-            if bucket is None:
-                buckets[s] = [(n * stages + key[0], key)]
-            else:
-                bucket.append((n * stages + key[0], key))
-        out = []
-        for bucket in buckets:
-            if bucket is not None:
-                if len(bucket) > 1:
-                    bucket.sort()
-                out.extend(key for _, key in bucket)
-        return out
-
-    def compact(self, caps: Sequence[float]) -> None:
-        where = self.where
-        for key in self._visit_order():
-            cur, n = where[key]
-            r = self.rank_of[key[0]]
-            row, prof = self.busy[r], self.mem[r]
-            lowest = self._earliest(key)
-            s = _first_free(row, lowest, cur, n)
-            if s < 0:
-                continue
-            alloc = self.mem_of[(key[0], key[1])][0]
-            if alloc:  # an earlier F holds its activation longer: stop where the cap would break
-                # the cap binds only if it breaks between the first free slot and cur
-                bad = np.flatnonzero(prof[s:cur] + alloc > caps[r] + _EPS)
-                if bad.size:
-                    s = _first_free(row, s + int(bad[-1]) + 1, cur, n)
-                    if s < 0:
-                        continue
-            row[cur : cur + n] = b"\x00" * n
-            row[s : s + n] = b"\x01" * n
-            self._shift_memory(r, key, cur, s)
-            self.where[key] = (s, n)
-
-    def lift_tail_weights(self) -> list[tuple[int, Kind, int]]:
-        last_f: dict[int, int] = {}
-        for (stage, kind, _), (s, _) in self.where.items():
-            if kind is Kind.F:
-                r = self.rank_of[stage]
-                last_f[r] = max(last_f.get(r, -1), s)
-        lifted = [
-            key for key, (s, _) in self.where.items() if key[1] is Kind.W and s > last_f.get(self.rank_of[key[0]], -1)
-        ]
-        for key in lifted:
-            s, n = self.where[key]
-            r = self.rank_of[key[0]]
-            self._shift_memory(r, key, s, None)
-            self.busy[r][s : s + n] = b"\x00" * n
-        for key in lifted:
-            del self.where[key]
-        return lifted
-
-    def place_first_free(self, keys: list[tuple[int, Kind, int]]) -> None:
-        """Put each pass, in the order of its inputs' end, into its rank's first free slot."""
-        for key in sorted(keys, key=lambda x: (self._earliest(x), x[0])):
-            r = self.rank_of[key[0]]
-            row = self.busy[r]
-            s = row.find(0, self._earliest(key))
-            row[s] = 1
-            self.where[key] = (s, 1)
-            self._shift_memory(r, key, None, s)
-
-    def orders(self) -> Orders:
-        # a rank runs one pass per slot: lay the passes out by start slot
-        rows: list[list[Action | None]] = [[None] * len(row) for row in self.busy]
-        for key, (s, _) in self.where.items():
-            rows[self.rank_of[key[0]]][s] = self.action[key]
-        return tuple(tuple(a for a in row if a is not None) for row in rows)
-
-
-def _first_free(row: bytearray, lo: int, cur: int, n: int) -> int:
-    """The smallest s in [lo, cur) with row[s : min(s + n, cur)] free (a pass of n slots at
-    `cur` may overlap its own old place), or -1."""
-    if lo >= cur:
-        return -1
-    if n == 1:
-        return row.find(0, lo, cur)
-    found = row.find(b"\x00" * n, lo, cur)
-    if found >= 0:
-        return found
-    for s in range(max(lo, cur - n + 1), cur):
-        if not any(row[s:cur]):
-            return s
-    return -1
+def orders_of(grid: SlotGrid, actions: Sequence[Action] | None = None, slots: np.ndarray | None = None) -> Orders:
+    """Per rank, the actions (by pass id) in the order of their slots (`slots`, default
+    the grid's now). Without `actions` they are made here, rank by rank in that order, so
+    that each rank's actions lie together in memory: validation, lowering and simulation
+    read them rank by rank, and at 786,432 actions that halves their time."""
+    if actions is not None:
+        return tuple(tuple(map(actions.__getitem__, ids.tolist())) for ids in grid.rank_orders(slots))
+    return tuple(
+        tuple(map(Action, grid.stage[ids].tolist(), map(KINDS.__getitem__, grid.kind[ids].tolist()),
+                  grid.microbatch[ids].tolist()))
+        for ids in grid.rank_orders(slots)
+    )

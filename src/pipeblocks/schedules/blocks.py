@@ -36,13 +36,18 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from ..core.actions import Action, Kind
+from ..core.costs import StageCosts
 from ..core.deps import requirements
 from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.schedule import Schedule
 from ._progress import Progress
-from ._reorder import compact_both, cost_table, peaks_of, replay
+from ._grid import KINDS, SlotGrid
+from ._grid_timing import layout_peaks, layout_replay
+from ._reorder import cost_table, float_weights_of, orders_of
 
 __all__ = ["BlockPass", "Block", "tile", "build", "build_orders", "fit_block"]
 
@@ -211,8 +216,10 @@ class Block:
 
     def _check_tiling(self) -> None:
         T = self.interval
-        for rank in range(self.p):
-            mine = [bp for bp in self.passes if self.rank_of(bp) == rank]
+        by_rank: list[list[BlockPass]] = [[] for _ in range(self.p)]
+        for bp in self.passes:  # one sweep, not one per rank: a V block at p = 128 has 768 passes
+            by_rank[self.rank_of(bp)].append(bp)
+        for rank, mine in enumerate(by_rank):
             work = sum(bp.length for bp in mine)
             if work > T:
                 raise ScheduleError(
@@ -262,18 +269,11 @@ def build_orders(
     """
     if not isinstance(m, int) or m < 1:
         raise ScheduleError(f"m must be an integer >= 1, got {m!r}")
-    placement = block.placement
-    table = cost_table(placement, costs)
-    # (slot, length, action) per rank for m copies, in block order; each action made once
-    timed: list[list[tuple[int, int, Action]]] = [[] for _ in range(block.p)]
-    owners = [block.rank_of(bp) for bp in block.passes]
-    for j in range(m):
-        shift = j * block.interval
-        for bp, rank in zip(block.passes, owners):
-            timed[rank].append((bp.start + shift, bp.length, bp.action(j)))
-    # as `tile` orders them: by slot, stable
-    tiled = tuple(tuple(a for _, _, a in sorted(row, key=_slot)) for row in timed)
-    tiled_peaks = peaks_of(tiled, table)
+    table = cost_table(block.placement, costs)
+    grid = _tiled_grid(block, m, table)
+    # the candidates are layouts of one grid (a start slot per pass), timed without orders
+    tiled = grid.slots()
+    tiled_peaks = layout_peaks(grid, tiled)
     if memory_cap is None:
         bound = block.lifespan_bound(table.mem_b)
         top = max(tiled_peaks)
@@ -285,13 +285,16 @@ def build_orders(
     best = None
     progress = Progress(f"block build p={block.p} m={m}")
     # compaction never raises a rank above its cap, but it cannot bring a tiled peak under it
-    plain, floated = compact_both(timed, table, caps)
-    for label, orders in (("tiled", tiled), ("compacted", plain), ("compacted with the cool-down Ws floated", floated)):
+    grid.compact(caps)
+    plain = grid.slots()
+    float_weights_of(grid, caps)
+    floated = grid.slots()
+    for label, slots in (("tiled", tiled), ("compacted", plain), ("compacted with the cool-down Ws floated", floated)):
         progress.step(f"{label} order built")
-        peaks = peaks_of(orders, table)
+        peaks = layout_peaks(grid, slots)
         if any(x > c + 1e-9 for x, c in zip(peaks, caps)):
             continue
-        candidate = (replay(orders, table, m), orders, peaks)
+        candidate = (layout_replay(grid, slots), slots, peaks)
         if best is None or candidate[0] < best[0]:
             best = candidate
     if best is None:
@@ -299,11 +302,29 @@ def build_orders(
             f"no order of this block fits the memory cap {max(caps):g} (the tiled schedule needs "
             f"{max(tiled_peaks):g}): raise the cap or choose a block with shorter lifespans"
         )
-    return best[1], best[0], best[2]
+    return orders_of(grid, slots=best[1]), best[0], best[2]
 
 
-def _slot(item: tuple) -> int:
-    return item[0]
+def _tiled_grid(block: Block, m: int, table: StageCosts) -> SlotGrid:
+    """The block repeated m times on the slot grid, the passes given rank by rank, then by
+    microbatch, then in block order (`compact`'s order: the lifted Ws are taken off in it)."""
+    mine: list[list[BlockPass]] = [[] for _ in range(block.p)]
+    for bp in block.passes:
+        mine[block.rank_of(bp)].append(bp)
+    code = {kind: c for c, kind in enumerate(KINDS)}
+    j = np.arange(m, dtype=np.int64)
+    columns: list[list[np.ndarray]] = [[], [], [], [], []]
+    for passes in mine:
+        if not passes:
+            continue
+        starts = np.array([bp.start for bp in passes], dtype=np.int64)
+        columns[0].append((j[:, None] * block.interval + starts[None, :]).ravel())
+        columns[1].append(np.tile([bp.length for bp in passes], m))
+        columns[2].append(np.tile([bp.stage for bp in passes], m))
+        columns[3].append(np.tile([code[bp.kind] for bp in passes], m))
+        columns[4].append(np.repeat(j, len(passes)))
+    slots, lengths, stages, kinds, mbs = (np.concatenate(c) for c in columns)
+    return SlotGrid(slots, lengths, stages, kinds, mbs, table)
 
 
 def build(
