@@ -47,6 +47,7 @@ from .collector import collector_paused
 from .errors import DeadlockError
 from .lower import check_deadlock
 from .lowering import lower_for
+from .recompute import recompute_pairs
 from .ops import ACTION, DP, P2P, RECOMPUTE, STEP, unsupported
 from .program import Comm, DPOp, OptimizerStep, Program, Recompute
 from .schedule import Schedule
@@ -77,13 +78,11 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, recompute=(), re
             return lower_for(schedule, policies=data_parallel.sharding, dp=data_parallel.dp, recompute=recompute,
                              recompute_at=recompute_at, units=costs.dp_units(schedule.num_stages))
 
-        program = lowered()
-        if not any(type(op) is Recompute for ops in program.ranks for op in ops):
+        if not recompute_pairs(schedule, recompute):
             # the compiled lists hold all the loop needs: the ops (a transfer object per send and
             # per receive) are freed before the events are made; a deadlock lowers again to name it
-            del program
             return _run(_compile_program(lowered(), costs), lowered)
-        return simulate_program(program, costs)
+        return simulate_program(lowered(), costs)
 
 
 def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
