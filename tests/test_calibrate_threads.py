@@ -61,3 +61,21 @@ def test_no_warning_when_the_threads_agree_or_the_profile_does_not_say(tmp_path)
     assert threads_mismatch(_profile(tmp_path, 1), threads=1, local_ranks=2, cores=2) is None
     assert threads_mismatch(_profile(tmp_path, None), threads=1, local_ranks=2, cores=2) is None
     assert threads_mismatch("a100", threads=1, local_ranks=2, cores=2) is None  # a preset
+
+
+def test_the_runtimes_time_between_passes_is_added_to_every_pass_a_rank_runs(tmp_path):
+    """A profile's `links.between_passes_s` (what `calibrate` measures on its two link
+    processes) goes onto F, B and W under a split backward (a stage without B keeps 0), and
+    once onto the fused backward otherwise."""
+    import json
+
+    from pipeblocks.train.predict import profile_between_passes, with_runtime_time
+
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"links": {"between_passes_s": 0.002}}))
+    assert profile_between_passes(str(profile)) == 0.002
+    assert profile_between_passes("a100") is None
+    f, b, w = (1.0, 1.0), (0.0, 2.0), (3.0, 1.0)
+    assert with_runtime_time(f, b, w, 0.002, split=True) == ((1.002, 1.002), (0.0, 2.002), (3.002, 1.002))
+    assert with_runtime_time(f, b, w, 0.002, split=False) == ((1.002, 1.002), (0.002, 2.002), (3.0, 1.0))
+    assert with_runtime_time(f, b, w, None, split=True) == (f, b, w)

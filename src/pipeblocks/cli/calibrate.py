@@ -193,6 +193,9 @@ def _measure(args: argparse.Namespace, device, shapes, *, ranks: int | None) -> 
         progress("calibrate: links between 2 local processes ...")
         raw = measure.measure_links(device)
         links = {**link_fields(raw["p2p"], raw["all_reduce"], raw["ranks"]), "backend": raw["backend"]}
+        if raw.get("between_passes") is not None:  # the runtime's own time around every pass
+            links["between_passes_s"] = raw["between_passes"]
+            progress(f"calibrate: the runtime takes {raw['between_passes'] * 1e3:.2f} ms between two passes")
     about = {
         "device": _device_about(device),
         "model_family": args.model_family, "precision": args.precision, "vocab": args.vocab,

@@ -353,7 +353,36 @@ def _link_worker(ctx, sizes: Sequence[int], rounds: int) -> dict:
                 torch.cuda.synchronize(device)
             samples.append(time.perf_counter() - start)
         reduce.append((buffer.numel() * 4, statistics.median(samples)))
-    return {"p2p": p2p, "all_reduce": reduce}
+    return {"p2p": p2p, "all_reduce": reduce, "between_passes": _between_passes(ctx)}
+
+
+def _between_passes(ctx, steps: int = 6, warmup: int = 2) -> float | None:
+    """The runtime's own time between two passes of a rank (`sim.overhead.local_gaps`, as the
+    train report measures it), on a tiny model over the first two ranks with 1F1B: what a
+    run adds to every pass beyond its compute. None on the other ranks."""
+    import torch.distributed as dist
+
+    from .. import schedules
+    from ..models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
+    from ..sim.overhead import local_gaps
+    from .runner import PipelineRunner
+
+    if ctx.world_size != 2:
+        return None
+    schedule = schedules.get("1f1b")(p=2, m=8)
+    config = ToyConfig(vocab=16, hidden=16, seq=8)
+    stages = toy_stages(2, config, dtype=torch.float32)
+    mine = {ctx.rank: stages[ctx.rank].to(ctx.device)}
+    runner = PipelineRunner(schedule, mine, cross_entropy, rank=ctx.rank, device=ctx.device, record_timeline=True,
+                            measure_memory=False, timeout_s=60.0)
+    gaps = []
+    for step in range(steps):
+        x, y = toy_batch(8 * 2, config, seed=step)
+        dist.barrier()
+        result = runner.step(x.to(ctx.device), y.to(ctx.device))
+        if result.timeline is not None and step >= warmup:
+            gaps.extend(local_gaps(result.timeline))
+    return statistics.fmean(gaps) if gaps else None
 
 
 def measure_links(device: torch.device | str = "cpu", *, ranks: int = 2, sizes: Sequence[int] = LINK_SIZES,

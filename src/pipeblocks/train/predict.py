@@ -17,6 +17,12 @@ rank with other threads runs its passes at another speed (a profile timed with 2
 predicted p = 2 runs on 2 cores, 1 thread a rank, 29-37% short: docs/calibration).
 `threads_mismatch` is the dry run's one-line warning for that, naming both numbers and the
 `calibrate` option that fixes it.
+
+A run also spends time of its own around every pass (the executor's work between two
+passes of a rank: the train report's `between passes`). `calibrate` measures it on its two
+link processes (`links.between_passes_s`), and the dry run adds it to every pass, as the
+report's simulated side adds the measured one (`with_runtime_time`): on small models it is
+a large share of the step (a fraction of a millisecond against passes of one or two).
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ import json
 from pathlib import Path
 from typing import Callable, Sequence
 
-__all__ = ["predicted_times", "profile_threads", "threads_mismatch"]
+__all__ = ["predicted_times", "profile_between_passes", "profile_threads", "threads_mismatch", "with_runtime_time"]
 
 
 def predicted_times(stages: Sequence, inputs, loss_fn: Callable, target, hardware) -> tuple[
@@ -55,6 +61,31 @@ def predicted_times(stages: Sequence, inputs, loss_fn: Callable, target, hardwar
     size = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
     t_comm = hardware.latency + size / hardware.bandwidth if len(stages) > 1 else 0.0
     return tuple(f), tuple(b), tuple(w), t_comm
+
+
+def with_runtime_time(f: tuple[float, ...], b: tuple[float, ...], w: tuple[float, ...], between: float | None, *,
+                      split: bool) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """The pass times with the runtime's time between passes added to each pass a rank runs:
+    F, and B and W apart under a split backward (a stage's B only where it has one), else
+    once to the fused backward (the simulator's BW takes t_b + t_w)."""
+    if not between:
+        return f, b, w
+    f = tuple(t + between for t in f)
+    if split:
+        return f, tuple(t + between if t else t for t in b), tuple(t + between for t in w)
+    return f, tuple(t + between for t in b), w
+
+
+def profile_between_passes(text: str) -> float | None:
+    """The runtime's time between two passes a profile file measured (None: a preset, or not measured)."""
+    path = Path(text)
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text()).get("links", {}).get("between_passes_s")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
 
 
 def profile_threads(text: str) -> int | None:

@@ -203,9 +203,10 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = No
         f, b, w = (tuple(t * 1e-3 for t in times) for times in (ms.t_f, ms.t_b, ms.t_w))
     elif hardware is not None:
         from ..sim.hardware_profile import resolve_hardware
-        from .predict import predicted_times
+        from .predict import predicted_times, profile_between_passes, with_runtime_time
 
         f, b, w, t_comm = predicted_times(stages, x, loss_fn, y, resolve_hardware(hardware))
+        f, b, w = with_runtime_time(f, b, w, profile_between_passes(hardware), split=s.schedule.has_split_backward)
     else:
         with torch_threads(cfg.threads_for(_local_ranks(cfg))):  # as a rank of the run (p x dp x tp)
             times = profile_stage_times(stages, x, loss_fn, y)
