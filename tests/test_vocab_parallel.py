@@ -124,15 +124,30 @@ def test_large_logits_stay_finite():
     assert torch.allclose(got[2], want[2], rtol=1e-10, atol=1e-12)
 
 
-def test_bfloat16_inputs_compute_in_float32():
-    part = vp.partition_vocab(8, 2)
-    x = torch.randn(4, 3).to(torch.bfloat16)
-    w = torch.randn(4, 3).to(torch.bfloat16)
-    shard, partials = vp.output_forward(x, w, torch.tensor([0, 1, 5, 7]), part, 0)
-    assert shard.softmax.dtype == torch.float32 and partials.softmax_input_grad.dtype == torch.float32
-    stats = vp.OutputStats(partials.local_max, partials.local_sum, partials.target_logit,
-                           partials.softmax_input_grad, torch.ones(4, dtype=torch.bool))
-    assert vp.output_weight_grad(shard, stats, 0.25, dtype=w.dtype).dtype == torch.bfloat16
+def test_bfloat16_within_its_rounding():
+    """bf16-mixed: products in bfloat16, softmax in float32, as the unsplit head and loss run them."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 16, generator=g).to(torch.bfloat16)
+    head = torch.randn(37, 16, generator=g).to(torch.bfloat16)
+    labels = torch.randint(0, 37, (12,), generator=g)
+    xr, wr = x.clone().requires_grad_(), head.clone().requires_grad_()
+    want = F.cross_entropy((xr @ wr.T).float(), labels)
+    want.backward()
+    part, group = vp.partition_vocab(37, 2), ThreadAllReduce(2)
+
+    def rank(r):
+        shard, partials = vp.output_forward(x, vp.shard_rows(head, part, r), labels, part, r)
+        assert shard.softmax.dtype == torch.float32
+        stats = vp.reduce_output(partials, labels, group.for_rank(r))
+        tg = vp.mean_token_grad(labels)
+        return ((stats.token_loss() * tg).sum(), vp.output_weight_grad(shard, stats, tg, dtype=torch.bfloat16),
+                vp.output_input_grad(stats, tg, dtype=torch.bfloat16))
+
+    out = _run_ranks(2, rank)
+    assert out[0][1].dtype == torch.bfloat16 and out[0][2].dtype == torch.bfloat16
+    assert torch.allclose(out[0][0], want.detach(), rtol=1e-3)
+    assert torch.allclose(vp.gather_rows([o[1] for o in out], part).float(), wr.grad.float(), rtol=0.02, atol=2e-3)
+    assert torch.allclose(out[0][2].float(), xr.grad.float(), rtol=0.02, atol=2e-3)
 
 
 def test_partition_pads_and_says_so():

@@ -38,8 +38,10 @@ Collectives are passed in, as an `AllReduce` callable ``(tensor, op) -> None`` t
 place over the p ranks (op "sum" or "max"): `process_group_all_reduce(group)` wraps
 torch.distributed; tests simulate p shards in one process with threads.
 
-Numerics run in float32 or wider (bfloat16 inputs are upcast, as the paper's code keeps the
-softmax in float32); gradients come back in the dtype of the tensor they belong to.
+Precision: the matrix products run in the inputs' dtype (bfloat16 under bf16-mixed, as the
+unsplit head does) and everything after them in float32 or wider: the logits are upcast before
+the softmax, as the loss upcasts them on one rank; float64 stays float64 throughout. Gradients
+come back in the dtype asked for (the parameter's or the activation's).
 """
 from __future__ import annotations
 
@@ -147,12 +149,9 @@ def gather_rows(shards: Sequence[Tensor], part: VocabPartition) -> Tensor:
     return torch.cat([s[: part.real_rows(r)] for r, s in enumerate(shards)], dim=0)
 
 
-def _compute_dtype(*tensors: Tensor) -> torch.dtype:
-    dtype = torch.float32
-    for t in tensors:
-        if t.is_floating_point() and torch.finfo(t.dtype).bits > torch.finfo(dtype).bits:
-            dtype = t.dtype
-    return dtype
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """float32, or the dtype itself when wider: what the softmax and its statistics run in"""
+    return dtype if torch.finfo(dtype).bits > 32 else torch.float32
 
 
 @dataclass(frozen=True)
@@ -160,7 +159,7 @@ class OutputShard:
     """What pass S keeps on a rank until its pass T (the S -> T state): n·h + n·shard_size values."""
 
     x: Tensor
-    """[n, h] the last stage's output, in the compute dtype"""
+    """[n, h] the last stage's output, in the matrix products' dtype"""
     softmax: Tensor
     """[n, shard_size] the local softmax P̃_r = exp(Z_r − m_r)/e_r (0 on padding columns)"""
     local_max: Tensor
@@ -215,9 +214,10 @@ def output_forward(x: Tensor, weight_shard: Tensor, labels: Tensor, part: VocabP
     if weight_shard.shape != (part.shard_size, x.shape[1]):
         raise ValueError(f"rank {rank}'s head shard is {tuple(weight_shard.shape)}, expected "
                          f"({part.shard_size}, {x.shape[1]}) for V = {part.vocab_size} over p = {part.ranks}")
-    dtype = _compute_dtype(x, weight_shard)
-    xc, w = x.detach().to(dtype), weight_shard.detach().to(dtype)
-    logits = xc @ w.T
+    gemm = torch.promote_types(x.dtype, weight_shard.dtype)
+    wide = _wide(gemm)
+    xc, w = x.detach().to(gemm), weight_shard.detach().to(gemm)
+    logits = (xc @ w.T).to(wide)
     real = part.real_rows(rank)
     if real < part.shard_size:
         logits[:, real:] = -math.inf
@@ -231,10 +231,11 @@ def output_forward(x: Tensor, weight_shard: Tensor, labels: Tensor, part: VocabP
     column = torch.where(mine, column, torch.full_like(column, -1))
     safe = column.clamp(min=0)
     target_logit = torch.where(mine, logits.gather(1, safe[:, None])[:, 0], torch.zeros_like(local_max))
-    target_rows = w[safe] * mine[:, None].to(dtype)
+    target_rows = w[safe].to(wide) * mine[:, None].to(wide)
     shard = OutputShard(x=xc, softmax=softmax, local_max=local_max, local_sum=local_sum, target_column=column)
     partials = OutputPartials(local_max=local_max, local_sum=local_sum, target_logit=target_logit,
-                              softmax_input_grad=softmax @ w, target_rows=target_rows)
+                              softmax_input_grad=(softmax.to(gemm) @ w).to(wide),
+                              target_rows=target_rows)
     return shard, partials
 
 
@@ -265,13 +266,13 @@ def output_weight_grad(shard: OutputShard, stats: OutputStats, grad_tokens: Tens
 
     grad_tokens is g = dL/dℓ per token ([n], or one number for all): `mean_token_grad` for a mean loss.
     """
-    g = _token_grad(grad_tokens, shard.x.shape[0], shard.x)
+    g = _token_grad(grad_tokens, shard.x.shape[0], shard.softmax)
     alpha = shard.local_sum * torch.exp(shard.local_max - stats.global_max) / stats.sum_exp
     d = shard.softmax * (alpha * g)[:, None]
     hit = shard.target_column >= 0
     rows = torch.nonzero(hit)[:, 0]
     d[rows, shard.target_column[rows]] -= g[rows]
-    grad = d.T @ shard.x
+    grad = d.to(shard.x.dtype).T @ shard.x
     return grad if dtype is None else grad.to(dtype)
 
 
