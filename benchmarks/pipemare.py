@@ -12,7 +12,8 @@ microbatches and starts from the same weights. Training runs through the one-pro
 replay (`pipeblocks.train.asynchronous.reference.replay`), which is the specification of each
 mode that the multi-process runtime is verified against: its losses are the ones the
 runtime would produce. Optimizer (`--optimizer`): Adam (the default) or SGD with momentum 0.9,
-constant base learning rate, at a normal and an aggressive rate (`--lrs`; the defaults per
+constant base learning rate (`--lr-schedule default`: `pipeblocks train`'s warm-up and
+cosine instead), at a normal and an aggressive rate (`--lrs`; the defaults per
 optimizer, 0.003 / 0.03 for Adam and 0.03 / 0.3 for SGD, were each picked once from a short
 probe of sync and naive: the aggressive rate is one at which naive asynchrony is clearly
 worse than sync or diverges).
@@ -20,7 +21,8 @@ worse than sync or diverges).
 Variants: sync (1F1B with a flush every step: delay 0), naive, pipedream (weight
 stashing), pipemare (T1 and T2), pipemare-T1 (D = 1), pipemare-T2 (K = 0), pipemare+W and
 naive+W (W synchronous warm-up steps first), nesterov (forward look-ahead along the
-velocity EMA) and nesterov+W. K (T1's annealing) = steps/3, W = steps/10, D = 0.1.
+velocity EMA) and nesterov+W. K (T1's annealing) is the library's default share of the
+steps (`--k-share` another), W = steps/10, D = the library's default.
 
 Columns:
     final      evaluation loss of the final weights: mean next-token cross-entropy over a
@@ -29,7 +31,8 @@ Columns:
     ratio      final / final of sync at the same configuration and rate
     to target  first step at which the loss, averaged over the last `window` steps, is at
                or below the target: 1.05 x sync's final training loss (same average)
-    diverged   a non-finite loss, or the final training loss above the first step's
+    diverged   a non-finite loss (training, or the final evaluation), or the final
+               training loss above the first step's
     tokens/s   SIMULATED, not measured: the simulator's per-step time with emulated costs
                (5, 5, 3 ms per layer for F, B, W; one layer per stage), the asynchronous
                steady state for asynchronous steps (no flush bubble), 1F1B's step with its
@@ -55,8 +58,9 @@ from pipeblocks.data.text import TokenWindows
 from pipeblocks.models import GPTConfig, build_stages, cross_entropy
 from pipeblocks.schedules import get
 from pipeblocks.schedules.asynchronous import async_1f1b
-from pipeblocks.core.async_mode import AsyncMode
+from pipeblocks.core.async_mode import DEFAULT_LR_WARMUP_FRACTION, AsyncMode
 from pipeblocks.train.asynchronous.reference import replay
+from pipeblocks.train.lr_schedule import resolve_schedule
 
 from _output import write_json
 
@@ -91,10 +95,12 @@ class Variant:
     t2: bool = False
     warmup: bool = False
 
-    def async_mode(self, steps: int) -> AsyncMode:
+    def async_mode(self, steps: int, k_share: float | None = None) -> AsyncMode:
+        """k_share: T1's K as this share of the steps (None: the library's default, `default_k`)."""
         w = max(1, steps // 10) if self.warmup else 0
         if self.mode == "pipemare":
-            return AsyncMode("pipemare", sync_warmup_steps=w, lr_warmup_steps=max(1, steps // 3) if self.t1 else 0,
+            k = None if k_share is None else max(1, int(steps * k_share))
+            return AsyncMode("pipemare", sync_warmup_steps=w, lr_warmup_steps=k if self.t1 else 0,
                              discrepancy_decay=None if self.t2 else 1.0)
         return AsyncMode(self.mode or "naive", sync_warmup_steps=w)
 
@@ -179,11 +185,19 @@ def evaluation_loss(stages, batches) -> float:
     return total / len(batches)
 
 
+def lr_factor(schedule: str, lr: float, steps: int):
+    """The run's rate over its peak per step: None for a constant rate; 'default' is what
+    `pipeblocks train` gives a fresh run (cosine to lr/10 after a warm-up of a tenth)."""
+    if schedule == "constant":
+        return None
+    return resolve_schedule(None, lr=lr, warmup_steps=None, min_lr=None, steps=steps).factor
+
+
 def train(variant: Variant, p: int, n: int, lr: float, size: Size, data: TokenWindows, evaluation,
-          seed: int, optimizer: str = "adam") -> dict:
+          seed: int, optimizer: str = "adam", schedule: str = "constant", k_share: float | None = None) -> dict:
     cfg = GPTConfig(layers=p, hidden=size.hidden, heads=size.heads, seq=size.seq)
     stages = build_stages(cfg, seed=seed, num_stages=p, stages=range(p))
-    mode = variant.async_mode(size.steps)
+    mode = variant.async_mode(size.steps, k_share)
     async_steps = size.steps - mode.sync_warmup_steps
     if variant.mode is None:
         versions = WeightVersions.synchronous(p, n, size.steps)
@@ -191,13 +205,13 @@ def train(variant: Variant, p: int, n: int, lr: float, size: Size, data: TokenWi
         versions = weight_versions(async_1f1b(p=p, n=n, steps=async_steps))
     stream = [data.batch(i, size.microbatch, seed=2 * seed) for i in range(n * size.steps)]
     result = replay(stages, versions, stream, loss_fn=cross_entropy,
-                    optimizer=make_optimizer(optimizer, lr), mode=mode)
+                    optimizer=make_optimizer(optimizer, lr), mode=mode, lr_factor=lr_factor(schedule, lr, size.steps))
     losses = list(result.losses)
     return {"losses": losses, "final": evaluation_loss(stages, evaluation), "warmup": mode.sync_warmup_steps}
 
 
 def run_study(configs, lrs, size: Size, log=None, variants=VARIANTS, seed: int = 0,
-              optimizer: str = "adam") -> list[dict]:
+              optimizer: str = "adam", schedule: str = "constant", k_share: float | None = None) -> list[dict]:
     torch.manual_seed(seed)
     data = TokenWindows.load(None, seq=size.seq)
     evaluation = [data.batch(i, size.microbatch, seed=2 * seed + 1) for i in range(size.eval_batches)]
@@ -209,16 +223,19 @@ def run_study(configs, lrs, size: Size, log=None, variants=VARIANTS, seed: int =
             group = []
             for variant in variants:
                 start = time.process_time()
-                run = train(variant, p, n, lr, size, data, evaluation, seed, optimizer)
+                run = train(variant, p, n, lr, size, data, evaluation, seed, optimizer, schedule, k_share)
                 if log:
                     log(f"p={p} N={n} lr={lr:g} {variant.label:<12} final {run['final']:.4f} "
                         f"({time.process_time() - start:.1f} s CPU)")
                 losses = run["losses"]
                 avg = smoothed(losses, window)
                 group.append({
-                    "p": p, "n": n, "optimizer": optimizer, "lr": lr, "seed": seed, "variant": variant.label, "final": run["final"],
+                    "p": p, "n": n, "optimizer": optimizer, "schedule": schedule, "lr": lr, "seed": seed,
+                    "variant": variant.label, "final": run["final"],
                     "train_final": avg[-1], "first": losses[0], "losses": losses,
-                    "diverged": not all(math.isfinite(v) for v in losses) or not avg[-1] <= losses[0],
+                    # a run can blow up in its last steps, past what the average of the training loss shows
+                    "diverged": not all(math.isfinite(v) for v in losses) or not avg[-1] <= losses[0]
+                    or not math.isfinite(run["final"]),
                     "tokens_per_s_simulated": tokens_per_second(
                         variant, size.steps, run["warmup"], times, n * size.microbatch * size.seq),
                     "_smoothed": avg,
@@ -283,7 +300,8 @@ def plot(rows: list[dict], path: str) -> str:
         finite = [r["first"] for r in mine if math.isfinite(r["first"])]
         if finite and math.isfinite(lowest):
             ax.set_ylim(bottom=lowest * 0.98, top=max(finite) * 1.02)
-        ax.set_title(f"p={p}, N={n}, {OPTIMIZERS[mine[0]['optimizer']]} lr={lr:g}")
+        scheduled = "" if mine[0].get("schedule", "constant") == "constant" else " (warm-up, cosine)"
+        ax.set_title(f"p={p}, N={n}, {OPTIMIZERS[mine[0]['optimizer']]} lr={lr:g}{scheduled}")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("training loss (moving average)")
     axes[0][0].legend(fontsize=7)
@@ -304,11 +322,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="adam, or sgd (momentum 0.9) (default adam)")
     parser.add_argument("--lrs", type=float, nargs="+", default=None,
                         help="base learning rates (default 0.003 0.03 for adam, 0.03 0.3 for sgd)")
+    parser.add_argument("--lr-schedule", choices=("constant", "default"), default="constant",
+                        help="constant, or the schedule `pipeblocks train` gives a fresh run: a warm-up of a "
+                        "tenth, then cosine to lr/10 (default constant)")
+    parser.add_argument("--k-share", type=float, default=None, metavar="F",
+                        help="T1's K as this share of --steps (default: the library's, "
+                        f"{DEFAULT_LR_WARMUP_FRACTION:g}; the first studies used steps/3: 0.3334)")
     parser.add_argument("--variants", nargs="+", choices=[v.label for v in VARIANTS[1:]], default=None,
                         help="run only these (sync, the reference, always runs; default: all)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="model weights and data draws, one study per seed (default 0)")
     parser.add_argument("--plot", default=None, help=f"loss curves PNG (default {DEFAULT_PLOT}; 'none' for none)")
+    parser.add_argument("--plot-seed", type=int, default=None, metavar="S",
+                        help="the seed whose curves are drawn (one of --seeds; default the first)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON ('-' for stdout)")
     args = parser.parse_args(argv)
     size = QUICK if args.quick else DEFAULT
@@ -318,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         size = Size(**{**size.__dict__, "steps": args.steps})
     if any(seed < 0 for seed in args.seeds):
         parser.error(f"--seeds must be >= 0, got {args.seeds}")
+    if args.plot_seed is not None and args.plot_seed not in args.seeds:
+        parser.error(f"--plot-seed {args.plot_seed} is not one of --seeds {args.seeds}: add it to --seeds")
     if args.lrs is None:
         args.lrs = list(DEFAULT_LRS[args.optimizer])
     if any(not (lr > 0 and math.isfinite(lr)) for lr in args.lrs):
@@ -327,15 +355,18 @@ def main(argv: list[str] | None = None) -> int:
     variants = VARIANTS if args.variants is None else (VARIANTS[0], *(v for v in VARIANTS if v.label in args.variants))
     rows = [row for seed in args.seeds
             for row in run_study(configs, args.lrs, size, log=lambda text: print(text, file=sys.stderr, flush=True),
-                                 variants=variants, seed=seed, optimizer=args.optimizer)]
+                                 variants=variants, seed=seed, optimizer=args.optimizer,
+                                 schedule=args.lr_schedule, k_share=args.k_share)]
     print(f"model: GPT, one block per stage, hidden {size.hidden}, seq {size.seq}, microbatch {size.microbatch}, "
-          f"{size.steps} steps, {OPTIMIZERS[args.optimizer]}; tokens/s simulated with {EMULATED_MS} ms per layer (F, B, W)")
+          f"{size.steps} steps, {OPTIMIZERS[args.optimizer]}, {args.lr_schedule} rate schedule; tokens/s simulated with "
+          f"{EMULATED_MS} ms per layer (F, B, W)")
     print_table(rows)
     if len(args.seeds) > 1:
         print_summary(rows)
     path = DEFAULT_PLOT if args.plot is None else args.plot
     if path != "none":
-        print(f"loss curves (seed {args.seeds[0]}): {plot([r for r in rows if r['seed'] == args.seeds[0]], path)}")
+        seed = args.seeds[0] if args.plot_seed is None else args.plot_seed
+        print(f"loss curves (seed {seed}): {plot([r for r in rows if r['seed'] == seed], path)}")
     if args.json:
         write_json(rows, args.json)
     return 0

@@ -15,7 +15,7 @@ from ..core.steady import steady_state
 from ..core.versions import weight_versions
 from ..schedules.asynchronous import ASYNC_FORMS
 from ..core.async_mode import (
-    DEFAULT_DISCREPANCY_DECAY, DEFAULT_LR_WARMUP_STEPS, MODES, AsyncMode, weight_memory,
+    DEFAULT_DISCREPANCY_DECAY, DEFAULT_LR_WARMUP_FRACTION, MODES, AsyncMode, weight_memory,
 )
 from .common import Built, print_json
 
@@ -31,8 +31,9 @@ def add_mode_options(group: argparse._ArgumentGroup, *, what: str) -> None:
     )
     group.add_argument(
         "--lr-warmup-steps", type=int, default=None, metavar="K",
-        help=f"pipemare's T1: the learning rate divided by the delay at first, back to the base rate after K "
-        f"optimizer steps (default {DEFAULT_LR_WARMUP_STEPS}; 0: T1 off)",
+        help=f"pipemare's T1: the learning rate divided by the delay at first, back to the run's schedule after K "
+        f"optimizer steps (default {DEFAULT_LR_WARMUP_FRACTION:g} of the steps the schedule spans, at least 1; "
+        "0: T1 off; a resumed run keeps its checkpoint's)",
     )
     group.add_argument(
         "--discrepancy-decay", type=float, default=None, metavar="D",

@@ -138,7 +138,7 @@ from .async_sim import add_mode_options, mode_from_args
 from .common import add_generator_options, request_from_args
 from ..sim.hardware_profile import check_hardware_text
 
-__all__ = ["register", "run", "DEFAULT_SCHEDULE"]
+__all__ = ["register", "run", "prepare_from_args", "DEFAULT_SCHEDULE"]
 
 ASYNC_DEFAULT_SCHEDULE = next(iter(ASYNC_FORMS))
 DEFAULT_OTHER_SEQ = 256
@@ -262,6 +262,15 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..train import run as training
+
+    cfg, corpus = prepare_from_args(args)
+    return training.execute(cfg, corpus, dry=args.dry_run, report=args.report, plot=args.plot, hardware=args.hardware)
+
+
+def prepare_from_args(args: argparse.Namespace):
+    """The run the options describe: (TrainConfig, training windows), every default resolved
+    as `pipeblocks train` resolves it (benchmarks replay exactly what a user gets)."""
+    from ..train import run as training
     from ..train.config import DataSpec
 
     emulate = args.emulate
@@ -274,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     default = ASYNC_DEFAULT_SCHEDULE if async_mode is not None else default_schedule()
     request = request_from_args(args, name=args.name or default, costs=costs)
     data = DataSpec(args.data, tokenizer=args.tokenizer, field=args.data_field, dtype=args.data_dtype)
-    cfg, corpus = training.prepare(
+    return training.prepare(
         request, model=model_from_args(args, precision), precision=precision, device=args.device, emulate=emulate,
         data=data, sizes=given_sizes(args), dry_run=args.dry_run,
         microbatch_size=args.microbatch_size, steps=args.steps, lr=args.lr, seed=args.seed,
@@ -285,7 +294,6 @@ def run(args: argparse.Namespace) -> int:
         lr_decay_steps=args.lr_decay_steps, held_out=args.held_out,
         eval_every=args.eval_every, metrics=args.metrics, save_hf=args.save_hf,
     )
-    return training.execute(cfg, corpus, dry=args.dry_run, report=args.report, plot=args.plot, hardware=args.hardware)
 
 
 # the size options of the built-in models, by flag (argparse dest)

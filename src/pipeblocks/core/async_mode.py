@@ -16,8 +16,10 @@ the backward computes with:
 
 T1 (learning-rate rescheduling): at optimizer step t of a stage whose step applies
 gradients of delay tau >= 1 (the largest among its microbatches), the learning rate is
-lr / tau^(1 - min(t/K, 1)): divided by the delay at first, back to lr after K steps.
-K = 0 turns T1 off.
+lr_t / tau^(1 - min(t/K, 1)), lr_t the run's scheduled rate (warm-up and decay): divided
+by the delay at first, back to the schedule after K steps. K = 0 turns T1 off. K is
+relative to the run: by default DEFAULT_LR_WARMUP_FRACTION of the steps its schedule is
+made for (`for_run`), so every run reaches the end of T1 (docs/pipemare.md, "Defaults").
 
 T2 (discrepancy correction): after every step, delta <- gamma*delta + (1-gamma)*(w_new - w_old)
 with gamma = D^(1/tau_s), tau_s the stage's largest delay in the run; the backward of a
@@ -40,20 +42,22 @@ asynchronously; T1's t counts those steps too.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .program import Program
 from .versions import stashed_versions, weight_versions
 
 __all__ = [
-    "MODES", "AsyncMode", "DEFAULT_LR_WARMUP_STEPS", "DEFAULT_DISCREPANCY_DECAY", "t1_multiplier", "weight_memory",
-    "lookahead",
+    "MODES", "AsyncMode", "DEFAULT_LR_WARMUP_FRACTION", "DEFAULT_DISCREPANCY_DECAY", "default_k", "t1_multiplier",
+    "weight_memory", "lookahead",
 ]
 
 MODES = ("pipedream", "naive", "pipemare", "nesterov")
 
-DEFAULT_LR_WARMUP_STEPS = 100
-"""pipemare's K when none is given: T1 anneals over the first 100 optimizer steps."""
+DEFAULT_LR_WARMUP_FRACTION = 0.25
+"""pipemare's K when none is given, as a share of the run (`default_k`): T1 is a correction
+for the start of training, so a run spends most of its steps at its own schedule (a fixed
+K longer than a short run would divide its rate by the delay to the end)."""
 DEFAULT_DISCREPANCY_DECAY = 0.1
 """pipemare's D when none is given: a short EMA, which tracks the recent velocity."""
 
@@ -67,7 +71,7 @@ class AsyncMode:
     sync_warmup_steps: int = 0
     """W: the first W optimizer steps run synchronously (any mode)"""
     lr_warmup_steps: int | None = None
-    """pipemare's K for T1 (None: DEFAULT_LR_WARMUP_STEPS; 0: T1 off)"""
+    """pipemare's K for T1 (None: `default_k` of the run's steps, set by `for_run`; 0: T1 off)"""
     discrepancy_decay: float | None = None
     """D in (0, 1] of the velocity EMA: pipemare's T2, nesterov's look-ahead
     (None: DEFAULT_DISCREPANCY_DECAY; 1: off)"""
@@ -97,11 +101,36 @@ class AsyncMode:
         return {"mode": self.name, "sync_warmup_steps": self.sync_warmup_steps, "K": self.k, "D": self.d}
 
     @property
+    def resolved(self) -> bool:
+        """Whether every setting is known: pipemare's default K needs the run's length (`for_run`)."""
+        return self.name != "pipemare" or self.lr_warmup_steps is not None
+
+    def for_run(self, steps: int) -> AsyncMode:
+        """This mode for a run whose learning-rate schedule spans `steps` optimizer steps:
+        a K not given becomes `default_k(steps)`; given settings are kept."""
+        return self if self.resolved else replace(self, lr_warmup_steps=default_k(steps))
+
+    def continuing(self, saved: dict) -> AsyncMode:
+        """This mode resuming a checkpoint whose run was `saved` (its `describe()`): the
+        settings not given (None) are the checkpoint's, so a resumed run keeps its K and D
+        whatever its --steps now. Another mode is left as is (the resume refuses it)."""
+        if saved.get("mode") != self.name:
+            return self
+        k = saved["K"] if self.name == "pipemare" and self.lr_warmup_steps is None else self.lr_warmup_steps
+        d = self.discrepancy_decay
+        if d is None and self.name in ("pipemare", "nesterov"):
+            d = saved["D"]
+        return replace(self, lr_warmup_steps=k, discrepancy_decay=d)
+
+    @property
     def k(self) -> int:
         """T1's K (0 outside pipemare: no rescaling)."""
         if self.name != "pipemare":
             return 0
-        return DEFAULT_LR_WARMUP_STEPS if self.lr_warmup_steps is None else self.lr_warmup_steps
+        if self.lr_warmup_steps is None:
+            raise ValueError("pipemare's default K is a share of the run's steps: resolve the mode with "
+                             "AsyncMode.for_run(steps) first (TrainConfig and replay do), or give lr_warmup_steps")
+        return self.lr_warmup_steps
 
     @property
     def d(self) -> float:
@@ -109,6 +138,14 @@ class AsyncMode:
         if self.name not in ("pipemare", "nesterov"):
             return 1.0
         return DEFAULT_DISCREPANCY_DECAY if self.discrepancy_decay is None else float(self.discrepancy_decay)
+
+
+def default_k(steps: int) -> int:
+    """T1's K for a run of `steps` optimizer steps (the steps its learning-rate schedule is
+    made for): DEFAULT_LR_WARMUP_FRACTION of them, rounded down, at least 1."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"a run has at least one step, got {steps!r}")
+    return max(1, int(steps * DEFAULT_LR_WARMUP_FRACTION))
 
 
 def t1_multiplier(delay: int, step: int, k: int) -> float:

@@ -254,7 +254,8 @@ class TrainConfig:
     """test hook: make one gradient of the last rank infinite in this step (1-based)"""
     async_mode: AsyncMode | None = None
     """train asynchronously in this mode (no flush; `steps` optimizer steps of m microbatches,
-    asynchronous/run.py); None: synchronous training"""
+    asynchronous/run.py); None: synchronous training. A pipemare mode without K gets the
+    default for the schedule's horizon (`AsyncMode.for_run`)"""
     lr_schedule: LRSchedule | None = None
     """the rate of every step (lr_schedule.py; its peak is `lr`); None: constant `lr`.
     `train.run.prepare` gives a fresh run cosine decay with a warm-up"""
@@ -283,6 +284,8 @@ class TrainConfig:
                 f"precision {self.precision.name} keeps {self.precision.master} weights but the model is built in "
                 f"{self.model.weights_dtype}: build it in {self.precision.master}"
             )
+        if self.async_mode is not None:  # T1's default K: a share of the steps the schedule spans
+            object.__setattr__(self, "async_mode", self.async_mode.for_run(self.horizon))
         if self.async_mode is not None and self.async_mode.sync_warmup_steps >= self.steps:
             w = self.async_mode.sync_warmup_steps
             raise ValueError(
@@ -296,6 +299,11 @@ class TrainConfig:
         if self.eval_every and not self.held_out:
             raise ValueError(f"--eval-every {self.eval_every} with --held-out 0: no data is held out to evaluate on; "
                              "give --held-out 0.05, say")
+
+    @property
+    def horizon(self) -> int:
+        """The steps the learning-rate schedule is made for (--lr-decay-steps, else --steps)."""
+        return self.steps if self.lr_schedule is None else self.lr_schedule.total_steps
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (0-based)."""

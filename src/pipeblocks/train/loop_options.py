@@ -7,8 +7,10 @@ split, evaluation and the metrics file, for a fresh run or from the checkpoint a
 The options given as None take their defaults: a fresh run gets `lr_schedule.default_lr` for
 the model's width as its peak rate, `lr_schedule.resolve_schedule`'s cosine with warm-up, and
 holds out DEFAULT_HELD_OUT of the data; a resumed run continues what its
-checkpoint records (the schedule, horizon included, and the held-out share; a checkpoint
-written before schedules existed continues at a constant rate). Every refusal is one line,
+checkpoint records (the schedule, horizon included, the held-out share, and the
+asynchronous mode's K and D when not given; a checkpoint written before schedules existed
+continues at a constant rate). A fresh pipemare run's K is resolved by `TrainConfig`
+against the schedule's horizon. Every refusal is one line,
 raised before anything starts.
 """
 from __future__ import annotations
@@ -41,7 +43,11 @@ def resolve_loop_options(options: dict, data: TokenWindows, *, checkpoint: str |
     if resume and checkpoint:
         saved = resumed_meta(checkpoint)
         if saved is not None:
-            check_same_kind(saved, checkpoint, p=p, async_mode=async_mode)
+            if async_mode is not None and saved.get("async"):  # the settings not given now are the checkpoint's
+                async_mode = options["async_mode"] = async_mode.continuing(saved["async"])
+            # a fresh run's defaults, for the comparison (a mode continuing its checkpoint is resolved)
+            fresh = None if async_mode is None else async_mode.for_run(steps if decay is None else decay)
+            check_same_kind(saved, checkpoint, p=p, async_mode=fresh)
     if lr is None:  # not given: the checkpoint's, or the default for the model's width
         lr = saved["lr"] if saved is not None and "lr" in saved else default_lr(hidden)
     options["lr"] = lr

@@ -92,12 +92,15 @@ def replay(
 
     nominal_delays: per stage, the delay T2's gamma is set from (None: the stage's largest
     in `versions`; the runtime passes the steady state's, `plan.nominal_delays`).
-    lr_factor: step -> the learning-rate schedule over its peak (None: constant)."""
+    lr_factor: step -> the learning-rate schedule over its peak (None: constant).
+    A pipemare mode without K gets the default for the replay's steps (`AsyncMode.for_run`;
+    resolve it first when the schedule spans more steps than are replayed)."""
     if len(stages) != versions.num_stages:
         raise ValueError(f"{len(stages)} stage modules given for versions of {versions.num_stages} stages")
     n = versions.step_size
     if mode.sync_warmup_steps:
         versions = WeightVersions.synchronous(versions.num_stages, n, mode.sync_warmup_steps).then(versions)
+    mode = mode.for_run(versions.steps)
     if len(microbatches) != versions.microbatches:
         raise ValueError(
             f"{len(microbatches)} microbatches given for {versions.steps} steps of {n} "

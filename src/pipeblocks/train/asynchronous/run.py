@@ -31,7 +31,7 @@ from .rank import AsyncRankResult, async_rank, microbatches
 
 __all__ = [
     "AsyncRankResult", "ReplayCheck", "async_rank", "check_against_replay",
-    "launch_async", "steady_step_s", "train_async", "verify_async",
+    "launch_async", "replay_run", "steady_step_s", "train_async", "verify_async",
 ]
 
 # `--verify` accepts what synchronous training's does (reference.TOLERANCE). The runtime and
@@ -153,33 +153,50 @@ class ReplayCheck:
         return self.largest <= self.tolerance and self.delays_equal
 
 
-def check_against_replay(cfg: TrainConfig, data, results: list[AsyncRankResult]) -> ReplayCheck:
-    """Replay `cfg`'s run (from step 0, with its drains at the save points) in this process
-    and compare the ranks' `results` with it."""
+def replay_run(cfg: TrainConfig, data):
+    """The one-process replay of `cfg`'s run from step 0, with its drains at the save
+    points: (ReplayResult, the trained stage modules). Without an asynchronous mode, the
+    same run as synchronous training (every delay 0: a flush after every step)."""
     import torch
 
-    from .reference import replay
-    from ..reference import TOLERANCE, relative_difference, torch_threads
-
-    schedule, mode = cfg.schedule.schedule, cfg.async_mode
-    w = mode.sync_warmup_steps
-    ck = cfg.checkpoint
-    segments = plan_segments(steps=cfg.steps, warmup=w, save_every=ck.save_every if ck else 0)
-    versions = run_versions(schedule, segments)
-    # the replay runs the W synchronous steps itself, then these
-    after_warmup = run_versions(schedule, tuple(s for s in segments if not s.synchronous), prefix=False)
-    xs, ys = microbatches(cfg, data, range(cfg.steps))
+    from ...core.async_mode import AsyncMode
+    from ...core.versions import WeightVersions
     from ...models.build import build_model, split_stages
+    from ..reference import torch_threads
+    from .reference import replay
 
+    schedule, mode, ck = cfg.schedule.schedule, cfg.async_mode, cfg.checkpoint
+    if mode is None:  # any schedule: with every delay 0 each mode is synchronous training
+        mode, nominal = AsyncMode("naive"), None
+        versions = WeightVersions.synchronous(schedule.num_stages, schedule.m, cfg.steps)
+    else:  # the replay runs the W synchronous steps itself, then these
+        segments = plan_segments(steps=cfg.steps, warmup=mode.sync_warmup_steps,
+                                 save_every=ck.save_every if ck else 0)
+        versions = run_versions(schedule, tuple(s for s in segments if not s.synchronous), prefix=False)
+        nominal = nominal_delays(schedule)
+    xs, ys = microbatches(cfg, data, range(cfg.steps))
     spec = cfg.model.spec()
     whole = build_model(spec, seed=cfg.seed, dtype=getattr(torch, cfg.model.weights_dtype))
     stages = split_stages(spec, whole, schedule.num_stages)
     factor = cfg.lr_schedule.factor if cfg.lr_schedule is not None else None
     # the ranks' thread count: matrix products then round as on the ranks
     with torch_threads(cfg.threads_for(schedule.p)):
-        expected = replay(stages, after_warmup, list(zip(xs, ys)), loss_fn=spec.loss,
-                          optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr), mode=mode,
-                          nominal_delays=nominal_delays(schedule), lr_factor=factor)
+        result = replay(stages, versions, list(zip(xs, ys)), loss_fn=spec.loss,
+                        optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr), mode=mode,
+                        nominal_delays=nominal, lr_factor=factor)
+    return result, stages
+
+
+def check_against_replay(cfg: TrainConfig, data, results: list[AsyncRankResult]) -> ReplayCheck:
+    """Replay `cfg`'s run (from step 0, with its drains at the save points) in this process
+    and compare the ranks' `results` with it."""
+    from ..reference import TOLERANCE, relative_difference
+
+    ck = cfg.checkpoint
+    segments = plan_segments(steps=cfg.steps, warmup=cfg.async_mode.sync_warmup_steps,
+                             save_every=ck.save_every if ck else 0)
+    versions = run_versions(cfg.schedule.schedule, segments)
+    expected, stages = replay_run(cfg, data)
     losses = next(r.losses for r in results if r.losses)
     loss_diff = max(relative_difference(a, b) for a, b in zip(losses, expected.losses, strict=True))
     got = {key: t for r in results for key, t in r.params.items()}
