@@ -25,6 +25,7 @@ from .dp_units import DPUnits, units_for
 from .errors import ScheduleError
 from .placement import Placement
 from .schedule import Schedule
+from .vocab import VocabCosts
 
 __all__ = ["BlockCosts", "Costs", "StageCosts", "parse_costs"]
 
@@ -122,6 +123,10 @@ class Costs:
     blocks: BlockCosts | None = None
     """per stage, its blocks' parameters and shares of the pass times (None: one block per
     stage); data parallelism at block grain communicates per block (`dp_units`)"""
+    vocab: VocabCosts | None = None
+    """vocabulary parallelism (`vocab.py`): the prices of the IF, S, T and IB passes every rank
+    runs per microbatch and of their collectives (None: the vocabulary layers stay on the end
+    stages, priced in their stages' t_f/t_b/t_w); lowering then adds the passes (`vocab_place`)"""
 
     def __post_init__(self) -> None:
         for name in ("t_f", "t_b", "t_w", "t_comm", "mem_b", "mem_w_ratio", "params", "t_step", "recompute_input_ratio"):
@@ -189,7 +194,7 @@ class Costs:
             params=per_stage("params", frac), data_parallel=self.data_parallel,
             step=per_stage("t_step", frac),
             recompute_input_ratio=per_stage("recompute_input_ratio", 1.0),
-            blocks=blocks, units=units,
+            blocks=blocks, units=units, vocab=self.vocab,
         )
 
     def dp_units(self, num_stages: int) -> DPUnits | None:
@@ -222,6 +227,8 @@ class StageCosts:
     blocks: BlockCosts | None = None
     units: DPUnits | None = None
     """the DP units (None: chunk grain), from the DP model's grain and the blocks"""
+    vocab: VocabCosts | None = None
+    """the vocabulary passes' prices (`Costs.vocab`)"""
 
     def unit_params(self, stage: int, unit: int | None) -> float:
         """Parameters of `unit` of `stage` (None: the whole stage)."""

@@ -21,6 +21,8 @@ from .errors import DeadlockError
 from .ops import ACTION, DP, P2P, RECOMPUTE, STEP, unsupported
 from .program import Comm, DPOp, Op, OptimizerStep, Program, Recompute
 from .schedule import Schedule
+from .vocab import VocabPass
+from .vocab_links import check_deadlock_vocab
 
 __all__ = ["Pass", "PASSES", "lower", "add_p2p", "check_deadlock"]
 
@@ -78,6 +80,8 @@ def lower(schedule: Schedule, passes: Sequence[Pass] = PASSES) -> Program:
 def check_deadlock(program: Program) -> None:
     """Raise DeadlockError naming every blocked rank and the receive it waits on."""
     ranks = program.ranks
+    if any(type(op) is VocabPass for ops in ranks for op in ops):
+        return check_deadlock_vocab(program)  # the vocabulary passes' keys beside the transfers
     cursor = [0] * len(ranks)
     sent: set[tuple] = set()
     waiting: dict[tuple, int] = {}

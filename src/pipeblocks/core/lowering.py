@@ -35,6 +35,7 @@ from .lower import PASSES, Pass, check_deadlock, lower
 from .passes_dp import check_dp_ops, dp_passes, dp_passes_at_end
 from .program import Program
 from .recompute import add_recompute, check_recompute, recompute_pairs
+from .costs import Costs
 from .schedule import Schedule
 from .sharding import ShardingPolicy, per_stage
 from .validate import check_structure
@@ -55,6 +56,7 @@ def lower_for(
     units: DPUnits | None = None,
     extra_passes: Sequence[Pass] = (),
     check: bool = False,
+    vocab: Costs | None = None,
 ) -> Program:
     """The Program of `schedule` on a mesh of `dp` replicas with sharding `policies` (one
     for every stage or one per stage; none: replicate), recomputing `recompute` (or the
@@ -69,7 +71,20 @@ def lower_for(
     extra_passes: run after the others, in order.
     check: also prove the schedule's structure (`validate.check_structure`) before lowering
         and the Program free of deadlock (`lower.check_deadlock`) after, as a launch needs.
+    vocab: costs whose `vocab` is set: vocabulary parallelism, the IF, S, T and IB passes
+        inserted last (`vocab_place.add_vocab`, which times them with these costs and may
+        hold one more microbatch in flight: the Program's schedule is then that one).
     """
+    if vocab is not None and vocab.vocab is not None:
+        from .vocab_place import add_vocab
+
+        def relower(other: Schedule) -> Program:
+            return lower_for(other, policies=policies, dp=dp, recompute=recompute, reduce_at_end=reduce_at_end,
+                             units=units, extra_passes=extra_passes, check=True)
+
+        return add_vocab(lower_for(schedule, policies=policies, dp=dp, recompute=recompute, recompute_at=recompute_at,
+                                   reduce_at_end=reduce_at_end, units=units, extra_passes=extra_passes, check=check),
+                         vocab, relower=None if recompute_at else relower)
     if check:
         check_structure(schedule)
     stage_policies = per_stage(tuple(policies), schedule.num_stages) if policies else ()

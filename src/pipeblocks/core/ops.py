@@ -21,8 +21,9 @@ from .actions import Action
 from .errors import ScheduleError
 from .program import Comm, DPOp, Op, OptimizerStep, Recompute
 from .schedule import Schedule
+from .vocab import VOCAB_RE, VocabPass
 
-__all__ = ["Stream", "OpType", "OP_TYPES", "ACTION", "P2P", "DP", "STEP", "RECOMPUTE", "UnknownOpError", "op_type", "format_op", "parse_op", "require_known"]
+__all__ = ["Stream", "OpType", "OP_TYPES", "ACTION", "P2P", "DP", "STEP", "RECOMPUTE", "VOCAB", "UnknownOpError", "op_type", "format_op", "parse_op", "require_known"]
 
 
 class Stream(str, Enum):
@@ -123,8 +124,19 @@ RECOMPUTE = OpType(
     "recompute", Recompute, Stream.COMPUTE, re.compile(r"(\d+)R(\d+)(?:\.(\d+))?"), _parse_recompute
 )
 
+def _parse_vocab(match: re.Match[str], schedule: Schedule) -> VocabPass:
+    kind, mb = match.groups()
+    if int(mb) >= schedule.m:
+        raise ScheduleError(f"op {match.group(0)!r}: microbatch {mb} is out of range for m={schedule.m}")
+    return VocabPass(kind, int(mb))
+
+
+# A vocabulary pass run on every rank (vocabulary parallelism, `vocab.py`): `S5`, `T5`,
+# `IF5`, `IB5`; compute stream, its collective on the communication stream.
+VOCAB = OpType("vocabulary pass", VocabPass, Stream.COMPUTE, VOCAB_RE, _parse_vocab)
+
 # One entry per op type, in the order parsing tries them.
-OP_TYPES: tuple[OpType, ...] = (ACTION, P2P, DP, STEP, RECOMPUTE)
+OP_TYPES: tuple[OpType, ...] = (ACTION, P2P, DP, STEP, RECOMPUTE, VOCAB)
 _BY_CLASS: Mapping[type, OpType] = MappingProxyType({t.cls: t for t in OP_TYPES})
 
 

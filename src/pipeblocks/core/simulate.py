@@ -56,6 +56,9 @@ from .costs import Costs, StageCosts
 from .dp_model import gathered_bytes
 from .dp_stream import CommStream, UnitPasses, after_step_gathers
 from .timeline import Event, Timeline
+from .errors import ScheduleError
+from .vocab import VocabPass
+from .vocab_sim import vocab_keys, vocab_sends as _vocab_sends, vocab_static
 
 __all__ = ["simulate", "simulate_program"]
 
@@ -76,7 +79,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, recompute=(), re
 
         def lowered() -> Program:
             return lower_for(schedule, policies=data_parallel.sharding, dp=data_parallel.dp, recompute=recompute,
-                             recompute_at=recompute_at, units=costs.dp_units(schedule.num_stages))
+                             recompute_at=recompute_at, units=costs.dp_units(schedule.num_stages),
+                             vocab=costs if costs.vocab is not None else None)
 
         if not recompute_pairs(schedule, recompute):
             # the compiled lists hold all the loop needs: the ops (a transfer object per send and
@@ -109,18 +113,19 @@ def _compile_program(program: Program, costs: Costs | None):
     schedule = program.schedule
     table = (costs or Costs()).for_schedule(schedule)
     compiled, comm_plans, gathered = [], [], []
-    for ops in program.ranks:
-        steps, plan, held = _compile(ops, table, schedule)
+    vocab = vocab_keys(program, table)  # None without vocabulary passes
+    for r, ops in enumerate(program.ranks):
+        steps, plan, held = _compile(ops, table, schedule, None if vocab is None else (vocab[0][r], vocab[1]))
         compiled.append(steps)
         comm_plans.append(plan)
         gathered.append(held)
-    return schedule, table, compiled, comm_plans, gathered
+    return schedule, table, compiled, comm_plans, gathered, (vocab[2] if vocab is not None else {})
 
 
 def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
     """The event loop over `_compile_program`'s result; `program_of` gives the Program
     again, only to name a deadlock."""
-    schedule, table, compiled, comm_plans, gathered = compiled_program
+    schedule, table, compiled, comm_plans, gathered, delays = compiled_program
     t_comm = table.t_comm
     p = len(compiled)
     lengths = [len(c[0]) for c in compiled]
@@ -185,7 +190,7 @@ def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
             key = sends[pos]
             if key is not None:
                 for k in (key,) if type(key) is int else key:
-                    arrival[k] = now + t_comm
+                    arrival[k] = now + (t_comm if k >= 0 else delays[k])  # < 0: a vocabulary key
                     woken = parked.pop(k, None)
                     if woken is not None:
                         ready.append(woken)
@@ -206,6 +211,9 @@ def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
         table.data_parallel.static_memory(table.params, placement.stages_of(r), peak=True, split_backward=split)
         for r in range(p)
     )
+    if table.vocab is not None:  # every rank holds V/p rows of the embedding and the head
+        static, static_peak = (tuple(x + vocab_static(table, peak) for x in values)
+                               for peak, values in ((False, static), (True, static_peak)))
     memory_peak = ()
     if any(c is not None for c in crests):
         dp = table.data_parallel
@@ -271,7 +279,7 @@ def _crest(allocs: list[float], releases: list[float], held: list[tuple[int, flo
     return top
 
 
-def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list, list[tuple[int, float]]]:
+def _compile(ops, table, schedule: Schedule, vocab=None) -> tuple[tuple[list, ...], list, list[tuple[int, float]]]:
     """Per compute op (action or optimizer step), in seven parallel lists (a few pointers per action, not a tuple
     and lists each): the receive key(s) before it, the action, its duration, the memory
     allocated at its start, the memory released at its end, the send key(s) after it
@@ -303,8 +311,12 @@ def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list, li
     # which forwards keep only their input: a set-of-types test first, so a program
     # without recomputation pays no Python-level scan
     recomputed = {op.unit for op in ops if type(op) is Recompute} if Recompute in set(map(type, ops)) else None
-    for op in ops:
+    link_of, vkeys = vocab if vocab is not None else (None, None)
+    for at, op in enumerate(ops):
         kind = type(op)
+        if link_of is not None and at in link_of:  # what a vocabulary pass, or an action it feeds, waits for
+            for k in link_of[at][0]:
+                waiting = vkeys[k] if waiting is None else (*((waiting,) if type(waiting) is int else waiting), vkeys[k])
         if kind is Comm:
             payload, send, stage, mb, chunk, _peer = op
             grad = payload != "F"
@@ -336,9 +348,24 @@ def _compile(ops, table, schedule: Schedule) -> tuple[tuple[list, ...], list, li
             allocs.append(cost[1])
             releases.append(cost[2])
             sends.append(None)
+            if link_of is not None and at in link_of:
+                _vocab_sends(sends, link_of[at][1], vkeys)
             gates.append(pending.pop(op.stage, None) if pending else None)
             if units is not None:
                 units.on_pass(op, len(actions) - 1, cost[0], plan)
+        elif kind is VocabPass:  # compute stream; its collectives are keys (`vocab_links`)
+            if table.vocab is None:
+                raise ScheduleError(f"the costs price no vocabulary pass ({op}): give Costs(vocab=VocabCosts(...))")
+            receives.append(waiting)
+            waiting = None
+            actions.append(op)
+            durations.append(table.vocab.duration(op.kind))
+            allocs.append(table.vocab.mem_st if op.kind == "S" else 0.0)
+            releases.append(-table.vocab.mem_st if op.kind == "T" else 0.0)
+            sends.append(None)
+            if at in link_of:
+                _vocab_sends(sends, link_of[at][1], vkeys)
+            gates.append(None)
         elif kind is OptimizerStep:  # compute stream, no activation memory
             receives.append(waiting)
             waiting = None

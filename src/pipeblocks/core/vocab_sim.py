@@ -1,0 +1,58 @@
+"""The simulator's side of the vocabulary passes (`vocab.py`).
+
+A vocabulary pass is a compute op of its rank (`VocabCosts.duration`); S allocates
+`mem_st` at its start and T frees it at its end. What the passes wait for
+(`vocab_links.links`) becomes keys in the simulator's send/receive table, as negative
+integers, each arriving `vocab_links.delay` after its send: the broadcast of X after the
+last stage's forward, C0 after every rank's S (so T, and with one barrier the last
+stage's backward, start once the slowest rank's S has run plus the all-reduce), C1 after
+every rank's T, IF's all-reduce before stage 0's forward, the embedding gradient's
+broadcast after stage 0's backward. Collectives are taken not to contend with each other
+on the link (each is priced alone).
+
+Static memory: each rank holds `VocabCosts.params` more parameters (its V/p rows of the
+embedding and the head), priced as one more replicated-by-policy stage.
+"""
+from __future__ import annotations
+
+from .errors import ScheduleError
+from .program import Program
+from .vocab import VocabPass
+from .vocab_links import barriers_of, delay, links
+
+__all__ = ["vocab_keys", "vocab_sends", "vocab_static"]
+
+
+def vocab_keys(program: Program, table):
+    """None for a Program without vocabulary passes; else (per rank the `links` table,
+    key -> negative int, negative int -> its delay)."""
+    if not any(type(op) is VocabPass for ops in program.ranks for op in ops):
+        return None
+    if table.vocab is None:
+        raise ScheduleError(
+            "the Program holds vocabulary passes but the costs price none: give Costs(vocab=VocabCosts(...)) "
+            "(--vocab-parallel sets them from the model)"
+        )
+    per_rank = links(program, barriers_of(program))
+    ids: dict = {}
+    delays: dict[int, float] = {}
+    for table_of in per_rank:
+        for recv, send in table_of.values():
+            for key in (*recv, *send):
+                if key not in ids:
+                    ids[key] = -1 - len(ids)
+                    delays[ids[key]] = delay(key, table.vocab)
+    return per_rank, ids, delays
+
+
+def vocab_sends(sends: list, keys, ids) -> None:
+    """Add `keys` to the sends of the compute op last appended."""
+    for key in keys:
+        k = ids[key]
+        before = sends[-1]
+        sends[-1] = k if before is None else (*((before,) if type(before) is int else before), k)
+
+
+def vocab_static(table, peak: bool) -> float:
+    """Static bytes of one rank's vocabulary rows (between steps, or at the step's peak)."""
+    return table.data_parallel.static_memory((table.vocab.params,), (0,), peak=peak)
