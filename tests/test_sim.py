@@ -107,8 +107,10 @@ def test_analytic_formulas():
     # the last stage: the final LayerNorm (input, output, statistics) and the loss's fp32
     # log-probabilities, int64 targets and one scalar
     assert costs.mem_b[3] == approx(layer + s * b * (2 * 2 * h + 8) + s * b * (4 * V + 8) + 2)
-    # the last stage also runs the LM head: 2*s*b*h*V FLOPs more in each of F, B and W
-    assert costs.t_f[3] == approx((s * b * h * (24 * h + 4 * s) + 2 * s * b * h * V) / rate)
+    # the last stage also runs the LM head: 2*s*b*h*V FLOPs more in each of F, B and W, and in F its softmax
+    # cross entropy reads the bf16 logits twice and writes fp32 log-probabilities at the memory's bandwidth
+    assert costs.t_f[3] == approx((s * b * h * (24 * h + 4 * s) + 2 * s * b * h * V) / rate
+                                  + s * b * V * (2 * 2 + 4) / hw.memory_bandwidth)
     assert costs.t_w[3] == approx((24 * s * b * h * h + 2 * s * b * h * V) / rate)
     assert costs.t_comm == approx(hw.latency + s * b * h * 2 / hw.bandwidth)
 

@@ -16,7 +16,7 @@ from ..sim.plots import check_plot_suffix
 
 __all__ = [
     "finite_float", "positive_float", "nonneg_float", "unit_float", "positive_int", "nonneg_int",
-    "costs_text", "plot_file", "setting_text",
+    "costs_text", "plot_file", "setting_text", "split_arg",
 ]
 
 
@@ -99,6 +99,17 @@ def setting_text(text: str) -> str:
     if not math.isfinite(number):
         raise argparse.ArgumentTypeError(f"{key.strip()} must be a finite number, not {value.strip()!r}")
     return text
+
+
+def split_arg(text: str) -> tuple[int, ...] | str:
+    """--split N1,N2,...|auto, parsed at parse time (`core.split.parse_split`); the counts are
+    checked against the model and the stages when the request is built."""
+    from ..core.split import parse_split
+
+    try:
+        return parse_split(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def plot_file(text: str) -> str:

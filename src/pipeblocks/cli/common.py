@@ -19,15 +19,17 @@ from ..core.hf_config import supported_text
 from ..core.jsontext import json_text
 from ..core.request import RECOMPUTE_MODES, CostSpec, Mesh, ScheduleRequest
 from ..core.sharding import parse_sharding
+from ..core.split import AUTO, split_text
 from ..sim.analytic import HF_SEQ, MODELS
 from ..sim.hardware_profile import check_hardware_text, hardware_names_text
-from ..sim.build import Built, build
+from ..sim.build import Built, build, choose_split_for, stage_model_config
+from ..sim.split_auto import SplitChoice
 from ..sim.sequence_split import SPLITS
-from .argtypes import costs_text, positive_float, positive_int, setting_text, unit_float
+from .argtypes import costs_text, positive_float, positive_int, setting_text, split_arg, unit_float
 
 __all__ = [
     "add_generator_options", "add_mesh_options", "add_cost_options", "add_schedule_options", "request_from_args", "build", "Built",
-    "json_text", "print_json", "progress", "analytic_costs",
+    "json_text", "print_json", "progress", "analytic_costs", "build_split", "split_of", "split_lines",
 ]
 
 # generator keyword <- CLI option (argparse dest)
@@ -73,6 +75,12 @@ def add_generator_options(
     group.add_argument(
         "--seq-split", default="balanced", choices=SPLITS,
         help="sequence chunk boundaries: equal FLOPs under causal attention, or equal tokens (default balanced)",
+    )
+    group.add_argument(
+        "--split", default=None, type=split_arg, metavar="N1,N2,...|auto",
+        help="transformer layers per stage, in stage order (p*v counts for looped and V schedules), e.g. 3,4,4,3; "
+        "or auto: the simulator chooses them, embedding and head included, for the shortest step within "
+        "--gpu-memory (default: even, the extra layers off the end stages)",
     )
     group.add_argument(
         "--set", action="append", default=[], type=setting_text, metavar="KEY=VALUE",
@@ -192,7 +200,7 @@ def request_from_args(
         options.append((key, value))
     priced_here = costs is None  # train gives its own costs: its --tp is the runtime's
     link = {"dp_bandwidth": args.dp_bandwidth, "dp_latency": args.dp_latency, "mixed_precision": args.mixed_precision,
-            "dp_unit": args.dp_unit or "block"}
+            "dp_unit": args.dp_unit or "block", "split": getattr(args, "split", None)}
     if costs is None:
         costs = CostSpec(
             times=args.costs, mem_w_ratio=args.mem_w_ratio, model=args.model, hardware=args.hardware,
@@ -202,6 +210,10 @@ def request_from_args(
     else:
         costs = dataclasses.replace(costs, **link)
     tp = getattr(args, "tp", 1)
+    if costs.split is not None and priced_here and not costs.analytic:
+        raise ScheduleError(f"--split {split_text(costs.split) if isinstance(costs.split, tuple) else costs.split}: "
+                            "layers per stage are priced by the analytic model: add --model NAME or --hf DIR "
+                            "(unit costs and --costs are per stage and know no layers)")
     if tp > 1 and priced_here and not costs.analytic:
         raise ScheduleError(f"--tp {tp} is priced by the analytic model: add --model NAME or --hf DIR (and --hardware)")
     return ScheduleRequest(
@@ -211,6 +223,38 @@ def request_from_args(
         recompute=getattr(args, "recompute", "none"),
         **_sharding(args.sharding),
     )
+
+
+def build_split(request: ScheduleRequest) -> tuple[Built, SplitChoice | None]:
+    """`build(request)`, with `--split auto` resolved first (`sim.build.choose_split_for`) and
+    its choice returned beside (None without --split auto), for the commands to print."""
+    if request.costs.split == AUTO:
+        chosen = choose_split_for(request)
+        return build(chosen.request), chosen.choice
+    return build(request), None
+
+
+def split_of(built: Built) -> tuple[int, ...] | None:
+    """Transformer layers per stage as the built request's analytic costs price them (None
+    under unit costs and --costs, which know no layers)."""
+    costs = built.request.costs
+    if not costs.analytic:
+        return None
+    stages = built.schedule.num_stages
+    return stage_model_config(costs, stages, p=built.request.p).stage_layers(stages)
+
+
+def split_lines(built: Built, choice: SplitChoice | None, unit: str = " s") -> list[str]:
+    """The split line(s) of `simulate`'s table: the counts, and --split auto's comparison."""
+    counts = split_of(built)
+    if counts is None:
+        return []
+    how = "given" if isinstance(built.request.costs.split, tuple) and choice is None else (
+        "chosen" if choice is not None else "even")
+    lines = [f"split         {split_text(counts)} layers per stage ({how})"]
+    if choice is not None:
+        lines.append(choice.describe(unit))
+    return lines
 
 
 def _sharding(text: str) -> dict[str, object]:

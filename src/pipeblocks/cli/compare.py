@@ -11,7 +11,7 @@ from ..sim.plots import ParetoPoint, plot_pareto
 from ..sim.recompute_auto import fits_memory
 from ..core.request import ScheduleRequest
 from .argtypes import plot_file
-from .common import add_schedule_options, analytic_costs, build, print_json, progress, request_from_args
+from .common import add_schedule_options, analytic_costs, build, print_json, progress, request_from_args, split_of
 
 
 def register(sub) -> None:
@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
             continue
         summary = timeline.summary()
         summary["fits_memory"] = fits_memory(timeline, memory_budget(built.request))
-        rows.append({**summary, "peak_max": max(timeline.peak_activation),
+        counts = split_of(built)  # --split auto: chosen for this schedule
+        rows.append({**summary, **({"split": list(counts)} if counts is not None else {}),
+                     "peak_max": max(timeline.peak_activation),
                      "exposed_comm_max": max(summary["exposed_comm"]), "static_max": max(summary["static_memory"])})
         if time.monotonic() - started > 2:
             progress(f"compare: simulated {name} ({len(rows)}/{len(chosen)})")
@@ -105,6 +107,8 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
     # in play only when asked for: 1f1b-r alone says by its name that it recomputes
     recomputes = (budget or args.recompute != "none") and any(any(r["recompute_time"]) for r in rows)
     extra += (f"  {'recomp':>7}" if recomputes else "") + (f"  {'fits':>4}" if budget else "")
+    split = getattr(args, "split", None) is not None
+    extra += "  split" if split else ""
     notes = (["recomp: recomputation time, max over ranks"] if recomputes else []) + (
         [f"fits: static + activation memory within --gpu-memory {args.gpu_memory:g} on every rank"] if budget else [])
     if notes:
@@ -115,6 +119,7 @@ def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
         extra = f"  {r['exposed_comm_max']:>8.4g}  {r['static_max'] / unit:>8.4g}" if mesh else ""
         extra += (f"  {max(r['recompute_time']):>7.4g}" if recomputes else "")
         extra += (f"  {'yes' if r['fits_memory'] else 'no':>4}" if budget else "")
+        extra += f"  {','.join(map(str, r['split']))}" if split else ""
         print(f"{r['schedule']:<{width}}  {r['v']:>2}  {r['makespan']:>9.4g}  {r['bubble_ratio']:>7.4f}  {r['bubble_ratio_span']:>8.4f}  "
               f"{r['peak_max'] / unit:>8.4g}  {r['peak_vs_1f1b']:>7.3f}{extra}  {per_rank}")
     print("bubble: bubble_ratio, over the whole makespan (counts the start-up stagger); span bub: "

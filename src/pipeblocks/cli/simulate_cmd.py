@@ -8,7 +8,7 @@ from ..sim.build import memory_budget
 from ..core.recompute import all_pairs, recompute_pairs
 from ..sim.recompute_auto import fits_memory, memory_need
 from .async_sim import add_async_options, mode_from_args, run_async
-from .common import add_schedule_options, analytic_costs, build, request_from_args, print_json
+from .common import add_schedule_options, analytic_costs, build_split, request_from_args, print_json, split_lines, split_of
 
 
 def register(sub) -> None:
@@ -20,7 +20,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    built = build(request_from_args(args))
+    built, split_choice = build_split(request_from_args(args))
     if mode_from_args(args) is not None:
         return run_async(args, built)
     schedule = built.schedule
@@ -30,6 +30,12 @@ def run(args: argparse.Namespace) -> int:
     # what was chosen (elastic's groups, --sharding auto's policy per chunk), to reproduce it
     summary["options"] = {key: list(value) if isinstance(value, tuple) else value for key, value in schedule.options}
     summary["sharding"] = [str(policy) for policy in built.costs.data_parallel.policies(schedule.num_stages)]
+    counts = split_of(built)
+    if counts is not None:  # layers per stage, under the analytic model
+        summary["split"] = list(counts)
+    if split_choice is not None:
+        summary["split_auto"] = {"even": list(split_choice.even), "even_makespan": split_choice.even_step,
+                                 "even_memory_need": split_choice.even_need, "evaluated": split_choice.evaluated}
     if built.request.mesh.tp > 1:  # without --tp the summary is as it was
         summary["tp"], summary["tp_comm"] = built.request.mesh.tp, _tp_comm(built)
     if args.json:
@@ -40,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     mesh += f", tp={summary['tp']}" if "tp" in summary else ""
     print(f"schedule      {schedule.name}  (p={schedule.p}, m={schedule.m}, v={schedule.v}{mesh})")
     print(f"makespan      {summary['makespan']:.6g}")
+    for line in split_lines(built, split_choice):
+        print(line)
     print(f"bubble ratio  {summary['bubble_ratio']:.4f}   (per-rank span, as in the papers: "
           f"{summary['bubble_ratio_span']:.4f})")
     print("rank  busy      peak activation  static memory  (in step)     DP comm   exposed DP comm")
@@ -69,12 +77,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _tp_comm(built) -> list[float]:
     """Seconds each rank spends in tensor-parallel collectives per step (--tp > 1, --model or --hf)."""
-    from ..sim.build import model_config
+    from ..sim.build import stage_model_config
     from ..sim.hardware_profile import resolve_hardware
     from ..sim.tp_costs import tp_comm_per_rank
 
     spec = built.request.costs
-    config = model_config(spec)
+    config = stage_model_config(spec, built.schedule.num_stages, p=built.request.p)
     return tp_comm_per_rank(built.schedule, config, resolve_hardware(spec.hardware), tp=built.request.mesh.tp,
                             recompute=built.recompute)
 

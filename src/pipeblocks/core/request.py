@@ -12,7 +12,9 @@ import math
 from dataclasses import dataclass
 
 from .dp_units import check_dp_unit, check_prefetch
+from .model_shape import ModelShape
 from .sharding import ShardingPolicy, parse_sharding
+from .split import AUTO, parse_split
 
 __all__ = ["Mesh", "CostSpec", "ScheduleRequest", "RECOMPUTE_MODES"]
 
@@ -88,13 +90,27 @@ class CostSpec:
     microbatch_size: int | None = None
     """the analytic model's sequences per microbatch (None: the preset's or L,H,A,S,V,B's;
     with `hf` 1)"""
+    split: tuple[int, ...] | str | None = None
+    """transformer layers per global stage, in stage order (`--split 3,4,4,3`), "auto" (the
+    simulator chooses them when the request is built: `sim.split_auto`), or None (the even
+    rule, `core.split.layer_counts`). The analytic model prices the stages by them and
+    `train` builds its stages with them"""
+    shape: ModelShape | None = None
+    """analytic costs of this model shape (`train`'s own model, for `--split auto`); instead
+    of `model` and `hf`"""
 
     @property
     def analytic(self) -> bool:
-        """The costs come from the analytic model (`model` or `hf`): seconds and bytes."""
-        return bool(self.model or self.hf)
+        """The costs come from the analytic model (`model`, `hf` or `shape`): seconds and bytes."""
+        return bool(self.model or self.hf or self.shape is not None)
 
     def __post_init__(self) -> None:
+        if isinstance(self.split, str) and self.split != AUTO:
+            object.__setattr__(self, "split", parse_split(self.split))
+        elif self.split is not None and not isinstance(self.split, str):
+            object.__setattr__(self, "split", tuple(self.split))
+        if self.shape is not None and (self.model is not None or self.hf is not None):
+            raise ValueError("give one analytic model: a preset (--model), a Hugging Face directory (--hf) or a shape")
         check_dp_unit(self.dp_unit)
         check_prefetch(self.dp_prefetch)
         if self.model is not None and self.hf is not None:

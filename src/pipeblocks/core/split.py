@@ -9,10 +9,21 @@ stage S-1, so the two ends, which carry the embedding and the head, get the ligh
     layers=10, S=4  ->  2 3 3 2        layers=5, S=2  ->  3 2        layers=7, S=4  ->  2 2 2 1
 
 Every stage needs at least one layer, so layers < S is an error that names both numbers.
+
+A run may instead give the counts itself (`--split 3,4,4,3`: one per global stage, in
+stage order, so p*v of them for a looped or V schedule) or ask the simulator to choose them
+(`--split auto`, `sim.split_auto`). `parse_split` reads the option, `check_split` checks
+counts against the model and the pipeline, and `stage_layers` is the one answer every
+consumer asks: the given counts, or the rule above.
 """
 from __future__ import annotations
 
-__all__ = ["layer_counts"]
+from collections.abc import Sequence
+
+__all__ = ["AUTO", "layer_counts", "parse_split", "check_split", "stage_layers", "split_text"]
+
+AUTO = "auto"
+"""`--split auto`: the simulator chooses the counts (`sim.split_auto`)."""
 
 
 def layer_counts(layers: int, num_stages: int) -> tuple[int, ...]:
@@ -31,3 +42,75 @@ def layer_counts(layers: int, num_stages: int) -> tuple[int, ...]:
     for stage in priority[:extra]:
         counts[stage] += 1
     return tuple(counts)
+
+
+def split_text(counts: Sequence[int]) -> str:
+    """The counts as `--split` takes them: (3, 4, 4, 3) -> '3,4,4,3'."""
+    return ",".join(str(n) for n in counts)
+
+
+def parse_split(text: str | None) -> tuple[int, ...] | str | None:
+    """`--split`: None (the even rule), 'auto', or comma-separated layer counts per stage.
+
+    >>> parse_split("3,4,4,3"), parse_split("auto"), parse_split(None)
+    ((3, 4, 4, 3), 'auto', None)
+    """
+    if text is None:
+        return None
+    stripped = text.strip()
+    if stripped.lower() == AUTO:
+        return AUTO
+    items = [item.strip() for item in stripped.split(",")]
+    try:
+        counts = tuple(int(item) for item in items)
+    except ValueError:
+        raise ValueError(
+            f"--split {text!r}: give the transformer layers of every stage as integers in stage order "
+            "(e.g. --split 3,4,4,3) or --split auto"
+        ) from None
+    bad = [n for n in counts if n < 1]
+    if bad:
+        stage = counts.index(bad[0])
+        raise ValueError(
+            f"--split {text!r} gives stage {stage} {bad[0]} layers, and every stage needs at least one layer: "
+            "move a layer to it from a neighbour"
+        )
+    return counts
+
+
+def check_split(counts: Sequence[int], *, layers: int, num_stages: int, p: int | None = None) -> tuple[int, ...]:
+    """`counts` as given by `--split`, checked against a model of `layers` transformer layers
+    cut into `num_stages` global stages (p ranks times v chunks each): one count per stage,
+    each at least 1, summing to `layers`. The errors name the numbers and the fix."""
+    counts = tuple(counts)
+    given = split_text(counts)
+    if len(counts) != num_stages:
+        why = ""
+        if p is not None and p > 0 and num_stages % p == 0:
+            v = num_stages // p
+            why = f" (p={p} ranks x v={v} chunks per rank)" if v > 1 else f" (p={p} ranks, one stage each)"
+        raise ValueError(
+            f"--split {given} gives {len(counts)} counts but the pipeline has {num_stages} stages{why}: "
+            f"give {num_stages} layer counts, one per stage in stage order"
+        )
+    if min(counts) < 1:
+        stage = counts.index(min(counts))
+        raise ValueError(
+            f"--split {given} gives stage {stage} {counts[stage]} layers, and every stage needs at least one layer: "
+            "move a layer to it from a neighbour"
+        )
+    if sum(counts) != layers:
+        raise ValueError(
+            f"--split {given} sums to {sum(counts)} layers but the model has {layers}: give counts that sum "
+            f"to {layers}" + (f" (the even split is {split_text(layer_counts(layers, num_stages))})"
+                              if layers >= num_stages else "")
+        )
+    return counts
+
+
+def stage_layers(layers: int, num_stages: int, split: Sequence[int] | None = None, *,
+                 p: int | None = None) -> tuple[int, ...]:
+    """Layers per stage: `split` when given (checked by `check_split`), else `layer_counts`."""
+    if split is None:
+        return layer_counts(layers, num_stages)
+    return check_split(split, layers=layers, num_stages=num_stages, p=p)

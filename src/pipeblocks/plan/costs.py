@@ -31,7 +31,7 @@ from ..core.dp_model import DPCostModel, Link
 from ..core.tp_model import TPCostModel
 from ..core.sharding import ShardingPolicy
 from ..sim.blocks import transformer_blocks
-from ..sim.analytic import Hardware, TransformerConfig, dp_link, layer_split, stage0_backward_in_w, transformer_costs
+from ..sim.analytic import Hardware, TransformerConfig, dp_link, stage0_backward_in_w, transformer_costs
 from ..sim.memory_estimate import activation_costs, precision_config
 from .intensity import head_efficiency, layer_efficiency
 
@@ -76,7 +76,7 @@ def replica_costs(
     if tp == 1:
         return dataclasses.replace(base, data_parallel=data_parallel)
     activation = _activation_bytes(config)
-    split = tp_cost_model(hardware, tp).split(base, layers=layer_split(config.layers, num_stages),
+    split = tp_cost_model(hardware, tp).split(base, layers=config.stage_layers(num_stages),
                                               activation_bytes=activation)
     hop = hardware.latency + activation / tp / hardware.bandwidth  # each rank sends its token shard
     if seq_chunks == 1:  # stage 0's tensor-parallel collectives of the backward run in its W too

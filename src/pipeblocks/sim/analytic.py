@@ -15,7 +15,12 @@ the matrix products' 2 FLOPs per weight and token, and attention's q.k^T and p.v
 products of 2*s*d FLOPs per query and head each (the Zero Bubble paper's Table 1,
 whose GPT has W_l = 12h^2 and a*d = h: F = s*b*h*(24h + 4s), B = s*b*h*(24h + 8s),
 W = 24*s*b*h^2). Biases, norms, rotary and element-wise work are not counted (O(s*b*h)).
-The last stage adds the LM head, 2*s*b*h*V FLOPs to each of F, B and W, tied or not.
+The last stage adds the LM head, 2*s*b*h*V FLOPs to each of F, B and W, tied or not, and
+its softmax cross entropy, which does few FLOPs per logit but streams the s*b*V logits
+through memory (`cross_entropy_bytes`): priced at the profile's `memory_bandwidth` (in F,
+reading the logits twice and writing the log-probabilities; in B, reading those and
+writing the logits' gradient), nothing where the bandwidth is unknown. The embedding is a
+lookup (no FLOPs) and its backward a scatter of s*b*h gradients, neither priced.
 
 Activation bytes (what autograd saves for the backward) are listed term by term in
 `layer_activation_bytes` and `stage_activation_bytes` and in docs/memory.md. For the GPT,
@@ -25,11 +30,13 @@ attention the s x s scores are not stored and a log-sum-exp per query and head i
 (M_B = 34*s*b*h + 4*a*s*b + 16*s*b). M_W = 32*s*b*h (`transformer_w_ratio`).
 
 Layers per stage follow `core.split.layer_counts`, which gives the end stages the lighter
-share of an uneven split. The first stage also saves the token ids (and a learned position
+share of an uneven split, or the config's own `split` (`--split 3,4,4,3`, or the counts
+`--split auto` chose). The first stage also saves the token ids (and a learned position
 table's ids); the last saves the final norm's input and output and the loss's
 log-probabilities (fp32, s*b*V*4 bytes), which at a vocabulary of 128k outweigh several
-layers. Time = FLOPs / (peak FLOP/s * achievable fraction); one hop between ranks takes
-latency + s*b*h*dtype_bytes / bandwidth.
+layers. Time = FLOPs / (peak FLOP/s * achievable fraction), plus, with a calibrated
+profile, its fixed overhead per pass of a block (`Hardware.overhead`); one hop between ranks
+takes latency + s*b*h*dtype_bytes / bandwidth.
 
 Parameters per stage (they size the data-parallel collectives and the static memory) are
 `ModelShape.stage_params`: per block its matrices, biases and norms (the GPT's
@@ -59,14 +66,14 @@ from ..core.costs import Costs
 from ..core.dp_model import Link
 from ..core.hf_config import read_hf_config
 from ..core.model_shape import ModelShape
-from ..core.split import layer_counts
+from ..core.split import check_split, layer_counts, stage_layers
 
 __all__ = [
     "TransformerConfig", "Hardware", "MODELS", "HARDWARE", "layer_split", "layer_activation_bytes", "transformer_costs",
     "parse_model", "stage_params", "dp_link", "stage_activation_bytes", "loss_activation_bytes",
     "transformer_w_ratio", "PassEfficiency", "layer_intensity", "head_intensity", "stage0_backward_in_w",
     "layer_flops", "head_flops", "sequence_flops", "layer_gemms", "w_elements", "rotary_table_bytes",
-    "model_from_hf", "HF_SEQ",
+    "model_from_hf", "HF_SEQ", "cross_entropy_bytes",
 ]
 
 _DTYPE_BYTES = MappingProxyType({"fp32": 4, "float32": 4, "bf16": 2, "fp16": 2, "float16": 2, "float64": 8})
@@ -105,6 +112,8 @@ class TransformerConfig:
     tied: the head shares the embedding's weight (the end stages each hold a copy).
     linear_bias: every projection of a block has a bias; qkv_bias: only q, k and v do.
     qk_norm: an RMSNorm of d on every query and key head (Qwen3).
+    split: transformer layers per global stage, in stage order (`--split 3,4,4,3`), or None
+        for `core.split.layer_counts`'s even rule; `stage_layers` answers either way.
     """
 
     layers: int
@@ -127,6 +136,7 @@ class TransformerConfig:
     linear_bias: bool = True
     qkv_bias: bool = False
     qk_norm: bool = False
+    split: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq", "vocab", "microbatch_size"):
@@ -141,6 +151,12 @@ class TransformerConfig:
             _ = self.shape  # ModelShape checks the block's sizes and kinds
         except ValueError as err:
             raise ScheduleError(f"model: {err}") from None
+        if self.split is not None:
+            object.__setattr__(self, "split", tuple(self.split))
+            try:
+                check_split(self.split, layers=self.layers, num_stages=len(self.split))
+            except ValueError as err:
+                raise ScheduleError(str(err)) from None
         if self.positions == "learned" and self.context is not None and self.seq > self.context:
             raise ScheduleError(f"seq {self.seq} is longer than the learned position table's {self.context} rows "
                                 f"(context): give seq <= {self.context}")
@@ -173,6 +189,14 @@ class TransformerConfig:
             qk_norm=self.qk_norm,
         )
 
+    def stage_layers(self, num_stages: int) -> tuple[int, ...]:
+        """Layers per global stage: `split` when given (it must have `num_stages` entries),
+        else the splitter's even rule (`core.split.layer_counts`)."""
+        try:
+            return stage_layers(self.layers, num_stages, self.split)
+        except ValueError as err:
+            raise ScheduleError(str(err)) from None
+
     @property
     def dtype_bytes(self) -> int:
         return _DTYPE_BYTES[self.dtype]
@@ -193,15 +217,19 @@ class TransformerConfig:
 class PassEfficiency:
     """The achievable fraction of the peak for one pass kind, as a function of the arithmetic
     intensity I (FLOPs per byte) of the pass's matrix products: ceiling / (1 + ridge / I),
-    the planner's roofline form (`plan.intensity`); ridge 0 is a constant fraction."""
+    the planner's roofline form (`plan.intensity`); ridge 0 is a constant fraction.
+    overhead: seconds a pass of one block takes beyond its FLOPs' time (the fixed cost of its
+    operators, measured by `pipeblocks calibrate`; microseconds on a GPU)."""
 
     ceiling: float
     ridge: float = 0.0
+    overhead: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.ceiling) and math.isfinite(self.ridge) and self.ceiling > 0 and self.ridge >= 0):
-            raise ScheduleError(f"pass efficiency needs a finite ceiling > 0 and ridge >= 0, got ceiling="
-                                f"{self.ceiling}, ridge={self.ridge}")
+        if not (math.isfinite(self.ceiling) and math.isfinite(self.ridge) and self.ceiling > 0 and self.ridge >= 0
+                and math.isfinite(self.overhead) and self.overhead >= 0):
+            raise ScheduleError(f"pass efficiency needs a finite ceiling > 0, ridge >= 0 and overhead >= 0, got "
+                                f"ceiling={self.ceiling}, ridge={self.ridge}, overhead={self.overhead}")
 
     def at(self, intensity: float) -> float:
         """The fraction at `intensity` (FLOPs per byte; 0 or less: no matrix product, the ceiling)."""
@@ -223,7 +251,8 @@ class Hardware:
         simulator's pass times do not use it; the planner's kernel-efficiency model
         (`plan.intensity`) does.
     passes: (F, B, W) fitted fractions of a calibrated profile (`sim.hardware_profile`),
-        used instead of `efficiency` for the pass times; None for the built-in profiles.
+        used instead of `efficiency` for the pass times, with each kind's fixed overhead per
+        pass of a block; None for the built-in profiles.
     """
 
     name: str
@@ -265,6 +294,11 @@ class Hardware:
     def fraction(self, kind: int, intensity: float) -> float:
         """The achievable fraction for pass `kind` (0 F, 1 B, 2 W) at `intensity` FLOPs per byte."""
         return self.efficiency if self.passes is None else self.passes[kind].at(intensity)
+
+    def overhead(self, kind: int) -> float:
+        """Seconds one block's pass `kind` (0 F, 1 B, 2 W) takes beyond its FLOPs' time (0 for
+        the built-in profiles)."""
+        return 0.0 if self.passes is None else self.passes[kind].overhead
 
 
 # Models of the Zero Bubble paper's experiments (§9.1 of the algorithms reference).
@@ -354,7 +388,7 @@ def stage_params(config: TransformerConfig, num_stages: int) -> tuple[int, ...]:
     the token embedding (and a learned position table) on the first stage, the final norm and
     the head on the last. A tied head counts on both end stages, which each hold a copy; a
     single stage holds the one tensor once."""
-    params = config.shape.stage_params(layer_split(config.layers, num_stages))
+    params = config.shape.stage_params(config.stage_layers(num_stages))
     if config.tied and num_stages == 1:
         return (params[0] - config.hidden * config.vocab,)
     return params
@@ -465,6 +499,18 @@ def loss_activation_bytes(config: TransformerConfig) -> float:
     return tokens * (config.vocab * max(4, config.dtype_bytes) + 8) + config.dtype_bytes
 
 
+def cross_entropy_bytes(config: TransformerConfig) -> tuple[float, float]:
+    """Bytes the softmax cross entropy moves through device memory per microbatch, (F, B),
+    with e the activation element size and f = max(4, e) (log-probabilities kept in fp32 at
+    least): F reads the s*b*V logits twice (their maximum, then the sum of exponentials) and
+    writes the log-probabilities, s*b*V*(2e + f); B reads the log-probabilities and writes
+    the logits' gradient, s*b*V*(f + e). A memory-bound pass: its time is these bytes over
+    the device's memory bandwidth."""
+    logits = config.seq * config.microbatch_size * config.vocab
+    e, f = config.dtype_bytes, max(4, config.dtype_bytes)
+    return logits * (2 * e + f), logits * (f + e)
+
+
 def stage_activation_bytes(config: TransformerConfig, num_stages: int) -> tuple[float, ...]:
     """M_B per global stage for one microbatch: its layers, and the stages' extras.
 
@@ -483,7 +529,7 @@ def stage_activation_bytes(config: TransformerConfig, num_stages: int) -> tuple[
     last = num_stages - 1
     return tuple(
         n * layer + rotary + (embed if i == 0 else 0) + (head if i == last else 0)
-        for i, n in enumerate(layer_split(config.layers, num_stages))
+        for i, n in enumerate(config.stage_layers(num_stages))
     )
 
 
@@ -553,14 +599,19 @@ def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stag
     layer_i, head_i = layer_intensity(config), head_intensity(config)
     layer = layer_flops(config)  # F, B, W
     head = head_flops(config)
-    counts = layer_split(config.layers, num_stages)
+    counts = config.stage_layers(num_stages)
     last = num_stages - 1
+    # the softmax cross entropy: memory-bound, in F and B (its W is the head's GEMM alone)
+    loss = (*cross_entropy_bytes(config), 0.0)
+    bandwidth = hardware.memory_bandwidth
 
     def time(kind: int, stage: int) -> float:
         n = counts[stage]
-        seconds = n * layer[kind] / (peak * hardware.fraction(kind, layer_i))
+        seconds = n * (layer[kind] / (peak * hardware.fraction(kind, layer_i)) + hardware.overhead(kind))
         if stage == last:
             seconds += head / (peak * hardware.fraction(kind, head_i))
+            if bandwidth is not None:
+                seconds += loss[kind] / bandwidth
         return seconds
 
     t_f, t_b, t_w = (tuple(time(kind, i) for i in range(num_stages)) for kind in range(3))

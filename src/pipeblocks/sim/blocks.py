@@ -20,7 +20,7 @@ neighbouring block.
 from __future__ import annotations
 
 from ..core.costs import BlockCosts
-from .analytic import TransformerConfig, head_flops, layer_flops, layer_split
+from .analytic import TransformerConfig, head_flops, layer_flops
 
 __all__ = ["transformer_blocks"]
 
@@ -34,7 +34,7 @@ def transformer_blocks(config: TransformerConfig, *, num_stages: int) -> BlockCo
     head_params = shape.head_params() - (config.hidden * config.vocab if config.tied and num_stages == 1 else 0)
     last = num_stages - 1
     params, shares = [], {kind: [] for kind in flops}
-    for stage, n in enumerate(layer_split(config.layers, num_stages)):
+    for stage, n in enumerate(config.stage_layers(num_stages)):
         row = [float(layer_params)] * n
         if stage == 0:
             row[0] += shape.embedding_params()

@@ -28,7 +28,7 @@ from ..core.schedule import Schedule, read_text_file
 from ..interop import from_torch_csv, program_from_torch_csv
 from ..schedules import get
 from ..schedules.sequence import split_sequence
-from .analytic import TransformerConfig, dp_link, model_from_hf, parse_model, stage0_backward_in_w, transformer_costs
+from .analytic import HF_SEQ, TransformerConfig, dp_link, model_from_hf, parse_model, stage0_backward_in_w, transformer_costs
 from .tp_costs import tensor_parallel_costs
 from ..core.recompute import all_pairs, recompute_pairs
 from .auto_sharding import choose_sharding
@@ -38,8 +38,13 @@ from .hardware_profile import resolve_hardware
 from .recompute_auto import choose_recompute, minimal_recompute
 from .recompute_place import place_recompute
 from .sequence_split import chunk_shares, split_lengths
+from .split_auto import SplitChoice, balanced_counts, choose_split
+from ..core.split import AUTO, check_split
 
-__all__ = ["Built", "build", "data_parallel", "memory_budget", "resolve_costs", "model_config"]
+__all__ = [
+    "Built", "build", "data_parallel", "memory_budget", "resolve_costs", "model_config", "stage_model_config",
+    "SplitChosen", "choose_split_for",
+]
 
 _LOWERED_CELL = re.compile(r"\d(?:SEND_|RECV_|UNSHARD|RESHARD|REDUCE_GRAD)")
 
@@ -84,7 +89,46 @@ def build(request: ScheduleRequest) -> Built:
             "--recompute auto chooses the pairs to recompute so that each rank fits --gpu-memory, but no "
             "--gpu-memory was given: give --gpu-memory GB, or use --recompute all / none"
         )
+    if request.costs.split == AUTO:
+        request = choose_split_for(request).request
     return _placed(_chosen(request), request)
+
+
+@dataclass(frozen=True)
+class SplitChosen:
+    """`--split auto` resolved: the request with the chosen counts, and what was compared."""
+
+    request: ScheduleRequest
+    choice: SplitChoice
+
+
+def choose_split_for(request: ScheduleRequest) -> SplitChosen:
+    """The layer counts `--split auto` chooses for `request` (`split_auto.choose_split`): every
+    candidate is built and simulated as the request would be (its schedule, sharding,
+    recomputation), within --gpu-memory when given."""
+    if not request.costs.analytic:
+        raise ScheduleError("--split auto prices every stage's layers, embedding and head with the analytic model: "
+                            "give --model PRESET or --hf DIR (and --hardware), or give the counts (--split 3,4,4,3)")
+
+    def with_split(counts: tuple[int, ...] | None) -> ScheduleRequest:
+        return dataclasses.replace(request, costs=dataclasses.replace(request.costs, split=counts))
+
+    even = _placed(_chosen(with_split(None)), with_split(None))
+    stages = even.schedule.num_stages
+    config = model_config(request.costs)
+    counts = config.stage_layers(stages)
+    totals = [f + b + w for f, b, w in zip(even.costs.t_f, even.costs.t_b, even.costs.t_w)]
+    per_layer = totals[0] / counts[0]  # stage 0's time is its layers' (the embedding is a lookup)
+    fixed = [t - n * per_layer for t, n in zip(totals, counts)]
+
+    def score(candidate: tuple[int, ...]) -> tuple[float, float]:
+        built = even if candidate == counts else _placed(_chosen(with_split(candidate)), with_split(candidate))
+        timeline = built.simulate()
+        return timeline.makespan, max(timeline.memory_need)
+
+    choice = choose_split(score, layers=config.layers, num_stages=stages, budget=memory_budget(request),
+                          starts=(balanced_counts(config.layers, per_layer, fixed),), unit=1e9, memory_unit=" GB")
+    return SplitChosen(with_split(choice.counts), choice)
 
 
 def _placed(built: Built, request: ScheduleRequest) -> Built:
@@ -145,7 +189,7 @@ def _build_elastic_plan(request: ScheduleRequest) -> Built:
         start = (ShardingPolicy.ZERO3,) if request.mesh.dp > 1 else (ShardingPolicy.REPLICATE,)
     else:
         start = request.sharding
-    costs = _with_dp(dataclasses.replace(request, sharding=start), resolve_costs(request.costs, stages), stages)
+    costs = _with_dp(dataclasses.replace(request, sharding=start), resolve_costs(request.costs, stages, p=request.p), stages)
     plan = choose_elastic_plan(
         request.p, request.m, v, costs, budget=memory_budget(request), recompute=request.recompute == "auto",
         start=start, unit=1e9 if request.costs.analytic else 1.0, search_sharding=request.auto_sharding,
@@ -171,7 +215,7 @@ def memory_budget(request: ScheduleRequest) -> float | None:
 def _build(request: ScheduleRequest) -> Built:
     if request.file:
         schedule = _load(request.file)
-        return Built(request, schedule, _with_dp(request, resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks, tp=request.mesh.tp), schedule.num_stages))
+        return Built(request, schedule, _with_dp(request, resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks, tp=request.mesh.tp, p=request.p), schedule.num_stages))
     spec = get(request.name)
     kwargs: dict[str, object] = {"p": request.p, "m": request.m}
     for key, value in request.options:
@@ -187,13 +231,13 @@ def _build(request: ScheduleRequest) -> Built:
         kwargs["gpu_memory"] = memory_budget(request)
     if spec.accepts("costs") and "costs" not in kwargs:
         stages = spec.num_stages(**kwargs)
-        costs = _with_dp(request, resolve_costs(request.costs, stages, k or 1, tp=request.mesh.tp), stages)
+        costs = _with_dp(request, resolve_costs(request.costs, stages, k or 1, tp=request.mesh.tp, p=request.p), stages)
         schedule = generate(**kwargs, costs=costs)
         if schedule.num_stages != stages:  # the registration's v is wrong: a bug, not user input
             raise RuntimeError(f"schedule {spec.name!r} built {schedule.num_stages} stages, registry said {stages}")
         return Built(request, schedule, costs)
     schedule = generate(**kwargs)
-    costs = resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks, tp=request.mesh.tp)
+    costs = resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks, tp=request.mesh.tp, p=request.p)
     return Built(request, schedule, _with_dp(request, costs, schedule.num_stages))
 
 
@@ -229,7 +273,10 @@ def model_config(spec: CostSpec) -> TransformerConfig:
     `analytic.model_from_hf`: an unsupported architecture or a missing file is a ValueError);
     `seq` and `microbatch_size` replace the model's own when given (with `hf`: its context
     at most 4096, and 1), and `flash_attention` is the spec's."""
-    if spec.hf:
+    if spec.shape is not None:
+        config = TransformerConfig.from_shape(spec.shape, seq=spec.seq or HF_SEQ, microbatch_size=spec.microbatch_size or 1,
+                                              flash_attention=spec.flash_attention)
+    elif spec.hf:
         config = model_from_hf(spec.hf, seq=spec.seq, microbatch_size=spec.microbatch_size or 1,
                                flash_attention=spec.flash_attention)
     elif spec.model:
@@ -242,21 +289,38 @@ def model_config(spec: CostSpec) -> TransformerConfig:
     return config
 
 
-def resolve_costs(spec: CostSpec, num_stages: int, seq_chunks: int = 1, tp: int = 1) -> Costs:
-    """Costs from the analytic model (`model_config`, for `num_stages` stages; with tp > 1 as
-    one of tp tensor-parallel ranks runs them, `tp_costs`), or from pass times (unit costs
-    by default; tp is then the runtime's alone, not priced)."""
+def stage_model_config(spec: CostSpec, num_stages: int, *, p: int | None = None) -> TransformerConfig:
+    """`model_config(spec)` cut into `num_stages` stages by `spec.split` when it gives counts
+    (checked here: one per stage, each >= 1, summing to the layers; `p` names the ranks in
+    the error), else by the even rule."""
+    config = model_config(spec)
+    if isinstance(spec.split, tuple):
+        try:
+            counts = check_split(spec.split, layers=config.layers, num_stages=num_stages, p=p)
+        except ValueError as err:
+            raise ScheduleError(str(err)) from None
+        config = dataclasses.replace(config, split=counts)
+    elif spec.split is not None:  # build() resolves "auto" before any costs are asked
+        raise ScheduleError(f"--split {spec.split}: resolve it with sim.build.build (or choose_split_for) first")
+    return config
+
+
+def resolve_costs(spec: CostSpec, num_stages: int, seq_chunks: int = 1, tp: int = 1, *, p: int | None = None) -> Costs:
+    """Costs from the analytic model (`stage_model_config`, for `num_stages` stages cut by
+    `spec.split`; with tp > 1 as one of tp tensor-parallel ranks runs them, `tp_costs`), or
+    from pass times (unit costs by default; tp is then the runtime's alone, not priced, and
+    a split is the runtime's too: `train` builds its stages by it)."""
     if spec.analytic and tp > 1:
         if seq_chunks > 1:
             raise ScheduleError(f"--tp {tp} with --seq-chunks {seq_chunks}: tensor parallelism already splits the "
                                 "tokens (sequence parallelism); drop one")
-        config = model_config(spec)
-        costs = resolve_costs(spec, num_stages, seq_chunks)
+        config = stage_model_config(spec, num_stages, p=p)
+        costs = resolve_costs(spec, num_stages, seq_chunks, p=p)
         costs = tensor_parallel_costs(costs, config, resolve_hardware(spec.hardware), num_stages=num_stages, tp=tp)
         # stage 0 runs its whole backward in W, its tensor-parallel collectives too
         return stage0_backward_in_w(costs)
     if spec.analytic:
-        config = model_config(spec)
+        config = stage_model_config(spec, num_stages, p=p)
         # with sequence chunks stage 0's B has work: the earlier chunks' K/V need their gradient
         costs = transformer_costs(config, resolve_hardware(spec.hardware), num_stages=num_stages,
                                   stage0_input_grad=seq_chunks > 1)

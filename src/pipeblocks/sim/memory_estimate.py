@@ -49,7 +49,7 @@ from ..core.sharding import ShardingPolicy, parse_sharding, per_stage
 from ..core.simulate import simulate
 from ..core.static_memory import chunk_bytes, predict_static_peak
 from .analytic import (
-    TransformerConfig, layer_activation_bytes, layer_split, loss_activation_bytes, stage_activation_bytes,
+    TransformerConfig, layer_activation_bytes, loss_activation_bytes, stage_activation_bytes,
     transformer_w_ratio,
 )
 from .sequence_split import SPLITS, chunk_shares, split_lengths
@@ -158,7 +158,7 @@ def _w_ratios(config: TransformerConfig, mem_b: tuple[float, ...], w_keeps: str)
     layer = transformer_w_ratio(config) * layer_activation_bytes(config, config.seq, config.seq)
     head = tokens * (config.hidden + config.vocab) * config.dtype_bytes
     needed = [n * layer + (8 * tokens if s == 0 else 0) + (head if s == S - 1 else 0)
-              for s, n in enumerate(layer_split(config.layers, S))]
+              for s, n in enumerate(config.stage_layers(S))]
     return tuple(min(1.0, x / m) for x, m in zip(needed, mem_b))
 
 

@@ -22,7 +22,7 @@ from ..core.costs import Costs
 from ..core.dp_model import Link
 from ..core.schedule import Schedule
 from ..core.tp_model import TPCostModel
-from .analytic import Hardware, TransformerConfig, layer_split
+from .analytic import Hardware, TransformerConfig
 from .tp_memory import tp_stage_activation_bytes
 
 __all__ = ["tensor_parallel_costs", "tp_comm_per_rank", "tp_model"]
@@ -43,7 +43,7 @@ def tensor_parallel_costs(costs: Costs, config: TransformerConfig, hardware: Har
     if tp == 1:
         return costs
     activation = _activation_bytes(config)
-    split = tp_model(hardware, tp).split(costs, layers=layer_split(config.layers, num_stages),
+    split = tp_model(hardware, tp).split(costs, layers=config.stage_layers(num_stages),
                                          activation_bytes=activation)
     blocks = costs.blocks
     if blocks is not None:
@@ -59,7 +59,7 @@ def tp_comm_per_rank(schedule: Schedule, config: TransformerConfig, hardware: Ha
                      recompute=frozenset()) -> list[float]:
     """Seconds each pipeline rank spends in tensor-parallel collectives in one step: its
     stages' F and B of every microbatch, and each recomputed forward again."""
-    per_stage = tp_model(hardware, tp).stage_comm(layer_split(config.layers, schedule.num_stages),
+    per_stage = tp_model(hardware, tp).stage_comm(config.stage_layers(schedule.num_stages),
                                                   _activation_bytes(config))
     placement = schedule.placement
     out = []

@@ -41,7 +41,7 @@ Dropout, when the config has it, saves its masks on the sharded tensors (1/t).
 """
 from __future__ import annotations
 
-from .analytic import _NORM_STATISTICS, TransformerConfig, layer_split, loss_activation_bytes, rotary_table_bytes
+from .analytic import _NORM_STATISTICS, TransformerConfig, loss_activation_bytes, rotary_table_bytes
 
 __all__ = ["tp_layer_activation_bytes", "tp_stage_activation_bytes", "tp_stage_param_shapes", "tp_mismatch"]
 
@@ -103,7 +103,7 @@ def tp_stage_param_shapes(config: TransformerConfig, num_stages: int, tp: int) -
     final = num_stages - 1
     return tuple(
         (first if i == 0 else ()) + layer * n + (last if i == final else ())
-        for i, n in enumerate(layer_split(config.layers, num_stages))
+        for i, n in enumerate(config.stage_layers(num_stages))
     )
 
 
@@ -140,5 +140,5 @@ def tp_stage_activation_bytes(config: TransformerConfig, num_stages: int, tp: in
     last = num_stages - 1
     return tuple(
         n * layer + rotary + (embed if i == 0 else 0) + (head if i == last else 0)
-        for i, n in enumerate(layer_split(config.layers, num_stages))
+        for i, n in enumerate(config.stage_layers(num_stages))
     )

@@ -1,0 +1,130 @@
+"""--split: explicit layer counts per stage and --split auto (the simulator's choice), in the
+analytic model and on the command line; the errors before anything starts."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipeblocks.cli.main import main
+from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.core.split import check_split, parse_split, stage_layers
+from pipeblocks.sim.analytic import HARDWARE, MODELS, head_flops, layer_flops, transformer_costs
+from pipeblocks.sim.build import build, choose_split_for
+from pipeblocks.sim.split_auto import balanced_counts, choose_split
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---- parsing and checking -------------------------------------------------------------------
+
+def test_parse_split():
+    assert parse_split("3,4,4,3") == (3, 4, 4, 3)
+    assert parse_split(" auto ") == "auto" and parse_split(None) is None
+    with pytest.raises(ValueError, match="as integers in stage order"):
+        parse_split("3,four")
+    with pytest.raises(ValueError, match="stage 1 0 layers"):
+        parse_split("3,0,4")
+
+
+def test_check_split_names_the_numbers():
+    assert check_split((3, 4, 4, 3), layers=14, num_stages=4, p=4) == (3, 4, 4, 3)
+    with pytest.raises(ValueError, match=r"sums to 13 layers but the model has 14.*even split is 3,4,4,3"):
+        check_split((3, 4, 3, 3), layers=14, num_stages=4)
+    with pytest.raises(ValueError, match=r"gives 4 counts but the pipeline has 8 stages \(p=4 ranks x v=2 chunks"):
+        check_split((3, 4, 4, 3), layers=14, num_stages=8, p=4)
+    with pytest.raises(ValueError, match="stage 2 0 layers"):
+        check_split((7, 7, 0, 0), layers=14, num_stages=4)
+    assert stage_layers(10, 4) == (2, 3, 3, 2) and stage_layers(10, 4, (1, 4, 4, 1)) == (1, 4, 4, 1)
+
+
+def test_bad_split_on_the_command_line_is_one_line(capsys):
+    for argv, words in [
+        (("--split", "8,8,8"), "gives 3 counts but the pipeline has 4 stages"),
+        (("--split", "9,9,9,9"), "sums to 36 layers but the model has 32"),
+        (("--split", "16,16,0,0"), "every stage needs at least one layer"),
+        (("-v", "2", "--split", "8,8,8,8"), "8 stages (p=4 ranks x v=2 chunks per rank)"),
+    ]:
+        name = "interleaved-1f1b" if "-v" in argv else "1f1b"
+        code, out, err = run_cli(capsys, "simulate", name, "-p", "4", "-m", "8", "--model", "llama-3-8b", *argv)
+        assert code == 2 and out == "" and words in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = run_cli(capsys, "simulate", "1f1b", "-p", "4", "--split", "2,2,2,2")
+    assert code == 2 and "--model" in err  # unit costs know no layers
+
+
+# ---- the analytic model prices the stages by their counts ----------------------------------
+
+def test_each_stage_is_priced_by_its_layers_with_the_embedding_and_the_head():
+    config = dataclasses.replace(MODELS["llama-3-8b"], split=(9, 9, 8, 6))
+    hw = HARDWARE["a100"]
+    costs = transformer_costs(config, hw, num_stages=4, stage0_input_grad=True)
+    layer = layer_flops(config)[0] / (hw.flops * hw.efficiency)
+    assert costs.t_f[:3] == pytest.approx((9 * layer, 9 * layer, 8 * layer), rel=1e-12)
+    # the head's GEMM and the softmax cross entropy's traffic on top of the last stage's 6 layers
+    head = head_flops(config) / (hw.flops * hw.efficiency)
+    softmax = config.seq * config.vocab * (2 * 2 + 4) / hw.memory_bandwidth
+    assert costs.t_f[3] == pytest.approx(6 * layer + head + softmax, rel=1e-12)
+    even = transformer_costs(MODELS["llama-3-8b"], hw, num_stages=4, stage0_input_grad=True)
+    # memory and parameters follow the counts too: stage 0 holds one layer more than even
+    assert costs.mem_b[0] > even.mem_b[0] and costs.params[3] < even.params[3]
+
+
+# ---- --split auto ----------------------------------------------------------------------------
+
+def _request(**changes):
+    base = ScheduleRequest(name="1f1b", m=8, mesh=Mesh(pp=4), costs=CostSpec(model="llama-3-8b", split="auto"))
+    return dataclasses.replace(base, **changes)
+
+
+def test_auto_beats_the_even_split_on_a_vocabulary_heavy_model():
+    chosen = choose_split_for(_request())
+    choice = chosen.choice
+    assert choice.even == (8, 8, 8, 8) and sum(choice.counts) == 32 and min(choice.counts) >= 1
+    assert choice.step < 0.97 * choice.even_step  # the 128k head makes the even split's last stage the slowest
+    built = build(_request())
+    assert built.request.costs.split == choice.counts
+    assert built.simulate().makespan == pytest.approx(choice.step)
+    assert choice.counts[3] < 8  # the head's stage gives layers away
+
+
+def test_auto_never_exceeds_the_memory_limit():
+    free = choose_split_for(_request()).choice
+    budget = 0.97 * free.need / 1e9  # the fastest split needs more than this
+    chosen = choose_split_for(_request(gpu_memory=budget)).choice
+    assert chosen.need <= budget * 1e9 and chosen.counts != free.counts
+    assert chosen.step >= free.step
+    # a budget nothing fits: refused, naming the numbers
+    with pytest.raises(Exception, match=r"--split auto: no split fits --gpu-memory.*against 10 GB"):
+        choose_split_for(_request(gpu_memory=10))
+
+
+def test_the_descent_finds_the_best_split_of_a_small_case():
+    """Equal to an exhaustive search over every split of 8 layers into 4 stages."""
+    fixed = (0.0, 0.0, 0.5, 2.5)
+
+    def score(counts):
+        times = [f + n for f, n in zip(fixed, counts)]
+        return sum(times) + 7 * max(times), float(max(counts))
+
+    every = [(a, b, c, 8 - a - b - c) for a in range(1, 6) for b in range(1, 6) for c in range(1, 6)
+             if 8 - a - b - c >= 1]
+    best = min(score(c)[0] for c in every)
+    assert score(choose_split(score, layers=8, num_stages=4).counts)[0] == pytest.approx(best)
+    assert balanced_counts(8, 1.0, fixed) in every
+
+
+def test_auto_with_unit_costs_is_refused():
+    with pytest.raises(Exception, match="analytic model"):
+        choose_split_for(_request(costs=CostSpec(split="auto")))
+
+
+def test_simulate_and_compare_print_the_split(capsys):
+    code, out, _ = run_cli(capsys, "simulate", "1f1b", "-p", "4", "-m", "8", "--model", "llama-3-8b", "--split", "auto")
+    assert code == 0 and "split auto" in out and "against the even 8,8,8,8" in out
+    code, out, _ = run_cli(capsys, "compare", "-p", "4", "-m", "8", "--model", "llama-3-8b", "--split", "9,9,8,6",
+                           "--schedules", "1f1b,zb-h1")
+    assert code == 0 and out.count("9,9,8,6") == 2
