@@ -219,6 +219,15 @@ def test_step_cost_occupies_the_compute_stream():
     assert "S1" in render_text_timeline(timeline)
 
 
+def test_text_timeline_draws_a_step_that_ends_the_run():
+    # with zero-length optimizer steps the last one starts at the makespan, in the half cell
+    # that rounds past the last: it is drawn in the last cell, for every p, N and run length
+    for p, n, steps in ((2, 1, 1), (3, 2, 2), (3, 2, 4), (5, 3, 3)):
+        text = render_text_timeline(simulate_program(async_1f1b(p=p, n=n, steps=steps)))
+        rows = text.splitlines()[1:]
+        assert len(rows) == p and f"S{steps - 1}" in rows[0].split()[-1]
+
+
 def test_steady_state_needs_an_asynchronous_run_of_three_steps():
     with pytest.raises(ValueError, match="no optimizer steps"):
         steady_state(simulate(get("1f1b")(p=2, m=4)))

@@ -99,7 +99,9 @@ def _cell_owners(starts: np.ndarray, ends: np.ndarray, origin: float, quantum: f
     if not len(starts):
         return [], []
     # np.rint rounds half to even, as round() does, on the same quotients
-    first = np.rint((starts - origin) / quantum).astype(np.int64)
+    # an event that starts in the last half cell (a zero-length optimizer step at the end)
+    # rounds to the cell past the end: it writes the last cell
+    first = np.minimum(np.rint((starts - origin) / quantum).astype(np.int64), total - 1)
     stop = np.minimum(np.maximum(first + 1, np.rint((ends - origin) / quantum).astype(np.int64)), total)
     spread = np.maximum(stop - first - 1, 0)  # the cells a pass continues over: first + 1 .. stop - 1
     index = np.arange(len(first))
