@@ -102,6 +102,9 @@ def register(sub) -> None:
                         help="the grain of the data-parallel collectives: block (default: a gather and a reduction "
                         "per layer, pipelined with the passes, as FSDP2 per block and DDP's buckets) or chunk (one "
                         "per chunk), as `train --dp-unit` runs them")
+    parser.add_argument("--vocab-parallel", action="store_true",
+                        help="also price every schedule with the input embedding and the head split by vocabulary "
+                        "over the pipeline ranks (tp 1, whole sequences; listed as NAME+vocab), and rank both")
     parser.add_argument("--exhaustive", action="store_true",
                         help="simulate every configuration that can fit, not only those that can beat their "
                         "schedule's best (slower; a fuller plot)")
@@ -136,7 +139,7 @@ def problem_from_args(args: argparse.Namespace) -> PlanProblem:
         global_batch=args.global_batch, schedules=schedules, microbatch_sizes=args.microbatch_sizes,
         precision="fp32" if args.fp32 else "bf16-mixed", seq_chunks=args.seq_chunks, tp_degrees=args.tp,
         extrapolate=not args.exact, intensity=_intensity(args.intensity_model, hardware), w_keeps=args.w_keeps,
-        dp_unit=args.dp_unit, hf=_hf_directory(args.hf) if args.hf else None,
+        dp_unit=args.dp_unit, hf=_hf_directory(args.hf) if args.hf else None, vocab_parallel=args.vocab_parallel,
     )
 
 

@@ -14,7 +14,7 @@ def row(e: Evaluated) -> dict:
     c = e.candidate
     return {
         "schedule": c.label, "dp": c.dp, "tp": c.tp, "pp": c.pp, "microbatch_size": c.microbatch_size, "m": c.m,
-        "seq_chunks": c.seq_chunks, "sharding": e.sharding, "mfu": e.mfu, "tokens_per_s": e.tokens_per_s,
+        "seq_chunks": c.seq_chunks, "vocab_parallel": c.vocab_parallel, "sharding": e.sharding, "mfu": e.mfu, "tokens_per_s": e.tokens_per_s,
         "iteration_time": e.iteration_time, "peak_memory": e.peak_memory, "static_memory": e.static_memory,
         "activation_memory": e.activation_memory, "bubble": e.bubble, "exposed_comm": e.exposed_comm,
         "simulated_m": list(e.simulated_m), "rank_memory": [list(x) for x in e.rank_memory],
@@ -96,7 +96,8 @@ def _commands(result: PlanResult, e: Evaluated) -> list[str]:
         else:
             kv = model.shape.num_kv_heads
             family = " --model-family llama" + (f" --kv-heads {kv}" if kv != model.heads else "")
-    options = f" --schedule {c.schedule} -p {c.pp} -m {c.m}{mesh}{tp}{seq} {sizes}{precision}{family}"
+    vocab = " --vocab-parallel" if c.vocab_parallel else ""
+    options = f" --schedule {c.schedule} -p {c.pp} -m {c.m}{mesh}{tp}{seq}{vocab} {sizes}{precision}{family}"
     # under torchrun `python -m pipeblocks train` runs the same run, one rank per process
     return [f"pipeblocks train{options}",
             f"torchrun --nnodes {nodes} --nproc-per-node {per_node} -m pipeblocks train{options}"]

@@ -52,8 +52,10 @@ from ..schedules.sequence import split_sequence
 from ..sim.analytic import sequence_flops
 from ..sim.memory_estimate import rank_static_peak
 from ..sim.sequence_split import chunk_shares, split_lengths
+from ..sim.vocab_costs import vocab_rank_static_peak
 from .costs import replica_costs
 from .space import SHARDING_ORDER, MeshShape, PlanProblem, meshes, microbatch_sizes
+from .vocab import vocab_replica_costs
 
 __all__ = [
     "Candidate", "Evaluated", "Skipped", "PlanResult", "search", "search_schedule", "model_flops", "evaluate",
@@ -72,10 +74,16 @@ class Candidate:
     microbatch_size: int
     m: int
     seq_chunks: int = 1
+    vocab_parallel: bool = False
+    """the embedding and the head split by vocabulary over the pp ranks (`plan.vocab`)"""
 
     @property
     def label(self) -> str:
-        return self.schedule if self.seq_chunks == 1 else f"{self.schedule}+seq{self.seq_chunks}"
+        return _label(self.schedule, self.seq_chunks, self.vocab_parallel)
+
+
+def _label(schedule: str, seq_chunks: int, vocab: bool) -> str:
+    return schedule + (f"+seq{seq_chunks}" if seq_chunks > 1 else "") + ("+vocab" if vocab else "")
 
 
 @dataclass(frozen=True)
@@ -165,7 +173,8 @@ LOCAL_SEARCH = 10
 
 def _rank_key(e: Evaluated) -> tuple:
     c = e.candidate
-    return (-e.mfu, e.peak_memory, c.schedule, c.seq_chunks, c.dp, c.tp, c.pp, c.microbatch_size, e.sharding)
+    return (-e.mfu, e.peak_memory, c.schedule, c.seq_chunks, c.vocab_parallel, c.dp, c.tp, c.pp, c.microbatch_size,
+            e.sharding)
 
 
 def model_flops(problem: PlanProblem) -> float:
@@ -178,9 +187,18 @@ def _placement(name: str, pp: int, stages: int) -> Placement:
 
 
 def static_peak(problem: PlanProblem, shape: MeshShape, placement: Placement,
-                policy: ShardingPolicy, name: str) -> tuple[float, ...]:
+                policy: ShardingPolicy, name: str, vocab: bool = False) -> tuple[float, ...]:
     """Static bytes per pipeline rank at the step's peak (the most over the replicas):
-    `estimate_memory`'s static part, through `sim.memory_estimate.rank_static_peak`."""
+    `estimate_memory`'s static part, through `sim.memory_estimate.rank_static_peak`; with
+    `vocab`, the stages without the vocabulary tables and each rank's rows of them
+    (`sim.vocab_costs.vocab_rank_static_peak`)."""
+    if vocab:
+        return tuple(
+            vocab_rank_static_peak(problem.model, placement.num_stages, placement.stages_of(r), policy, dp=shape.dp,
+                                   precision=problem.precision, ranks=shape.pp,
+                                   split_backward=split_backward(name))
+            for r in range(placement.num_ranks)
+        )
     return tuple(
         rank_static_peak(problem.model, placement.num_stages, placement.stages_of(r), (policy,), dp=shape.dp,
                          precision=problem.precision, tp=shape.tp, split_backward=split_backward(name))
@@ -228,13 +246,17 @@ class _Entry:
     stages: int
 
 
-def _entries(problem: PlanProblem, name: str, k: int) -> tuple[list[_Entry], list[Skipped]]:
+def _entries(problem: PlanProblem, name: str, k: int, vocab: bool = False) -> tuple[list[_Entry], list[Skipped]]:
     """The schedule's candidates that pass the static-memory check, with their bounds."""
     entries, skipped = [], []
-    label = name if k == 1 else f"{name}+seq{k}"
+    label = _label(name, k, vocab)
     spec = get(name)
     flops, peak_rate = model_flops(problem), problem.hardware.flops * problem.gpus
     for shape in meshes(problem):
+        if vocab and (shape.tp > 1 or shape.pp < 2):
+            skipped.append(Skipped(label, shape, None, "vocabulary parallelism splits the vocabulary over 2 or more "
+                                                       "pipeline ranks, without tensor parallelism"))
+            continue
         if shape.tp > 1 and k > 1:
             skipped.append(Skipped(label, shape, None, "sequence chunks with tp > 1: the runtime runs neither with "
                                                        "the other (tp already splits the tokens)"))
@@ -247,9 +269,9 @@ def _entries(problem: PlanProblem, name: str, k: int) -> tuple[list[_Entry], lis
                 break  # the stage count does not depend on b
             placement = _placement(name, shape.pp, stages)
             least, least_policy = min(
-                (max(static_peak(problem, shape, placement, pol, name)), pol) for pol in _policies(shape)
+                (max(static_peak(problem, shape, placement, pol, name, vocab)), pol) for pol in _policies(shape)
             )
-            costs = _costs(problem, shape, b, stages, k, least_policy)
+            costs = _costs(problem, shape, b, stages, k, least_policy, vocab)
             if least > problem.gpu_memory:
                 skipped.append(Skipped(
                     label, shape, None,
@@ -259,16 +281,24 @@ def _entries(problem: PlanProblem, name: str, k: int) -> tuple[list[_Entry], lis
                 ))
                 break  # static memory does not depend on the microbatch size
             table = costs.resolve(placement, k)
+            shared = 0.0 if costs.vocab is None else sum(costs.vocab.duration(kind) for kind in ("IF", "S", "T", "IB"))
             busy = max(
-                m * sum(table.f[s] + table.b[s] + table.w[s] for s in placement.stages_of(r))
+                m * (shared + sum(table.f[s] + table.b[s] + table.w[s] for s in placement.stages_of(r)))
                 for r in range(shape.pp)
             )
             entries.append(_Entry(flops / (busy * peak_rate), shape, b, m, stages))
     return entries, skipped
 
 
-def _costs(problem: PlanProblem, shape: MeshShape, b: int, stages: int, k: int, policy: ShardingPolicy):
+def _costs(problem: PlanProblem, shape: MeshShape, b: int, stages: int, k: int, policy: ShardingPolicy,
+           vocab: bool = False):
     config = problem.config(b)
+    if vocab:  # tp = 1 and whole sequences (`_entries`)
+        return vocab_replica_costs(
+            config, problem.hardware, num_stages=stages, ranks=shape.pp, dp=shape.dp, sharding=policy,
+            precision=problem.precision, intensity=problem.intensity, w_keeps=problem.w_keeps,
+            dp_unit=problem.dp_unit,
+        )
     costs = replica_costs(
         config, problem.hardware, num_stages=stages, dp=shape.dp, tp=shape.tp, sharding=policy,
         precision=problem.precision, intensity=problem.intensity, seq_chunks=k, w_keeps=problem.w_keeps,
@@ -279,12 +309,13 @@ def _costs(problem: PlanProblem, shape: MeshShape, b: int, stages: int, k: int, 
 
 def evaluate(
     problem: PlanProblem, name: str, k: int, entry: _Entry, *, shardings: Iterable[ShardingPolicy] | None = None,
+    vocab: bool = False,
 ) -> tuple[list[Evaluated], list[Skipped], int]:
     """Simulate one candidate under each sharding policy that can fit (of `shardings`, or
     of every policy the mesh allows): the best that fits (or, when none does, the least
     memory one), what was left out, and the simulations run."""
     shape, b, m = entry.shape, entry.microbatch_size, entry.m
-    label = name if k == 1 else f"{name}+seq{k}"
+    label = _label(name, k, vocab)
     capacity = problem.gpu_memory
     flops, peak_rate = model_flops(problem), problem.hardware.flops * problem.gpus
     tokens = problem.global_batch * problem.model.seq
@@ -296,14 +327,14 @@ def evaluate(
         if not policies:
             raise ValueError(f"no sharding policy of {sorted(map(str, wanted))} applies to dp {shape.dp}: "
                              "with one replica only replicate does")
-    costs = {pol: _costs(problem, shape, b, entry.stages, k, pol) for pol in policies}
-    static = {pol: static_peak(problem, shape, placement, pol, name) for pol in policies}
+    costs = {pol: _costs(problem, shape, b, entry.stages, k, pol, vocab) for pol in policies}
+    static = {pol: static_peak(problem, shape, placement, pol, name, vocab) for pol in policies}
     fitting = [pol for pol in policies if max(static[pol]) <= capacity]
     if not fitting:
         least = min(max(static[pol]) for pol in policies)
         return [], [Skipped(label, shape, b, f"static memory {least / 1e9:.1f} GB per GPU > {capacity / 1e9:.4g} GB",
                             least_memory=least)], 0
-    candidate = Candidate(name, shape.dp, shape.tp, shape.pp, b, m, k)
+    candidate = Candidate(name, shape.dp, shape.tp, shape.pp, b, m, k, vocab)
     simulated = (m,)
     if problem.extrapolate and m > EXTRAPOLATE_FROM[1] * shape.pp:
         simulated = tuple(f * shape.pp for f in EXTRAPOLATE_FROM)
@@ -322,7 +353,13 @@ def evaluate(
     for pol in fitting:
         if activation is not None and max(s + a for s, a in zip(static[pol], activation)) > capacity:
             continue
-        timelines = [simulate(schedule, costs[pol]) for schedule in schedules]
+        try:
+            timelines = [simulate(schedule, costs[pol]) for schedule in schedules]
+        except ScheduleError as err:
+            if not vocab:
+                raise
+            # the vocabulary passes could not be placed into this schedule: the plain candidate stands
+            return [], [Skipped(label, shape, b, f"not built: {err}")], runs
         runs += len(timelines)
         activation = tuple(map(max, *(t.peak_activation for t in timelines))) if len(timelines) > 1 else (
             timelines[0].peak_activation)
@@ -353,13 +390,15 @@ def _at(m: int, simulated: tuple[int, ...], values: list[float]) -> float:
 
 def search_schedule(
     problem: PlanProblem, name: str, k: int = 1, *, exhaustive: bool = False, floor: float = 0.0,
+    vocab: bool = False,
 ) -> tuple[list[Evaluated], list[Skipped], int, int]:
     """Branch and bound over one schedule's candidates, meshes with the highest MFU bound
     first: a candidate whose bound is below the best MFU that fits, or below `floor`, is
     not simulated (unless `exhaustive`). A mesh whose
     microbatch size b does not fit is not tried at larger b (more activation at the peak).
+    `vocab`: the schedule with vocabulary parallelism (`plan.vocab`).
     Returns the evaluated, the skipped, the simulations run and the candidates pruned."""
-    entries, skipped = _entries(problem, name, k)
+    entries, skipped = _entries(problem, name, k, vocab)
     # meshes by their best bound; within a mesh the sizes ascend, so the first size that
     # does not fit ends the mesh
     top: dict[MeshShape, float] = {}
@@ -376,7 +415,7 @@ def search_schedule(
         if not exhaustive and entry.bound < best:
             pruned += 1
             continue
-        done, left, sims = evaluate(problem, name, k, entry)
+        done, left, sims = evaluate(problem, name, k, entry, vocab=vocab)
         evaluated += done
         skipped += left
         runs += sims
@@ -406,15 +445,15 @@ def seq_chunk_rounds(problem: PlanProblem) -> tuple[tuple[int, ...], tuple[int, 
 
 
 def _run_task(problem: PlanProblem, exhaustive: bool, floor: float, tasks, index: int):
-    name, k = tasks[index]
-    return index, search_schedule(problem, name, k, exhaustive=exhaustive, floor=floor)
+    name, k, vocab = tasks[index]
+    return index, search_schedule(problem, name, k, exhaustive=exhaustive, floor=floor, vocab=vocab)
 
 
 def _run_tasks(
-    problem: PlanProblem, tasks: list[tuple[str, int]], jobs: int | None, exhaustive: bool,
+    problem: PlanProblem, tasks: list[tuple[str, int, bool]], jobs: int | None, exhaustive: bool,
     progress: Callable[[str], None] | None, start: float, floor: float = 0.0,
 ) -> list[tuple]:
-    """search_schedule of every (schedule, chunk count), in task order."""
+    """search_schedule of every (schedule, chunk count, vocabulary parallelism), in task order."""
     workers = min(jobs if jobs is not None else min(2, os.cpu_count() or 1), len(tasks))
     run = functools.partial(_run_task, problem, exhaustive, floor, tasks)
     outcomes: Iterable
@@ -430,8 +469,7 @@ def _run_tasks(
         for done, (index, outcome) in enumerate(outcomes, 1):
             collected[index] = outcome
             if progress is not None:
-                name, k = tasks[index]
-                label = name if k == 1 else f"{name}+seq{k}"
+                label = _label(*tasks[index])
                 progress(f"plan: {done}/{len(tasks)} {label}: {outcome[2]} simulations, "
                          f"{time.perf_counter() - start:.1f} s")
     finally:
@@ -451,14 +489,17 @@ def search(
     start = time.perf_counter()
     meshes(problem)  # the errors for a GPU count or batch that nothing fits, before any work
     first, second, always = seq_chunk_rounds(problem)
-    outcomes = _run_tasks(problem, [(n, k) for n in problem.schedules for k in first], jobs, exhaustive, progress, start)
+    tasks = [(n, k, False) for n in problem.schedules for k in first]
+    if problem.vocab_parallel:  # each schedule also with the vocabulary split, whole sequences
+        tasks += [(n, 1, True) for n in problem.schedules]
+    outcomes = _run_tasks(problem, tasks, jobs, exhaustive, progress, start)
     chunks = first
     best = max((e.mfu for outcome in outcomes for e in outcome[0] if e.fits), default=0.0)
     if second and (always or best == 0.0):
         if progress is not None:
             why = "long sequences" if best else "nothing fits whole sequences"
             progress(f"plan: {why}; trying {','.join(map(str, second))} sequence chunks")
-        tasks = [(n, k) for n in problem.schedules for k in second]
+        tasks = [(n, k, False) for n in problem.schedules for k in second]
         # a chunked candidate is simulated only if it can beat the best whole-sequence plan
         outcomes += _run_tasks(problem, tasks, jobs, exhaustive, progress, start, floor=best)
         chunks = first + second

@@ -72,6 +72,9 @@ class PlanProblem:
         passes) or "chunk" (one per chunk).
     hf: the Hugging Face model directory the model was read from (`plan --hf`), which the
         printed commands name instead of the model's sizes (None: a preset or given sizes).
+    vocab_parallel: also price every schedule with the embedding and the head split by
+        vocabulary over its pp ranks (`plan.vocab`; tp = 1, whole sequences, pp >= 2), listed
+        as NAME+vocab beside the plain candidates; the ranking keeps whichever wins.
     """
 
     model: TransformerConfig
@@ -89,6 +92,7 @@ class PlanProblem:
     w_keeps: str = "graph"
     dp_unit: str = "block"
     hf: str | None = None
+    vocab_parallel: bool = False
 
     def __post_init__(self) -> None:
         _check_count("--gpus", self.gpus, "give the number of GPUs to plan for")

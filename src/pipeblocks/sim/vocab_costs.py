@@ -49,7 +49,7 @@ from ..core.vocab import VocabCosts
 from .analytic import Hardware, TransformerConfig, cross_entropy_bytes, head_flops, head_intensity
 
 __all__ = ["vocab_costs", "head_seconds", "head_activation_bytes", "with_vocab_parallel", "shard_rows",
-           "RankLoad", "rank_loads"]
+           "strip_blocks", "RankLoad", "rank_loads", "vocab_stage_param_shapes", "vocab_rank_static_peak"]
 
 
 def shard_rows(vocab: int, ranks: int) -> int:
@@ -91,9 +91,11 @@ def head_activation_bytes(config: TransformerConfig) -> float:
     return config.seq * config.microbatch_size * config.hidden * config.dtype_bytes + loss_activation_bytes(config)
 
 
-def vocab_costs(config: TransformerConfig, hardware: Hardware, *, ranks: int) -> VocabCosts:
+def vocab_costs(config: TransformerConfig, hardware: Hardware, *, ranks: int,
+                gemm_efficiency: float = 1.0) -> VocabCosts:
     """Per rank and per microbatch, the vocabulary passes of `config` split over `ranks`
-    pipeline ranks (the module docstring has every term)."""
+    pipeline ranks (the module docstring has every term). `gemm_efficiency`: a further share
+    of the achievable rate the shard's products reach (the planner's intensity model, 1: none)."""
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ScheduleError(f"vocabulary parallelism needs p >= 1 pipeline ranks, got {ranks!r}")
     rows = shard_rows(config.vocab, ranks)
@@ -109,7 +111,7 @@ def vocab_costs(config: TransformerConfig, hardware: Hardware, *, ranks: int) ->
     bandwidth = hardware.memory_bandwidth
 
     def gemm(kind: int) -> float:
-        return product / (hardware.flops * hardware.fraction(kind, intensity))
+        return product / (hardware.flops * hardware.fraction(kind, intensity) * gemm_efficiency)
 
     def streamed(nbytes: float) -> float:
         return nbytes / bandwidth if bandwidth else 0.0
@@ -140,11 +142,11 @@ def _per_stage(costs: Costs, name: str, num_stages: int) -> list[float]:
 
 
 def with_vocab_parallel(costs: Costs, config: TransformerConfig, hardware: Hardware, *, ranks: int,
-                        head: tuple[float, float, float] | None = None) -> Costs:
+                        head: tuple[float, float, float] | None = None, gemm_efficiency: float = 1.0) -> Costs:
     """`costs` (the analytic model's, per global stage) with the head and loss taken off the last
     stage and the token table off the first, and `vocab` set to their split passes over `ranks`.
     `head`: the (F, B, W) seconds to take off the last stage (default `head_seconds`: the
-    simulator's pricing; the planner passes its own)."""
+    simulator's pricing; the planner passes its own) and `gemm_efficiency` goes to `vocab_costs`."""
     num_stages = len(costs.t_f) if isinstance(costs.t_f, tuple) else 0
     if num_stages < 2:
         raise ScheduleError(
@@ -177,14 +179,14 @@ def with_vocab_parallel(costs: Costs, config: TransformerConfig, hardware: Hardw
     params[last] = max(0.0, params[last] - table)
     blocks = costs.blocks
     if blocks is not None:
-        blocks = _strip_blocks(blocks, table)
+        blocks = strip_blocks(blocks, table)
     return dataclasses.replace(
         costs, **times, mem_b=tuple(mem_b), mem_w_ratio=ratio, recompute_input_ratio=recompute,
-        params=tuple(params), blocks=blocks, vocab=vocab_costs(config, hardware, ranks=ranks),
+        params=tuple(params), blocks=blocks, vocab=vocab_costs(config, hardware, ranks=ranks, gemm_efficiency=gemm_efficiency),
     )
 
 
-def _strip_blocks(blocks: BlockCosts, table: float) -> BlockCosts:
+def strip_blocks(blocks: BlockCosts, table: float) -> BlockCosts:
     """The blocks without the token table (first block of stage 0) and the head (last block of
     the last stage); the last stage's layers, all alike, share its passes evenly."""
     params = [list(row) for row in blocks.params]
@@ -234,3 +236,37 @@ def rank_loads(costs: Costs, stage_to_rank: tuple[int, ...]) -> tuple[RankLoad, 
             act += vocab.mem_st
         out.append(RankLoad(r, compute, held, act))
     return tuple(out)
+
+
+def vocab_stage_param_shapes(config: TransformerConfig, num_stages: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """`memory_estimate.stage_param_shapes` (tp = 1) without the vocabulary tables: the token
+    table leaves the first stage and the head (a tied head's copy too) the last."""
+    from .memory_estimate import stage_param_shapes
+
+    table = (config.vocab, config.hidden)
+    shapes = [list(stage) for stage in stage_param_shapes(config, num_stages)]
+    shapes[0].remove(table)
+    if table in shapes[-1]:
+        shapes[-1].remove(table)
+    return tuple(tuple(stage) for stage in shapes)
+
+
+def vocab_rank_static_peak(config: TransformerConfig, num_stages: int, stages, policy, *, dp: int,
+                           precision, ranks: int, split_backward: bool = False) -> float:
+    """Static bytes at the step's peak of a pipeline rank holding `stages` under vocabulary
+    parallelism, the most over its `dp` replicas: its stages' tensors as
+    `memory_estimate.rank_static_peak` counts them (without the tables) and its vocabulary rows,
+    one [ceil(V/p), h] tensor per table (one when tied), sharded over dp under `policy` too."""
+    from ..core.dp_model import w_gradients_wait
+    from ..core.static_memory import chunk_bytes
+    from .memory_estimate import precision_config
+
+    _, prec = precision_config(config, precision)
+    shapes = vocab_stage_param_shapes(config, num_stages)
+    rows = ((shard_rows(config.vocab, ranks), config.hidden),) * (1 if config.tied else 2)
+    return float(max(
+        sum(chunk_bytes(shapes[s], policy=policy, d=dp, dp_rank=d, precision=prec).step_peak(
+            split_backward and w_gradients_wait(s)) for s in stages)
+        + chunk_bytes(rows, policy=policy, d=dp, dp_rank=d, precision=prec).peak
+        for d in range(dp)
+    ))

@@ -1,0 +1,57 @@
+"""The planner prices vocabulary parallelism (`plan --vocab-parallel`) and ranks it beside the plain schedules."""
+from __future__ import annotations
+
+import math
+
+from pipeblocks.plan.report import commands
+from pipeblocks.plan.search import PlanResult, _Entry, evaluate, search
+from pipeblocks.plan.space import MeshShape, PlanProblem
+from pipeblocks.sim.analytic import HARDWARE, MODELS
+from pipeblocks.sim.memory_estimate import stage_param_shapes
+from pipeblocks.sim.vocab_costs import vocab_rank_static_peak, vocab_stage_param_shapes
+
+LLAMA = MODELS["llama-3-8b"]
+
+
+def _problem(**kw) -> PlanProblem:
+    base = dict(model=LLAMA, hardware=HARDWARE["a100"], gpus=8, gpu_memory=80e9, global_batch=32,
+                schedules=("1f1b",), microbatch_sizes=(1,), tp_degrees=(1,), vocab_parallel=True)
+    return PlanProblem(**{**base, **kw})
+
+
+def test_parameters_are_moved_not_lost():
+    p = 8
+    plain = sum(math.prod(s) for stage in stage_param_shapes(LLAMA, p) for s in stage)
+    split = sum(math.prod(s) for stage in vocab_stage_param_shapes(LLAMA, p) for s in stage)
+    assert plain - split == 2 * LLAMA.vocab * LLAMA.hidden
+    # each rank's rows: ceil(V/p) of each table, in bytes at replicate under bf16-mixed (18 per parameter)
+    one = vocab_rank_static_peak(LLAMA, p, [3], "replicate", dp=1, precision="bf16-mixed", ranks=p)
+    middle = sum(math.prod(s) for s in vocab_stage_param_shapes(LLAMA, p)[3])
+    assert one == 18 * (middle + 2 * 16032 * LLAMA.hidden)
+
+
+def test_vocab_parallel_beats_the_plain_pipeline_at_p8_and_balances_it():
+    problem = _problem()
+    entry = _Entry(bound=1.0, shape=MeshShape(1, 1, 8), microbatch_size=1, m=32, stages=8)
+    (plain,), _, _ = evaluate(problem, "1f1b", 1, entry)
+    (vocab,), _, _ = evaluate(problem, "1f1b", 1, entry, vocab=True)
+    assert vocab.candidate.vocab_parallel and vocab.candidate.label == "1f1b+vocab"
+    assert vocab.iteration_time < plain.iteration_time
+    static_plain = [s for s, _ in plain.rank_memory]
+    static_vocab = [s for s, _ in vocab.rank_memory]
+    assert max(static_plain) / min(static_plain) > 1.3   # the end stages hold a 128k x 4096 table each
+    assert max(static_vocab) / min(static_vocab) < 1.01  # every rank holds 1/8 of both
+    assert math.isclose(sum(static_vocab), sum(static_plain), rel_tol=1e-9)  # 8 divides V: moved, not padded
+
+
+def test_search_lists_both_and_the_command_names_the_option():
+    result: PlanResult = search(_problem(global_batch=16, gpus=4, gpu_memory=200e9, seq_chunks=()), jobs=1)
+    labels = {e.candidate.label for e in result.evaluated}
+    assert {"1f1b", "1f1b+vocab"} <= labels
+    best = next(e for e in result.ranked if e.candidate.vocab_parallel)
+    one = PlanResult(result.problem, (best,), (), 0.0, 0)
+    assert "--vocab-parallel" in commands(one)[0]
+    assert all("--vocab-parallel" not in c for c in commands(PlanResult(
+        result.problem, tuple(e for e in result.evaluated if not e.candidate.vocab_parallel), (), 0.0, 0)))
+    # a pipeline of one rank has no vocabulary to split: skipped, with the reason
+    assert any(s.shape.pp == 1 and "vocabulary" in s.reason for s in result.skipped)
