@@ -128,3 +128,13 @@ def test_simulate_and_compare_print_the_split(capsys):
     code, out, _ = run_cli(capsys, "compare", "-p", "4", "-m", "8", "--model", "llama-3-8b", "--split", "9,9,8,6",
                            "--schedules", "1f1b,zb-h1")
     assert code == 0 and out.count("9,9,8,6") == 2
+
+
+def test_train_refuses_a_bad_split_before_anything_starts(capsys):
+    for argv, words in [
+        (("--schedule", "1f1b", "--split", "1,2"), "--split 1,2 sums to 3 layers but the model has 4"),
+        (("--schedule", "v-half", "--split", "1,3"), "4 stages (p=2 ranks x v=2 chunks per rank)"),
+        (("--schedule", "1f1b", "--split", "4,0"), "every stage needs at least one layer"),
+    ]:
+        code, out, err = run_cli(capsys, "train", "-p", "2", "-m", "4", "--layers", "4", *argv)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err

@@ -33,6 +33,7 @@ from ..core.precision import PrecisionPolicy, precision_policy
 from ..core.schedule import Schedule
 from ..core.dp_units import check_dp_unit
 from ..core.sharding import ShardingPolicy, per_stage
+from ..core.split import stage_layers
 from .lr_schedule import LRSchedule
 from .model_choice import ModelChoice
 
@@ -66,12 +67,19 @@ class ScheduleSpec:
     """((stage, microbatch, chunk), action) for each recomputation the simulator moved into
     idle time (`sim.recompute_place`): it runs before that action, the others just before
     their backward"""
+    split: tuple[int, ...] | None = None
+    """transformer layers of every global stage, in stage order (--split, or what --split
+    auto chose); None: the even rule (`core.split.layer_counts`)"""
 
     def __post_init__(self) -> None:
         k = self.schedule.seq_chunks
         if (self.seq_lengths is None) != (k == 1) or (self.seq_lengths is not None and len(self.seq_lengths) != k):
             raise ValueError(f"schedule {self.schedule.name!r} has {k} sequence chunks but seq_lengths is "
                              f"{self.seq_lengths!r}: give {k} lengths (None for 1)")
+        if self.split is not None:
+            object.__setattr__(self, "split", tuple(int(n) for n in self.split))
+            if len(self.split) != self.schedule.num_stages or min(self.split) < 1:
+                raise ValueError(f"split {list(self.split)}: give {self.schedule.num_stages} layer counts, each >= 1")
         object.__setattr__(self, "recompute", frozenset((int(s), int(mb)) for s, mb in self.recompute))
         at = self.recompute_at.items() if isinstance(self.recompute_at, dict) else self.recompute_at
         object.__setattr__(self, "recompute_at", tuple(sorted(((tuple(u), a) for u, a in at), key=lambda x: x[0])))
@@ -315,6 +323,12 @@ class TrainConfig:
         return self.schedule.num_stages
 
     @property
+    def stage_layers(self) -> tuple[int, ...]:
+        """Transformer layers of every global stage: the schedule section's split, or the even
+        rule; what the ranks build, the dry run profiles and emulation sleeps for."""
+        return stage_layers(self.model.layers, self.num_stages, self.schedule.split)
+
+    @property
     def dp(self) -> int:
         return self.mesh.dp
 
@@ -374,4 +388,6 @@ class TrainConfig:
             **({"held_out": self.held_out} if self.held_out else {}),
             **({"async": self.async_mode.describe()} if self.async_mode is not None else {}),
             **({"tp": self.tp} if self.tp > 1 else {}),
+            # a per-rank checkpoint holds its stages' blocks: another split cannot resume it
+            **({"split": list(s.split)} if s.split is not None else {}),
         }

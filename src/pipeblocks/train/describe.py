@@ -20,6 +20,7 @@ def describe(cfg: TrainConfig) -> str:
     return (f"{cfg.model.describe()}, {cfg.precision.name}, schedule {s.name} p={s.p} m={s.m} v={s.v}, microbatch "
             f"{cfg.microbatch_size}x{cfg.model.sequence} tokens"
             + (f" in {s.seq_chunks} chunks {list(s.seq_lengths)}" if s.seq_chunks > 1 else "")
+            + (f", layers per stage {','.join(map(str, s.split))}" if s.split is not None else "")
             + (f", dp={cfg.dp} sharding {','.join(map(str, cfg.sharding))}" if cfg.data_parallel else "")
             + (f", tp={cfg.tp}" if cfg.tp > 1 else "")
             + (f" ({cfg.world_size} processes)" if cfg.data_parallel or cfg.tp > 1 else "")

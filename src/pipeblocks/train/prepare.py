@@ -12,13 +12,15 @@ ValueError with the numbers and the fix.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from ..core.precision import PrecisionPolicy, precision_policy
 from ..core.recompute import recompute_pairs
 from ..core.request import ScheduleRequest
 from ..core.schedule import Schedule
-from ..core.split import layer_counts
+from ..core.request import CostSpec
+from ..core.split import AUTO, check_split, layer_counts
 from ..core.validate import validate
 from ..models.config import GPTConfig
 from ..schedules.asynchronous import ASYNC_FORMS
@@ -58,13 +60,14 @@ def prepare(
     spec = choice.spec()
     policy = precision_policy(precision or choice.weights_dtype)
     data = data if isinstance(data, DataSpec) else DataSpec(data)
+    request = _resolve_split(request, choice, train_options.get("microbatch_size"))
     built = build(request)  # with --sharding auto, the policies the simulator chose are in built.request
     request, schedule = built.request, built.schedule
     check_composition(_draft(request, schedule, built.recompute, choice, spec, policy, emulate=emulate,
                              checkpoint=checkpoint, resume=resume, save_every=save_every, dry_run=dry_run,
                              sizes=sizes, options=train_options))
     validate(schedule)
-    _check_fits(choice, schedule, request.mesh.tp)
+    split = _check_fits(choice, schedule, request.mesh.tp, request.costs.split)
     from ..models.build import check_weights
 
     check_weights(spec)  # a pretrained model's files hold every tensor, in its shape (headers only)
@@ -83,7 +86,8 @@ def prepare(
     ck = CheckpointSpec(checkpoint, resume=resume, save_every=save_every, overwrite=overwrite) if checkpoint else None
     scheduled = ScheduleSpec(schedule, sequence_chunk_lengths(schedule, request.costs.seq_split, choice),
                              recompute_pairs(schedule, built.recompute),  # --recompute's, or the schedule's own
-                             recompute_at=built.recompute_at)  # where the simulator moved them into idle time
+                             recompute_at=built.recompute_at,  # where the simulator moved them into idle time
+                             split=split)
     cfg = TrainConfig(model=choice, schedule=scheduled, mesh=mesh, precision=policy, checkpoint=ck,
                       emulation=emulation, data=data, **options)
     _check_batch(cfg, train_data)
@@ -116,16 +120,36 @@ def _draft(request: ScheduleRequest, schedule: Schedule, recompute, choice: Mode
     )
 
 
-def _check_fits(choice: ModelChoice, schedule: Schedule, tp: int) -> None:
-    """The model's blocks fill the stages, tensor parallelism divides its sizes, its context holds a sequence."""
+def _resolve_split(request: ScheduleRequest, choice: ModelChoice, microbatch_size: int | None) -> ScheduleRequest:
+    """`request` with --split auto replaced by the counts the simulator chooses for the run's
+    own model (its shape, sequence and microbatch size) under the analytic model of
+    --hardware (a preset, default a100, or a `pipeblocks calibrate` profile), within
+    --gpu-memory when given (`sim.build.choose_split_for`); other requests as they are."""
+    if request.costs.split != AUTO:
+        return request
+    from ..sim.build import choose_split_for
+
+    priced = CostSpec(shape=choice.shape, seq=choice.sequence, microbatch_size=microbatch_size or 1,
+                      hardware=request.costs.hardware, split=AUTO, seq_split=request.costs.seq_split)
+    chosen = choose_split_for(dataclasses.replace(request, costs=priced)).choice.counts
+    return dataclasses.replace(request, costs=dataclasses.replace(request.costs, split=chosen))
+
+
+def _check_fits(choice: ModelChoice, schedule: Schedule, tp: int,
+                split: tuple[int, ...] | str | None = None) -> tuple[int, ...] | None:
+    """The model's blocks fill the stages (by --split's counts when given: returned, checked),
+    tensor parallelism divides its sizes, its context holds a sequence."""
     from ..models.tp_plan import check_tp
 
     shape = choice.shape
+    counts = None if split is None else check_split(split, layers=shape.layers, num_stages=schedule.num_stages,
+                                                     p=schedule.p)
     layer_counts(shape.layers, schedule.num_stages)
     check_tp(shape, tp, seq=choice.sequence)
     if shape.context is not None and choice.sequence > shape.context:
         raise ValueError(f"--seq {choice.sequence} is longer than the model's context of {shape.context} positions: "
                          f"use --seq {shape.context} or less")
+    return counts
 
 
 def _load_data(data: DataSpec, choice: ModelChoice) -> TokenWindows:

@@ -17,7 +17,7 @@ built over the parameters; the tied embeddings' group (`runtime.tied`); the data
 of torch's generator.
 
 `emulated_costs` is the one rule for emulated compute: each pass sleeps its per-layer
-time times the blocks of its stage (`core.split.layer_counts`).
+time times the blocks of its stage (`TrainConfig.stage_layers`: --split, or the even rule).
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from ..core.split import layer_counts
 from ..data import TokenWindows
 from .config import TrainConfig
 
@@ -95,7 +94,8 @@ def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
     mine = cfg.schedule.placement.stages_of(rank)
     # TP first (on the meta device), then FSDP2 over the DTensor shards: torchtitan's order
     built = build_stages(spec, seed=cfg.seed, num_stages=cfg.num_stages, stages=mine, device=ctx.device,
-                         dtype=getattr(torch, cfg.precision.master), tp_mesh=mesh.tp_mesh if cfg.tp > 1 else None)
+                         dtype=getattr(torch, cfg.precision.master), tp_mesh=mesh.tp_mesh if cfg.tp > 1 else None,
+                         counts=cfg.stage_layers)
     modules = {stage.index: stage for stage in built}
     precision = cfg.precision
     cast = {s: m for s, m in modules.items()
@@ -136,14 +136,14 @@ def emulated_costs(cfg: TrainConfig):
         from .tp_predict import tp_emulated_times
 
         f, b, w = tp_emulated_times(cfg)
-    return EmulatedCosts(f_ms=f, b_ms=b, w_ms=w, layers=layer_counts(cfg.model.layers, cfg.num_stages))
+    return EmulatedCosts(f_ms=f, b_ms=b, w_ms=w, layers=cfg.stage_layers)
 
 
 def dp_units(cfg: TrainConfig):
     """The DP units of every stage at the run's grain (None at chunk grain): one per block."""
     from ..core.dp_units import units_for
 
-    return units_for(cfg.mesh.dp_unit, layer_counts(cfg.model.layers, cfg.num_stages))
+    return units_for(cfg.mesh.dp_unit, cfg.stage_layers)
 
 
 def _emulated_link(cfg: TrainConfig, stages):

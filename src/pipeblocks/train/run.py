@@ -139,7 +139,8 @@ def profiled_stages(cfg: TrainConfig):
 
     spec = profiling_spec(cfg.model.spec())
     dtype = torch_dtype(cfg.precision.compute if cfg.precision.mixed else cfg.precision.master)
-    stages = build_stages(spec, seed=cfg.seed, num_stages=cfg.num_stages, stages=range(cfg.num_stages), dtype=dtype)
+    stages = build_stages(spec, seed=cfg.seed, num_stages=cfg.num_stages, stages=range(cfg.num_stages), dtype=dtype,
+                          counts=cfg.stage_layers)
     return stages, spec.loss
 
 

@@ -38,7 +38,7 @@ def tp_stage_memory(cfg: Any, memory: Sequence[Any]) -> list[Any]:
     analytic = TransformerConfig(layers=shape.layers, hidden=shape.hidden, heads=shape.heads, seq=cfg.model.sequence,
                                  vocab=shape.vocab, microbatch_size=cfg.microbatch_size,
                                  dtype={"bfloat16": "bf16"}.get(cfg.precision.compute, cfg.precision.compute),
-                                 flash_attention=True, dropout=False)
+                                 flash_attention=True, dropout=False, split=cfg.schedule.split)
     whole = stage_activation_bytes(analytic, cfg.num_stages)
     split = tp_stage_activation_bytes(analytic, cfg.num_stages, cfg.tp)
     out = []

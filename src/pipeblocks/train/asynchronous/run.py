@@ -177,7 +177,7 @@ def replay_run(cfg: TrainConfig, data):
     xs, ys = microbatches(cfg, data, range(cfg.steps))
     spec = cfg.model.spec()
     whole = build_model(spec, seed=cfg.seed, dtype=getattr(torch, cfg.model.weights_dtype))
-    stages = split_stages(spec, whole, schedule.num_stages)
+    stages = split_stages(spec, whole, schedule.num_stages, counts=cfg.stage_layers)
     factor = cfg.lr_schedule.factor if cfg.lr_schedule is not None else None
     # the ranks' thread count: matrix products then round as on the ranks
     with torch_threads(cfg.threads_for(schedule.p)):
