@@ -169,6 +169,8 @@ def test_torch_runtime_on_gloo_matches_one_process():
         ("zb-h1", to_torch_csv(get("zb-h1")(p=2, m=m)), 2, m),
         ("zb-v", to_torch_csv(get("zb-v")(p=2, m=m)), 4, m),
         ("zb-2p", to_torch_csv(get("zb-2p")(p=2, m=m)), 2, m),
+        # overlapped pairs as torch's (F;B)OVERLAP_F_B cells, run one part after the other
+        ("dualpipev", to_torch_csv(get("dualpipev")(p=2, m=4)), 4, 4),
     ]
     with tempfile.TemporaryDirectory() as folder:
         init_file = os.path.join(folder, "init")
@@ -182,7 +184,7 @@ def test_torch_runtime_on_gloo_matches_one_process():
                     if process.is_alive():
                         process.terminate()
                 pytest.fail("gloo run did not finish in 60 s")
-        for label, _, num_stages, _ in cases:
+        for label, _, num_stages, m in cases:
             got = {}
             for rank in range(2):
                 got.update(torch.load(os.path.join(folder, f"{label}-rank{rank}.pt")))

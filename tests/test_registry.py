@@ -33,7 +33,7 @@ def test_docstring_shows_the_generated_schedule(name):
         for k, x in settings.items() if k not in ("p", "m") and spec.accepts(k)
     }
     schedule = spec(p=p, m=m, **kwargs)
-    actual = [" ".join(map(str, acts)) for acts in schedule.ranks]
+    actual = [row.split(": ", 1)[1] for row in schedule.to_text().splitlines()[1:]]  # pairs as F&BW
     assert [line.strip() for _, line in shown] == actual
 
 

@@ -106,6 +106,11 @@ class Costs:
         of M_B its forward keeps (the stage's input); the recomputation adds the other
         1 - ratio back until the backward frees it. Scalar or one per stage; the analytic
         model sets input bytes over activation bytes (about 2h / (layers * (34h + 5as))).
+    overlap: the time an overlapped forward-backward pair (`program.Overlap`) hides, per
+        full stage and scaled like the pass times: a pair takes its forward plus its fused
+        backward minus this (at most the shorter part). 0 by default, and on a CPU: the
+        parts run one after the other; communication that one part's compute hides (the
+        all-to-all of expert parallelism, DeepSeek-V3) is what a positive value declares.
     """
 
     t_f: Value = 1.0
@@ -120,6 +125,7 @@ class Costs:
     data_parallel: DPCostModel = DPCostModel()
     t_step: Value = 0.0
     recompute_input_ratio: Value = 0.05
+    overlap: Value = 0.0
     blocks: BlockCosts | None = None
     """per stage, its blocks' parameters and shares of the pass times (None: one block per
     stage); data parallelism at block grain communicates per block (`dp_units`)"""
@@ -129,7 +135,8 @@ class Costs:
     stages, priced in their stages' t_f/t_b/t_w); lowering then adds the passes (`vocab_place`)"""
 
     def __post_init__(self) -> None:
-        for name in ("t_f", "t_b", "t_w", "t_comm", "mem_b", "mem_w_ratio", "params", "t_step", "recompute_input_ratio"):
+        for name in ("t_f", "t_b", "t_w", "t_comm", "mem_b", "mem_w_ratio", "params", "t_step", "recompute_input_ratio",
+                     "overlap"):
             value = getattr(self, name)
             values = value if isinstance(value, tuple) else (value,)
             if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in values):
@@ -194,7 +201,7 @@ class Costs:
             params=per_stage("params", frac), data_parallel=self.data_parallel,
             step=per_stage("t_step", frac),
             recompute_input_ratio=per_stage("recompute_input_ratio", 1.0),
-            blocks=blocks, units=units, vocab=self.vocab,
+            blocks=blocks, units=units, vocab=self.vocab, overlap=per_stage("overlap", frac),
         )
 
     def dp_units(self, num_stages: int) -> DPUnits | None:
@@ -229,6 +236,8 @@ class StageCosts:
     """the DP units (None: chunk grain), from the DP model's grain and the blocks"""
     vocab: VocabCosts | None = None
     """the vocabulary passes' prices (`Costs.vocab`)"""
+    overlap: tuple[float, ...] = ()
+    """per stage, the time an overlapped pair hides (`Costs.overlap`)"""
 
     def unit_params(self, stage: int, unit: int | None) -> float:
         """Parameters of `unit` of `stage` (None: the whole stage)."""
@@ -266,6 +275,16 @@ class StageCosts:
         if kind is Kind.W:
             return self.w[stage] * share
         return (self.b[stage] + self.w[stage]) * share
+
+    def pair_duration(self, forward_stage: int, backward_stage: int) -> float:
+        """An overlapped pair: the forward of one stage plus the fused backward of another,
+        less what the overlap hides (the smaller of the two stages' values, at most the
+        shorter part)."""
+        f, bw = self.duration(Kind.F, forward_stage), self.duration(Kind.BW, backward_stage)
+        if not self.overlap:
+            return f + bw
+        hidden = min(self.overlap[forward_stage], self.overlap[backward_stage], f, bw)
+        return f + bw - hidden
 
     def memory(self, kind: Kind, stage: int, seq_chunk: int = 0) -> tuple[float, float]:
         """(allocated at start, released at end) by this pass; releases are negative."""

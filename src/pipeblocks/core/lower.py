@@ -18,8 +18,8 @@ from typing import Callable, Sequence
 
 from .actions import Action, Kind
 from .errors import DeadlockError
-from .ops import ACTION, DP, P2P, RECOMPUTE, STEP, unsupported
-from .program import Comm, DPOp, Op, OptimizerStep, Program, Recompute
+from .ops import ACTION, DP, OVERLAP, P2P, RECOMPUTE, STEP, unsupported
+from .program import Comm, DPOp, Op, OptimizerStep, Overlap, Program, Recompute
 from .schedule import Schedule
 from .vocab import VocabPass
 from .vocab_links import check_deadlock_vocab
@@ -103,10 +103,12 @@ def check_deadlock(program: Program) -> None:
                 elif key not in sent:
                     waiting[key] = rank
                     break
-            elif kind is not Action and kind is not DPOp and kind is not OptimizerStep and kind is not Recompute:
+            elif (kind is not Action and kind is not DPOp and kind is not OptimizerStep and kind is not Recompute
+                  and kind is not Overlap):
                 # DP ops never wait on a pipeline peer: every replica runs this same Program;
-                # an optimizer step and a recomputation wait on their own rank only
-                raise unsupported(op, "the deadlock check", (ACTION, P2P, DP, STEP, RECOMPUTE))
+                # an optimizer step and a recomputation wait on their own rank only; an
+                # overlapped pair's receives are all before it
+                raise unsupported(op, "the deadlock check", (ACTION, P2P, DP, STEP, RECOMPUTE, OVERLAP))
             pos += 1
         cursor[rank] = pos
     blocked = [r for r in range(len(ranks)) if cursor[r] < len(ranks[r])]
@@ -114,7 +116,7 @@ def check_deadlock(program: Program) -> None:
         lines = []
         for r in blocked:
             op = ranks[r][cursor[r]]
-            consumer = next((o for o in ranks[r][cursor[r]:] if isinstance(o, Action)), None)
+            consumer = next((o for o in ranks[r][cursor[r]:] if isinstance(o, (Action, Overlap))), None)
             lines.append(
                 f"rank {r} blocks at {op} (before {consumer}), waiting for rank {op.peer}, "
                 f"which is itself blocked at {ranks[op.peer][cursor[op.peer]] if cursor[op.peer] < len(ranks[op.peer]) else 'its end'}"

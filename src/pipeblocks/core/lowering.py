@@ -17,6 +17,9 @@ The passes, in order (`lower.lower` runs them):
                                     earlier, before the action `recompute_at` names
     extra_passes                    what the caller adds (the optimizer steps of an
                                     asynchronous program)
+    fuse_overlaps                   each overlapped forward and the backward after it
+                                    become one op (`overlap.py`): only when the schedule
+                                    marks pairs
 
 Recomputation: the pairs given, or when none are given the schedule's own
 (`recompute.recompute_pairs`: every pair for a schedule whose options say recompute="all", as
@@ -32,6 +35,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from .actions import Action
 from .dp_units import DPUnits
 from .lower import PASSES, Pass, check_deadlock, lower
+from .ops import UnknownOpError
+from .overlap import fuse_overlaps
 from .passes_dp import check_dp_ops, dp_passes, dp_passes_at_end
 from .program import Program
 from .recompute import add_recompute, check_recompute, recompute_pairs
@@ -90,7 +95,15 @@ def lower_for(
     stage_policies = per_stage(tuple(policies), schedule.num_stages) if policies else ()
     dp_lowering = (dp_passes_at_end if reduce_at_end else dp_passes)(stage_policies, dp, units)
     pairs = recompute_pairs(schedule, recompute)
+    if schedule.overlapped and (pairs or extra_passes):
+        raise UnknownOpError(
+            f"schedule {schedule.name!r} runs overlapped forward-backward pairs, which "
+            + ("recomputation" if pairs else "an asynchronous program's optimizer steps")
+            + " does not handle: drop --recompute / --async, or choose a schedule without pairs (zb-v, v-half)"
+        )
     passes = PASSES + dp_lowering + ((add_recompute(pairs, recompute_at),) if pairs else ()) + tuple(extra_passes)
+    if schedule.overlapped:
+        passes += (fuse_overlaps,)
     program = lower(schedule, passes)
     if check:
         check_deadlock(program)

@@ -19,11 +19,11 @@ from typing import Callable, Iterable, Mapping
 
 from .actions import Action
 from .errors import ScheduleError
-from .program import Comm, DPOp, Op, OptimizerStep, Recompute
+from .program import Comm, DPOp, Op, OptimizerStep, Overlap, Recompute
 from .schedule import Schedule
 from .vocab import VOCAB_RE, VocabPass
 
-__all__ = ["Stream", "OpType", "OP_TYPES", "ACTION", "P2P", "DP", "STEP", "RECOMPUTE", "VOCAB", "UnknownOpError", "op_type", "format_op", "parse_op", "require_known"]
+__all__ = ["Stream", "OpType", "OP_TYPES", "ACTION", "P2P", "DP", "STEP", "RECOMPUTE", "VOCAB", "OVERLAP", "UnknownOpError", "op_type", "format_op", "parse_op", "require_known"]
 
 
 class Stream(str, Enum):
@@ -124,6 +124,22 @@ RECOMPUTE = OpType(
     "recompute", Recompute, Stream.COMPUTE, re.compile(r"(\d+)R(\d+)(?:\.(\d+))?"), _parse_recompute
 )
 
+def _parse_overlap(match: re.Match[str], schedule: Schedule) -> Overlap:
+    forward, backward = Action.parse(match.group(1)), Action.parse(match.group(2))
+    for part in (forward, backward):
+        if part.stage >= schedule.num_stages:
+            raise ScheduleError(
+                f"op {match.group(0)!r}: stage {part.stage} does not exist (stages 0..{schedule.num_stages - 1})"
+            )
+    return Overlap(forward, backward)
+
+
+# One microbatch's forward and another's fused backward as one op (DualPipe's F&B pair):
+# `0F3&3BW1`; compute stream, waits for both inputs before it starts.
+OVERLAP = OpType(
+    "overlapped forward-backward", Overlap, Stream.COMPUTE, re.compile(r"(\d+F\d+)&(\d+BW\d+)"), _parse_overlap
+)
+
 def _parse_vocab(match: re.Match[str], schedule: Schedule) -> VocabPass:
     kind, mb = match.groups()
     if int(mb) >= schedule.m:
@@ -136,7 +152,7 @@ def _parse_vocab(match: re.Match[str], schedule: Schedule) -> VocabPass:
 VOCAB = OpType("vocabulary pass", VocabPass, Stream.COMPUTE, VOCAB_RE, _parse_vocab)
 
 # One entry per op type, in the order parsing tries them.
-OP_TYPES: tuple[OpType, ...] = (ACTION, P2P, DP, STEP, RECOMPUTE, VOCAB)
+OP_TYPES: tuple[OpType, ...] = (ACTION, P2P, DP, STEP, RECOMPUTE, VOCAB, OVERLAP)
 _BY_CLASS: Mapping[type, OpType] = MappingProxyType({t.cls: t for t in OP_TYPES})
 
 
@@ -183,5 +199,6 @@ def parse_op(text: str, schedule: Schedule) -> Op:
             return entry.parse(match, schedule)
     raise UnknownOpError(
         f"cannot parse op {text!r}: expected an action (2F5, 0BW2, 0B3.1), a transfer (2SEND_F5, 3RECV_B5.1), "
-        "a data-parallel op (2UNSHARD, 2RESHARD, 2REDUCE_GRAD, 2UNSHARD.1), an optimizer step (3STEP0) or a recomputation (2R5, 0R3.1)"
+        "a data-parallel op (2UNSHARD, 2RESHARD, 2REDUCE_GRAD, 2UNSHARD.1), an optimizer step (3STEP0), a recomputation (2R5, 0R3.1) "
+        "or an overlapped forward-backward pair (0F3&3BW1)"
     )

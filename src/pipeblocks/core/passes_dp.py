@@ -53,7 +53,7 @@ from collections.abc import Iterable
 from .actions import Action, Kind
 from .dp_units import DPUnits
 from .errors import ScheduleError
-from .program import Comm, DPOp, Op, Program, Recompute
+from .program import Comm, DPOp, Op, Program, Recompute, expanded
 from .sharding import ShardingPolicy, per_stage
 
 __all__ = [
@@ -341,6 +341,7 @@ def check_dp_ops(program: Program, policies: Iterable[ShardingPolicy] | None = N
     for rank, ops in enumerate(program.ranks):
         gathered: set[tuple[int, int | None]] = set()
         reduced: set[tuple[int, int | None]] = set()
+        ops = expanded(ops)  # an overlapped pair's parts, one by one
         sharded = {op.stage for op in ops if type(op) is DPOp and op.kind == UNSHARD}
         if policy is not None:
             sharded |= {s for s, p in enumerate(policy) if p.shards_parameters and owner[s] == rank}

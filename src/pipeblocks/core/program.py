@@ -28,6 +28,13 @@ before its backward; the forward marked for it keeps only the chunk's input::
 
     2R5           re-run stage 2's forward for microbatch 5 (2R5.1: sequence chunk 1)
 
+An overlapped forward-backward pair (`Overlap`, made by `overlap.fuse_overlaps` from a
+schedule's `overlapped` forwards) runs one microbatch's forward and another's fused
+backward on one rank as one op, both inputs received before it and both outputs sent
+after it (DualPipe's chunk pair; torch writes it `(0F3;3B1)OVERLAP_F_B`)::
+
+    0F3&3BW1      stage 0's forward of microbatch 3 overlapped with stage 3's backward of 1
+
 Each op type has an entry in the op table (`ops.py`), which every consumer dispatches on.
 """
 from __future__ import annotations
@@ -38,7 +45,7 @@ from typing import NamedTuple
 from .actions import Action
 from .schedule import Schedule
 
-__all__ = ["Comm", "DPOp", "DP_KINDS", "OptimizerStep", "Op", "Program", "Recompute"]
+__all__ = ["Comm", "DPOp", "DP_KINDS", "OptimizerStep", "Op", "Overlap", "Program", "Recompute", "expanded"]
 
 
 class Comm(NamedTuple):
@@ -125,7 +132,35 @@ class Recompute(NamedTuple):
         return text if self.seq_chunk is None else f"{text}.{self.seq_chunk}"
 
 
-Op = Action | Comm | DPOp | OptimizerStep | Recompute
+class Overlap(NamedTuple):
+    """A forward and a fused backward (BW) of another unit on one rank, run as one op: the
+    stage's `overlapped_forward_backward` hook may interleave them (DualPipe), else they run
+    one after the other. Both inputs are awaited before it, both outputs sent after it."""
+
+    forward: Action
+    backward: Action
+
+    @property
+    def parts(self) -> tuple[Action, Action]:
+        return (self.forward, self.backward)
+
+    def __str__(self) -> str:
+        return f"{self.forward}&{self.backward}"
+
+
+Op = Action | Comm | DPOp | OptimizerStep | Recompute | Overlap
+
+
+def expanded(ops: tuple[Op, ...]) -> list[Op]:
+    """`ops` with every overlapped pair written as its two parts, forward first: for the
+    checks and estimates that follow a rank's passes one by one."""
+    out: list[Op] = []
+    for op in ops:
+        if type(op) is Overlap:
+            out.extend(op)
+        else:
+            out.append(op)
+    return out
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 
 from .actions import Action, Kind
 from .errors import ScheduleError
-from .program import Comm, Op, Program, Recompute
+from .program import Comm, Op, Program, Recompute, expanded
 from .schedule import Schedule
 
 __all__ = ["add_recompute", "all_pairs", "check_recompute", "recompute_pairs", "recompute_units"]
@@ -127,7 +127,7 @@ def check_recompute(program: Program) -> None:
         forwarded: set[tuple[int, int, int]] = set()
         backwarded: set[tuple[int, int, int]] = set()
         seen: set[tuple[int, int, int]] = set()
-        for op in ops:
+        for op in expanded(ops):
             if type(op) is Action:
                 (forwarded if op.kind is Kind.F else backwarded).add(op.unit)
             elif type(op) is Recompute:

@@ -6,6 +6,12 @@ Text form (`Schedule.to_text`), one line per rank after a header::
     0: 0F0 0F1 0BW0 0F2 0BW1 0BW2
     1: 1F0 1BW0 1F1 1BW1 1F2 1BW2
 
+A forward written `0F3&3BW1` is overlapped with the fused backward after it: the pair runs
+as one op (`Schedule.overlapped` holds its forward; DualPipe's F&B chunk pair)::
+
+    # pipeblocks schedule dualpipev p=2 m=4 placement=v stages=0,1,1,0
+    0: 0F0 0F1 0F2 3F0 3B0 3W0 3F1 0F3&3BW1 3F2&0BW0 ...
+
 `Schedule.from_text(s.to_text()) == s`, and JSON (`to_json`/`from_json`, `save`/`load`)
 round-trips too. A schedule says only the order on each rank; times come from the
 simulator.
@@ -36,6 +42,8 @@ class Schedule:
     placement: which rank runs each global stage.
     ranks: `ranks[r]` is rank r's actions in execution order.
     options: the generator options that built it, for display and reproduction.
+    overlapped: the forwards that run overlapped with the fused backward right after them
+        on their rank, as one op (`program.Overlap`); empty for most schedules.
     """
 
     name: str
@@ -45,6 +53,7 @@ class Schedule:
     ranks: tuple[tuple[Action, ...], ...]
     seq_chunks: int = 1
     options: tuple[tuple[str, object], ...] = field(default=())
+    overlapped: frozenset[Action] = field(default=frozenset())
 
     def __post_init__(self) -> None:
         for label, value in (("p", self.p), ("m", self.m), ("seq_chunks", self.seq_chunks)):
@@ -81,12 +90,19 @@ class Schedule:
         )
         if self.seq_chunks != 1:
             header += f" seq_chunks={self.seq_chunks}"
-        lines = [header] + [f"{r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.ranks)]
+        lines = [header] + [f"{r}: " + self._row(acts) for r, acts in enumerate(self.ranks)]
         return "\n".join(lines) + "\n"
+
+    def _row(self, actions: tuple[Action, ...]) -> str:
+        """One rank's actions as text, an overlapped pair as `F&BW`."""
+        if not self.overlapped:
+            return " ".join(map(str, actions))
+        return " ".join(f"{a}&" if a in self.overlapped else f"{a}" for a in actions).replace("& ", "&")
 
     @staticmethod
     def from_text(text: str) -> Schedule:
         header: dict[str, str] = {}
+        overlapped: set[Action] = set()
         name = "custom"
         rows: dict[int, tuple[Action, ...]] = {}
         for lineno, raw in enumerate(text.splitlines(), 1):
@@ -105,7 +121,7 @@ class Schedule:
             rank = int(rank_text)
             if rank in rows:
                 raise ScheduleError(f"schedule text line {lineno}: rank {rank} is listed twice")
-            rows[rank] = parse_actions(body)
+            rows[rank] = _parse_row(body, overlapped)
         if not rows:
             raise ScheduleError("schedule text has no rank lines: expected lines like '0: 0F0 0F1 0BW0 ...'")
         p = max(rows) + 1
@@ -118,7 +134,7 @@ class Schedule:
             a.microbatch for acts in ranks for a in acts)
         seq = (_header_int(header, "seq_chunks", header["seq_chunks"]) if "seq_chunks" in header else 0) or 1 + max(
             (a.seq_chunk or 0) for acts in ranks for a in acts)
-        return Schedule(name, p, m, placement, ranks, seq_chunks=seq)
+        return Schedule(name, p, m, placement, ranks, seq_chunks=seq, overlapped=frozenset(overlapped))
 
     # ---- JSON -----------------------------------------------------------------
     def to_json(self) -> dict:
@@ -130,7 +146,7 @@ class Schedule:
             "seq_chunks": self.seq_chunks,
             "placement": self.placement.to_json(),
             "options": {k: v for k, v in self.options},
-            "ranks": [" ".join(map(str, acts)) for acts in self.ranks],
+            "ranks": [self._row(acts) for acts in self.ranks],
         }
 
     @staticmethod
@@ -150,14 +166,17 @@ class Schedule:
             )
         if not isinstance(options, dict):
             raise ScheduleError(f"malformed schedule JSON: \"options\" must be an object, got {options!r}")
+        overlapped: set[Action] = set()
+        rows = tuple(_parse_row(row, overlapped) for row in ranks)
         return Schedule(
             name=name,
             p=_whole(data, "p"),
             m=_whole(data, "m"),
             seq_chunks=_whole(data, "seq_chunks", 1),
             placement=Placement.from_json(data["placement"]),
-            ranks=tuple(parse_actions(row) for row in ranks),
+            ranks=rows,
             options=tuple(sorted(options.items())),
+            overlapped=frozenset(overlapped),
         )
 
     def save(self, path: str | os.PathLike) -> None:
@@ -177,6 +196,22 @@ class Schedule:
                 raise ScheduleError(f"schedule file {str(path)!r} is not valid JSON: {err}") from None
             return Schedule.from_json(data)
         return Schedule.from_text(text)
+
+
+def _parse_row(text: str, overlapped: set[Action]) -> tuple[Action, ...]:
+    """A rank's actions; `F&BW` adds both and marks the forward overlapped."""
+    if "&" not in text:
+        return parse_actions(text)
+    actions: list[Action] = []
+    for token in text.split():
+        parts = token.split("&")
+        if len(parts) > 2 or (len(parts) == 2 and not all(parts)):
+            raise ScheduleError(f"cannot parse {token!r}: an overlapped pair is two actions, <F>&<BW>, e.g. 0F3&3BW1")
+        pair = [Action.parse(part) for part in parts]
+        if len(pair) == 2:
+            overlapped.add(pair[0])
+        actions.extend(pair)
+    return tuple(actions)
 
 
 def _whole(data: dict, key: str, default: int | None = None) -> int:

@@ -32,6 +32,12 @@ accumulated gradients held: FSDP2 keeps them across a reshard). A rank with no s
 keeps the conservative figure, static memory at the step's peak plus peak activation, and
 `memory_peak` is left empty when no rank has one (`Timeline.memory_need`).
 
+An overlapped forward-backward pair (`Overlap`) occupies the compute stream for
+`StageCosts.pair_duration` (its parts, less what the declared overlap hides) and starts
+once both parts' inputs have arrived; its forward allocates at its start and its backward
+frees at its end, so while it runs the rank holds one more activation than after it. The
+timeline shows its two parts one after the other, sharing its time as their durations do.
+
 A `Recompute` op (`recompute.add_recompute`) runs on the compute stream for its stage's
 forward time; the forward it re-runs allocates only the kept input
 (`Costs.recompute_input_ratio` of M_B) and the recomputation allocates the rest, which
@@ -48,8 +54,8 @@ from .errors import DeadlockError
 from .lower import check_deadlock
 from .lowering import lower_for
 from .recompute import recompute_pairs
-from .ops import ACTION, DP, P2P, RECOMPUTE, STEP, unsupported
-from .program import Comm, DPOp, OptimizerStep, Program, Recompute
+from .ops import ACTION, DP, OVERLAP, P2P, RECOMPUTE, STEP, unsupported
+from .program import Comm, DPOp, OptimizerStep, Overlap, Program, Recompute
 from .schedule import Schedule
 from .validate import check_structure
 from .costs import Costs, StageCosts
@@ -175,7 +181,15 @@ def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
             else:  # a pass through units that meets the DP stream inside
                 end = gate.run(streams[r], now)
                 now = end - durations[pos]
-            evs.append(new_event(Event, (actions[pos], now, end)))
+            act = actions[pos]
+            if type(act) is Overlap:  # two events, sharing the pair's time as their parts' durations
+                f_part = table.duration(Kind.F, act.forward.stage)
+                whole = f_part + table.duration(Kind.BW, act.backward.stage)
+                mid = now + (end - now) * (f_part / whole if whole > 0 else 0.5)
+                evs.append(new_event(Event, (act.forward, now, mid)))
+                evs.append(new_event(Event, (act.backward, mid, end)))
+            else:
+                evs.append(new_event(Event, (act, now, end)))
             alloc = allocs[pos]
             if alloc:
                 held += alloc
@@ -366,6 +380,27 @@ def _compile(ops, table, schedule: Schedule, vocab=None) -> tuple[tuple[list, ..
             if at in link_of:
                 _vocab_sends(sends, link_of[at][1], vkeys)
             gates.append(None)
+        elif kind is Overlap:  # one compute op: the forward allocates at its start, the backward frees at its end
+            f, bw = op
+            if units is not None and any(st in units.gathers or st in units.anchored for st in (f.stage, bw.stage)):
+                # a gather met inside the pair's time (block grain): not modelled
+                raise unsupported(op, "the simulator's per-unit gathers (--dp-unit block)",
+                                  (ACTION, P2P, DP, STEP, RECOMPUTE))
+            alloc = table.memory(Kind.F, f.stage)[0]
+            if recomputed and f.unit in recomputed:
+                alloc -= table.recomputed_share(f.stage)
+            receives.append(waiting)
+            waiting = None
+            actions.append(op)
+            durations.append(table.pair_duration(f.stage, bw.stage))
+            allocs.append(alloc)
+            releases.append(table.memory(Kind.BW, bw.stage)[1])
+            sends.append(None)
+            gate = None
+            if pending:
+                waits = [g for g in (pending.pop(f.stage, None), pending.pop(bw.stage, None)) if g is not None]
+                gate = max(waits) if waits else None
+            gates.append(gate)
         elif kind is OptimizerStep:  # compute stream, no activation memory
             receives.append(waiting)
             waiting = None
@@ -406,5 +441,5 @@ def _compile(ops, table, schedule: Schedule, vocab=None) -> tuple[tuple[list, ..
                 pending[op.stage] = len(plan)
             plan.append((len(actions), str(op), duration, None))
         else:
-            raise unsupported(op, "the simulator", (ACTION, P2P, DP, STEP, RECOMPUTE))
+            raise unsupported(op, "the simulator", (ACTION, P2P, DP, STEP, RECOMPUTE, OVERLAP))
     return (receives, actions, durations, allocs, releases, sends, gates), plan, held

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from .actions import Action, Kind
 from .dp_model import Precision, w_gradients_wait
 from .precision import PrecisionPolicy, precision_policy
-from .program import DPOp, Program
+from .program import DPOp, Program, expanded
 from .sharding import ShardingPolicy
 
 __all__ = ["ChunkBytes", "chunk_bytes", "predict_static_peak", "zero1_partition"]
@@ -210,7 +210,7 @@ def predict_static_peak(
         )
 
     peak = 0
-    for op in program.ranks[rank]:
+    for op in expanded(program.ranks[rank]):
         if type(op) is Action:
             s = op.stage
             copied[s] = True  # an unsharded chunk's compute copy (if any) lives from its first pass

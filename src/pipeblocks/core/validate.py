@@ -28,14 +28,19 @@ def check_structure(schedule: Schedule) -> None:
     _check_placement_and_ranges(schedule)
     _check_completeness(schedule)
     _check_local_order(schedule)
+    if schedule.overlapped:
+        from .overlap import check_overlaps
+
+        check_overlaps(schedule)
 
 
 def validate(schedule: Schedule):
     """Check structure, lower, and prove the Program free of deadlock. Returns the Program."""
-    from .lower import check_deadlock, lower
+    from .lower import PASSES, check_deadlock, lower
+    from .overlap import fuse_overlaps
 
     check_structure(schedule)
-    program = lower(schedule)
+    program = lower(schedule, PASSES + ((fuse_overlaps,) if schedule.overlapped else ()))
     check_deadlock(program)
     return program
 

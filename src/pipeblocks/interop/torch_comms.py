@@ -26,7 +26,7 @@ from ..core.actions import Action
 from ..core.errors import ScheduleError
 from ..core.ops import format_op, parse_op
 from ..core.placement import Placement
-from ..core.program import Comm, DPOp, OptimizerStep, Program, Recompute
+from ..core.program import Comm, DPOp, OptimizerStep, Overlap, Program, Recompute
 from ..core.schedule import Schedule
 from .torch_pipelining import from_torch_rows, to_torch_rows
 
@@ -62,7 +62,7 @@ def program_to_torch_rows(program: Program) -> list[list[str]]:
                 "block grain cannot be exported as torch's CSV: lower it with --dp-unit chunk"
             )
         names = iter(next(compute))
-        rows.append([next(names) if type(op) is Action else format_op(op) for op in ops])
+        rows.append([next(names) if type(op) is Action or type(op) is Overlap else format_op(op) for op in ops])
     return rows
 
 

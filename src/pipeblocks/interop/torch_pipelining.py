@@ -17,8 +17,11 @@ Stages. Both number global stages in model order and place them the same way: lo
 stage s on rank s mod p, V puts stages i and 2p-1-i on rank i (torch's "v" mapping), so
 stage indices carry over unchanged and torch infers the placement from the rows. Torch
 has no sequence chunks: a schedule with seq_chunks > 1 cannot be exported. On import,
-empty cells (idle slots) are dropped and an `(a;b)OVERLAP_F_B` cell becomes its two
-actions in order, which is how torch runs it.
+empty cells (idle slots) are dropped.
+
+Overlapped pairs (DualPipeV) are one cell each way: our `0F3&3BW1` is torch's
+`(0F3;3B1)OVERLAP_F_B`; imported, a pair of a forward and a full backward keeps its
+overlap (`Schedule.overlapped`), any other composite cell becomes its actions in order.
 """
 from __future__ import annotations
 
@@ -47,7 +50,21 @@ def to_torch_rows(schedule: Schedule) -> list[list[str]]:
             f"schedule {schedule.name!r} splits sequences into {schedule.seq_chunks} chunks; "
             "torch.distributed.pipelining has no sequence chunks: export a schedule with seq_chunks=1"
         )
-    return [[f"{a.stage}{_TO_TORCH[a.kind]}{a.microbatch}" for a in actions] for actions in schedule.ranks]
+    rows = []
+    for actions in schedule.ranks:
+        cells = [f"{a.stage}{_TO_TORCH[a.kind]}{a.microbatch}" for a in actions]
+        if schedule.overlapped:
+            merged: list[str] = []
+            pending = False
+            for action, cell in zip(actions, cells):
+                if pending:
+                    merged[-1] = f"({merged[-1]};{cell})OVERLAP_F_B"
+                else:
+                    merged.append(cell)
+                pending = action in schedule.overlapped
+            cells = merged
+        rows.append(cells)
+    return rows
 
 
 def to_torch_csv(schedule: Schedule) -> str:
@@ -68,10 +85,14 @@ def from_torch_rows(
     The result is not validated; call `pipeblocks.core.validate` on it.
     """
     ranks: list[tuple[Action, ...]] = []
+    overlapped: set[Action] = set()
     for rank, row in enumerate(rows):
         actions: list[Action] = []
         for pos, cell in enumerate(row):
-            actions.extend(_parse_cell(cell, rank, pos))
+            parts = _parse_cell(cell, rank, pos)
+            if len(parts) == 2 and parts[0].kind is Kind.F and parts[1].kind is Kind.BW:
+                overlapped.add(parts[0])
+            actions.extend(parts)
         ranks.append(tuple(actions))
     if not ranks or not any(ranks):
         raise ScheduleError("torch schedule has no actions: expected one CSV row per rank, e.g. '0F0,0I0,0W0'")
@@ -81,7 +102,8 @@ def from_torch_rows(
     used = max(a.microbatch for acts in ranks for a in acts) + 1
     m = used if m is None else m
     num_stages = max(a.stage for acts in ranks for a in acts) + 1
-    return Schedule(name, p, m, _placement(placement, ranks, p, num_stages), tuple(ranks))
+    return Schedule(name, p, m, _placement(placement, ranks, p, num_stages), tuple(ranks),
+                    overlapped=frozenset(overlapped))
 
 
 def from_torch_csv(

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.actions import Action
-from ..core.program import Comm, Program
+from ..core.program import Comm, Overlap, Program
 
 __all__ = ["PeerTimeoutError", "Tags", "leaf_key", "receive_posts", "Mailbox"]
 
@@ -68,7 +68,7 @@ def receive_posts(program: Program, rank: int) -> dict[int, list[Comm]]:
     recv_of: dict[tuple, Comm] = {}
     last_compute = 0
     for index, op in enumerate(ops):
-        if isinstance(op, Action):
+        if isinstance(op, (Action, Overlap)):
             last_compute = index
         elif isinstance(op, Comm) and not op.send:
             wanted_at[op.key] = last_compute if last_compute < index else index

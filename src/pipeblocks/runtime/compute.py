@@ -19,6 +19,18 @@ passes consume:
     weight_grad    W: parameter gradients, accumulated into `.grad`
     full_backward  BW: both at once
 
+An overlapped pair (one unit's forward and another's fused backward, `program.Overlap`)
+runs through `overlapped` when the two stage modules share a class that defines
+DualPipe's hook (`overlap_hook` says whether they do)::
+
+    @classmethod
+    def overlapped_forward_backward(cls, module0, inputs0, criterion0, labels0,
+                                    module1, loss1, outputs1, output_grads1):
+        # forward module0 on inputs0 (criterion0(outputs0, labels0) on the last stage),
+        # and backward of module1: loss1.backward() on the last stage, else
+        # torch.autograd.backward(outputs1, output_grads1), interleaved as the model can
+        return outputs0, loss0
+
 A (stage, microbatch) whose forward is recomputed (a RECOMPUTE op in the Program) runs F
 as `forward(..., keep=False)`: without autograd, keeping only the stage input (every leaf
 counted as a saved activation), its side inputs and the random-number state; `recompute`
@@ -115,6 +127,53 @@ class ModuleCompute:
             unit.kept, unit.root = kept, None
             return out, unit
         return self._forward(stage, x, target, chunk, side)
+
+    def overlap_hook(self, forward_stage: int, backward_stage: int) -> Callable | None:
+        """The stage class's `overlapped_forward_backward` when both stage modules have one
+        class that defines it (DualPipe's rule), else None: the pair runs part by part."""
+        first, second = self.modules[forward_stage], self.modules[backward_stage]
+        hook = getattr(type(first), "overlapped_forward_backward", None)
+        return hook if hook is not None and type(first) is type(second) else None
+
+    def overlapped(
+        self, stage: int, x: Any, target: torch.Tensor | None, backward_stage: int, unit: Unit, grad: Any,
+        *, side: Mapping[str, Any] | None = None, keep: bool = True,
+    ) -> tuple[Any, Unit, Any]:
+        """Stage `stage`'s forward of `x` and `backward_stage`'s fused backward of `unit` with
+        output gradient `grad`, through the modules' hook. Returns (activation for the next
+        stage or None on the last stage, the forward's unit, the gradient of the backward
+        stage's input)."""
+        hook = self.overlap_hook(stage, backward_stage)
+        if hook is None or side or not keep:
+            raise ValueError(
+                f"stages {stage} and {backward_stage}: the overlap hook runs plain stages (no side inputs, no "
+                "recomputation)"
+            )
+        if stage > 0:
+            for leaf in floating_leaves(x):
+                leaf.requires_grad_(True)
+        roots, grads, inp = _backward_args(backward_stage, unit, grad)
+        last_backward = backward_stage == self.last_stage
+        criterion = (lambda out, labels: self.loss_fn(out, labels)) if stage == self.last_stage else None
+        module0, module1 = self.modules[stage], self.modules[backward_stage]
+        with self.tracker.saving():
+            outputs0, loss0 = hook(
+                module0, x, criterion, target, module1,
+                roots if last_backward else None, None if last_backward else roots, None if last_backward else grads,
+            )
+        inputs = [] if inp is None else [inp] if isinstance(inp, torch.Tensor) else list(inp)
+        dxs = []
+        for t in inputs:
+            dx, t.grad = t.grad, None
+            dxs.append(dx if dx is not None or not t.requires_grad else torch.zeros_like(t))
+        dx = _input_gradient(backward_stage, unit.inp, dxs[0] if isinstance(inp, torch.Tensor) else dxs or None)
+        unit.root = unit.inp = None
+        self._backward_done(unit)
+        if stage != self.last_stage:
+            return _detached(outputs0, stage), Unit(x, outputs0), dx
+        if not isinstance(loss0, torch.Tensor) or loss0.dim() != 0:
+            raise ValueError(f"stage {stage}: the overlap hook returned loss {loss0!r}; it must be a scalar tensor")
+        return None, Unit(x, loss0 / self.m, loss0.detach()), dx
 
     def recompute(self, stage: int, unit: Unit) -> None:
         """Re-run the forward of `unit` with autograd, from its kept input and random state."""

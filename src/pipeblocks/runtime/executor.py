@@ -19,6 +19,10 @@ The executor walks `program.ranks[rank]` in order and knows nothing about schedu
                 its units' reductions inside it)
     Recompute   re-run the forward of a unit whose F ran without its graph (the F of
                 every unit the Program recomputes does), just before its backward
+    Overlap     a forward and another unit's fused backward as one op (both received
+                before it): through the compute object's `overlap_hook` when the stage
+                modules' class has `overlapped_forward_backward` (DualPipe's
+                interface), else the forward then the backward; two events
     STEP        an optimizer step inside the Program (asynchronous training): handed to
                 the compute object's `optimizer_step(stage, step)`; only a compute object
                 that has that method runs a Program with steps
@@ -47,8 +51,8 @@ from typing import Callable
 import torch
 
 from ..core.actions import Action, Kind
-from ..core.ops import ACTION, DP, P2P, RECOMPUTE, STEP, require_known
-from ..core.program import Comm, DPOp, OptimizerStep, Program, Recompute
+from ..core.ops import ACTION, DP, OVERLAP, P2P, RECOMPUTE, STEP, require_known
+from ..core.program import Comm, DPOp, OptimizerStep, Overlap, Program, Recompute
 from ..core.recompute import recompute_units
 from .comm import Mailbox, Tags, leaf_key, receive_posts
 from .compute import Unit
@@ -57,7 +61,8 @@ from .shapes import TENSOR, ActivationSpec, SpecMismatchError, TensorSpec, activ
 
 __all__ = ["RankExecutor", "RankRecord", "ActionError"]
 
-_COMPUTE, _SEND, _RECV, _DP, _RECOMPUTE, _STEP = "compute", "send", "recv", "dp", "recompute", "step"  # plan op codes
+_COMPUTE, _SEND, _RECV, _DP, _RECOMPUTE, _STEP, _PAIR = (  # plan op codes
+    "compute", "send", "recv", "dp", "recompute", "step", "pair")
 
 
 def _microbatch_of(code: str, op, key) -> int:
@@ -66,6 +71,8 @@ def _microbatch_of(code: str, op, key) -> int:
         return key[2]
     if code is _COMPUTE or code is _RECOMPUTE:
         return op.microbatch
+    if code is _PAIR:
+        return min(op.forward.microbatch, op.backward.microbatch)
     return -1
 
 
@@ -125,7 +132,7 @@ class RankExecutor:
                 f"{schedule.seq_chunks}): a chunk's recomputation would append its K/V twice; drop the "
                 "recomputation or the sequence chunks"
             )
-        known = (ACTION, P2P, RECOMPUTE) + ((DP,) if data_parallel else ())
+        known = (ACTION, P2P, RECOMPUTE, OVERLAP) + ((DP,) if data_parallel else ())
         known += (STEP,) if hasattr(compute, "optimizer_step") else ()
         require_known(self.ops, f"the runtime (rank {rank})", known)
         self._plan = self._compile()
@@ -147,6 +154,9 @@ class RankExecutor:
             if isinstance(op, Action):
                 next_compute = index
                 plan.append((posts, _COMPUTE, op, None, 0, 0, None))
+            elif type(op) is Overlap:
+                next_compute = index
+                plan.append((posts, _PAIR, op, None, 0, 0, None))
             elif type(op) is DPOp:
                 plan.append((posts, _DP, op, None, 0, 0, None))
             elif type(op) is Recompute:
@@ -241,6 +251,9 @@ class RankExecutor:
                 self.compute.optimizer_step(op.stage, op.step)
                 continue
             mailbox.flush()
+            if code is _PAIR:
+                self._pair(op, ready, units, losses, inputs, targets, side, events)
+                continue
             if self.dp is not None:
                 self.dp.before_compute(op.stage, op)
             start = clock()
@@ -263,6 +276,57 @@ class RankExecutor:
         if leftover or ready:
             raise RuntimeError(f"rank {self.rank}: step ended with unconsumed state {leftover or list(ready)}")
         return RankRecord(tuple(events), tuple(losses[i] for i in sorted(losses)), wait_s)
+
+    def _pair(self, op: Overlap, ready, units, losses, inputs, targets, side, events) -> None:
+        """An overlapped pair: the stage modules' hook runs both parts at once where it exists
+        (the parts' events then share its time evenly), else the forward then the backward."""
+        f, bw = op
+        if self.dp is not None:
+            self.dp.before_compute(f.stage, f)
+            self.dp.before_compute(bw.stage, bw)
+        hook = getattr(self.compute, "overlap_hook", None)
+        clock = self.clock
+        start = clock()
+        try:
+            if hook is not None and hook(f.stage, bw.stage) and self.chunks is None:
+                self._hooked_pair(f, bw, ready, units, losses, inputs, targets, side)
+                end = clock()
+                mid = start + (end - start) / 2
+            else:
+                self._compute(f, ready, units, losses, inputs, targets, side)
+                mid = clock()
+                self._compute(bw, ready, units, losses, inputs, targets, side)
+                end = clock()
+        except (SpecMismatchError, ActionError):
+            raise
+        except Exception as err:
+            raise ActionError(f"rank {self.rank}, action {op}: {type(err).__name__}: {err}") from err
+        events.append((f, start, mid))
+        events.append((bw, mid, end))
+        if self.dp is not None:
+            self.dp.after_compute()
+
+    def _hooked_pair(self, f: Action, bw: Action, ready, units, losses, inputs, targets, side) -> None:
+        s, mb = f.stage, f.microbatch
+        x = inputs[mb] if s == 0 else ready.pop(("F", s - 1, mb, 0))
+        target = targets[mb] if s == self.last else None
+        grad = None if bw.stage == self.last else ready.pop(("B", bw.stage + 1, bw.microbatch, 0))
+        out, unit, dx = self.compute.overlapped(
+            s, x, target, bw.stage, units.pop((bw.stage, bw.microbatch, 0)), grad,
+            side=side[mb] if side else None, keep=(s, mb, 0) not in self.recomputed,
+        )
+        units[(s, mb, 0)] = unit
+        if out is not None:
+            expected = self.out_specs.get((s, mb, 0))
+            if expected is not None:
+                self._check_output(f, out, expected)
+            ready[("F", s, mb, 0)] = out
+        elif unit.loss is not None:
+            losses[mb] = losses.get(mb, 0.0) + float(unit.loss)
+        if bw.stage > 0:
+            if dx is None:
+                raise ActionError(f"rank {self.rank}, action {bw}: stage {bw.stage} produced no gradient for its input")
+            ready[("B", bw.stage, bw.microbatch, 0)] = dx
 
     def _compute(self, op: Action, ready, units, losses, inputs, targets, side) -> None:
         s, mb, chunk = op.stage, op.microbatch, op.seq_chunk or 0

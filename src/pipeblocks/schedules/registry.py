@@ -28,7 +28,7 @@ from ..core.schedule import Schedule
 __all__ = ["ScheduleSpec", "register", "get", "names", "specs", "FAMILIES"]
 
 # Family modules, in the order `pipeblocks list` shows them.
-FAMILIES = ("classic", "looped", "elastic", "zero_bubble", "vshape", "vadaptive", "zb_greedy", "zbv", "sequence")
+FAMILIES = ("classic", "looped", "elastic", "zero_bubble", "vshape", "vadaptive", "zb_greedy", "zbv", "dualpipe", "sequence")
 
 
 @dataclass(frozen=True)
