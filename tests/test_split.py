@@ -138,3 +138,22 @@ def test_train_refuses_a_bad_split_before_anything_starts(capsys):
     ]:
         code, out, err = run_cli(capsys, "train", "-p", "2", "-m", "4", "--layers", "4", *argv)
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_plan_balances_every_candidate_and_names_the_split(capsys):
+    import json
+
+    argv = ("plan", "--model", "llama-3-8b", "--gpus", "8", "--gpu-memory", "80", "--global-batch", "32",
+            "--schedules", "1f1b", "--microbatch-sizes", "1", "--tp", "1", "--jobs", "1", "--json")
+    code, out, _ = run_cli(capsys, *argv)
+    even = json.loads(out)
+    code, out, _ = run_cli(capsys, *argv, "--split", "auto")
+    auto = json.loads(out)
+    assert code == 0 and auto["ranked"][0]["mfu"] > even["ranked"][0]["mfu"]
+    best = auto["ranked"][0]
+    assert best["pp"] == 2 and "--split 17,15 " in auto["commands"][0]  # the head's stage gives up a layer
+    assert "--split" not in even["commands"][0]
+    # counts for 2 stages: the meshes of other pipeline depths are left out, saying why
+    code, out, _ = run_cli(capsys, *argv, "--split", "17,15")
+    given = json.loads(out)
+    assert {row["pp"] for row in given["ranked"]} == {2} and given["ranked"][0]["mfu"] == best["mfu"]

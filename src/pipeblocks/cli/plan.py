@@ -29,7 +29,7 @@ from ..plan.space import DEFAULT_MICROBATCH_SIZES, DEFAULT_SCHEDULES
 from ..sim.analytic import HF_SEQ, MODELS, model_from_hf, parse_model
 from ..sim.hardware_profile import check_hardware_text, hardware_names_text, resolve_hardware
 from ..sim.memory_estimate import W_KEEPS
-from .argtypes import plot_file, positive_float, positive_int
+from .argtypes import plot_file, positive_float, positive_int, split_arg
 from .common import print_json, progress
 
 __all__ = ["register", "run"]
@@ -105,6 +105,10 @@ def register(sub) -> None:
     parser.add_argument("--vocab-parallel", action="store_true",
                         help="also price every schedule with the input embedding and the head split by vocabulary "
                         "over the pipeline ranks (tp 1, whole sequences; listed as NAME+vocab), and rank both")
+    parser.add_argument("--split", default=None, type=split_arg, metavar="N1,N2,...|auto",
+                        help="transformer layers per stage: counts in stage order (only configurations with that many "
+                        "stages), or auto (each configuration's stages balanced by pass time, the head and its loss "
+                        "included; the train command printed names the split); default: even")
     parser.add_argument("--exhaustive", action="store_true",
                         help="simulate every configuration that can fit, not only those that can beat their "
                         "schedule's best (slower; a fuller plot)")
@@ -140,6 +144,7 @@ def problem_from_args(args: argparse.Namespace) -> PlanProblem:
         precision="fp32" if args.fp32 else "bf16-mixed", seq_chunks=args.seq_chunks, tp_degrees=args.tp,
         extrapolate=not args.exact, intensity=_intensity(args.intensity_model, hardware), w_keeps=args.w_keeps,
         dp_unit=args.dp_unit, hf=_hf_directory(args.hf) if args.hf else None, vocab_parallel=args.vocab_parallel,
+        split=args.split,
     )
 
 

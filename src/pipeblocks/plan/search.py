@@ -194,13 +194,15 @@ def static_peak(problem: PlanProblem, shape: MeshShape, placement: Placement,
     (`sim.vocab_costs.vocab_rank_static_peak`)."""
     if vocab:
         return tuple(
-            vocab_rank_static_peak(problem.model, placement.num_stages, placement.stages_of(r), policy, dp=shape.dp,
+            vocab_rank_static_peak(problem.staged(problem.model, placement.num_stages), placement.num_stages,
+                                   placement.stages_of(r), policy, dp=shape.dp,
                                    precision=problem.precision, ranks=shape.pp,
                                    split_backward=split_backward(name))
             for r in range(placement.num_ranks)
         )
     return tuple(
-        rank_static_peak(problem.model, placement.num_stages, placement.stages_of(r), (policy,), dp=shape.dp,
+        rank_static_peak(problem.staged(problem.model, placement.num_stages), placement.num_stages,
+                         placement.stages_of(r), (policy,), dp=shape.dp,
                          precision=problem.precision, tp=shape.tp, split_backward=split_backward(name))
         for r in range(placement.num_ranks)
     )
@@ -267,6 +269,11 @@ def _entries(problem: PlanProblem, name: str, k: int, vocab: bool = False) -> tu
             if stages > problem.model.layers:
                 skipped.append(Skipped(label, shape, None, f"{stages} stages for {problem.model.layers} layers"))
                 break  # the stage count does not depend on b
+            try:
+                problem.stage_split(stages)
+            except ValueError as err:  # --split's counts are for another stage count
+                skipped.append(Skipped(label, shape, None, str(err).split(":")[0]))
+                break
             placement = _placement(name, shape.pp, stages)
             least, least_policy = min(
                 (max(static_peak(problem, shape, placement, pol, name, vocab)), pol) for pol in _policies(shape)
@@ -292,7 +299,7 @@ def _entries(problem: PlanProblem, name: str, k: int, vocab: bool = False) -> tu
 
 def _costs(problem: PlanProblem, shape: MeshShape, b: int, stages: int, k: int, policy: ShardingPolicy,
            vocab: bool = False):
-    config = problem.config(b)
+    config = problem.staged(problem.config(b), stages)
     if vocab:  # tp = 1 and whole sequences (`_entries`)
         return vocab_replica_costs(
             config, problem.hardware, num_stages=stages, ranks=shape.pp, dp=shape.dp, sharding=policy,

@@ -9,6 +9,7 @@ pipeline then runs m = global_batch / (dp * b) microbatches per step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -17,7 +18,9 @@ from ..core.dp_units import check_dp_unit
 from ..core.precision import PRECISION_NAMES
 from ..core.sharding import ShardingPolicy
 from ..schedules import get
-from ..sim.analytic import Hardware, TransformerConfig
+from ..core.split import AUTO, check_split
+from ..sim.analytic import Hardware, TransformerConfig, transformer_costs
+from ..sim.split_auto import balanced_counts
 from ..sim.memory_estimate import W_KEEPS, precision_config
 from ..sim.tp_memory import tp_mismatch
 
@@ -93,6 +96,11 @@ class PlanProblem:
     dp_unit: str = "block"
     hf: str | None = None
     vocab_parallel: bool = False
+    split: tuple[int, ...] | str | None = None
+    """transformer layers per stage: None (the even rule), counts (`--split 3,4,4,3`: only
+    candidates with that many stages), or "auto" (each candidate's stages balanced by pass
+    time, the head and its loss included: `sim.split_auto.balanced_counts`, no extra
+    simulation; `simulate --split auto` refines a chosen plan with the simulator)"""
 
     def __post_init__(self) -> None:
         _check_count("--gpus", self.gpus, "give the number of GPUs to plan for")
@@ -109,6 +117,8 @@ class PlanProblem:
         if self.w_keeps not in W_KEEPS:
             raise ValueError(f"--w-keeps {self.w_keeps!r}: choose one of {', '.join(W_KEEPS)}")
         check_dp_unit(self.dp_unit)
+        if isinstance(self.split, tuple) and (sum(self.split) != self.model.layers or min(self.split) < 1):
+            check_split(self.split, layers=self.model.layers, num_stages=len(self.split))  # names the numbers
         if not self.schedules:
             raise ValueError("--schedules is empty: name at least one schedule (see `pipeblocks list`)")
         for name in self.schedules:
@@ -142,10 +152,35 @@ class PlanProblem:
                     f"need the intra-node link; give tp <= {node}"
                 )
 
+    def stage_split(self, num_stages: int) -> tuple[int, ...] | None:
+        """Layers per stage for a candidate of `num_stages` stages (None: the even rule); counts
+        that do not fit are a ValueError naming the numbers (`core.split.check_split`)."""
+        if self.split is None:
+            return None
+        if self.split == AUTO:
+            return _time_balanced(self.model, self.hardware, num_stages)
+        return check_split(self.split, layers=self.model.layers, num_stages=num_stages)
+
+    def staged(self, config: TransformerConfig, num_stages: int) -> TransformerConfig:
+        """`config` cut into `num_stages` stages by `stage_split`."""
+        split = self.stage_split(num_stages)
+        return config if split is None else dataclasses.replace(config, split=split)
+
     def config(self, microbatch_size: int) -> TransformerConfig:
         """The model at microbatch size b, its activations in the precision's compute dtype."""
         config, _ = precision_config(dataclasses.replace(self.model, microbatch_size=microbatch_size), self.precision)
         return config
+
+
+@functools.cache
+def _time_balanced(model: TransformerConfig, hardware: Hardware, num_stages: int) -> tuple[int, ...]:
+    """The split that balances the stages' F + B + W (`split_auto.balanced_counts`): every
+    pass scales with the microbatch, so one microbatch size serves every candidate."""
+    costs = transformer_costs(model, hardware, num_stages=num_stages, stage0_input_grad=True)
+    totals = [f + b + w for f, b, w in zip(costs.t_f, costs.t_b, costs.t_w)]
+    counts = model.stage_layers(num_stages)
+    per_layer = totals[0] / counts[0]
+    return balanced_counts(model.layers, per_layer, [t - n * per_layer for t, n in zip(totals, counts)])
 
 
 @dataclass(frozen=True, order=True)
