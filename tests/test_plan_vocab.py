@@ -55,3 +55,18 @@ def test_search_lists_both_and_the_command_names_the_option():
         result.problem, tuple(e for e in result.evaluated if not e.candidate.vocab_parallel), (), 0.0, 0)))
     # a pipeline of one rank has no vocabulary to split: skipped, with the reason
     assert any(s.shape.pp == 1 and "vocabulary" in s.reason for s in result.skipped)
+
+
+def test_planner_static_memory_is_the_simulators():
+    """The planner's static bytes per rank (tensor shapes) equal what `simulate --vocab-parallel`
+    holds in the step (parameter counts), rank by rank, at bf16-mixed and replicate."""
+    from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
+    from pipeblocks.sim.build import build
+
+    p = 4
+    costs = CostSpec(model="llama-3-8b", hardware="a100", vocab_parallel=True, mixed_precision=True)
+    timeline = build(ScheduleRequest("1f1b", m=p, mesh=Mesh(pp=p), costs=costs)).simulate()
+    planner = [vocab_rank_static_peak(LLAMA, p, [r], "replicate", dp=1, precision="bf16-mixed", ranks=p)
+               for r in range(p)]
+    for r in range(p):
+        assert math.isclose(timeline.static_memory_peak[r], planner[r], rel_tol=1e-6), r
