@@ -35,7 +35,7 @@ def test_padding_is_priced_and_collectives_grow_with_p():
 
 
 def test_a_rank_without_rows_is_refused():
-    with pytest.raises(ScheduleError, match=r"V = 5 .* p = 4 .* at least 7"):
+    with pytest.raises(ScheduleError, match=r"V = 5 .* of p = 4 .* at least 7"):
         vocab_costs(dataclasses.replace(LLAMA, vocab=5), A100, ranks=4)
 
 

@@ -52,6 +52,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ..core.vocab_partition import VocabPartition, partition_vocab
+
 __all__ = [
     "AllReduce", "VocabPartition", "partition_vocab", "shard_rows", "gather_rows",
     "OutputShard", "OutputPartials", "OutputStats", "output_forward", "reduce_output",
@@ -65,71 +67,6 @@ IGNORE_INDEX = -100
 
 AllReduce = Callable[[Tensor, str], None]
 """reduces a tensor in place over the p vocabulary ranks; op is "sum" or "max"."""
-
-
-@dataclass(frozen=True)
-class VocabPartition:
-    """V rows over p ranks in contiguous blocks of ``shard_size = ceil(V/p)``; the tail is padding.
-
-    >>> partition_vocab(10, 4)
-    VocabPartition(vocab_size=10, ranks=4)
-    >>> [partition_vocab(10, 4).rows(r) for r in range(4)]
-    [(0, 3), (3, 6), (6, 9), (9, 10)]
-    """
-
-    vocab_size: int
-    ranks: int
-
-    @property
-    def shard_size(self) -> int:
-        """rows each rank holds, padding included"""
-        return -(-self.vocab_size // self.ranks)
-
-    @property
-    def padded_size(self) -> int:
-        return self.shard_size * self.ranks
-
-    @property
-    def padding(self) -> int:
-        """zero rows added in all (0 when p divides V)"""
-        return self.padded_size - self.vocab_size
-
-    def start(self, rank: int) -> int:
-        return rank * self.shard_size
-
-    def rows(self, rank: int) -> tuple[int, int]:
-        """[first, last) vocabulary ids that are real rows on `rank`"""
-        lo = min(self.start(rank), self.vocab_size)
-        return lo, min(lo + self.shard_size, self.vocab_size)
-
-    def real_rows(self, rank: int) -> int:
-        lo, hi = self.rows(rank)
-        return hi - lo
-
-    def note(self) -> str | None:
-        """the one line to tell the user when the vocabulary is padded; None when p divides V"""
-        if not self.padding:
-            return None
-        return (f"vocabulary parallelism: V = {self.vocab_size} is not a multiple of p = {self.ranks}; "
-                f"each rank holds {self.shard_size} rows and the last shard(s) end in {self.padding} zero "
-                f"row(s) (masked out of the softmax, never updated)")
-
-    def __repr__(self) -> str:
-        return f"VocabPartition(vocab_size={self.vocab_size}, ranks={self.ranks})"
-
-
-def partition_vocab(vocab_size: int, ranks: int) -> VocabPartition:
-    """The vocabulary split of V rows over p ranks; refuses a split that leaves a rank no real row."""
-    if ranks < 1 or vocab_size < 1:
-        raise ValueError(f"vocabulary parallelism needs V >= 1 and p >= 1 (got V = {vocab_size}, p = {ranks})")
-    part = VocabPartition(vocab_size, ranks)
-    empty = [r for r in range(ranks) if part.real_rows(r) == 0]
-    if empty:
-        raise ValueError(
-            f"vocabulary parallelism: V = {vocab_size} rows in shards of {part.shard_size} leave rank(s) "
-            f"{empty} of p = {ranks} without a real row; use a vocabulary of at least "
-            f"{(ranks - 1) * part.shard_size + 1} rows or fewer pipeline ranks")
-    return part
 
 
 def shard_rows(weight: Tensor, part: VocabPartition, rank: int) -> Tensor:

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from ..core.costs import BlockCosts, Costs
 from ..core.errors import ScheduleError
+from ..core.vocab_partition import VocabPartition, partition_vocab
 from ..core.vocab import VocabCosts
 from .analytic import Hardware, TransformerConfig, cross_entropy_bytes, head_flops, head_intensity
 
@@ -53,8 +54,8 @@ __all__ = ["vocab_costs", "head_seconds", "head_activation_bytes", "with_vocab_p
 
 
 def shard_rows(vocab: int, ranks: int) -> int:
-    """Rows each rank holds: ceil(V/p), as `runtime.vocab_parallel.partition_vocab` splits them."""
-    return -(-vocab // ranks)
+    """Rows each rank holds, padding included: ceil(V/p) (`core.vocab_partition`)."""
+    return VocabPartition(vocab, ranks).shard_size
 
 
 def _all_reduce(nbytes: float, ranks: int, hardware: Hardware) -> float:
@@ -98,11 +99,10 @@ def vocab_costs(config: TransformerConfig, hardware: Hardware, *, ranks: int,
     of the achievable rate the shard's products reach (the planner's intensity model, 1: none)."""
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ScheduleError(f"vocabulary parallelism needs p >= 1 pipeline ranks, got {ranks!r}")
-    rows = shard_rows(config.vocab, ranks)
-    if (ranks - 1) * rows >= config.vocab:
-        raise ScheduleError(
-            f"vocabulary parallelism: V = {config.vocab} rows in shards of {rows} leave a rank of p = {ranks} "
-            f"without a real row; use at least {(ranks - 1) * rows + 1} rows or fewer pipeline ranks")
+    try:
+        rows = partition_vocab(config.vocab, ranks).shard_size
+    except ValueError as err:
+        raise ScheduleError(str(err)) from None
     shard = dataclasses.replace(config, vocab=rows)
     n, h = config.seq * config.microbatch_size, config.hidden
     e, f = config.dtype_bytes, max(4, config.dtype_bytes)
