@@ -3,13 +3,15 @@
     PYTHONPATH=src python benchmarks/runtime_vs_torch.py                  # p=4, m=8 and m=16 (a few minutes)
     PYTHONPATH=src python benchmarks/runtime_vs_torch.py --quick          # p=4, m=8, fewer steps
     PYTHONPATH=src python benchmarks/runtime_vs_torch.py --configs 4x8,2x8 --json out.json
+    PYTHONPATH=src python benchmarks/runtime_vs_torch.py --configs 4x8 --schedules dualpipev,zb-v --modes emulated
+    PYTHONPATH=src python benchmarks/runtime_vs_torch.py --configs 2x8 --schedules dualpipev,zb-v --modes real
 
-For each schedule both libraries have (GPipe, 1F1B, Interleaved 1F1B, ZB-V), each (p, m)
+For each schedule both libraries have (GPipe, 1F1B, Interleaved 1F1B, ZB-V, DualPipeV), each (p, m)
 and each mode, the same GPT (2p transformer blocks, the stage split of
 `pipeblocks.models.split`, weights from one seed) trains on the same microbatches on p
 local gloo processes, first under pipeblocks' `PipelineRunner`, then under torch's own
 schedule class (`ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`,
-`ScheduleZBVZeroBubble`) over `PipelineStage`s of the same stage modules. Global stage
+`ScheduleZBVZeroBubble`, `ScheduleDualPipeV`) over `PipelineStage`s of the same stage modules. Global stage
 indices and placements coincide (loop: stage s on rank s mod p; V: stages i and 2p-1-i on
 rank i), so each rank holds the same stages in both runs.
 
@@ -65,7 +67,7 @@ from pipeblocks.runtime.emulate import EmulatedCompute, EmulatedCosts, precise_s
 from pipeblocks.sim import simulate
 from pipeblocks.sim.overhead import overhead_breakdown
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-v", "dualpipev")
 MODES = ("emulated", "real")
 RECORDED_STEPS = 3  # pipeblocks steps that record a Timeline; the bubble is their median
 
@@ -238,7 +240,7 @@ def _p2p_latency_ms(plan: Plan, rank: int) -> float:
 def _run_torch(plan: Plan, name: str, mode: str, rank: int, x, y) -> dict:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import (
-        Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble,
+        Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble,
     )
 
     schedule = schedules.get(name)(p=plan.p, m=plan.m)  # for the stage split and placement only
@@ -246,7 +248,8 @@ def _run_torch(plan: Plan, name: str, mode: str, rank: int, x, y) -> dict:
     S = schedule.num_stages
     stages = [PipelineStage(modules[s], s, S, torch.device("cpu")) for s in sorted(modules)]
     single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-    multi = {"interleaved-1f1b": ScheduleInterleaved1F1B, "zb-v": ScheduleZBVZeroBubble}
+    multi = {"interleaved-1f1b": ScheduleInterleaved1F1B, "zb-v": ScheduleZBVZeroBubble,
+             "dualpipev": ScheduleDualPipeV}
     if name in single:
         runtime = single[name](stages[0], plan.m, loss_fn=cross_entropy)
     else:
@@ -385,6 +388,9 @@ def main() -> None:
         if mode not in MODES:
             raise SystemExit(f"--modes: {mode!r} is not one of {MODES}")
     configs = _parse_configs(args.configs or ("4x8" if args.quick else "4x8,4x16"))
+    for p, m in configs:
+        if "dualpipev" in names and m < 2 * p:
+            raise SystemExit(f"--configs: dualpipev needs m >= 2p; {p}x{m} takes m >= {2 * p} (use {p}x{2 * p})")
     steps = args.steps if args.steps is not None else (3 if args.quick else 5)
     rows: list[dict] = []
     plans = []
