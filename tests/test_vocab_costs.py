@@ -53,6 +53,7 @@ def test_end_stages_become_middle_stages():
     assert costs.params[3] == costs.params[1] + LLAMA.hidden  # the final norm's weight
     norm_saved = LLAMA.seq * (LLAMA.hidden * LLAMA.dtype_bytes + 4)  # its input and statistic
     assert math.isclose(costs.mem_b[3], costs.mem_b[1] + norm_saved, rel_tol=1e-12)
+    assert costs.mem_b[0] == costs.mem_b[1]  # the token ids left with the embedding
     assert [sum(row) for row in costs.blocks.params] == list(costs.params)
     assert costs.blocks.f[3] == (1 / 8,) * 8
     assert costs.vocab == vocab_costs(LLAMA, A100, ranks=p)
@@ -81,3 +82,24 @@ def test_needs_two_stages():
     with pytest.raises(ScheduleError, match="at least 2 stages"):
         with_vocab_parallel(transformer_costs(LLAMA, A100, num_stages=1), LLAMA, A100, ranks=1)
     assert isinstance(LLAMA, TransformerConfig)
+
+
+@pytest.mark.parametrize("w_keeps", ["graph", "weights"])
+def test_what_w_keeps_on_the_last_stage_loses_the_head(w_keeps):
+    """M_W of the last stage: the whole graph under "graph" (the loss, which B freed, is gone);
+    under "weights" the layers' and the final norm's operands, no longer the head's."""
+    from pipeblocks.sim.memory_estimate import activation_costs
+
+    p = 4
+    base = dataclasses.replace(transformer_costs(LLAMA, A100, num_stages=p),
+                               **{k: getattr(activation_costs(LLAMA, p, w_keeps=w_keeps), k)
+                                  for k in ("mem_b", "mem_w_ratio", "recompute_input_ratio")})
+    costs = with_vocab_parallel(base, LLAMA, A100, ranks=p)
+    held = [r * m for r, m in zip(costs.mem_w_ratio, costs.mem_b)]
+    if w_keeps == "graph":
+        assert costs.mem_w_ratio[3] == 1.0
+    else:
+        assert math.isclose(held[3], held[1], rel_tol=1e-12)  # the norm's input and statistic keep nothing for W
+    hidden = LLAMA.seq * LLAMA.hidden * LLAMA.dtype_bytes
+    assert math.isclose(costs.recompute_input_ratio[0] * costs.mem_b[0], hidden, rel_tol=1e-12)
+    assert math.isclose(costs.recompute_input_ratio[3] * costs.mem_b[3], hidden, rel_tol=1e-12)

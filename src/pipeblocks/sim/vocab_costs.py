@@ -29,7 +29,8 @@ exchange and every collective costs 0.
 
 `with_vocab_parallel` takes the analytic model's per-stage costs and moves the head and loss
 out of the last stage (its F, B and W time, the final norm's output and the loss's saved bytes,
-the head's parameters) and the token table out of the first (its parameters), and attaches the
+the head's parameters) and the token table out of the first (its parameters and the token ids it
+saved; a recomputed stage 0 now keeps a hidden state as its input), and attaches the
 `VocabCosts` above. The final norm stays on the last stage: its output X is what S reads.
 
     >>> from pipeblocks.sim.analytic import MODELS, HARDWARE, transformer_costs
@@ -47,7 +48,9 @@ from ..core.costs import BlockCosts, Costs
 from ..core.errors import ScheduleError
 from ..core.vocab_partition import VocabPartition, partition_vocab
 from ..core.vocab import VocabCosts
-from .analytic import Hardware, TransformerConfig, cross_entropy_bytes, head_flops, head_intensity
+from .analytic import (
+    Hardware, TransformerConfig, cross_entropy_bytes, head_flops, head_intensity, loss_activation_bytes,
+)
 
 __all__ = ["vocab_costs", "head_seconds", "head_activation_bytes", "with_vocab_parallel", "shard_rows",
            "strip_blocks", "RankLoad", "rank_loads", "vocab_stage_param_shapes", "vocab_rank_static_peak"]
@@ -87,8 +90,6 @@ def head_activation_bytes(config: TransformerConfig) -> float:
     """What the last stage stops saving per microbatch when the head leaves it: the final
     norm's output (the head product's input, s*b*h*e) and the loss's log-probabilities,
     targets and scalar (`analytic.loss_activation_bytes`). The norm's input and statistic stay."""
-    from .analytic import loss_activation_bytes
-
     return config.seq * config.microbatch_size * config.hidden * config.dtype_bytes + loss_activation_bytes(config)
 
 
@@ -160,19 +161,27 @@ def with_vocab_parallel(costs: Costs, config: TransformerConfig, hardware: Hardw
         values[last] = max(0.0, values[last] - head[kind])
         times[name] = tuple(values)
     mem_b = _per_stage(costs, "mem_b", num_stages)
-    removed = head_activation_bytes(config)
-    kept_last = max(0.0, mem_b[last] - removed)
+    tokens = config.seq * config.microbatch_size
+    hidden_bytes = tokens * config.hidden * config.dtype_bytes
+    kept_last = max(0.0, mem_b[last] - head_activation_bytes(config))
+    kept_first = max(0.0, mem_b[0] - 8 * tokens)  # the token ids go with the embedding
     ratio = costs.mem_w_ratio
-    if isinstance(ratio, tuple):  # per stage: M_W is an amount of bytes, which the head did not add to
+    if isinstance(ratio, tuple):  # per stage (`memory_estimate.activation_costs`): M_W of the last stage
         ratio = list(ratio)
-        ratio[last] = min(1.0, ratio[last] * mem_b[last] / kept_last) if kept_last > 0 else 1.0
+        held = ratio[last] * mem_b[last]
+        if held >= mem_b[last] - loss_activation_bytes(config) - 1.0:
+            ratio[last] = 1.0  # W keeps the whole graph but the loss, which has left
+        elif kept_last > 0:  # W keeps its products' operands: no longer the head's input and logit gradients
+            ratio[last] = min(1.0, max(0.0, held - tokens * (config.hidden + config.vocab) * config.dtype_bytes)
+                              / kept_last)
         ratio = tuple(ratio)
     recompute = costs.recompute_input_ratio
-    if isinstance(recompute, tuple) and kept_last > 0:
+    if isinstance(recompute, tuple):  # a recomputed stage keeps its input: stage 0's is now a hidden state
         recompute = list(recompute)
-        recompute[last] = min(1.0, recompute[last] * mem_b[last] / kept_last)
+        for stage, kept in ((0, kept_first), (last, kept_last)):
+            recompute[stage] = min(1.0, hidden_bytes / kept) if kept > 0 else 1.0
         recompute = tuple(recompute)
-    mem_b[last] = kept_last
+    mem_b[0], mem_b[last] = kept_first, kept_last
     table = config.hidden * config.vocab
     params = _per_stage(costs, "params", num_stages)
     params[0] = max(0.0, params[0] - table)
