@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from pipeblocks.plan.report import commands
 from pipeblocks.plan.search import PlanResult, _Entry, evaluate, search
 from pipeblocks.plan.space import MeshShape, PlanProblem
@@ -70,3 +72,21 @@ def test_planner_static_memory_is_the_simulators():
                for r in range(p)]
     for r in range(p):
         assert math.isclose(timeline.static_memory_peak[r], planner[r], rel_tol=1e-6), r
+
+
+def test_planner_step_and_memory_are_what_simulate_reports(capsys):
+    """Without the intensity model a +vocab candidate's step and peak per GPU are those
+    `simulate --vocab-parallel --mixed-precision` prints for the same configuration."""
+    import json
+
+    from pipeblocks.cli.main import main
+
+    problem = _problem(gpus=4, global_batch=8, intensity=False, seq_chunks=(), gpu_memory=200e9)
+    entry = _Entry(bound=1.0, shape=MeshShape(1, 1, 4), microbatch_size=1, m=8, stages=4)
+    (done,), _, _ = evaluate(problem, "1f1b", 1, entry, vocab=True)
+    assert main(["simulate", "1f1b", "-p", "4", "-m", "8", "--model", "llama-3-8b", "--hardware", "a100",
+                 "--vocab-parallel", "--mixed-precision", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    need = max(s + a for s, a in zip(summary["static_memory_peak"], summary["peak_activation"]))
+    assert done.peak_memory == pytest.approx(need, rel=1e-9)
+    assert done.iteration_time == pytest.approx(summary["makespan"], rel=1e-9)
