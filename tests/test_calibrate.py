@@ -21,7 +21,7 @@ def test_calibrate_writes_a_profile_at_a_tiny_grid_and_skips_what_does_not_fit(t
     assert code == 0
     skipped = [line for line in captured.err.splitlines() if "300000x64x1" in line]
     assert len(skipped) == 1 and "skipped" in skipped[0] and "GiB" in skipped[0]
-    assert "fits better" in captured.out and str(out) in captured.out
+    assert "fits best" in captured.out and str(out) in captured.out
     data = json.loads(out.read_text())
     assert data["threads"] == 1 and data["precision"] == "fp32" and "1024 x 1024" in data["peak"]["how"]
     assert data["skipped"][0]["shape"].startswith("300000x64x1")

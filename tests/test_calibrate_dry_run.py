@@ -35,9 +35,11 @@ def test_train_dry_run_predicts_from_a_profile(tmp_path, capsys):
     spec = fam.spec(fam.config(layers=2, hidden=32, heads=2, seq=16, vocab=256))
     model = build_model(spec, seed=0)
     tokens = torch.randint(0, 256, (2, 17))
+    hardware = load_profile(profile)
     f, b, w, t_comm = predicted_times(split_stages(spec, model, 2), tokens[:, :-1], spec.loss, tokens[:, 1:],
-                                      load_profile(profile))
-    assert b[0] == 0.0 and w[0] > 0 and b[1] > 0 and t_comm > 0
+                                      hardware)
+    # stage 0's B runs no FLOPs: only the embedding's fixed time
+    assert b[0] == hardware.overhead(1, "embedding") and w[0] > 0 and b[1] > 0 and t_comm > 0
     want = simulate(schedules.get("zb-h1")(p=2, m=2), Costs(t_f=f, t_b=b, t_w=w, t_comm=t_comm)).makespan
     assert shown == pytest.approx(want * 1e3, abs=0.051)
 
@@ -122,3 +124,32 @@ def test_dry_run_warns_once_when_the_profile_has_other_threads_than_a_rank(tmp_p
                         device="cpu")
     figures = dry_run(cfg, data, out=io.StringIO(), hardware=two)
     assert (figures["threads_per_rank"], figures["profile_threads"]) == (1, 2)
+
+
+def test_the_dry_run_adds_the_fixed_time_per_block_and_the_end_parts():
+    """predicted_times: each stage's passes get the profile's fixed time per block, the first
+    stage the embedding's, the last the head's; a backward run as one pass (stage 0's W, or
+    B + W without a split backward) pays the mean of B's and W's once per block."""
+    import dataclasses
+
+    from pipeblocks.models import build_model, split_stages
+    from pipeblocks.models.family import get_family
+    from pipeblocks.sim.analytic import HARDWARE, PassEfficiency
+    from pipeblocks.train.predict import predicted_times
+
+    fam = get_family("gpt")
+    spec = fam.spec(fam.config(layers=4, hidden=32, heads=2, seq=16, vocab=64))
+    stages = split_stages(spec, build_model(spec, seed=0), 2)
+    tokens = torch.randint(0, 64, (2, 17))
+    plain = dataclasses.replace(HARDWARE["a100"], passes=(PassEfficiency(0.5),) * 3)
+    fixed = dataclasses.replace(plain, passes=tuple(PassEfficiency(0.5, 0.0, t, 1e-5 * (k + 1), 2e-5 * (k + 1))
+                                                    for k, t in enumerate((1e-4, 3e-4, 2e-4))))
+    args = (stages, tokens[:, :-1], spec.loss, tokens[:, 1:])
+    (f0, b0, w0, _), (f1, b1, w1, _) = predicted_times(*args, plain), predicted_times(*args, fixed)
+    two = 2  # blocks per stage
+    assert f1[0] - f0[0] == pytest.approx(two * 1e-4 + 1e-5) and f1[1] - f0[1] == pytest.approx(two * 1e-4 + 2e-5)
+    assert b1[0] - b0[0] == pytest.approx(2e-5)  # stage 0's B: the embedding's alone
+    assert w1[0] - w0[0] == pytest.approx(two * (3e-4 + 2e-4) / 2 + 3e-5)  # the whole backward, one pass
+    assert b1[1] - b0[1] == pytest.approx(two * 3e-4 + 4e-5) and w1[1] - w0[1] == pytest.approx(two * 2e-4 + 6e-5)
+    _, fb, fw, _ = predicted_times(*args, fixed, split=False)
+    assert (fb[1] + fw[1]) - (b0[1] + w0[1]) == pytest.approx(two * (3e-4 + 2e-4) / 2 + 4e-5 + 6e-5)

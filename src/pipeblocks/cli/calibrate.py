@@ -12,8 +12,9 @@ measures the block's saved bytes; it measures the peak (a large matmul's FLOP/s 
 precision: on a CPU there is no data-sheet figure to trust) and the memory bandwidth, and,
 unless --no-links, the point-to-point and all-reduce latency and bandwidth between two
 local processes (gloo on CPU, NCCL with two GPUs). Then it fits the achieved fraction of
-the peak per pass kind, constant or as a function of arithmetic intensity, and says which
-fits better with the residuals (`pipeblocks.sim.hardware_profile`). A shape that does not
+the peak per pass kind, constant or as a function of arithmetic intensity, with or without
+a fixed overhead per pass of a block, and says which fits best with the residuals
+(`pipeblocks.sim.hardware_profile`). A shape that does not
 fit in memory is skipped with a line saying so. Progress goes to stderr; the table (or,
 with --json, the profile) to stdout.
 
@@ -270,10 +271,13 @@ def format_profile(profile: dict) -> str:
                      f"{x['intensity']:7.1f} {fraction:>8} {residual:>8}")
     lines.append("fits (fraction of the peak; residuals are relative time errors over the block points):")
     for kind, fit in profile["fits"].items():
-        c, r = fit["constant"], fit["roofline"]
+        c, r, o = fit["constant"], fit["roofline"], fit.get("roofline+overhead")
+        with_overhead = "" if o is None else (
+            f"; roofline {o['ceiling']:.3f} / (1 + {o['ridge']:.1f} / I) + {o['overhead_s'] * 1e6:.1f} us a block's "
+            f"pass (rms {o['rms_residual']:.3f}, max {o['max_residual']:.3f})")
         lines.append(f"  {kind}: constant {c['ceiling']:.3f} (rms {c['rms_residual']:.3f}, max {c['max_residual']:.3f});"
                      f" roofline {r['ceiling']:.3f} / (1 + {r['ridge']:.1f} / I) (rms {r['rms_residual']:.3f}, max "
-                     f"{r['max_residual']:.3f}): {fit['chosen']} fits better")
+                     f"{r['max_residual']:.3f}){with_overhead}: {fit['chosen']} fits best")
     links = profile["links"]
     if links.get("measured"):
         p2p, ring = links["p2p"], links["all_reduce"]

@@ -35,8 +35,8 @@ share of an uneven split, or the config's own `split` (`--split 3,4,4,3`, or the
 table's ids); the last saves the final norm's input and output and the loss's
 log-probabilities (fp32, s*b*V*4 bytes), which at a vocabulary of 128k outweigh several
 layers. Time = FLOPs / (peak FLOP/s * achievable fraction), plus, with a calibrated
-profile, its fixed overhead per pass of a block (`Hardware.overhead`); one hop between ranks
-takes latency + s*b*h*dtype_bytes / bandwidth.
+profile, its fixed overhead per pass of a block, of the embedding and of the head
+(`Hardware.overhead`); one hop between ranks takes latency + s*b*h*dtype_bytes / bandwidth.
 
 Parameters per stage (they size the data-parallel collectives and the static memory) are
 `ModelShape.stage_params`: per block its matrices, biases and norms (the GPT's
@@ -219,17 +219,21 @@ class PassEfficiency:
     intensity I (FLOPs per byte) of the pass's matrix products: ceiling / (1 + ridge / I),
     the planner's roofline form (`plan.intensity`); ridge 0 is a constant fraction.
     overhead: seconds a pass of one block takes beyond its FLOPs' time (the fixed cost of its
-    operators, measured by `pipeblocks calibrate`; microseconds on a GPU)."""
+    operators, measured by `pipeblocks calibrate`; microseconds on a GPU); embedding_overhead
+    and head_overhead: the same for the first stage's embedding and the last stage's head."""
 
     ceiling: float
     ridge: float = 0.0
     overhead: float = 0.0
+    embedding_overhead: float = 0.0
+    head_overhead: float = 0.0
 
     def __post_init__(self) -> None:
+        fixed = (self.overhead, self.embedding_overhead, self.head_overhead)
         if not (math.isfinite(self.ceiling) and math.isfinite(self.ridge) and self.ceiling > 0 and self.ridge >= 0
-                and math.isfinite(self.overhead) and self.overhead >= 0):
-            raise ScheduleError(f"pass efficiency needs a finite ceiling > 0, ridge >= 0 and overhead >= 0, got "
-                                f"ceiling={self.ceiling}, ridge={self.ridge}, overhead={self.overhead}")
+                and all(math.isfinite(x) and x >= 0 for x in fixed)):
+            raise ScheduleError(f"pass efficiency needs a finite ceiling > 0, ridge >= 0 and overheads >= 0, got "
+                                f"ceiling={self.ceiling}, ridge={self.ridge}, overheads={fixed}")
 
     def at(self, intensity: float) -> float:
         """The fraction at `intensity` (FLOPs per byte; 0 or less: no matrix product, the ceiling)."""
@@ -295,10 +299,13 @@ class Hardware:
         """The achievable fraction for pass `kind` (0 F, 1 B, 2 W) at `intensity` FLOPs per byte."""
         return self.efficiency if self.passes is None else self.passes[kind].at(intensity)
 
-    def overhead(self, kind: int) -> float:
-        """Seconds one block's pass `kind` (0 F, 1 B, 2 W) takes beyond its FLOPs' time (0 for
-        the built-in profiles)."""
-        return 0.0 if self.passes is None else self.passes[kind].overhead
+    def overhead(self, kind: int, part: str = "block") -> float:
+        """Seconds pass `kind` (0 F, 1 B, 2 W) of one block (or of the "embedding" or the
+        "head") takes beyond its FLOPs' time (0 for the built-in profiles)."""
+        if self.passes is None:
+            return 0.0
+        fit = self.passes[kind]
+        return {"block": fit.overhead, "embedding": fit.embedding_overhead, "head": fit.head_overhead}[part]
 
 
 # Models of the Zero Bubble paper's experiments (§9.1 of the algorithms reference).
@@ -608,8 +615,10 @@ def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stag
     def time(kind: int, stage: int) -> float:
         n = counts[stage]
         seconds = n * (layer[kind] / (peak * hardware.fraction(kind, layer_i)) + hardware.overhead(kind))
+        if stage == 0:
+            seconds += hardware.overhead(kind, "embedding")
         if stage == last:
-            seconds += head / (peak * hardware.fraction(kind, head_i))
+            seconds += head / (peak * hardware.fraction(kind, head_i)) + hardware.overhead(kind, "head")
             if bandwidth is not None:
                 seconds += loss[kind] / bandwidth
         return seconds

@@ -3,14 +3,21 @@ that lets every `--hardware` take a preset name or a profile file.
 
     >>> hardware = resolve_hardware("a100")                 # a built-in preset (sim.analytic.HARDWARE)
     >>> hardware = resolve_hardware("cpu.json")             # a profile written by `pipeblocks calibrate`
-    >>> fit = fit_fraction([(intensity, fraction), ...])    # constant and roofline fits, and which is better
+    >>> fit = fit_fraction([(intensity, fraction, seconds), ...])  # the three fits, and which is best
 
 A profile is JSON (FORMAT below). What the simulator and the planner read from it:
 
     peak.flops                   FLOP/s taken as the peak (on a CPU: a large matmul's, measured)
-    fits.F|B|W.chosen            "constant" or "roofline"; the chosen fit's ceiling and ridge
-                                 give the pass's fraction of the peak at intensity I:
-                                 ceiling / (1 + ridge / I) (ridge 0 under "constant")
+    fits.F|B|W.chosen            "constant", "roofline" or "roofline+overhead"; the chosen
+                                 fit's ceiling and ridge give the pass's fraction of the peak
+                                 at intensity I: ceiling / (1 + ridge / I) (ridge 0 under
+                                 "constant"), and its overhead_s the fixed seconds one pass
+                                 of one block adds (0 but under "roofline+overhead"; a
+                                 profile without the field has none)
+    fits.F|B|W.embedding_overhead_s, .head_overhead_s
+                                 the fixed seconds the first stage's embedding and the last
+                                 stage's head (with the loss) add to that pass beyond their
+                                 FLOPs' time at the chosen fraction (absent: none)
     efficiency                   one fraction for consumers that take one (FLOP-weighted over
                                  the passes' points)
     links.p2p                    latency_s, bandwidth_bytes_per_s of one pipeline hop
@@ -22,11 +29,26 @@ and `points` holds every measured pass (part, shape, seconds, FLOPs, intensity, 
 which the fits came from. A file that is not such a profile, or holds a field that is not
 a finite number in range, is refused in one line naming the file and the field.
 
-The fit. For each pass kind the points are (I, f) with f = FLOPs / (seconds * peak).
-Constant: f = c. Roofline: f = c / (1 + R / I), with c <= 1. Both are fitted by least squares on the
-relative error of the predicted time (t_pred / t - 1 = f * (1 + R / I) / c - 1: for a given
-R, 1/c in closed form; R >= 0 by a search), so the residuals are relative time errors. The roofline is chosen when its
-root-mean-square residual is at least 10% below the constant's (it has one parameter more).
+The fit. For each pass kind the points are (I, f, t) with f = FLOPs / (t * peak), t a
+block's pass time. Constant: f = c. Roofline: f = c / (1 + R / I), with c <= 1. Roofline
+plus overhead: time = FLOPs / (peak * c / (1 + R / I)) + t0, t0 >= 0 seconds per pass of a
+block: the fixed cost of launching its operators, which a pass under a millisecond (a
+small block on a CPU) spends a large share of and a GPU's millisecond passes hardly any.
+All three are fitted by least squares on the relative error of the predicted time
+(t_pred / t - 1 = f * (1 + R / I) / c + t0 / t - 1: for a given R, 1/c and t0 in closed
+form; R >= 0 by a search), so the residuals are relative time errors. Each form has one
+parameter more than the one before it and is chosen only when its root-mean-square residual
+is at least 10% below the form chosen without it (ROOFLINE_GAIN, OVERHEAD_GAIN); for the
+overhead both are first scaled by sqrt(n / (n - parameters)) (the residual standard error;
+at least 4 points), so that a third parameter is not chosen for fitting a few points' noise.
+
+The end parts. The embedding (no FLOPs counted: a lookup) and the head are timed too, as
+their stage less a block; with the block's chosen fraction fixed, each part's fixed time
+per pass kind is the least-squares t0 >= 0 of the same relative residuals,
+(FLOPs / (peak * f(I)) + t0) / t - 1 (closed form). Without it the embedding's passes were
+priced at nothing, and the head's were 10-60% short on a CPU. A part timed as 0 at some
+shape (the stage took less than its block) gets none: the embedding's W, which is stage
+0's whole backward in one pass, cheaper than a block's B and W apart.
 """
 from __future__ import annotations
 
@@ -41,7 +63,8 @@ from ..core.errors import ScheduleError
 from .analytic import HARDWARE, Hardware, PassEfficiency
 
 __all__ = [
-    "FORMAT", "PASS_KINDS", "Fit", "FractionFit", "fit_fraction", "load_profile", "profile_hardware",
+    "FORMAT", "PASS_KINDS", "Fit", "FractionFit", "fit_fraction", "ROOFLINE_GAIN", "OVERHEAD_GAIN", "OVERHEAD_FORM",
+    "END_PARTS", "fit_part_overhead", "load_profile", "profile_hardware",
     "resolve_hardware", "hardware_names_text", "is_profile_path", "check_hardware_text", "fit_link", "link_fields",
     "build_profile", "UNMEASURED_LINKS",
 ]
@@ -50,90 +73,171 @@ FORMAT = "pipeblocks-hardware-profile/1"
 PASS_KINDS = ("F", "B", "W")
 ROOFLINE_GAIN = 0.9
 """The roofline is chosen when its RMS residual is below this share of the constant's."""
+OVERHEAD_GAIN = 0.9
+"""The roofline plus overhead is chosen when its RMS residual is below this share of the
+form chosen between the constant and the roofline."""
+OVERHEAD_FORM = "roofline+overhead"
+RESIDUAL_FLOOR = 1e-6
+"""A form must lower the RMS residual by more than this too: below it residuals are rounding."""
+END_PARTS = ("embedding", "head")
+"""The parts besides the blocks that `calibrate` times, whose fixed time per pass is fitted too."""
 
 
 @dataclass(frozen=True)
 class Fit:
-    """One form's fit: ceiling, ridge (0 for a constant), and its relative time residuals."""
+    """One form's fit: ceiling, ridge (0 for a constant), overhead (seconds per pass of a
+    block; 0 but for the roofline plus overhead), and its relative time residuals."""
 
     form: str
     ceiling: float
     ridge: float
     rms_residual: float
     max_residual: float
+    overhead_s: float = 0.0
 
     def efficiency(self) -> PassEfficiency:
-        return PassEfficiency(self.ceiling, self.ridge)
+        return PassEfficiency(self.ceiling, self.ridge, self.overhead_s)
 
     def to_json(self) -> dict:
-        return {"form": self.form, "ceiling": self.ceiling, "ridge": self.ridge,
+        return {"form": self.form, "ceiling": self.ceiling, "ridge": self.ridge, "overhead_s": self.overhead_s,
                 "rms_residual": self.rms_residual, "max_residual": self.max_residual}
 
 
 @dataclass(frozen=True)
 class FractionFit:
-    """Both fits of one pass kind and the one chosen."""
+    """The fits of one pass kind and the one chosen; `overhead` is None when the points had
+    no seconds to fit it with."""
 
     constant: Fit
     roofline: Fit
     chosen: str
+    overhead: Fit | None = None
 
     @property
     def best(self) -> Fit:
+        if self.chosen == OVERHEAD_FORM and self.overhead is not None:
+            return self.overhead
         return self.roofline if self.chosen == "roofline" else self.constant
 
     def to_json(self) -> dict:
-        return {"chosen": self.chosen, "ceiling": self.best.ceiling, "ridge": self.best.ridge,
-                "constant": self.constant.to_json(), "roofline": self.roofline.to_json()}
+        best = self.best
+        fits = {"constant": self.constant.to_json(), "roofline": self.roofline.to_json()}
+        if self.overhead is not None:
+            fits[OVERHEAD_FORM] = self.overhead.to_json()
+        return {"chosen": self.chosen, "ceiling": best.ceiling, "ridge": best.ridge, "overhead_s": best.overhead_s,
+                **fits}
 
 
-def _residuals(points: Sequence[tuple[float, float]], alpha: float, beta: float) -> list[float]:
-    return [f * (alpha + beta / i) - 1.0 for i, f in points]
+Point = tuple[float, float, float]  # intensity, fraction, seconds (0: not known)
 
 
-def _fit(form: str, points: Sequence[tuple[float, float]], alpha: float, beta: float) -> Fit:
-    res = _residuals(points, alpha, beta)
+def _fit(form: str, points: Sequence[Point], alpha: float, beta: float, t0: float = 0.0) -> Fit:
+    res = [f * (alpha + beta / i) + (t0 / t if t0 else 0.0) - 1.0 for i, f, t in points]
     return Fit(form, 1.0 / alpha, beta / alpha, math.sqrt(sum(r * r for r in res) / len(res)),
-               max(abs(r) for r in res))
+               max(abs(r) for r in res), t0)
 
 
-def _best_ceiling(points: Sequence[tuple[float, float]], ridge: float) -> Fit:
+def _best_ceiling(points: Sequence[Point], ridge: float) -> Fit:
     """For a fixed ridge R, the least-squares 1/c (closed form, the ceiling at most 1: no
     more than the peak) and its residuals."""
-    g = [f * (1.0 + ridge / i) for i, f in points]
+    g = [f * (1.0 + ridge / i) for i, f, _ in points]
     alpha = max(1.0, sum(g) / sum(x * x for x in g))
     return _fit("roofline" if ridge > 0 else "constant", points, alpha, alpha * ridge)
 
 
-def fit_fraction(points: Sequence[tuple[float, float]]) -> FractionFit:
-    """Fit (intensity, fraction) points with a constant and with the roofline form (see the
-    module docstring); intensities and fractions must be > 0. The roofline's ridge R >= 0 is
-    searched on a logarithmic grid, then by golden section around the best, the ceiling for
-    each R in closed form."""
-    points = [(float(i), float(f)) for i, f in points]
-    if not points:
-        raise ValueError("no points to fit: every shape was skipped; give shapes that fit in memory (--shapes)")
-    bad = [(i, f) for i, f in points if not (math.isfinite(i) and math.isfinite(f) and i > 0 and f > 0)]
-    if bad:
-        raise ValueError(f"points must have finite intensity > 0 and fraction > 0, got {bad[0]}")
-    constant = _best_ceiling(points, 0.0)
-    top = max(i for i, _ in points)
+def _best_ceiling_and_overhead(points: Sequence[Point], ridge: float) -> Fit:
+    """For a fixed ridge R, the least-squares 1/c >= 1 and t0 >= 0 of the residuals
+    a * g + t0 * u - 1 (g = f * (1 + R / I), u = 1 / t): the 2 x 2 normal equations, or,
+    where their solution leaves the box, the better of its two edges."""
+    g = [f * (1.0 + ridge / i) for i, f, _ in points]
+    u = [1.0 / t for _, _, t in points]
+    sgg, suu, sgu = sum(x * x for x in g), sum(x * x for x in u), sum(x * y for x, y in zip(g, u))
+    sg, su = sum(g), sum(u)
+    det = sgg * suu - sgu * sgu
+    candidates = []
+    if det > 1e-12 * sgg * suu:
+        alpha, t0 = (sg * suu - su * sgu) / det, (sgg * su - sgu * sg) / det
+        if alpha >= 1.0 and t0 >= 0.0:
+            candidates.append((alpha, t0))
+    if not candidates:  # an edge: a = 1 (t0 free, at least 0), or t0 = 0 (a free, at least 1)
+        candidates.append((1.0, max(0.0, (su - sgu) / suu)))
+        candidates.append((max(1.0, sg / sgg), 0.0))
+    fits = [_fit(OVERHEAD_FORM, points, a, a * ridge, t0) for a, t0 in candidates]
+    return min(fits, key=lambda fit: fit.rms_residual)
+
+
+def _search_ridge(points: Sequence[Point], fit_at) -> Fit:
+    """The ridge R > 0 whose fit (`fit_at(points, R)`) has the least RMS residual: a
+    logarithmic grid, then a golden-section search between the best grid point's neighbours."""
+    top = max(i for i, _, _ in points)
     grid = [top * 10 ** (k / 50) for k in range(-300, 151)]  # R from 1e-6 to 1e3 times the largest intensity
-    best = min((_best_ceiling(points, r) for r in grid), key=lambda fit: fit.rms_residual)
-    # golden-section search between the best grid point's neighbours
+    best = min((fit_at(points, r) for r in grid), key=lambda fit: fit.rms_residual)
     lo, hi = math.log(best.ridge) - math.log(10) / 50, math.log(best.ridge) + math.log(10) / 50
     golden = (math.sqrt(5) - 1) / 2
     for _ in range(60):
         a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
-        if _best_ceiling(points, math.exp(a)).rms_residual < _best_ceiling(points, math.exp(b)).rms_residual:
+        if fit_at(points, math.exp(a)).rms_residual < fit_at(points, math.exp(b)).rms_residual:
             hi = b
         else:
             lo = a
-    best = min(best, _best_ceiling(points, math.exp((lo + hi) / 2)), key=lambda fit: fit.rms_residual)
+    return min(best, fit_at(points, math.exp((lo + hi) / 2)), key=lambda fit: fit.rms_residual)
+
+
+def _scaled(fit: Fit, factor: float) -> Fit:
+    return Fit(fit.form, fit.ceiling, fit.ridge, fit.rms_residual * factor, fit.max_residual, fit.overhead_s)
+
+
+def _better(richer: Fit, simpler: Fit, gain: float) -> bool:
+    """Whether the form with a parameter more fits clearly better: its RMS residual below
+    `gain` times the simpler's, and lower by more than rounding (RESIDUAL_FLOOR)."""
+    return (richer.rms_residual < gain * simpler.rms_residual
+            and simpler.rms_residual - richer.rms_residual > RESIDUAL_FLOOR)
+
+
+def fit_fraction(points: Sequence[tuple[float, ...]]) -> FractionFit:
+    """Fit (intensity, fraction[, seconds]) points with a constant, the roofline form and,
+    when every point has its seconds, the roofline plus a fixed time per pass (see the module
+    docstring); intensities, fractions and seconds must be > 0. The ridge R >= 0 is searched
+    on a logarithmic grid, then by golden section around the best, the ceiling (and the
+    overhead) for each R in closed form."""
+    rows = [tuple(float(x) for x in p) for p in points]
+    if not rows:
+        raise ValueError("no points to fit: every shape was skipped; give shapes that fit in memory (--shapes)")
+    if any(len(p) not in (2, 3) for p in rows):
+        raise ValueError(f"a point is (intensity, fraction) or (intensity, fraction, seconds), got {points[0]!r}")
+    bad = [p for p in rows if not all(math.isfinite(x) and x > 0 for x in p)]
+    if bad:
+        raise ValueError(f"points must have finite intensity, fraction (and seconds) > 0, got {bad[0]}")
+    timed = all(len(p) == 3 for p in rows)
+    pts: list[Point] = [(p[0], p[1], p[2] if timed else 0.0) for p in rows]
+    constant = _best_ceiling(pts, 0.0)
+    best = _search_ridge(pts, _best_ceiling)
     roofline = best if best.rms_residual < constant.rms_residual else Fit(
         "roofline", constant.ceiling, 0.0, constant.rms_residual, constant.max_residual)
-    chosen = "roofline" if roofline.rms_residual < ROOFLINE_GAIN * constant.rms_residual else "constant"
-    return FractionFit(constant, roofline, chosen)
+    chosen = "roofline" if _better(roofline, constant, ROOFLINE_GAIN) else "constant"
+    if not timed:
+        return FractionFit(constant, roofline, chosen)
+    # R = 0 (a constant plus overhead) is a candidate too: the search only nears it
+    overhead = min(_search_ridge(pts, _best_ceiling_and_overhead), _best_ceiling_and_overhead(pts, 0.0),
+                   key=lambda fit: fit.rms_residual)
+    before, params = (roofline, 2) if chosen == "roofline" else (constant, 1)
+    n = len(pts)
+    # compared as residual standard errors (RMS * sqrt(n / (n - parameters))): a third
+    # parameter over a handful of points would otherwise be chosen for fitting their noise
+    if n > 3 and _better(_scaled(overhead, math.sqrt(n / (n - 3))), _scaled(before, math.sqrt(n / (n - params))),
+                         OVERHEAD_GAIN):
+        chosen = OVERHEAD_FORM
+    return FractionFit(constant, roofline, chosen, overhead)
+
+
+def fit_part_overhead(points: Sequence[tuple[float, float]]) -> float:
+    """The least-squares t0 >= 0 of the relative residuals (flops_time + t0) / t - 1 over
+    (flops_time, t) points (t > 0; flops_time the part's FLOPs at the fitted fraction, 0
+    without FLOPs): t0 = sum((t - flops_time) / t^2) / sum(1 / t^2); 0 without points."""
+    usable = [(a, t) for a, t in points if math.isfinite(a) and math.isfinite(t) and t > 0 and a >= 0]
+    if not usable:
+        return 0.0
+    return max(0.0, sum((t - a) / (t * t) for a, t in usable) / sum(1.0 / (t * t) for _, t in usable))
 
 
 def fit_link(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -193,12 +297,25 @@ def build_profile(
     for kind in PASS_KINDS:
         usable = [x for x in points if x["pass"] == kind and x["part"] in fit_parts and x["flops"] > 0
                   and x["seconds"] > 0 and x["intensity"] > 0]
-        fit = fit_fraction([(x["intensity"], x["fraction"]) for x in usable])
+        fit = fit_fraction([(x["intensity"], x["fraction"], x["seconds"]) for x in usable])
         fits[kind] = fit.to_json()
         best = fit.best.efficiency()
+
+        def flops_time(x: dict, best: PassEfficiency = best) -> float:
+            return x["flops"] / (peak_flops * best.at(x["intensity"])) if x["flops"] > 0 else 0.0
+
+        overheads = {part: best.overhead for part in fit_parts}
+        for part in END_PARTS:
+            mine = [x for x in points if x["pass"] == kind and x["part"] == part]
+            # a part timed as 0 somewhere (its stage took less than the block: stage 0's W,
+            # the whole backward in one pass, is cheaper than a block's B and W apart) has
+            # no time of its own to fit
+            if mine and all(x["seconds"] > 0 for x in mine):
+                overheads[part] = fits[kind][f"{part}_overhead_s"] = fit_part_overhead(
+                    [(flops_time(x), x["seconds"]) for x in mine])
         for x in points:
-            if x["pass"] == kind and x["flops"] > 0 and x["seconds"] > 0:
-                x["residual"] = x["flops"] / (peak_flops * best.at(x["intensity"])) / x["seconds"] - 1.0
+            if x["pass"] == kind and x["seconds"] > 0 and (x["flops"] > 0 or x["part"] in overheads):
+                x["residual"] = (flops_time(x) + overheads.get(x["part"], 0.0)) / x["seconds"] - 1.0
         total_flops += sum(x["flops"] for x in usable)
         total_seconds += sum(x["seconds"] for x in usable)
     efficiency = min(1.0, total_flops / (total_seconds * peak_flops))
@@ -207,9 +324,12 @@ def build_profile(
         "peak": {"flops": peak_flops, "how": peak_how},
         "efficiency": efficiency,
         "fits": fits,
-        "fit_rule": (f"per pass kind over the {', '.join(fit_parts)} points: fraction = ceiling / (1 + ridge / I), "
-                     "I the matrix products' FLOPs per byte; the roofline is chosen when its RMS relative time "
-                     f"residual is below {ROOFLINE_GAIN:g} x the constant's"),
+        "fit_rule": (f"per pass kind over the {', '.join(fit_parts)} points: time = FLOPs / (peak * fraction) + "
+                     "overhead_s, fraction = ceiling / (1 + ridge / I), I the matrix products' FLOPs per byte; the "
+                     f"roofline is chosen when its RMS relative time residual is below {ROOFLINE_GAIN:g} x the "
+                     f"constant's, the roofline plus overhead when its residual standard error is below "
+                     f"{OVERHEAD_GAIN:g} x the one chosen of those two; the embedding's and the head's fixed time per "
+                     "pass (embedding_overhead_s, head_overhead_s) by least squares at the chosen fraction"),
         "links": links if links is not None else UNMEASURED_LINKS,
         "memory_bandwidth_bytes_per_s": memory_bandwidth,
         "ranks_per_node": ranks_per_node,
@@ -309,7 +429,10 @@ def profile_hardware(data: Any, *, source: str = "<profile>") -> Hardware:
                              "`pipeblocks calibrate -o` wrote")
         ceiling = _field(data, f"fits.{kind}.ceiling", source)
         ridge = _field(data, f"fits.{kind}.ridge", source, strict=False)
-        passes.append(PassEfficiency(ceiling, ridge))
+        # written since the fit has overhead terms; an older profile has none (0 s)
+        overhead, embedding, head = (_field(data, f"fits.{kind}.{name}", source, strict=False, optional=True) or 0.0
+                                     for name in ("overhead_s", "embedding_overhead_s", "head_overhead_s"))
+        passes.append(PassEfficiency(ceiling, ridge, overhead, embedding, head))
     latency = _field(data, "links.p2p.latency_s", source, strict=False)
     bandwidth = _field(data, "links.p2p.bandwidth_bytes_per_s", source)
     ring_latency = _field(data, "links.all_reduce.latency_s", source, strict=False)

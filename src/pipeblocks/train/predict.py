@@ -2,15 +2,21 @@
 --hardware PROFILE.json`: what the profile says this device does, instead of timing here.
 
     >>> hardware = resolve_hardware("cpu.json")          # written by `pipeblocks calibrate`
-    >>> f, b, w, t_comm = predicted_times(stages, tokens, loss_fn, targets, hardware)
+    >>> f, b, w, t_comm = predicted_times(stages, tokens, loss_fn, targets, hardware, split=True)
 
 Per stage and pass, the FLOPs of one microbatch are counted on the run's own stage modules
 (`runtime.calibrate.count_stage_passes`, the counter `calibrate` measured with: matrix
 products and fused attention) and divided by the peak times the profile's fraction for that
-pass kind at the pass's arithmetic intensity. Stage 0 has no input gradient: its B counts
-nothing and its W the whole backward, priced at the FLOP-weighted mean of the B and W
-fractions (half of a layer's backward FLOPs are each's). A hop between ranks takes the
-profile's point-to-point latency plus the activation's bytes over its bandwidth.
+pass kind at the pass's arithmetic intensity, plus the profile's fixed overhead of that
+pass kind (`fits.K.overhead_s`, seconds per pass of one block) times the stage's blocks,
+and the embedding's and the head's own on the first and the last stage.
+Stage 0 has no input gradient: its B counts nothing and its W the whole backward, priced at
+the FLOP-weighted mean of the B and W fractions (half of a layer's backward FLOPs are
+each's). A backward that runs as one pass (that W, and B and W under a schedule without a
+split backward, `split=False`) pays the mean of B's and W's overheads once per block, not
+both: `calibrate`'s stage 0, whose whole backward is one pass, takes less than its block's
+B and W apart. A hop between ranks takes the profile's point-to-point latency plus the
+activation's bytes over its bandwidth.
 
 On a CPU a profile holds for the torch threads it was measured with (its `threads`): a
 rank with other threads runs its passes at another speed (a profile timed with 2 threads
@@ -33,28 +39,41 @@ from typing import Callable, Sequence
 __all__ = ["predicted_times", "profile_between_passes", "profile_threads", "threads_mismatch", "with_runtime_time"]
 
 
-def predicted_times(stages: Sequence, inputs, loss_fn: Callable, target, hardware) -> tuple[
+def predicted_times(stages: Sequence, inputs, loss_fn: Callable, target, hardware, *, split: bool = True) -> tuple[
         tuple[float, ...], tuple[float, ...], tuple[float, ...], float]:
-    """(t_f, t_b, t_w per stage, t_comm) in seconds for one microbatch (module docstring)."""
+    """(t_f, t_b, t_w per stage, t_comm) in seconds for one microbatch (module docstring);
+    `split`: the schedule runs B and W apart (else the simulator's BW takes t_b + t_w)."""
     import torch
 
     from ..runtime.calibrate import count_stage_passes
 
     counts = count_stage_passes(stages, inputs, loss_fn, target)
     peak = hardware.flops
+    over_f, over_b, over_w = (hardware.overhead(kind) for kind in range(3))
+    fused = (over_b + over_w) / 2  # one backward pass over a block (module docstring)
 
     def seconds(kind: int, count) -> float:
         return count.flops / (peak * hardware.fraction(kind, count.intensity)) if count.flops else 0.0
 
+    def ends(kind: int, index: int) -> float:
+        """The fixed time of the embedding (first stage) and the head (last stage) in pass `kind`."""
+        return ((hardware.overhead(kind, "embedding") if index == 0 else 0.0)
+                + (hardware.overhead(kind, "head") if index == len(counts) - 1 else 0.0))
+
     f, b, w = [], [], []
     for index, (cf, cb, cw) in enumerate(counts):
-        f.append(seconds(0, cf))
-        b.append(seconds(1, cb))
+        blocks = len(getattr(stages[index], "block_indices", ()))
+        f.append(seconds(0, cf) + blocks * over_f + ends(0, index))
         if index == 0 and not cb.flops:  # the whole backward runs in W
             mixed = 2.0 / (1.0 / hardware.fraction(1, cw.intensity) + 1.0 / hardware.fraction(2, cw.intensity))
-            w.append(cw.flops / (peak * mixed) if cw.flops else 0.0)
-        else:
-            w.append(seconds(2, cw))
+            b.append(ends(1, index))
+            w.append((cw.flops / (peak * mixed) if cw.flops else 0.0) + blocks * fused + ends(2, index))
+        elif split:
+            b.append(seconds(1, cb) + blocks * over_b + ends(1, index))
+            w.append(seconds(2, cw) + blocks * over_w + ends(2, index))
+        else:  # one BW pass: half the fused overhead on each side of t_b + t_w
+            b.append(seconds(1, cb) + blocks * fused / 2 + ends(1, index))
+            w.append(seconds(2, cw) + blocks * fused / 2 + ends(2, index))
     with torch.no_grad():
         activation = stages[0](inputs)
     leaves = [activation] if isinstance(activation, torch.Tensor) else list(activation)

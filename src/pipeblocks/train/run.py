@@ -206,7 +206,8 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = No
         from ..sim.hardware_profile import resolve_hardware
         from .predict import predicted_times, profile_between_passes, with_runtime_time
 
-        f, b, w, t_comm = predicted_times(stages, x, loss_fn, y, resolve_hardware(hardware))
+        f, b, w, t_comm = predicted_times(stages, x, loss_fn, y, resolve_hardware(hardware),
+                                          split=s.schedule.has_split_backward)
         f, b, w = with_runtime_time(f, b, w, profile_between_passes(hardware), split=s.schedule.has_split_backward)
     else:
         with torch_threads(cfg.threads_for(_local_ranks(cfg))):  # as a rank of the run (p x dp x tp)
