@@ -142,3 +142,55 @@ def test_torch_schedule_dualpipev_imports_equal_and_simulates(p, m):
     ours = get("dualpipev")(p=p, m=m)
     assert imported.ranks == ours.ranks and imported.overlapped == ours.overlapped
     assert simulate(imported, Costs()).makespan == pytest.approx((6 * m + 2 * (p - 1)) * 0.5)
+
+
+# ---- DualPipe: two directions, two chains on the V placement ---------------------------------
+
+@pytest.mark.parametrize("p", [4, 8])
+@pytest.mark.parametrize("factor", [2, 3])
+def test_dualpipe_bubble_and_memory_match_closed_forms(p, factor):
+    # a slot is one full-stage pass here (each stage is a whole model stage, held twice):
+    # makespan 3m + p - 2, rank r idle 2(p/2 - 1) - min(r, p-1-r), peak p + 1 activations
+    m = factor * p
+    schedule = get("dualpipe")(p=p, m=m)
+    timeline = simulate(schedule, Costs())
+    assert timeline.makespan == pytest.approx(3 * m + p - 2)
+    for r in range(p):
+        span = timeline.rank_end(r) - timeline.events[r][0].start
+        assert span - timeline.busy(r) == pytest.approx(2 * (p // 2 - 1) - min(r, p - 1 - r))
+        assert timeline.peak_activation[r] == pytest.approx(p + 1)
+    # every rank holds two whole stages' parameters: 2x
+    assert timeline.static_memory == simulate(get("1f1b")(p=p, m=m), Costs(params=2.0)).static_memory
+
+
+def test_dualpipe_directions_and_text_form():
+    schedule = get("dualpipe")(p=4, m=8)
+    assert schedule.chains == 2 and schedule.placement.stage_to_rank == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert {a.microbatch for a in schedule.ranks[0] if a.stage == 0} == {0, 1, 2, 3}
+    assert {a.microbatch for a in schedule.ranks[0] if a.stage == 7} == {4, 5, 6, 7}
+    assert "chains=2" in schedule.to_text().splitlines()[0]
+    assert Schedule.from_text(schedule.to_text()) == schedule
+    assert Schedule.from_json(schedule.to_json()) == schedule
+    program = lower_for(schedule, check=True)
+    text = program.to_text()
+    assert "3SEND_F" not in text and "4RECV_F" not in text  # the chains do not hand over
+    assert Program.from_text(text, schedule) == program
+    with pytest.raises(ScheduleError, match="two directions|2 directions"):
+        to_torch_csv(schedule)
+
+
+def test_dualpipe_validation_keeps_microbatches_in_their_chain():
+    text = get("dualpipe")(p=2, m=4).to_text().replace("0F0 ", "0F3 ", 1)
+    with pytest.raises(ScheduleError, match="chain 0 of 2, which runs microbatches 0..1"):
+        check_structure(Schedule.from_text(text))
+
+
+@pytest.mark.parametrize("p,m,says", [
+    (3, 8, r"dualpipe needs an even p .* got p=3; use -p 2 or -p 4"),
+    (4, 9, r"p=4 takes m = 8, 10, \.\.\.; got m=9; use -m 10"),
+    (4, 6, r"got m=6; use -m 8"),
+])
+def test_dualpipe_bad_input_is_one_line(p, m, says):
+    with pytest.raises(ScheduleError, match=says) as err:
+        get("dualpipe")(p=p, m=m)
+    assert "\n" not in str(err.value)

@@ -56,4 +56,5 @@ def test_validates_over_a_range(name):
             passes = sum(1 for events in t.events for e in events if not isinstance(e.action, Recompute))
             assert passes == sum(len(a) for a in schedule.ranks)
             ran += 1
-    assert ran >= 10, f"{name} supports too few (p, m) pairs"
+    # DualPipe takes only an even p and an even m >= 2p: 5 pairs of this grid
+    assert ran >= (5 if name == "dualpipe" else 10), f"{name} supports too few (p, m) pairs"

@@ -166,12 +166,14 @@ class Costs:
 
     def for_schedule(self, schedule: Schedule) -> StageCosts:
         """Resolve to per-global-stage tables for this schedule."""
-        return self.resolve(schedule.placement, schedule.seq_chunks)
+        return self.resolve(schedule.placement, schedule.seq_chunks, schedule.chains)
 
-    def resolve(self, placement: Placement, seq_chunks: int = 1) -> StageCosts:
-        """Per-global-stage tables for `placement` (generators call this before a schedule exists)."""
+    def resolve(self, placement: Placement, seq_chunks: int = 1, chains: int = 1) -> StageCosts:
+        """Per-global-stage tables for `placement` (generators call this before a schedule exists).
+        chains: independent pipelines over the stages (DualPipe's 2), each stage of one then
+        holding chains/v of a full stage (scalars scale by it)."""
         S = placement.num_stages
-        frac = placement.stage_fraction
+        frac = placement.stage_fraction * chains
 
         def per_stage(name: str, scale: float) -> tuple[float, ...]:
             value = getattr(self, name)

@@ -33,7 +33,10 @@ def add_p2p(program: Program) -> Program:
     """Insert point-to-point sends and receives around the compute actions that cross ranks."""
     schedule = program.schedule
     rank_of = schedule.placement.stage_to_rank
-    last = schedule.num_stages - 1
+    # stages that start / end a chain take the input / compute the loss: no transfer there
+    length = schedule.num_stages // schedule.chains
+    starts = frozenset(range(0, schedule.num_stages, length))
+    ends = frozenset(s + length - 1 for s in starts)
     programs: list[tuple[Op, ...]] = []
     new = tuple.__new__  # Comm(...) without the Python-level NamedTuple __new__: one per transfer
     action_type = Action
@@ -47,18 +50,18 @@ def add_p2p(program: Program) -> Program:
             s, mb, chunk = a.stage, a.microbatch, a.seq_chunk
             kind = a.kind
             if kind is Kind.F:
-                if s > 0 and rank_of[s - 1] != rank:
+                if s not in starts and rank_of[s - 1] != rank:
                     ops.append(new(Comm, ("F", False, s, mb, chunk, rank_of[s - 1])))
                 ops.append(a)
-                if s < last and rank_of[s + 1] != rank:
+                if s not in ends and rank_of[s + 1] != rank:
                     ops.append(new(Comm, ("F", True, s, mb, chunk, rank_of[s + 1])))
             elif kind is Kind.W:
                 ops.append(a)
             else:
-                if s < last and rank_of[s + 1] != rank:
+                if s not in ends and rank_of[s + 1] != rank:
                     ops.append(new(Comm, ("B", False, s, mb, chunk, rank_of[s + 1])))
                 ops.append(a)
-                if s > 0 and rank_of[s - 1] != rank:
+                if s not in starts and rank_of[s - 1] != rank:
                     ops.append(new(Comm, ("B", True, s, mb, chunk, rank_of[s - 1])))
         programs.append(tuple(ops))
     return Program(schedule, tuple(programs))

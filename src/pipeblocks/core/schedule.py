@@ -12,6 +12,12 @@ as one op (`Schedule.overlapped` holds its forward; DualPipe's F&B chunk pair)::
     # pipeblocks schedule dualpipev p=2 m=4 placement=v stages=0,1,1,0
     0: 0F0 0F1 0F2 3F0 3B0 3W0 3F1 0F3&3BW1 3F2&0BW0 ...
 
+A schedule of several chains (`chains=2` in the header: DualPipe's two directions) runs
+independent pipelines over consecutive groups of stages, each on its own share of the
+microbatches: with S stages and m microbatches, chain c is stages c*S/chains .. and
+microbatches c*m/chains ..; a stage that starts a chain takes the input, one that ends it
+computes the loss.
+
 `Schedule.from_text(s.to_text()) == s`, and JSON (`to_json`/`from_json`, `save`/`load`)
 round-trips too. A schedule says only the order on each rank; times come from the
 simulator.
@@ -44,6 +50,8 @@ class Schedule:
     options: the generator options that built it, for display and reproduction.
     overlapped: the forwards that run overlapped with the fused backward right after them
         on their rank, as one op (`program.Overlap`); empty for most schedules.
+    chains: independent pipelines over equal consecutive groups of stages and of
+        microbatches (1 for every schedule but DualPipe, whose two directions are 2).
     """
 
     name: str
@@ -54,8 +62,15 @@ class Schedule:
     seq_chunks: int = 1
     options: tuple[tuple[str, object], ...] = field(default=())
     overlapped: frozenset[Action] = field(default=frozenset())
+    chains: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.chains, int) or self.chains < 1 or self.placement.num_stages % self.chains or (
+                self.m % self.chains):
+            raise ScheduleError(
+                f"schedule {self.name!r}: chains={self.chains!r} must divide the stages "
+                f"({self.placement.num_stages}) and the microbatches (m={self.m})"
+            )
         for label, value in (("p", self.p), ("m", self.m), ("seq_chunks", self.seq_chunks)):
             if not isinstance(value, int) or value < 1:
                 raise ScheduleError(f"schedule {self.name!r}: {label} must be an integer >= 1, got {value!r}")
@@ -69,6 +84,25 @@ class Schedule:
     @property
     def num_stages(self) -> int:
         return self.placement.num_stages
+
+    @property
+    def chain_length(self) -> int | None:
+        """Stages per chain, or None for a schedule of one chain (`deps.requirements`)."""
+        return self.num_stages // self.chains if self.chains > 1 else None
+
+    def chain_of_stage(self, stage: int) -> int:
+        return stage * self.chains // self.num_stages
+
+    def chain_of_microbatch(self, microbatch: int) -> int:
+        return microbatch * self.chains // self.m
+
+    def starts_chain(self, stage: int) -> bool:
+        """The stage takes the step's input (stage 0, or the first of its chain)."""
+        return stage % (self.num_stages // self.chains) == 0
+
+    def ends_chain(self, stage: int) -> bool:
+        """The stage computes the loss (the last stage, or the last of its chain)."""
+        return (stage + 1) % (self.num_stages // self.chains) == 0
 
     @property
     def v(self) -> int:
@@ -90,6 +124,8 @@ class Schedule:
         )
         if self.seq_chunks != 1:
             header += f" seq_chunks={self.seq_chunks}"
+        if self.chains != 1:
+            header += f" chains={self.chains}"
         lines = [header] + [f"{r}: " + self._row(acts) for r, acts in enumerate(self.ranks)]
         return "\n".join(lines) + "\n"
 
@@ -134,7 +170,8 @@ class Schedule:
             a.microbatch for acts in ranks for a in acts)
         seq = (_header_int(header, "seq_chunks", header["seq_chunks"]) if "seq_chunks" in header else 0) or 1 + max(
             (a.seq_chunk or 0) for acts in ranks for a in acts)
-        return Schedule(name, p, m, placement, ranks, seq_chunks=seq, overlapped=frozenset(overlapped))
+        chains = _header_int(header, "chains", header["chains"]) if "chains" in header else 1
+        return Schedule(name, p, m, placement, ranks, seq_chunks=seq, overlapped=frozenset(overlapped), chains=chains)
 
     # ---- JSON -----------------------------------------------------------------
     def to_json(self) -> dict:
@@ -144,6 +181,7 @@ class Schedule:
             "p": self.p,
             "m": self.m,
             "seq_chunks": self.seq_chunks,
+            **({"chains": self.chains} if self.chains != 1 else {}),
             "placement": self.placement.to_json(),
             "options": {k: v for k, v in self.options},
             "ranks": [self._row(acts) for acts in self.ranks],
@@ -177,6 +215,7 @@ class Schedule:
             ranks=rows,
             options=tuple(sorted(options.items())),
             overlapped=frozenset(overlapped),
+            chains=_whole(data, "chains", 1),
         )
 
     def save(self, path: str | os.PathLike) -> None:

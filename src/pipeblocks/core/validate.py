@@ -57,14 +57,14 @@ def check_program(program) -> None:
 
 
 def _check_placement_and_ranges(schedule: Schedule) -> None:
-    S, m, k = schedule.num_stages, schedule.m, schedule.seq_chunks
+    S, m, k, chains = schedule.num_stages, schedule.m, schedule.seq_chunks, schedule.chains
     owner_of = schedule.placement.stage_to_rank
     for rank, actions in enumerate(schedule.ranks):
         for pos, action in enumerate(actions):
             stage, chunk = action.stage, action.seq_chunk
             if stage < S and owner_of[stage] == rank and action.microbatch < m and (
                 (chunk is None or chunk == 0) if k == 1 else (chunk is not None and chunk < k)
-            ):
+            ) and (chains == 1 or stage * chains // S == action.microbatch * chains // m):
                 continue
             where = f"rank {rank}, action {pos} ({action})"
             if stage >= S:
@@ -76,6 +76,12 @@ def _check_placement_and_ranges(schedule: Schedule) -> None:
                 )
             if action.microbatch >= m:
                 raise ScheduleError(f"{where}: microbatch {action.microbatch} is out of range for m={m} (0..{m - 1})")
+            if chains > 1 and stage * chains // S != action.microbatch * chains // m:
+                c = stage * chains // S
+                raise ScheduleError(
+                    f"{where}: stage {stage} is in chain {c} of {chains}, which runs microbatches "
+                    f"{c * m // chains}..{(c + 1) * m // chains - 1}"
+                )
             if k == 1:
                 raise ScheduleError(f"{where}: sequence chunk {chunk} given but the schedule has seq_chunks=1")
             raise ScheduleError(f"{where}: needs a sequence chunk 0..{k - 1} (e.g. {stage}F0.0)")
@@ -94,6 +100,11 @@ def _check_completeness(schedule: Schedule) -> None:
         unit += np.fromiter(map(_SEQ_CHUNK, actions), np.int64, len(actions))
     code = np.fromiter(map(_KIND_CODE.__getitem__, map(_KIND, actions)), np.int64, len(actions))
     counts = np.bincount(unit * 4 + code, minlength=4 * S * m * k).reshape(-1, 4)
+    if schedule.chains > 1:  # a stage runs only its chain's microbatches
+        chains = schedule.chains
+        stage_chain = np.arange(S).repeat(m * k) * chains // S
+        mb_chain = np.tile(np.arange(m).repeat(k), S) * chains // m
+        counts = counts[stage_chain == mb_chain]
     f, b, w, bw = counts.T
     if (f == 1).all() and (b == w).all() and (b + bw == 1).all():
         return
@@ -113,6 +124,8 @@ def _diagnose_completeness(schedule: Schedule) -> None:
     F_, B_, W_, BW_ = Kind.F, Kind.B, Kind.W, Kind.BW
     for stage in range(schedule.num_stages):
         for mb in range(schedule.m):
+            if schedule.chain_of_stage(stage) != schedule.chain_of_microbatch(mb):
+                continue
             for chunk in range(k):
                 has_f = (stage, mb, chunk, F_) in seen
                 has_bw = (stage, mb, chunk, BW_) in seen
@@ -142,6 +155,7 @@ def _check_local_order(schedule: Schedule) -> None:
     # per action. One array serves every rank: a rank marks only its own stages' phases
     # and checks only needs on its own stages. Assumes the ranges were checked.
     units = S * m * k
+    chain = schedule.chain_length
     phase_base = {"F": 0, "B": units, "W": 2 * units}
     done = bytearray(3 * units)
     # requirements() and phase_of() pass the microbatch through unchanged: resolve them once
@@ -155,13 +169,14 @@ def _check_local_order(schedule: Schedule) -> None:
             if template is None:
                 probe = Action(action.stage, action.kind, 0, action.seq_chunk)
                 template = templates[key] = (
-                    tuple(phase_base[ph] + st * m * k + ch for ph, st, _, ch in requirements(probe, S, k) if owner_of[st] == rank),
+                    tuple(phase_base[ph] + st * m * k + ch for ph, st, _, ch in requirements(probe, S, k, chain)
+                          if owner_of[st] == rank),
                     tuple(phase_base[ph] + st * m * k + ch for ph, st, _, ch in phase_of(probe)),
                 )
             offset = action.microbatch * k
             for base in template[0]:
                 if not done[base + offset]:
-                    need = next(n for n in requirements(action, S, k) if phase_base[n[0]] + n[1] * m * k + n[3] == base)
+                    need = next(n for n in requirements(action, S, k, chain) if phase_base[n[0]] + n[1] * m * k + n[3] == base)
                     later = _finisher(actions, need, pos)
                     raise ScheduleError(
                         f"rank {rank}, action {pos} ({action}) runs before {later}, which it depends on; "

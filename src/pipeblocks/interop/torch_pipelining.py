@@ -50,6 +50,11 @@ def to_torch_rows(schedule: Schedule) -> list[list[str]]:
             f"schedule {schedule.name!r} splits sequences into {schedule.seq_chunks} chunks; "
             "torch.distributed.pipelining has no sequence chunks: export a schedule with seq_chunks=1"
         )
+    if schedule.chains != 1:
+        raise ScheduleError(
+            f"schedule {schedule.name!r} runs {schedule.chains} directions (each stage held twice); "
+            "torch.distributed.pipelining has no such schedule: export dualpipev (torch's ScheduleDualPipeV) instead"
+        )
     rows = []
     for actions in schedule.ranks:
         cells = [f"{a.stage}{_TO_TORCH[a.kind]}{a.microbatch}" for a in actions]

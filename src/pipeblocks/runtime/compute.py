@@ -90,10 +90,13 @@ class ModuleCompute:
         last_stage: int,
         m: int,
         tracker: SavedTensorTracker,
+        loss_stages: frozenset[int] | None = None,
     ) -> None:
         self.modules = modules
         self.loss_fn = loss_fn
         self.last_stage = last_stage
+        # the stages that end in the loss: the last, or each chain's last (DualPipe)
+        self.loss_stages = loss_stages if loss_stages is not None else frozenset((last_stage,))
         self.m = m
         self.tracker = tracker
         self._params = {s: [p for p in mod.parameters() if p.requires_grad] for s, mod in modules.items()}
@@ -153,8 +156,8 @@ class ModuleCompute:
             for leaf in floating_leaves(x):
                 leaf.requires_grad_(True)
         roots, grads, inp = _backward_args(backward_stage, unit, grad)
-        last_backward = backward_stage == self.last_stage
-        criterion = (lambda out, labels: self.loss_fn(out, labels)) if stage == self.last_stage else None
+        last_backward = backward_stage in self.loss_stages
+        criterion = (lambda out, labels: self.loss_fn(out, labels)) if stage in self.loss_stages else None
         module0, module1 = self.modules[stage], self.modules[backward_stage]
         with self.tracker.saving():
             outputs0, loss0 = hook(
@@ -169,7 +172,7 @@ class ModuleCompute:
         dx = _input_gradient(backward_stage, unit.inp, dxs[0] if isinstance(inp, torch.Tensor) else dxs or None)
         unit.root = unit.inp = None
         self._backward_done(unit)
-        if stage != self.last_stage:
+        if stage not in self.loss_stages:
             return _detached(outputs0, stage), Unit(x, outputs0), dx
         if not isinstance(loss0, torch.Tensor) or loss0.dim() != 0:
             raise ValueError(f"stage {stage}: the overlap hook returned loss {loss0!r}; it must be a scalar tensor")
@@ -199,7 +202,7 @@ class ModuleCompute:
         with self.tracker.saving():
             out = call_stage(self.modules[stage], x, side, chunk)
             leaves = self.kv_cache.take_used() if chunk is not None else ()
-            if stage != self.last_stage:
+            if stage not in self.loss_stages:
                 return _detached(out, stage), Unit(x, out, chunk=chunk, leaves=leaves)
             loss = self.loss_fn(out, target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:

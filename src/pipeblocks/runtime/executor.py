@@ -113,6 +113,10 @@ class RankExecutor:
         self.ops = program.ranks[rank]
         self.rank = rank
         self.last = schedule.num_stages - 1
+        # a schedule of several chains (DualPipe) takes inputs and computes losses at each
+        # chain's ends: stage numbers that start a chain, and its loss stages
+        self.starts = frozenset(s for s in range(schedule.num_stages) if schedule.starts_chain(s))
+        self.ends = frozenset(s for s in range(schedule.num_stages) if schedule.ends_chain(s))
         self.m = schedule.m
         self.compute = compute
         self.mailbox = mailbox
@@ -308,9 +312,9 @@ class RankExecutor:
 
     def _hooked_pair(self, f: Action, bw: Action, ready, units, losses, inputs, targets, side) -> None:
         s, mb = f.stage, f.microbatch
-        x = inputs[mb] if s == 0 else ready.pop(("F", s - 1, mb, 0))
-        target = targets[mb] if s == self.last else None
-        grad = None if bw.stage == self.last else ready.pop(("B", bw.stage + 1, bw.microbatch, 0))
+        x = inputs[mb] if s in self.starts else ready.pop(("F", s - 1, mb, 0))
+        target = targets[mb] if s in self.ends else None
+        grad = None if bw.stage in self.ends else ready.pop(("B", bw.stage + 1, bw.microbatch, 0))
         out, unit, dx = self.compute.overlapped(
             s, x, target, bw.stage, units.pop((bw.stage, bw.microbatch, 0)), grad,
             side=side[mb] if side else None, keep=(s, mb, 0) not in self.recomputed,
@@ -323,7 +327,7 @@ class RankExecutor:
             ready[("F", s, mb, 0)] = out
         elif unit.loss is not None:
             losses[mb] = losses.get(mb, 0.0) + float(unit.loss)
-        if bw.stage > 0:
+        if bw.stage not in self.starts:
             if dx is None:
                 raise ActionError(f"rank {self.rank}, action {bw}: stage {bw.stage} produced no gradient for its input")
             ready[("B", bw.stage, bw.microbatch, 0)] = dx
@@ -333,8 +337,8 @@ class RankExecutor:
         compute = self.compute
         if op.kind is Kind.F:
             unit_index = mb * self.k + chunk
-            x = inputs[unit_index] if s == 0 else ready.pop(("F", s - 1, mb, chunk))
-            target = targets[unit_index] if s == self.last else None
+            x = inputs[unit_index] if s in self.starts else ready.pop(("F", s - 1, mb, chunk))
+            target = targets[unit_index] if s in self.ends else None
             extra = {"side": side[mb]} if side else {}  # only then: compute objects without side inputs work
             if (s, mb, chunk) in self.recomputed:
                 out, unit = compute.forward(s, x, target, keep=False, **extra)
@@ -354,13 +358,13 @@ class RankExecutor:
         if op.kind is Kind.W:
             compute.weight_grad(s, units.pop((s, mb, chunk)))
             return
-        grad = None if s == self.last else ready.pop(("B", s + 1, mb, chunk))
+        grad = None if s in self.ends else ready.pop(("B", s + 1, mb, chunk))
         unit = units[(s, mb, chunk)]
         if op.kind is Kind.B:
             dx = compute.input_grad(s, unit, grad)
         else:
             dx = compute.full_backward(s, units.pop((s, mb, chunk)), grad)
-        if s > 0:
+        if s not in self.starts:
             if dx is None:
                 raise ActionError(
                     f"rank {self.rank}, action {op}: stage {s} produced no gradient for its input; "

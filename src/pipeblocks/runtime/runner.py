@@ -36,6 +36,7 @@ from ..core.schedule import Schedule
 from ..core.timeline import Timeline
 from .comm import Mailbox, Tags
 from .compute import ModuleCompute
+from .copies import StageCopies
 from .executor import RankExecutor
 from .memory import SavedTensorTracker
 from .sequence_cut import check_chunk_support, check_seq_lengths, check_target_chunks, cut_sequences, sequence_chunks
@@ -198,8 +199,11 @@ class PipelineRunner:
         self.record_timeline = record_timeline
         self.tracker = SavedTensorTracker(enabled=measure_memory)
         self.compute = compute if compute is not None else ModuleCompute(
-            self.stages, loss_fn, schedule.num_stages - 1, schedule.m, self.tracker
+            self.stages, loss_fn, schedule.num_stages - 1, schedule.m, self.tracker,
+            loss_stages=frozenset(s for s in range(schedule.num_stages) if schedule.ends_chain(s)),
         )
+        # DualPipe: the copies of a model stage (one per chain) sum their gradients each step
+        self.copies = StageCopies.of(schedule, self.rank, self.stages, group, data_parallel, self.timeout_s)
         self.mailbox = Mailbox(group, self.timeout_s, self.rank)
         if data_parallel is not None:
             if compute is not None and data_parallel.link is None:
@@ -225,11 +229,14 @@ class PipelineRunner:
 
     @property
     def holds_first_stage(self) -> bool:
-        return 0 in self.stages
+        """This rank takes step inputs: it holds stage 0 (or, with chains, a chain's first)."""
+        return any(self.schedule.starts_chain(s) for s in self.stages)
 
     @property
     def holds_last_stage(self) -> bool:
-        return self.schedule.num_stages - 1 in self.stages
+        """This rank computes losses: the last stage (or, with chains, a chain's last); with
+        chains each such rank's `loss` sums its own microbatches' losses over m."""
+        return any(self.schedule.ends_chain(s) for s in self.stages)
 
     def step(
         self,
@@ -296,6 +303,8 @@ class PipelineRunner:
             dp.finish()
         if self.precision is not None:
             self.precision.end_step()
+        if self.copies is not None:
+            self.copies.sum_gradients()
         duration = time.perf_counter() - origin
         kv_cache = getattr(self.compute, "kv_cache", None)
         if kv_cache is not None and len(kv_cache):
@@ -338,7 +347,7 @@ class PipelineRunner:
         in_specs: dict[int, list[ActivationSpec]] = {}
         out_specs: dict[int, list[ActivationSpec]] = {}
         for stage in placement.stages_of(self.rank):
-            if stage == 0:
+            if schedule.starts_chain(stage):
                 specs = [ActivationSpec.of(x) for x in xs]
             elif placement.rank_of(stage - 1) == self.rank:
                 specs = out_specs[stage - 1]
@@ -346,7 +355,7 @@ class PipelineRunner:
                 specs = self._receive_specs(stage, placement.rank_of(stage - 1), tags)
             in_specs[stage] = specs
             out_specs[stage] = self._infer(stage, specs, side)
-            if stage < S - 1 and placement.rank_of(stage + 1) != self.rank:
+            if not schedule.ends_chain(stage) and placement.rank_of(stage + 1) != self.rank:
                 self._send_specs(stage + 1, out_specs[stage], placement.rank_of(stage + 1), tags)
         self.mailbox.finish()
         recv_specs: dict[tuple, ActivationSpec] = {}

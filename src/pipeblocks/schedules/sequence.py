@@ -50,7 +50,8 @@ def split_sequence(name: str, *, p: int, m: int, seq_chunks: int, **options) -> 
         return base
     ranks = tuple(_delay_backwards(actions, k) for actions in base.ranks)
     options_out = tuple(sorted({**dict(base.options), "seq_chunks": k}.items()))
-    return Schedule(base.name, p, m, base.placement, ranks, seq_chunks=k, options=options_out)
+    # the chains (DualPipe's directions) carry over; overlapped pairs run whole microbatches: dropped
+    return Schedule(base.name, p, m, base.placement, ranks, seq_chunks=k, options=options_out, chains=base.chains)
 
 
 def _per_chunk(costs, k: int):

@@ -87,6 +87,7 @@ class Draft:
             "not-fsdp": sharded and not set(self.sharding) <= set(self.fsdp_policies),
             "no-async-form": self.async_mode is not None and self.schedule not in self.async_forms,
             "tied": self.model_tied, "no-export": not self.model_exports,
+            "copies": self.schedule == "dualpipe",
         }
         return frozenset(name for name, on in flags.items() if on)
 
@@ -108,6 +109,11 @@ def _sharding(d: Draft) -> str:
 
 
 REFUSALS: tuple[Refusal, ...] = (
+    # ---- schedules ----------------------------------------------------------------------
+    Refusal(("copies",),
+            lambda d: "--schedule dualpipe: pipeblocks train does not build DualPipe's two copies of every stage yet; "
+            "use --schedule dualpipev (the same program on the V placement, no copies), or run dualpipe from "
+            "Python with PipelineRunner (docs/schedules.md, DualPipe)"),
     # ---- options that need another ----------------------------------------------------
     Refusal(("resume", "-checkpoint"), lambda d: "--resume needs --checkpoint DIR: the directory to resume from"),
     Refusal(("save-every", "-checkpoint"),
