@@ -124,7 +124,7 @@ def test_auto_with_unit_costs_is_refused():
 
 def test_simulate_and_compare_print_the_split(capsys):
     code, out, _ = run_cli(capsys, "simulate", "1f1b", "-p", "4", "-m", "8", "--model", "llama-3-8b", "--split", "auto")
-    assert code == 0 and "split auto" in out and "against the even 8,8,8,8" in out
+    assert code == 0 and "split auto" in out and "shorter than the even 8,8,8,8" in out
     code, out, _ = run_cli(capsys, "compare", "-p", "4", "-m", "8", "--model", "llama-3-8b", "--split", "9,9,8,6",
                            "--schedules", "1f1b,zb-h1")
     assert code == 0 and out.count("9,9,8,6") == 2

@@ -51,17 +51,49 @@ class EmulatedCosts:
     """Per layer, per microbatch: forward, input-gradient and weight-gradient time in ms.
 
     layers: layers in each global stage (one int for every stage, or one per stage).
+    stage_ms: (F, B, W) milliseconds of every global stage per microbatch, instead of the
+        per-layer times times the layers: for stages that differ by more than their layer
+        counts (the embedding and the head with its loss, as the analytic model prices
+        them: `from_costs`). None: the per-layer times.
     """
 
     f_ms: float
     b_ms: float
     w_ms: float
     layers: int | tuple[int, ...] = 1
+    stage_ms: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("f_ms", "b_ms", "w_ms"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0 ms, got {getattr(self, name)!r}")
+        if self.stage_ms is not None:
+            rows = tuple(tuple(float(t) for t in row) for row in self.stage_ms)
+            if len(rows) != 3 or len({len(row) for row in rows}) != 1 or not all(t >= 0 for row in rows for t in row):
+                raise ValueError("stage_ms must be three rows (F, B, W) of one time >= 0 ms per stage, "
+                                 f"got {self.stage_ms!r}")
+            object.__setattr__(self, "stage_ms", rows)
+
+    @classmethod
+    def from_costs(cls, costs: Costs, schedule: Schedule, *, scale: float = 1.0) -> EmulatedCosts:
+        """Sleep each stage's pass times of `costs` for `schedule` (seconds, e.g. the analytic
+        model's), times `scale` (0.01: a modelled second lasts 10 ms)."""
+        if not scale > 0:
+            raise ValueError(f"scale must be > 0, got {scale!r}")
+        table = costs.for_schedule(schedule)
+        rows = tuple(tuple(t * 1e3 * scale for t in times) for times in (table.f, table.b, table.w))
+        return cls(0.0, 0.0, 0.0, stage_ms=rows)  # type: ignore[arg-type]
+
+    def pass_ms(self, kind: str, stage: int, num_stages: int) -> float:
+        """Milliseconds of one pass of `kind` (F, R: a recomputed forward, B, W, BW) on `stage`."""
+        if self.stage_ms is not None:
+            if len(self.stage_ms[0]) != num_stages:
+                raise ValueError(f"stage_ms has {len(self.stage_ms[0])} stages for {num_stages}: give one per stage")
+            f, b, w = (row[stage] for row in self.stage_ms)
+        else:
+            n = self.layers_of(stage, num_stages)
+            f, b, w = self.f_ms * n, self.b_ms * n, self.w_ms * n
+        return {"F": f, "R": f, "B": b, "W": w, "BW": b + w}[kind]
 
     def layers_of(self, stage: int, num_stages: int) -> int:
         if isinstance(self.layers, int):
@@ -73,10 +105,9 @@ class EmulatedCosts:
     def sim_costs(self, schedule: Schedule, t_comm_ms: float = 0.0) -> Costs:
         """The simulator's costs for the same model, in ms per global stage."""
         S = schedule.num_stages
-        per = [self.layers_of(s, S) for s in range(S)]
         return Costs(
-            t_f=tuple(self.f_ms * n for n in per), t_b=tuple(self.b_ms * n for n in per),
-            t_w=tuple(self.w_ms * n for n in per), t_comm=t_comm_ms,
+            t_f=tuple(self.pass_ms("F", s, S) for s in range(S)), t_b=tuple(self.pass_ms("B", s, S) for s in range(S)),
+            t_w=tuple(self.pass_ms("W", s, S) for s in range(S)), t_comm=t_comm_ms,
         )
 
 
@@ -95,7 +126,7 @@ class EmulatedCompute:
         self.pass_timer: Callable[[int, str, float], None] | None = None
 
     def _sleep(self, ms_per_layer: float, stage: int, kind: str) -> None:
-        seconds = ms_per_layer * self.costs.layers_of(stage, self.num_stages) / 1000.0
+        seconds = self.costs.pass_ms(kind, stage, self.num_stages) / 1000.0
         if self.pass_timer is None:
             precise_sleep(seconds)
         else:

@@ -103,9 +103,11 @@ class SplitChosen:
 
 
 def choose_split_for(request: ScheduleRequest) -> SplitChosen:
-    """The layer counts `--split auto` chooses for `request` (`split_auto.choose_split`): every
-    candidate is built and simulated as the request would be (its schedule, sharding,
-    recomputation), within --gpu-memory when given."""
+    """The layer counts `--split auto` chooses for `request` (`split_auto.choose_split`), within
+    --gpu-memory when given. The search simulates each candidate's costs on the schedule,
+    sharding and recomputation built for the even split (a cost-aware generator is not run
+    again for every candidate); the split found is then built as the request would be, and
+    kept if that build is at least as fast as the even split's and fits."""
     if not request.costs.analytic:
         raise ScheduleError("--split auto prices every stage's layers, embedding and head with the analytic model: "
                             "give --model PRESET or --hf DIR (and --hardware), or give the counts (--split 3,4,4,3)")
@@ -121,13 +123,28 @@ def choose_split_for(request: ScheduleRequest) -> SplitChosen:
     per_layer = totals[0] / counts[0]  # stage 0's time is its layers' (the embedding is a lookup)
     fixed = [t - n * per_layer for t, n in zip(totals, counts)]
 
+    schedule = even.schedule
+
     def score(candidate: tuple[int, ...]) -> tuple[float, float]:
-        built = even if candidate == counts else _placed(_chosen(with_split(candidate)), with_split(candidate))
-        timeline = built.simulate()
+        if candidate == counts:
+            timeline = even.simulate()
+        else:
+            costs = resolve_costs(with_split(candidate).costs, stages, schedule.seq_chunks, tp=request.mesh.tp,
+                                  p=request.p)
+            costs = dataclasses.replace(costs, data_parallel=even.costs.data_parallel)
+            timeline = simulate(schedule, costs, recompute=even.recompute, recompute_at=even.recompute_at)
         return timeline.makespan, max(timeline.memory_need)
 
-    choice = choose_split(score, layers=config.layers, num_stages=stages, budget=memory_budget(request),
+    budget = memory_budget(request)
+    choice = choose_split(score, layers=config.layers, num_stages=stages, budget=budget,
                           starts=(balanced_counts(config.layers, per_layer, fixed),), unit=1e9, memory_unit=" GB")
+    if choice.counts != counts:  # built as the request builds it: a cost-aware order for these costs
+        timeline = _placed(_chosen(with_split(choice.counts)), with_split(choice.counts)).simulate()
+        step, need = timeline.makespan, max(timeline.memory_need)
+        if (budget is None or need <= budget) and step <= choice.even_step:
+            choice = dataclasses.replace(choice, step=step, need=need)
+        else:
+            choice = dataclasses.replace(choice, counts=counts, step=choice.even_step, need=choice.even_need)
     return SplitChosen(with_split(choice.counts), choice)
 
 
