@@ -115,3 +115,10 @@ def test_sequence_chunks_are_refused():
     s = schedules.get("seq1f1b")(p=2, m=2, seq_chunks=2)
     with pytest.raises(ScheduleError, match="sequence chunks"):
         simulate(s, COSTS)
+
+
+def test_text_timeline_shows_the_passes():
+    from pipeblocks.sim.text_timeline import render_text_timeline
+
+    text = render_text_timeline(simulate(schedules.get("gpipe")(p=2, m=2), COSTS))
+    assert all(label in text for label in ("IF0", "S1", "T0", "IB1"))

@@ -83,6 +83,11 @@ def add_generator_options(
         "--gpu-memory (default: even, the extra layers off the end stages)",
     )
     group.add_argument(
+        "--vocab-parallel", action="store_true",
+        help="vocabulary parallelism: the input embedding and the output layer (head and softmax cross entropy) "
+        "split by vocabulary over all p ranks, their passes placed into the schedule (priced by --model or --hf)",
+    )
+    group.add_argument(
         "--set", action="append", default=[], type=setting_text, metavar="KEY=VALUE",
         help="any other generator option, e.g. --set cost_aware=true (repeatable; see the schedule's docstring)",
     )
@@ -200,7 +205,8 @@ def request_from_args(
         options.append((key, value))
     priced_here = costs is None  # train gives its own costs: its --tp is the runtime's
     link = {"dp_bandwidth": args.dp_bandwidth, "dp_latency": args.dp_latency, "mixed_precision": args.mixed_precision,
-            "dp_unit": args.dp_unit or "block", "split": getattr(args, "split", None)}
+            "dp_unit": args.dp_unit or "block", "split": getattr(args, "split", None),
+            "vocab_parallel": getattr(args, "vocab_parallel", False)}
     if costs is None:
         costs = CostSpec(
             times=args.costs, mem_w_ratio=args.mem_w_ratio, model=args.model, hardware=args.hardware,

@@ -98,6 +98,9 @@ class CostSpec:
     shape: ModelShape | None = None
     """analytic costs of this model shape (`train`'s own model, for `--split auto`); instead
     of `model` and `hf`"""
+    vocab_parallel: bool = False
+    """vocabulary parallelism (`core.vocab`): the embedding and the head split by vocabulary over
+    the p ranks, their passes inserted into the schedule; the analytic model prices them"""
 
     @property
     def analytic(self) -> bool:
@@ -112,6 +115,9 @@ class CostSpec:
         if self.shape is not None and (self.model is not None or self.hf is not None):
             raise ValueError("give one analytic model: a preset (--model), a Hugging Face directory (--hf) or a shape")
         check_dp_unit(self.dp_unit)
+        if self.vocab_parallel and not self.analytic:
+            raise ValueError("--vocab-parallel prices the embedding and the head from the model's vocabulary: add "
+                             "--model NAME or --hf DIR (unit costs and --costs know no vocabulary)")
         check_prefetch(self.dp_prefetch)
         if self.model is not None and self.hf is not None:
             raise ValueError(f"give either --model ({self.model!r}) or --hf ({self.hf!r}), not both: --hf reads the "

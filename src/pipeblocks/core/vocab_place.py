@@ -89,6 +89,9 @@ def place(program: Program, events, vocab, barriers: int = 1) -> Program:
             elif type(op) is VocabPass and op.kind == "S":
                 s_end[op.microbatch] = max(s_end.get(op.microbatch, 0.0), ev.end)
     ready: dict[tuple[str, int], float] = {}
+    if len(f_end) != schedule.num_stages * m:
+        raise ScheduleError(f"schedule {schedule.name!r}: the vocabulary passes need one forward of every stage and "
+                            f"microbatch, the timeline has {len(f_end)} of {schedule.num_stages * m}")
     for i in range(m):
         ready["IF", i] = f_start[0, i - 1] if i > 0 else 0.0
         ready["S", i] = f_end[last, i] + vocab.t_bcast
@@ -116,15 +119,25 @@ def place(program: Program, events, vocab, barriers: int = 1) -> Program:
         # where a root needs the pass before one of its own actions, bring it (and every pass
         # ordered before it) forward
         limits: dict[tuple[str, int], int] = {}
+        floors: dict[tuple[str, int], int] = {}
         for pos, op in enumerate(ops):
             if type(op) is not Action:
                 continue
+            # a root runs S after its own last-stage forward, IB after its own stage-0 backward,
+            # even when that pass takes no time (stage 0's B, whose input needs no gradient)
+            if rank == last_rank and op.stage == last and op.kind is Kind.F:
+                floors["S", op.microbatch] = pos + 1
+            if rank == first_rank and op.stage == 0 and op.kind in (Kind.B, Kind.BW):
+                floors["IB", op.microbatch] = pos + 1
             if rank == last_rank and op.stage == last and op.kind in (Kind.B, Kind.BW):
                 limits["S", op.microbatch] = _before_receives(ops, pos)
                 if barriers == 2:
                     limits["T", op.microbatch] = limits["S", op.microbatch]
             if rank == first_rank and op.stage == 0 and op.kind is Kind.F:
                 limits["IF", op.microbatch] = _before_receives(ops, pos)
+        bound = 0
+        for key in order:
+            at[key] = bound = max(at[key], floors.get(key, 0), bound)
         bound = len(ops)
         for key in reversed(order):
             bound = min(bound, limits.get(key, bound))
@@ -167,6 +180,13 @@ def add_vocab(program: Program, costs, *, relower=None, rounds: int = ROUNDS) ->
         raise ScheduleError(
             f"--vocab-parallel runs whole microbatches, but schedule {schedule.name!r} splits each into "
             f"{schedule.seq_chunks} sequence chunks: pick a schedule without sequence chunks"
+        )
+    paired = next((op for ops in program.ranks for op in ops if type(op).__name__ == "Overlap"), None)
+    if paired is not None or schedule.option("bidirectional"):
+        raise ScheduleError(
+            f"--vocab-parallel: schedule {schedule.name!r} runs "
+            + (f"overlapped forward-backward pairs ({paired})" if paired is not None else "microbatches from both ends")
+            + ", into which the vocabulary passes are not placed yet: pick zb-v, v-half, 1f1b or another schedule"
         )
     plain = costs_without_vocab(costs)
     candidates = [program]

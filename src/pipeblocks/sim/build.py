@@ -37,6 +37,7 @@ from .elastic_plan import choose_elastic_plan
 from .hardware_profile import resolve_hardware
 from .recompute_auto import choose_recompute, minimal_recompute
 from .recompute_place import place_recompute
+from .vocab_costs import with_vocab_parallel
 from .sequence_split import chunk_shares, split_lengths
 from .split_auto import SplitChoice, balanced_counts, choose_split
 from ..core.split import AUTO, check_split
@@ -328,6 +329,9 @@ def resolve_costs(spec: CostSpec, num_stages: int, seq_chunks: int = 1, tp: int 
     from pass times (unit costs by default; tp is then the runtime's alone, not priced, and
     a split is the runtime's too: `train` builds its stages by it)."""
     if spec.analytic and tp > 1:
+        if spec.vocab_parallel:
+            raise ScheduleError(f"--vocab-parallel with --tp {tp}: the vocabulary passes are priced over the pipeline "
+                                "ranks only; drop --tp or --vocab-parallel")
         if seq_chunks > 1:
             raise ScheduleError(f"--tp {tp} with --seq-chunks {seq_chunks}: tensor parallelism already splits the "
                                 "tokens (sequence parallelism); drop one")
@@ -348,6 +352,10 @@ def resolve_costs(spec: CostSpec, num_stages: int, seq_chunks: int = 1, tp: int 
             lengths = split_lengths(config.seq, seq_chunks, spec.seq_split, config)
             seq_time, seq_mem = chunk_shares(lengths, config)
             costs = dataclasses.replace(costs, seq_time=seq_time, seq_mem=seq_mem)
+        if spec.vocab_parallel:
+            if seq_chunks > 1:
+                raise ScheduleError(f"--vocab-parallel runs whole microbatches: drop --seq-chunks {seq_chunks}")
+            costs = with_vocab_parallel(costs, config, resolve_hardware(spec.hardware), ranks=p or num_stages)
         return costs
     base = parse_costs(spec.times) if spec.times else Costs()
     ratio = 1.0 if spec.mem_w_ratio is None else spec.mem_w_ratio

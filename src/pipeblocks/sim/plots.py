@@ -21,6 +21,7 @@ from ..core.actions import Kind
 from ..core.errors import ScheduleError
 from ..core.program import OptimizerStep, Recompute
 from ..core.timeline import Timeline
+from ..core.vocab import VocabPass
 
 __all__ = [
     "plot_timeline", "plot_pareto", "ParetoPoint", "KIND_COLOURS", "DP_COLOURS", "check_plot_suffix", "rank_colours",
@@ -33,6 +34,7 @@ _SUFFIXES = (".png", ".svg", ".pdf")
 # Communication stream: parameter gather grey, gradient reduction red, gather after the step brown.
 # A recomputation (RECOMPUTE): a forward run again, in a lighter blue.
 RECOMPUTE_COLOUR = "#9DB4D8"
+VOCAB_COLOUR = "#7F7F7F"  # vocabulary passes (IF, S, T, IB), run on every rank
 DP_COLOURS = {"UNSHARD": "#8C8C8C", "REDUCE_GRAD": "#C44E52", "OPTIMIZER_GATHER": "#937860"}
 TIME_UNITS = ("units", "s")
 MEMORY_UNITS = ("units", "bytes")
@@ -213,6 +215,12 @@ def _draw_ranks(ax, timeline: Timeline, title: str, scale: float = 1.0) -> None:
                 if e.end > e.start:
                     ax.broken_barh([(e.start - origin, e.end - e.start)], (r - 0.4, 0.8), facecolors="black")
                 ax.vlines(e.start - origin, r - 0.45, r + 0.45, colors="black", linewidth=1.5)
+                continue
+            if type(a) is VocabPass:  # vocabulary parallelism: a grey bar on every rank, labelled S5, T5, ...
+                ax.broken_barh([((e.start - origin) / scale, (e.end - e.start) / scale)], (r + top, height),
+                               facecolors=VOCAB_COLOUR, edgecolor="white", linewidth=0.6)
+                ax.text((e.start - origin + (e.end - e.start) / 2) / scale, r + top + height / 2, str(a),
+                        ha="center", va="center", fontsize=5, color="white")
                 continue
             chunk = local_chunk[a.stage]
             ax.broken_barh(

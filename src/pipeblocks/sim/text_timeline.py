@@ -22,6 +22,7 @@ import numpy as np
 from ..core.actions import Action
 from ..core.program import OptimizerStep, Recompute
 from ..core.timeline import Event, Timeline
+from ..core.vocab import VocabPass
 
 __all__ = ["render_text_timeline"]
 
@@ -42,8 +43,10 @@ def render_text_timeline(timeline: Timeline, *, max_cells: int = _MAX_CELLS) -> 
     action_heads: dict[tuple, str] = {}  # the same for Actions, by (stage, kind): the most events
 
     def head(a) -> str:
-        key = (type(a), a.stage, getattr(a, "kind", None))
+        key = (type(a), getattr(a, "stage", None), getattr(a, "kind", None))
         text = heads.get(key)
+        if text is None and key[0] is VocabPass:  # every rank's vocabulary pass: IF, S, T, IB, no chunk
+            text = heads[key] = a.kind
         if text is None:
             letter = "S" if key[0] is OptimizerStep else "R" if key[0] is Recompute else a.kind.value
             text = heads[key] = f"{local_chunk[a.stage]}{letter}" if schedule.v > 1 else letter
@@ -66,7 +69,8 @@ def render_text_timeline(timeline: Timeline, *, max_cells: int = _MAX_CELLS) -> 
             else:
                 recomputes = recomputes or type(a) is Recompute
                 text = f"{head(a)}{a.microbatch}"
-                out.append(text if a.seq_chunk is None else f"{text}.{a.seq_chunk}")
+                chunk = getattr(a, "seq_chunk", None)
+                out.append(text if chunk is None else f"{text}.{chunk}")
         return out
 
     labels = [labels_of(evs) for evs in timeline.events]  # once per event: the width needs them all

@@ -1,0 +1,46 @@
+"""--vocab-parallel on simulate and compare: the balance the issue asks for on the
+128k-vocabulary Llama-3-8B shape at p=8, and the refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeblocks.cli.main import main
+
+
+def _simulate(capsys, *argv):
+    code = main(["simulate", *argv, "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    data = json.loads(out)
+    need = [a + s for a, s in zip(data["peak_activation"], data["static_memory_peak"])]
+    return data["makespan"], need
+
+
+@pytest.mark.parametrize("name", ["zb-v", pytest.param("v-half", marks=pytest.mark.sweep)])
+def test_llama3_8b_p8_balanced_and_faster(capsys, name):
+    base = (name, "-p", "8", "-m", "32", "--model", "llama-3-8b")
+    naive, _ = _simulate(capsys, *base)
+    split, _ = _simulate(capsys, *base, "--split", "auto")
+    vocab, need = _simulate(capsys, *base, "--vocab-parallel")
+    assert max(need) <= 1.10 * min(need)  # largest rank's peak within 10% of the smallest's
+    assert vocab < naive and vocab < split
+
+
+def test_compare_skips_what_it_cannot_place(capsys):
+    code = main(["compare", "-p", "2", "-m", "4", "--model", "llama-3-8b", "--vocab-parallel"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "zb-v" in out and "skipped seq1f1b: --vocab-parallel runs whole microbatches" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["1f1b", "-p", "2", "-m", "4", "--vocab-parallel"], "--vocab-parallel prices the embedding and the head"),
+    (["1f1b", "-p", "2", "-m", "4", "--model", "llama-3-8b", "--vocab-parallel", "--tp", "2"],
+     "--vocab-parallel with --tp 2"),
+])
+def test_refusals(capsys, argv, message):
+    code = main(["simulate", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and message in err and "Traceback" not in err
