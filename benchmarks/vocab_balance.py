@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks = [int(x) for x in args.p.split(",")]
     variants = VARIANTS + (("vocab",) if args.vocab_parallel else ())
     rows = []
+    load_before = os.getloadavg()[0]
     for p in ranks:
         started = time.monotonic()
         results = [simulated(args, p, v) for v in variants]
@@ -214,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
                 row["step_emulated_s"] = statistics.median(measured)
                 row["step_emulated_runs_s"] = measured
         rows += [row for row, _ in results]
+    load_after = os.getloadavg()[0]
     print(_table(rows))
+    if not args.no_emulate:
+        print(f"emulated at scale {args.scale:g}, median of {args.steps} steps after {args.warmup}; {os.cpu_count()} cores, "
+              f"load average {load_before:.1f} before, {load_after:.1f} after (other work lengthens the emulated steps)")
     print("sim step: the simulated step; vs naive: the naive split's step over this one, minus 1 (+: faster); "
           "emulated: the runtime's step in emulated compute (median), in the model's seconds; compute: a rank's "
           "passes per step; memory: static at the step's peak + peak activation")
@@ -222,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as handle:
             json.dump({"model": MODEL, "hardware": HARDWARE, "flash_attention": True, "gpu_memory_gb": args.gpu_memory,
                        "scale": args.scale, "warmup": args.warmup, "steps": args.steps, "cores": os.cpu_count(),
+                       "load_average": [load_before, load_after],
                        "rows": rows}, handle, indent=2)
         print(f"wrote {args.json}")
     return 0

@@ -157,3 +157,20 @@ def test_plan_balances_every_candidate_and_names_the_split(capsys):
     code, out, _ = run_cli(capsys, *argv, "--split", "17,15")
     given = json.loads(out)
     assert {row["pp"] for row in given["ranked"]} == {2} and given["ranked"][0]["mfu"] == best["mfu"]
+
+
+@pytest.mark.torch
+def test_emulated_passes_sleep_each_stage_s_analytic_time():
+    from pipeblocks.runtime.emulate import EmulatedCosts
+    from pipeblocks.schedules import get
+
+    built = build(dataclasses.replace(_request(), costs=CostSpec(model="llama-3-8b", split=(9, 9, 8, 6))))
+    emulated = EmulatedCosts.from_costs(built.costs, built.schedule, scale=0.01)
+    t = built.costs
+    assert emulated.pass_ms("F", 3, 4) == pytest.approx(t.t_f[3] * 10) and emulated.pass_ms("R", 0, 4) == pytest.approx(
+        t.t_f[0] * 10)
+    assert emulated.pass_ms("BW", 1, 4) == pytest.approx((t.t_b[1] + t.t_w[1]) * 10)
+    assert emulated.sim_costs(built.schedule).t_w == pytest.approx(tuple(w * 10 for w in t.t_w))
+    with pytest.raises(ValueError, match="stage_ms has 4 stages for 8"):
+        emulated.pass_ms("F", 0, 8)
+    assert EmulatedCosts(1.0, 2.0, 3.0, layers=(1, 2)).sim_costs(get("1f1b")(p=2, m=2)).t_b == (2.0, 4.0)
