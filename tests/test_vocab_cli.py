@@ -44,3 +44,9 @@ def test_refusals(capsys, argv, message):
     code = main(["simulate", *argv])
     out, err = capsys.readouterr()
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_train_refuses_until_the_runtime_runs_the_passes(capsys):
+    code = main(["train", "--schedule", "1f1b", "-p", "2", "-m", "2", "--steps", "1", "--vocab-parallel"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "the runtime does not run the vocabulary passes yet" in err and "Traceback" not in err

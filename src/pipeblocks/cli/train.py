@@ -125,6 +125,7 @@ import math
 from pathlib import Path
 
 from ..core.precision import PRECISION_NAMES
+from ..core.errors import ScheduleError
 from ..core.request import CostSpec
 from ..models.config import GPTConfig
 from ..models.family import FAMILIES, family_names
@@ -273,6 +274,11 @@ def prepare_from_args(args: argparse.Namespace):
     from ..train import run as training
     from ..train.config import DataSpec
 
+    if getattr(args, "vocab_parallel", False):
+        raise ScheduleError(
+            "train --vocab-parallel: the runtime does not run the vocabulary passes yet (simulate, compare, show, "
+            "plot and plan place and price them); drop --vocab-parallel to train"
+        )
     emulate = args.emulate
     async_mode = mode_from_args(args)
     precision = _precision(args.precision, args.dtype)

@@ -95,8 +95,15 @@ def place(program: Program, events, vocab, barriers: int = 1) -> Program:
     for i in range(m):
         ready["IF", i] = f_start[0, i - 1] if i > 0 else 0.0
         ready["S", i] = f_end[last, i] + vocab.t_bcast
-        ready["T", i] = s_end.get(i, ready["S", i] + vocab.t_s) + vocab.t_c0
         ready["IB", i] = b_end[0, i] + vocab.t_ib_bcast
+    for i in range(m):
+        # T(i) and IB(i) wait for a collective; nothing waits for them but the step's end, so
+        # each goes with the next microbatch's pass (the paper fuses T(i) with S(i+1)): the
+        # collective has a whole microbatch to arrive and no rank idles for it
+        ready["T", i] = max(s_end.get(i, ready["S", i] + vocab.t_s) + vocab.t_c0,
+                            ready["S", i + 1] if i + 1 < m else 0.0)
+        if i + 1 < m:
+            ready["IB", i] = max(ready["IB", i], ready["IB", i + 1])
     order = sorted(ready, key=lambda k: (ready[k], k[1], _ORDER[k[0]]))
     ranks = []
     for rank, ops in enumerate(program.ranks):
