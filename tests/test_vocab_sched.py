@@ -122,3 +122,10 @@ def test_text_timeline_shows_the_passes():
 
     text = render_text_timeline(simulate(schedules.get("gpipe")(p=2, m=2), COSTS))
     assert all(label in text for label in ("IF0", "S1", "T0", "IB1"))
+
+
+def test_module_docstring_shows_the_lowered_program():
+    from pipeblocks.core import vocab
+
+    text = _lowered("1f1b", 2, 2).to_text()
+    assert all(f"    {line}" in vocab.__doc__ for line in text.splitlines())

@@ -21,10 +21,11 @@ are waited on only by the op that needs their result: T5 and (one barrier) the l
 stage's backward wait for C0, the last stage's backward waits for C1 (two barriers), 0F5
 waits for IF5's all-reduce, S5 waits for X and IB5 for the embedding gradient.
 
-A lowered Program with vocabulary parallelism, 1F1B at p=2, m=2 (`vocab_place.add_vocab`)::
+A lowered Program with vocabulary parallelism, 1F1B at p=2, m=2 (`vocab_place.add_vocab`,
+which here kept the schedule with one more microbatch in flight)::
 
-    0: IF0 IF1 0F0 1SEND_F0... S0 ... T0 ... 0BW0 IB0 ...
-    1: IF0 IF1 1RECV_F0 1F0 S0 ... 1BW0 ... T0 ... IB0 ...
+    0: IF0 IF1 0F0 0SEND_F0 0F1 0SEND_F1 S0 T0 S1 T1 0RECV_B0 0BW0 0RECV_B1 0BW1 IB0 IB1
+    1: IF0 IF1 1RECV_F0 1F0 S0 1RECV_F1 1F1 1BW0 1SEND_B0 T0 S1 T1 1BW1 1SEND_B1 IB0 IB1
 
 Every rank holds exactly one IF, S, T and IB per microbatch, S before T, and the
 sequence of these ops is the same on every rank (`check_vocab`); on the rank holding the

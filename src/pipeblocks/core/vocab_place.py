@@ -5,9 +5,10 @@ runs one S and one T per microbatch at aligned positions, after the last stage's
 of that microbatch and before its backward; IF runs one forward ahead of stage 0's
 forward, IB after stage 0's backward. "Aligned" is read off the schedule's own timeline
 under the given costs: each rank runs a vocabulary pass at its first action boundary after
-the pass's input is ready (X broadcast, C0 reduced, the embedding gradient broadcast),
-and all ranks hold the passes in one order (sorted by that ready time), so the all-reduces
-line up and the ranks never wait for each other at a pass. The timeline of the Program
+the pass's input is ready (X broadcast, the embedding gradient broadcast), T(i) and IB(i)
+with the next microbatch's pass (the paper fuses T(i) with S(i+1): the collective they
+wait for then has a microbatch's time to arrive), and all ranks hold the passes in one
+order (sorted by that ready time), so the all-reduces line up and no rank idles at a pass. The timeline of the Program
 with the passes is used to place them again (a few rounds; the fastest is kept).
 
 A schedule whose last stage runs its backward right after its forward (1F1B) would wait
