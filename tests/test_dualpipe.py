@@ -194,3 +194,20 @@ def test_dualpipe_bad_input_is_one_line(p, m, says):
     with pytest.raises(ScheduleError, match=says) as err:
         get("dualpipe")(p=p, m=m)
     assert "\n" not in str(err.value)
+
+
+def test_hardware_overlap_share_prices_the_pairs():
+    import dataclasses
+
+    from pipeblocks.sim.analytic import HARDWARE, MODELS, transformer_costs
+
+    schedule = get("dualpipev")(p=4, m=16)
+    a100 = HARDWARE["a100"]
+    assert a100.overlap == 0.0 and transformer_costs(MODELS["1.5b"], a100, num_stages=8).overlap == 0.0
+    hiding = dataclasses.replace(a100, overlap=0.5)
+    costs = transformer_costs(MODELS["1.5b"], hiding, num_stages=8)
+    assert all(0 < x <= 0.5 * f for x, f in zip(costs.overlap, costs.t_f))
+    plain = simulate(schedule, transformer_costs(MODELS["1.5b"], a100, num_stages=8))
+    assert simulate(schedule, costs).makespan < plain.makespan
+    with pytest.raises(ScheduleError, match="overlap is a share 0..1"):
+        dataclasses.replace(a100, overlap=1.5)

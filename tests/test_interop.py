@@ -199,13 +199,15 @@ def test_torch_runtime_on_gloo_matches_one_process():
                     torch.testing.assert_close(mine, ref.grad, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("name,policy", [("zb-v", "zero3"), ("interleaved-1f1b", "replicate"), ("1f1b", "zero2")])
+@pytest.mark.parametrize("name,policy", [("zb-v", "zero3"), ("interleaved-1f1b", "replicate"), ("1f1b", "zero2"),
+                                         ("dualpipev", "zero3")])
 def test_lowered_csv_carries_dp_ops_through_torch_and_back(name, policy):
-    from pipeblocks.core import PASSES, dp_passes, lower, parse_sharding
+    from pipeblocks.core import parse_sharding
+    from pipeblocks.core.lowering import lower_for
     from pipeblocks.interop import program_from_torch_csv, program_to_torch_csv
 
     schedule = get(name)(p=2, m=4)
-    program = lower(schedule, PASSES + dp_passes(parse_sharding(policy), 2))
+    program = lower_for(schedule, policies=parse_sharding(policy), dp=2)
     text = program_to_torch_csv(program)
     assert "REDUCE_GRAD" in text and ("UNSHARD" in text) == (policy == "zero3")
     stage = types.SimpleNamespace(num_stages=schedule.num_stages, group_size=2, group_rank=0,

@@ -28,7 +28,7 @@ from ..core.ops import format_op, parse_op
 from ..core.placement import Placement
 from ..core.program import Comm, DPOp, OptimizerStep, Overlap, Program, Recompute
 from ..core.schedule import Schedule
-from .torch_pipelining import from_torch_rows, to_torch_rows
+from .torch_pipelining import _TO_TORCH, from_torch_rows, to_torch_rows
 
 __all__ = ["program_from_torch_csv", "program_from_torch_rows", "program_to_torch_csv", "program_to_torch_rows"]
 
@@ -37,7 +37,7 @@ _COMM = re.compile(r"^\d+(?:SEND|RECV)_[FB]\d+$|^\d+(?:UNSHARD|RESHARD|REDUCE_GR
 
 def program_to_torch_rows(program: Program) -> list[list[str]]:
     """Per rank, every op of the Program in torch's text form."""
-    compute = iter(to_torch_rows(program.schedule))  # raises for sequence chunks
+    to_torch_rows(program.schedule)  # raises for what torch cannot run (sequence chunks, two directions)
     rows = []
     for rank, ops in enumerate(program.ranks):
         step = next((op for op in ops if type(op) is OptimizerStep), None)
@@ -61,9 +61,18 @@ def program_to_torch_rows(program: Program) -> list[list[str]]:
                 "torch.distributed.pipelining's UNSHARD, RESHARD and REDUCE_GRAD act on a whole stage, so a program at "
                 "block grain cannot be exported as torch's CSV: lower it with --dp-unit chunk"
             )
-        names = iter(next(compute))
-        rows.append([next(names) if type(op) is Action or type(op) is Overlap else format_op(op) for op in ops])
+        rows.append([_torch_cell(op) for op in ops])
     return rows
+
+
+def _torch_cell(op) -> str:
+    """One op in torch's lowered text form: compute actions renamed (our B is torch's I, our BW
+    its B), an overlapped pair as `(F;B)OVERLAP_F_B`, every other op as the op table writes it."""
+    if type(op) is Action:
+        return f"{op.stage}{_TO_TORCH[op.kind]}{op.microbatch}"
+    if type(op) is Overlap:
+        return f"({_torch_cell(op.forward)};{_torch_cell(op.backward)})OVERLAP_F_B"
+    return format_op(op)
 
 
 def program_to_torch_csv(program: Program) -> str:
@@ -88,7 +97,11 @@ def program_from_torch_rows(
         ops = []
         for pos, cell in enumerate(row):
             if not _COMM.match(cell):
-                ops.append(next(actions))
+                action = next(actions)
+                if action in schedule.overlapped:  # an (F;B)OVERLAP_F_B cell: one op
+                    ops.append(Overlap(action, next(actions)))
+                else:
+                    ops.append(action)
                 continue
             op = parse_op(cell, schedule)
             if isinstance(op, Comm) and schedule.placement.stage_to_rank[op.stage] != rank or (

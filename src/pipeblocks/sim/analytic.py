@@ -257,6 +257,10 @@ class Hardware:
     passes: (F, B, W) fitted fractions of a calibrated profile (`sim.hardware_profile`),
         used instead of `efficiency` for the pass times, with each kind's fixed overhead per
         pass of a block; None for the built-in profiles.
+    overlap: the share of the shorter part of an overlapped forward-backward pair (DualPipe)
+        that the pair hides, 0..1: communication of one part (expert parallelism's all-to-all)
+        under the other's compute. 0 for every built-in profile and on a CPU: the parts then
+        run one after the other (`Costs.overlap`).
     """
 
     name: str
@@ -271,8 +275,12 @@ class Hardware:
     inter_latency: float = 10e-6
     memory_bandwidth: float | None = None
     passes: tuple[PassEfficiency, PassEfficiency, PassEfficiency] | None = None
+    overlap: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.overlap, (int, float)) and 0 <= self.overlap <= 1):
+            raise ScheduleError(f"hardware {self.name!r}: overlap is a share 0..1 of a pair's shorter part, "
+                                f"got {self.overlap!r}")
         values = (self.flops, self.efficiency, self.bandwidth, self.latency)
         # NaN fails no comparison, so finiteness is checked on its own
         if (not all(math.isfinite(x) for x in values) or self.flops <= 0 or self.bandwidth <= 0 or self.latency < 0
@@ -632,6 +640,8 @@ def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stag
         recompute_input_ratio=kept,
         t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, mem_b=mem_b, mem_w_ratio=transformer_w_ratio(config),
         params=tuple(float(n) for n in stage_params(config, num_stages)),
+        # what an overlapped pair hides, per stage: the declared share of its shorter part
+        overlap=tuple(hardware.overlap * min(f, b + w) for f, b, w in zip(t_f, t_b, t_w)) if hardware.overlap else 0.0,
     )
     return costs if stage0_input_grad else stage0_backward_in_w(costs)
 

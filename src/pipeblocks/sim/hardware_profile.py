@@ -438,6 +438,8 @@ def profile_hardware(data: Any, *, source: str = "<profile>") -> Hardware:
     ring_latency = _field(data, "links.all_reduce.latency_s", source, strict=False)
     ring_bandwidth = _field(data, "links.all_reduce.bandwidth_bytes_per_s", source)
     memory = _field(data, "memory_bandwidth_bytes_per_s", source, optional=True)
+    # a pair's hidden share (DualPipe's F&B); calibrate measures none on a CPU: absent = 0
+    overlap = _field(data, "overlap", source, strict=False, optional=True) or 0.0
     per_node = data.get("ranks_per_node", 1)
     if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
         raise ValueError(f"hardware profile {source!r}: field ranks_per_node must be an integer >= 1, got {per_node!r}")
@@ -447,5 +449,5 @@ def profile_hardware(data: Any, *, source: str = "<profile>") -> Hardware:
     return Hardware(
         name, flops=flops, efficiency=efficiency, bandwidth=bandwidth, latency=latency, gpus_per_node=per_node,
         intra_bandwidth=ring_bandwidth, intra_latency=ring_latency, inter_bandwidth=ring_bandwidth,
-        inter_latency=ring_latency, memory_bandwidth=memory, passes=tuple(passes),
+        inter_latency=ring_latency, memory_bandwidth=memory, passes=tuple(passes), overlap=overlap,
     )
