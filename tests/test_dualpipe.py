@@ -211,3 +211,14 @@ def test_hardware_overlap_share_prices_the_pairs():
     assert simulate(schedule, costs).makespan < plain.makespan
     with pytest.raises(ScheduleError, match="overlap is a share 0..1"):
         dataclasses.replace(a100, overlap=1.5)
+
+
+def test_dualpipe_model_costs_price_whole_model_stages_twice():
+    from pipeblocks.core.costs import repeat_stages
+    from pipeblocks.sim.analytic import HARDWARE, MODELS, transformer_costs
+
+    model = transformer_costs(MODELS["1.5b"], HARDWARE["a100"], num_stages=4)
+    costs = repeat_stages(model, 2)
+    assert costs.t_f == model.t_f * 2 and costs.params == model.params * 2
+    table = costs.for_schedule(get("dualpipe")(p=4, m=8))
+    assert table.f[5] == model.t_f[1] and table.b[4] == model.t_b[0]  # stage 4 copies stage 0: no input grad

@@ -14,6 +14,7 @@ Without them every stage is one block.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from .placement import Placement
 from .schedule import Schedule
 from .vocab import VocabCosts
 
-__all__ = ["BlockCosts", "Costs", "StageCosts", "parse_costs"]
+__all__ = ["BlockCosts", "Costs", "StageCosts", "parse_costs", "repeat_stages"]
 
 Value = float | tuple[float, ...]
 PerBlock = tuple[tuple[float, ...], ...]
@@ -319,6 +320,20 @@ def _shares(value: Sequence[float] | None, k: int, name: str) -> tuple[float, ..
     if len(value) != k:
         raise ScheduleError(f"{name} has {len(value)} shares but the schedule has {k} sequence chunks")
     return tuple(float(x) for x in value)
+
+
+def repeat_stages(costs: Costs, chains: int) -> Costs:
+    """Per-stage `costs` of the model's stages, repeated for a schedule of `chains` chains
+    (DualPipe: stage s + k*L is a copy of model stage s, L stages per chain); scalars stay."""
+    if chains == 1:
+        return costs
+    tiled = {name: getattr(costs, name) * chains for name in (
+        "t_f", "t_b", "t_w", "mem_b", "mem_w_ratio", "params", "t_step", "recompute_input_ratio", "overlap")
+        if isinstance(getattr(costs, name), tuple)}
+    blocks = costs.blocks
+    if blocks is not None:
+        tiled["blocks"] = BlockCosts(blocks.params * chains, blocks.f * chains, blocks.b * chains, blocks.w * chains)
+    return dataclasses.replace(costs, **tiled)
 
 
 def parse_costs(text: str) -> Costs:

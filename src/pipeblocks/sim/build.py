@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.costs import Costs, parse_costs
+from ..core.costs import Costs, parse_costs, repeat_stages
 from ..core.dp_model import UNIT_LINK, DPCostModel, Link
 from ..core.errors import ScheduleError
 from ..core.actions import Action
@@ -255,7 +255,12 @@ def _build(request: ScheduleRequest) -> Built:
             raise RuntimeError(f"schedule {spec.name!r} built {schedule.num_stages} stages, registry said {stages}")
         return Built(request, schedule, costs)
     schedule = generate(**kwargs)
-    costs = resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks, tp=request.mesh.tp, p=request.p)
+    if schedule.chains > 1 and request.costs.analytic:  # DualPipe: the model's p stages, each held twice
+        model = resolve_costs(request.costs, schedule.num_stages // schedule.chains, schedule.seq_chunks,
+                              tp=request.mesh.tp, p=request.p)
+        costs = repeat_stages(model, schedule.chains)
+    else:
+        costs = resolve_costs(request.costs, schedule.num_stages, schedule.seq_chunks, tp=request.mesh.tp, p=request.p)
     return Built(request, schedule, _with_dp(request, costs, schedule.num_stages))
 
 
