@@ -222,3 +222,13 @@ def test_dualpipe_model_costs_price_whole_model_stages_twice():
     assert costs.t_f == model.t_f * 2 and costs.params == model.params * 2
     table = costs.for_schedule(get("dualpipe")(p=4, m=8))
     assert table.f[5] == model.t_f[1] and table.b[4] == model.t_b[0]  # stage 4 copies stage 0: no input grad
+
+
+def test_plan_refuses_dualpipe_and_takes_dualpipev():
+    from pipeblocks.plan.space import PlanProblem
+    from pipeblocks.sim.analytic import HARDWARE, MODELS
+
+    common = dict(model=MODELS["1.5b"], hardware=HARDWARE["a100"], gpus=8, gpu_memory=80e9, global_batch=16)
+    with pytest.raises(ValueError, match="does not price DualPipe's copies"):
+        PlanProblem(schedules=("dualpipe",), **common)
+    assert PlanProblem(schedules=("dualpipev",), **common).schedules == ("dualpipev",)

@@ -130,6 +130,13 @@ class PlanProblem:
                     f"--schedules {name}: the planner splits sequences itself; name "
                     f"{SEQUENCE_SCHEDULES[name]} and give --seq-chunks K (e.g. --seq-chunks 2,4) instead"
                 )
+            if name == "dualpipe":
+                # its second direction holds a copy of every stage, which the planner's stage
+                # model (p*v distinct stages) and train (which refuses it) do not have
+                raise ValueError(
+                    "--schedules dualpipe: the planner does not price DualPipe's copies of every stage yet; "
+                    "name dualpipev (the same program on the V placement, without copies)"
+                )
         if not self.microbatch_sizes:
             raise ValueError("--microbatch-sizes is empty: give at least one size, e.g. 1,2,4")
         for b in self.microbatch_sizes:
