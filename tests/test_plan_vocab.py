@@ -55,6 +55,13 @@ def test_search_lists_both_and_the_command_names_the_option():
     assert "--vocab-parallel" in commands(one)[0]
     assert all("--vocab-parallel" not in c for c in commands(PlanResult(
         result.problem, tuple(e for e in result.evaluated if not e.candidate.vocab_parallel), (), 0.0, 0)))
+    # until train runs the passes, the plan also names the best plan it can run
+    from pipeblocks.plan.report import TRAIN_RUNS_VOCAB_PARALLEL, runnable, to_json
+    if TRAIN_RUNS_VOCAB_PARALLEL:
+        assert runnable(one) is best and runnable(result) is result.ranked[0]
+    else:
+        assert runnable(one) is None and not runnable(result).candidate.vocab_parallel
+        assert all("--vocab-parallel" not in c for c in to_json(result)["train_commands"])
     # a pipeline of one rank has no vocabulary to split: skipped, with the reason
     assert any(s.shape.pp == 1 and "vocabulary" in s.reason for s in result.skipped)
 

@@ -24,7 +24,7 @@ from ..core.errors import ScheduleError
 from ..core.hf_config import supported_text
 from ..plan import PlanProblem, search
 from ..plan.plot import plot_plan
-from ..plan.report import commands, table, to_json
+from ..plan.report import commands, runnable, table, to_json
 from ..plan.space import DEFAULT_MICROBATCH_SIZES, DEFAULT_SCHEDULES
 from ..sim.analytic import HF_SEQ, MODELS, model_from_hf, parse_model
 from ..sim.hardware_profile import check_hardware_text, hardware_names_text, resolve_hardware
@@ -206,4 +206,10 @@ def run(args: argparse.Namespace) -> int:
     print("\nrun the best plan:")
     for line in commands(result):
         print(f"  {line}")
+    other = runnable(result)
+    if other is not None and other is not result.ranked[0]:
+        print(f"\n`train` does not run --vocab-parallel yet (simulate, compare and plan place and price it); the best "
+              f"plan it runs is #{result.ranked.index(other) + 1}, {other.candidate.label}:")
+        for line in commands(result, other):
+            print(f"  {line}")
     return 0

@@ -8,9 +8,20 @@ from ..schedules import get
 
 from .search import Evaluated, PlanResult
 
-__all__ = ["table", "to_json", "commands", "row"]
+__all__ = ["table", "to_json", "commands", "row", "runnable", "TRAIN_RUNS_VOCAB_PARALLEL"]
 
 _GB = 1e9
+
+TRAIN_RUNS_VOCAB_PARALLEL = False
+"""Whether `pipeblocks train --vocab-parallel` runs the vocabulary passes. Until it does, `train`
+refuses the option, and a plan whose best candidate is NAME+vocab also names the best plan that
+`train` can run (`runnable`). The runtime's side turns this on when it lands."""
+
+
+def runnable(result: PlanResult) -> Evaluated | None:
+    """The best feasible plan that `pipeblocks train` runs today (a +vocab plan only once
+    TRAIN_RUNS_VOCAB_PARALLEL); None when there is none."""
+    return next((e for e in result.ranked if TRAIN_RUNS_VOCAB_PARALLEL or not e.candidate.vocab_parallel), None)
 
 
 def row(e: Evaluated) -> dict:
@@ -60,18 +71,26 @@ def to_json(result: PlanResult, top: int | None = None) -> dict:
         "ranked": [row(e) for e in (ranked if top is None else ranked[:top])],
         "simulations": result.simulations, "pruned_by_bound": result.pruned, "seconds": result.seconds,
         "commands": commands(result) if ranked else [],
+        "train_commands": _train_commands(result),
     }
 
 
-def commands(result: PlanResult) -> list[str]:
+def _train_commands(result: PlanResult) -> list[str]:
+    """The commands of the best plan `train` runs today (the same as "commands" unless the best is a
+    +vocab plan before TRAIN_RUNS_VOCAB_PARALLEL)."""
+    best = runnable(result)
+    return [] if best is None else commands(result, best)
+
+
+def commands(result: PlanResult, chosen: Evaluated | None = None) -> list[str]:
     """How to run the chosen plan: `pipeblocks train` (local processes), and the same run
     under torchrun. The model is the one the planner priced: a plan of `--hf DIR` names
     `--hf DIR --seq S --microbatch-size B` (the directory fixes the shape); otherwise the
     sizes `--layers --hidden --heads --seq`, and a tp > 1 plan of the GPT the model family
     (`--model-family gpt`); a Llama-shaped preset names `--model-family llama` (and
     `--kv-heads`), whose MLP width and vocabulary are then train's own. Tensor-parallel
-    groups stay inside a node."""
-    return _commands(result, result.ranked[0])
+    groups stay inside a node. `chosen`: another evaluated plan than the best."""
+    return _commands(result, result.ranked[0] if chosen is None else chosen)
 
 
 def _commands(result: PlanResult, e: Evaluated) -> list[str]:
