@@ -109,9 +109,11 @@ def reference(case: str, p: int, m: int) -> tuple[float, dict[int, list[torch.Te
 def try_build(case: str, p: int, m: int) -> str | None:
     """None if the case builds for (p, m) and the runtime can run it, else the reason."""
     try:
-        build(case, p, m)
+        schedule = build(case, p, m)
     except ScheduleError as err:
         return f"the generator rejects p={p}, m={m}: {err}"
+    if schedule.chains > 1:
+        return "two directions, each stage held twice: its reference and copies are test_dualpipe_runtime's"
     return None
 
 
