@@ -97,3 +97,14 @@ def test_planner_step_and_memory_are_what_simulate_reports(capsys):
     need = max(s + a for s, a in zip(summary["static_memory_peak"], summary["peak_activation"]))
     assert done.peak_memory == pytest.approx(need, rel=1e-9)
     assert done.iteration_time == pytest.approx(summary["makespan"], rel=1e-9)
+
+
+def test_split_auto_leaves_a_vocab_candidate_even():
+    """--split auto balances the head and embedding against layers; a +vocab candidate has them on
+    no stage, so its stages stay even (a split balanced for the head would now starve the last stage)."""
+    entry = _Entry(bound=1.0, shape=MeshShape(1, 1, 4), microbatch_size=1, m=8, stages=4)
+    auto, even = _problem(split="auto", gpu_memory=200e9), _problem(gpu_memory=200e9)
+    assert auto.stage_split(4) != (8, 8, 8, 8) and auto.stage_split(4, vocab=True) is None
+    (a,), _, _ = evaluate(auto, "1f1b", 1, entry, vocab=True)
+    (b,), _, _ = evaluate(even, "1f1b", 1, entry, vocab=True)
+    assert a.iteration_time == b.iteration_time and a.rank_memory == b.rank_memory

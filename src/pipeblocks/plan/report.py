@@ -119,7 +119,7 @@ def _commands(result: PlanResult, e: Evaluated) -> list[str]:
             kv = model.shape.num_kv_heads
             family = " --model-family llama" + (f" --kv-heads {kv}" if kv != model.heads else "")
     vocab = " --vocab-parallel" if c.vocab_parallel else ""
-    split = p.stage_split(get(c.schedule).num_stages(p=c.pp, m=c.m))
+    split = p.stage_split(get(c.schedule).num_stages(p=c.pp, m=c.m), c.vocab_parallel)
     vocab += f" --split {split_text(split)}" if split is not None else ""
     options = f" --schedule {c.schedule} -p {c.pp} -m {c.m}{mesh}{tp}{seq}{vocab} {sizes}{precision}{family}"
     # under torchrun `python -m pipeblocks train` runs the same run, one rank per process

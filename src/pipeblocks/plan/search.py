@@ -194,7 +194,7 @@ def static_peak(problem: PlanProblem, shape: MeshShape, placement: Placement,
     (`sim.vocab_costs.vocab_rank_static_peak`)."""
     if vocab:
         return tuple(
-            vocab_rank_static_peak(problem.staged(problem.model, placement.num_stages), placement.num_stages,
+            vocab_rank_static_peak(problem.staged(problem.model, placement.num_stages, True), placement.num_stages,
                                    placement.stages_of(r), policy, dp=shape.dp,
                                    precision=problem.precision, ranks=shape.pp,
                                    split_backward=split_backward(name))
@@ -299,7 +299,7 @@ def _entries(problem: PlanProblem, name: str, k: int, vocab: bool = False) -> tu
 
 def _costs(problem: PlanProblem, shape: MeshShape, b: int, stages: int, k: int, policy: ShardingPolicy,
            vocab: bool = False):
-    config = problem.staged(problem.config(b), stages)
+    config = problem.staged(problem.config(b), stages, vocab)
     if vocab:  # tp = 1 and whole sequences (`_entries`)
         return vocab_replica_costs(
             config, problem.hardware, num_stages=stages, ranks=shape.pp, dp=shape.dp, sharding=policy,

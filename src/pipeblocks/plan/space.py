@@ -159,18 +159,20 @@ class PlanProblem:
                     f"need the intra-node link; give tp <= {node}"
                 )
 
-    def stage_split(self, num_stages: int) -> tuple[int, ...] | None:
+    def stage_split(self, num_stages: int, vocab: bool = False) -> tuple[int, ...] | None:
         """Layers per stage for a candidate of `num_stages` stages (None: the even rule); counts
-        that do not fit are a ValueError naming the numbers (`core.split.check_split`)."""
+        that do not fit are a ValueError naming the numbers (`core.split.check_split`). `vocab`:
+        a +vocab candidate, whose end stages carry no vocabulary layer: "auto" balances equal
+        layers, which is the even rule."""
         if self.split is None:
             return None
         if self.split == AUTO:
-            return _time_balanced(self.model, self.hardware, num_stages)
+            return None if vocab else _time_balanced(self.model, self.hardware, num_stages)
         return check_split(self.split, layers=self.model.layers, num_stages=num_stages)
 
-    def staged(self, config: TransformerConfig, num_stages: int) -> TransformerConfig:
+    def staged(self, config: TransformerConfig, num_stages: int, vocab: bool = False) -> TransformerConfig:
         """`config` cut into `num_stages` stages by `stage_split`."""
-        split = self.stage_split(num_stages)
+        split = self.stage_split(num_stages, vocab)
         return config if split is None else dataclasses.replace(config, split=split)
 
     def config(self, microbatch_size: int) -> TransformerConfig:
