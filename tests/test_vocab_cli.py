@@ -50,3 +50,13 @@ def test_train_refuses_until_the_runtime_runs_the_passes(capsys):
     code = main(["train", "--schedule", "1f1b", "-p", "2", "-m", "2", "--steps", "1", "--vocab-parallel"])
     out, err = capsys.readouterr()
     assert code == 2 and "the runtime does not run the vocabulary passes yet" in err and "Traceback" not in err
+
+
+def test_show_program_holds_the_passes_and_export_refuses(capsys):
+    base = ["1f1b", "-p", "2", "-m", "2", "--model", "llama-3-8b", "--vocab-parallel"]
+    assert main(["show", *base, "--program"]) == 0
+    out, _ = capsys.readouterr()
+    assert "IF0" in out and "S1" in out and "IB1" in out
+    code = main(["export", *base])
+    out, err = capsys.readouterr()
+    assert code == 2 and "torch's CSV and the schedule's text and JSON hold no vocabulary passes" in err

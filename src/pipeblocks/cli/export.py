@@ -19,6 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..core.errors import ScheduleError
 from ..core.schedule import write_atomically
 from ..interop import program_to_torch_csv, to_torch_csv
 from .common import add_schedule_options, build, request_from_args
@@ -51,6 +52,11 @@ def run(args: argparse.Namespace) -> int:
         args.dp_unit = "chunk"  # torch's lowered CSV has one DP op per stage, not per block
     built = build(request_from_args(args))
     schedule = built.schedule
+    if built.costs.vocab is not None:
+        raise ScheduleError(
+            "export --vocab-parallel: torch's CSV and the schedule's text and JSON hold no vocabulary passes; "
+            "`pipeblocks show --program --vocab-parallel` prints the Program with them"
+        )
     if fmt == "torch-csv":
         body = to_torch_csv(schedule)
     elif fmt == "torch-comms-csv":

@@ -74,7 +74,8 @@ class Built:
         and its recomputations, where they were placed (`core.lowering.lower_for`)."""
         dp = self.costs.data_parallel
         return lower_for(self.schedule, policies=dp.sharding, dp=dp.dp, recompute=self.recompute,
-                         recompute_at=self.recompute_at, units=self.costs.dp_units(self.schedule.num_stages))
+                         recompute_at=self.recompute_at, units=self.costs.dp_units(self.schedule.num_stages),
+                         vocab=self.costs if self.costs.vocab is not None else None)
 
     def simulate(self) -> Timeline:
         """The request's schedule simulated with its costs and its recomputations in place."""
