@@ -129,3 +129,26 @@ def test_module_docstring_shows_the_lowered_program():
 
     text = _lowered("1f1b", 2, 2).to_text()
     assert all(f"    {line}" in vocab.__doc__ for line in text.splitlines())
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v"])
+def test_two_barriers_put_t_before_the_last_backward(name):
+    costs = dataclasses.replace(COSTS, vocab=dataclasses.replace(VOCAB, barriers=2, t_c1=0.1))
+    program = _lowered(name, 2, 4, costs)
+    check_vocab(program, barriers=2)
+    check_deadlock(program)
+    last = program.schedule.num_stages - 1
+    root = program.ranks[program.schedule.placement.stage_to_rank[last]]
+    for i in range(4):
+        t = root.index(VocabPass("T", i))
+        b = next(k for k, op in enumerate(root) if type(op).__name__ == "Action" and op.stage == last
+                 and op.microbatch == i and op.kind.value in ("B", "BW"))
+        assert t < b
+    # with one barrier T may follow that backward; checked as two barriers it is refused
+    one = _lowered(name, 2, 4)
+    if any(r.index(VocabPass("T", 0)) > r.index(next(op for op in r if type(op).__name__ == "Action"
+                                                     and op.stage == last and op.microbatch == 0
+                                                     and op.kind.value in ("B", "BW")))
+           for r in (one.ranks[one.schedule.placement.stage_to_rank[last]],)):
+        with pytest.raises(ScheduleError, match="T0 runs after"):
+            check_vocab(one, barriers=2)
