@@ -108,3 +108,12 @@ def test_split_auto_leaves_a_vocab_candidate_even():
     (a,), _, _ = evaluate(auto, "1f1b", 1, entry, vocab=True)
     (b,), _, _ = evaluate(even, "1f1b", 1, entry, vocab=True)
     assert a.iteration_time == b.iteration_time and a.rank_memory == b.rank_memory
+
+
+def test_a_vocabulary_too_small_for_pp_skips_only_those_candidates():
+    from pipeblocks.sim.analytic import parse_model
+
+    problem = _problem(model=parse_model("4,64,4,16,5"), gpus=4, global_batch=4, gpu_memory=80e9, seq_chunks=())
+    result = search(problem, jobs=1)
+    assert any(s.shape.pp == 4 and "V = 5" in s.reason and "at least 7" in s.reason for s in result.skipped)
+    assert any(e.candidate.vocab_parallel and e.candidate.pp == 2 for e in result.evaluated)

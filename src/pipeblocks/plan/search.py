@@ -47,6 +47,7 @@ from ..core.errors import ScheduleError
 from ..core.placement import Placement
 from ..core.sharding import ShardingPolicy
 from ..core.simulate import simulate
+from ..core.vocab_partition import partition_vocab
 from ..schedules import get
 from ..schedules.sequence import split_sequence
 from ..sim.analytic import sequence_flops
@@ -259,6 +260,12 @@ def _entries(problem: PlanProblem, name: str, k: int, vocab: bool = False) -> tu
             skipped.append(Skipped(label, shape, None, "vocabulary parallelism splits the vocabulary over 2 or more "
                                                        "pipeline ranks, without tensor parallelism"))
             continue
+        if vocab:
+            try:
+                partition_vocab(problem.model.vocab, shape.pp)
+            except ValueError as err:
+                skipped.append(Skipped(label, shape, None, str(err)))
+                continue
         if shape.tp > 1 and k > 1:
             skipped.append(Skipped(label, shape, None, "sequence chunks with tp > 1: the runtime runs neither with "
                                                        "the other (tp already splits the tokens)"))
