@@ -103,3 +103,17 @@ def test_what_w_keeps_on_the_last_stage_loses_the_head(w_keeps):
     hidden = LLAMA.seq * LLAMA.hidden * LLAMA.dtype_bytes
     assert math.isclose(costs.recompute_input_ratio[0] * costs.mem_b[0], hidden, rel_tol=1e-12)
     assert math.isclose(costs.recompute_input_ratio[3] * costs.mem_b[3], hidden, rel_tol=1e-12)
+
+
+def test_a_tied_table_is_held_once_over_the_ranks():
+    """Tied: the end stages each held a copy; split, the one table is V/p rows on each rank."""
+    from pipeblocks.sim.vocab_costs import vocab_stage_param_shapes
+
+    tied, p = dataclasses.replace(LLAMA, tied=True), 4
+    base = transformer_costs(tied, A100, num_stages=p)
+    costs = with_vocab_parallel(base, tied, A100, ranks=p)
+    table = tied.vocab * tied.hidden
+    assert sum(costs.params) + p * costs.vocab.params == sum(base.params) - table
+    shapes = vocab_stage_param_shapes(tied, p)
+    assert all((tied.vocab, tied.hidden) not in stage for stage in shapes)
+    assert [sum(math.prod(s) for s in stage) for stage in shapes] == list(costs.params)
