@@ -99,15 +99,23 @@ def test_planner_step_and_memory_are_what_simulate_reports(capsys):
     assert done.iteration_time == pytest.approx(summary["makespan"], rel=1e-9)
 
 
-def test_split_auto_leaves_a_vocab_candidate_even():
+def test_split_auto_balances_a_vocab_candidate_per_rank():
     """--split auto balances the head and embedding against layers; a +vocab candidate has them on
-    no stage, so its stages stay even (a split balanced for the head would now starve the last stage)."""
+    no stage, so its layers are balanced per rank (a split balanced for the head would now starve
+    the last stage, and the even rule's lighter ends starve rank 0 under a V placement)."""
+    from pipeblocks.plan.space import rank_balanced
+
     entry = _Entry(bound=1.0, shape=MeshShape(1, 1, 4), microbatch_size=1, m=8, stages=4)
     auto, even = _problem(split="auto", gpu_memory=200e9), _problem(gpu_memory=200e9)
-    assert auto.stage_split(4) != (8, 8, 8, 8) and auto.stage_split(4, vocab=True) is None
+    assert auto.stage_split(4) != (8, 8, 8, 8) and auto.stage_split(4, vocab=True) == (8, 8, 8, 8)
     (a,), _, _ = evaluate(auto, "1f1b", 1, entry, vocab=True)
     (b,), _, _ = evaluate(even, "1f1b", 1, entry, vocab=True)
     assert a.iteration_time == b.iteration_time and a.rank_memory == b.rank_memory
+    for layers, p in ((28, 4), (30, 4), (29, 3)):
+        counts = rank_balanced(layers, 2 * p)
+        v_ranks = [counts[r] + counts[2 * p - 1 - r] for r in range(p)]
+        loop_ranks = [counts[r] + counts[r + p] for r in range(p)]
+        assert sum(counts) == layers and max(v_ranks) - min(v_ranks) <= 1 and max(loop_ranks) - min(loop_ranks) <= 1
 
 
 def test_a_vocabulary_too_small_for_pp_skips_only_those_candidates():

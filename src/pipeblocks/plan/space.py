@@ -162,12 +162,14 @@ class PlanProblem:
     def stage_split(self, num_stages: int, vocab: bool = False) -> tuple[int, ...] | None:
         """Layers per stage for a candidate of `num_stages` stages (None: the even rule); counts
         that do not fit are a ValueError naming the numbers (`core.split.check_split`). `vocab`:
-        a +vocab candidate, whose end stages carry no vocabulary layer: "auto" balances equal
-        layers, which is the even rule."""
+        a +vocab candidate, whose end stages carry no vocabulary layer: "auto" balances the layers
+        per rank (`rank_balanced`)."""
         if self.split is None:
             return None
         if self.split == AUTO:
-            return None if vocab else _time_balanced(self.model, self.hardware, num_stages)
+            if vocab:
+                return rank_balanced(self.model.layers, num_stages)
+            return _time_balanced(self.model, self.hardware, num_stages)
         return check_split(self.split, layers=self.model.layers, num_stages=num_stages)
 
     def staged(self, config: TransformerConfig, num_stages: int, vocab: bool = False) -> TransformerConfig:
@@ -179,6 +181,20 @@ class PlanProblem:
         """The model at microbatch size b, its activations in the precision's compute dtype."""
         config, _ = precision_config(dataclasses.replace(self.model, microbatch_size=microbatch_size), self.precision)
         return config
+
+
+def rank_balanced(layers: int, num_stages: int) -> tuple[int, ...]:
+    """Layers per stage, the first `layers mod num_stages` stages one more: with equal layers
+    and no vocabulary layer on any stage (vocabulary parallelism), every rank then holds within
+    one layer of every other under a loop placement with any number of chunks (rank r: stages
+    r, r + p, ...) and under a V placement (rank r: stages r and 2p - 1 - r), where the even rule's
+    lighter end stages would leave rank 0 two layers short of the middle ranks.
+
+        >>> rank_balanced(28, 8)
+        (4, 4, 4, 4, 3, 3, 3, 3)
+    """
+    base, extra = divmod(layers, num_stages)
+    return tuple(base + (1 if stage < extra else 0) for stage in range(num_stages))
 
 
 @functools.cache
