@@ -103,7 +103,7 @@ def test_split_auto_balances_a_vocab_candidate_per_rank():
     """--split auto balances the head and embedding against layers; a +vocab candidate has them on
     no stage, so its layers are balanced per rank (a split balanced for the head would now starve
     the last stage, and the even rule's lighter ends starve rank 0 under a V placement)."""
-    from pipeblocks.plan.space import rank_balanced
+    from pipeblocks.core.split import rank_balanced
 
     entry = _Entry(bound=1.0, shape=MeshShape(1, 1, 4), microbatch_size=1, m=8, stages=4)
     auto, even = _problem(split="auto", gpu_memory=200e9), _problem(gpu_memory=200e9)

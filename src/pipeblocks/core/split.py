@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["AUTO", "layer_counts", "parse_split", "check_split", "stage_layers", "split_text"]
+__all__ = ["AUTO", "layer_counts", "rank_balanced", "parse_split", "check_split", "stage_layers", "split_text"]
 
 AUTO = "auto"
 """`--split auto`: the simulator chooses the counts (`sim.split_auto`)."""
@@ -42,6 +42,20 @@ def layer_counts(layers: int, num_stages: int) -> tuple[int, ...]:
     for stage in priority[:extra]:
         counts[stage] += 1
     return tuple(counts)
+
+
+def rank_balanced(layers: int, num_stages: int) -> tuple[int, ...]:
+    """Layers per stage, the first `layers mod num_stages` stages one more: with equal layers
+    and no vocabulary layer on any stage (vocabulary parallelism), every rank then holds within
+    one layer of every other under a loop placement with any number of chunks (rank r: stages
+    r, r + p, ...) and under a V placement (rank r: stages r and 2p - 1 - r), where the even rule's
+    lighter end stages would leave rank 0 two layers short of the middle ranks.
+
+        >>> rank_balanced(28, 8)
+        (4, 4, 4, 4, 3, 3, 3, 3)
+    """
+    base, extra = divmod(layers, num_stages)
+    return tuple(base + (1 if stage < extra else 0) for stage in range(num_stages))
 
 
 def split_text(counts: Sequence[int]) -> str:

@@ -18,7 +18,7 @@ from ..core.dp_units import check_dp_unit
 from ..core.precision import PRECISION_NAMES
 from ..core.sharding import ShardingPolicy
 from ..schedules import get
-from ..core.split import AUTO, check_split
+from ..core.split import AUTO, check_split, rank_balanced
 from ..sim.analytic import Hardware, TransformerConfig, transformer_costs
 from ..sim.split_auto import balanced_counts
 from ..sim.memory_estimate import W_KEEPS, precision_config
@@ -163,7 +163,7 @@ class PlanProblem:
         """Layers per stage for a candidate of `num_stages` stages (None: the even rule); counts
         that do not fit are a ValueError naming the numbers (`core.split.check_split`). `vocab`:
         a +vocab candidate, whose end stages carry no vocabulary layer: "auto" balances the layers
-        per rank (`rank_balanced`)."""
+        per rank (`core.split.rank_balanced`)."""
         if self.split is None:
             return None
         if self.split == AUTO:
@@ -181,20 +181,6 @@ class PlanProblem:
         """The model at microbatch size b, its activations in the precision's compute dtype."""
         config, _ = precision_config(dataclasses.replace(self.model, microbatch_size=microbatch_size), self.precision)
         return config
-
-
-def rank_balanced(layers: int, num_stages: int) -> tuple[int, ...]:
-    """Layers per stage, the first `layers mod num_stages` stages one more: with equal layers
-    and no vocabulary layer on any stage (vocabulary parallelism), every rank then holds within
-    one layer of every other under a loop placement with any number of chunks (rank r: stages
-    r, r + p, ...) and under a V placement (rank r: stages r and 2p - 1 - r), where the even rule's
-    lighter end stages would leave rank 0 two layers short of the middle ranks.
-
-        >>> rank_balanced(28, 8)
-        (4, 4, 4, 4, 3, 3, 3, 3)
-    """
-    base, extra = divmod(layers, num_stages)
-    return tuple(base + (1 if stage < extra else 0) for stage in range(num_stages))
 
 
 @functools.cache
