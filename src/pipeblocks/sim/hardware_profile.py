@@ -40,7 +40,8 @@ form; R >= 0 by a search), so the residuals are relative time errors. Each form 
 parameter more than the one before it and is chosen only when its root-mean-square residual
 is at least 10% below the form chosen without it (ROOFLINE_GAIN, OVERHEAD_GAIN); for the
 overhead both are first scaled by sqrt(n / (n - parameters)) (the residual standard error;
-at least 4 points), so that a third parameter is not chosen for fitting a few points' noise.
+at least 4 points), so that a third parameter is not chosen for fitting a few points' noise;
+and a richer form must lower the residual by more than rounding (RESIDUAL_FLOOR).
 
 The end parts. The embedding (no FLOPs counted: a lookup) and the head are timed too, as
 their stage less a block; with the block's chosen fraction fixed, each part's fixed time
@@ -74,8 +75,8 @@ PASS_KINDS = ("F", "B", "W")
 ROOFLINE_GAIN = 0.9
 """The roofline is chosen when its RMS residual is below this share of the constant's."""
 OVERHEAD_GAIN = 0.9
-"""The roofline plus overhead is chosen when its RMS residual is below this share of the
-form chosen between the constant and the roofline."""
+"""The roofline plus overhead is chosen when its residual standard error is below this
+share of the form's chosen between the constant and the roofline."""
 OVERHEAD_FORM = "roofline+overhead"
 RESIDUAL_FLOOR = 1e-6
 """A form must lower the RMS residual by more than this too: below it residuals are rounding."""
