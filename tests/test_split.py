@@ -174,3 +174,15 @@ def test_emulated_passes_sleep_each_stage_s_analytic_time():
     with pytest.raises(ValueError, match="stage_ms has 4 stages for 8"):
         emulated.pass_ms("F", 0, 8)
     assert EmulatedCosts(1.0, 2.0, 3.0, layers=(1, 2)).sim_costs(get("1f1b")(p=2, m=2)).t_b == (2.0, 4.0)
+
+
+def test_a_checkpoint_records_a_split_other_than_the_even_one():
+    from pipeblocks.models import GPTConfig
+    from pipeblocks.train.run import prepare
+
+    def meta(split):
+        request = ScheduleRequest(name="1f1b", m=4, mesh=Mesh(pp=2), costs=CostSpec(split=split))
+        cfg, _ = prepare(request, model=GPTConfig(layers=4), steps=1)
+        return cfg.meta("data")
+
+    assert meta((1, 3))["split"] == [1, 3] and "split" not in meta((2, 2)) and "split" not in meta(None)

@@ -33,7 +33,7 @@ from ..core.precision import PrecisionPolicy, precision_policy
 from ..core.schedule import Schedule
 from ..core.dp_units import check_dp_unit
 from ..core.sharding import ShardingPolicy, per_stage
-from ..core.split import stage_layers
+from ..core.split import layer_counts, stage_layers
 from .lr_schedule import LRSchedule
 from .model_choice import ModelChoice
 
@@ -389,5 +389,6 @@ class TrainConfig:
             **({"async": self.async_mode.describe()} if self.async_mode is not None else {}),
             **({"tp": self.tp} if self.tp > 1 else {}),
             # a per-rank checkpoint holds its stages' blocks: another split cannot resume it
-            **({"split": list(s.split)} if s.split is not None else {}),
+            **({"split": list(self.stage_layers)} if self.stage_layers != layer_counts(self.model.layers,
+                                                                                       self.num_stages) else {}),
         }
