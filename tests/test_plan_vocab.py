@@ -10,7 +10,7 @@ from pipeblocks.plan.search import PlanResult, _Entry, evaluate, search
 from pipeblocks.plan.space import MeshShape, PlanProblem
 from pipeblocks.sim.analytic import HARDWARE, MODELS
 from pipeblocks.sim.memory_estimate import stage_param_shapes
-from pipeblocks.sim.vocab_costs import vocab_rank_static_peak, vocab_stage_param_shapes
+from pipeblocks.sim.vocab_memory import vocab_rank_static_peak, vocab_stage_param_shapes
 
 LLAMA = MODELS["llama-3-8b"]
 

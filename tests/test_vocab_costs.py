@@ -107,7 +107,7 @@ def test_what_w_keeps_on_the_last_stage_loses_the_head(w_keeps):
 
 def test_a_tied_table_is_held_once_over_the_ranks():
     """Tied: the end stages each held a copy; split, the one table is V/p rows on each rank."""
-    from pipeblocks.sim.vocab_costs import vocab_stage_param_shapes
+    from pipeblocks.sim.vocab_memory import vocab_stage_param_shapes
 
     tied, p = dataclasses.replace(LLAMA, tied=True), 4
     base = transformer_costs(tied, A100, num_stages=p)

@@ -53,7 +53,7 @@ from ..schedules.sequence import split_sequence
 from ..sim.analytic import sequence_flops
 from ..sim.memory_estimate import rank_static_peak
 from ..sim.sequence_split import chunk_shares, split_lengths
-from ..sim.vocab_costs import vocab_rank_static_peak
+from ..sim.vocab_memory import vocab_rank_static_peak
 from .costs import replica_costs
 from .space import SHARDING_ORDER, MeshShape, PlanProblem, meshes, microbatch_sizes
 from .vocab import vocab_replica_costs

@@ -53,7 +53,7 @@ from .analytic import (
 )
 
 __all__ = ["vocab_costs", "head_seconds", "head_activation_bytes", "with_vocab_parallel", "shard_rows",
-           "strip_blocks", "RankLoad", "rank_loads", "vocab_stage_param_shapes", "vocab_rank_static_peak"]
+           "strip_blocks", "RankLoad", "rank_loads"]
 
 
 def shard_rows(vocab: int, ranks: int) -> int:
@@ -246,36 +246,3 @@ def rank_loads(costs: Costs, stage_to_rank: tuple[int, ...]) -> tuple[RankLoad, 
         out.append(RankLoad(r, compute, held, act))
     return tuple(out)
 
-
-def vocab_stage_param_shapes(config: TransformerConfig, num_stages: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """`memory_estimate.stage_param_shapes` (tp = 1) without the vocabulary tables: the token
-    table leaves the first stage and the head (a tied head's copy too) the last."""
-    from .memory_estimate import stage_param_shapes
-
-    table = (config.vocab, config.hidden)
-    shapes = [list(stage) for stage in stage_param_shapes(config, num_stages)]
-    shapes[0].remove(table)
-    if table in shapes[-1]:
-        shapes[-1].remove(table)
-    return tuple(tuple(stage) for stage in shapes)
-
-
-def vocab_rank_static_peak(config: TransformerConfig, num_stages: int, stages, policy, *, dp: int,
-                           precision, ranks: int, split_backward: bool = False) -> float:
-    """Static bytes at the step's peak of a pipeline rank holding `stages` under vocabulary
-    parallelism, the most over its `dp` replicas: its stages' tensors as
-    `memory_estimate.rank_static_peak` counts them (without the tables) and its vocabulary rows,
-    one [ceil(V/p), h] tensor per table (one when tied), sharded over dp under `policy` too."""
-    from ..core.dp_model import w_gradients_wait
-    from ..core.static_memory import chunk_bytes
-    from .memory_estimate import precision_config
-
-    _, prec = precision_config(config, precision)
-    shapes = vocab_stage_param_shapes(config, num_stages)
-    rows = ((shard_rows(config.vocab, ranks), config.hidden),) * (1 if config.tied else 2)
-    return float(max(
-        sum(chunk_bytes(shapes[s], policy=policy, d=dp, dp_rank=d, precision=prec).step_peak(
-            split_backward and w_gradients_wait(s)) for s in stages)
-        + chunk_bytes(rows, policy=policy, d=dp, dp_rank=d, precision=prec).peak
-        for d in range(dp)
-    ))
