@@ -60,3 +60,14 @@ def test_show_program_holds_the_passes_and_export_refuses(capsys):
     code = main(["export", *base])
     out, err = capsys.readouterr()
     assert code == 2 and "torch's CSV and the schedule's text and JSON hold no vocabulary passes" in err
+
+
+def test_default_split_balances_ranks_without_vocabulary_layers(capsys):
+    # 80 layers over 32 stages: the even rule's lighter end stages would leave rank 0 (stages 0
+    # and 31 under V placement) with 4 layers against 5; balanced per rank every rank holds 5
+    assert main(["simulate", "zb-v", "-p", "16", "-m", "32", "--model", "llama-3-70b", "--vocab-parallel"]) == 0
+    out, _ = capsys.readouterr()
+    line = next(x for x in out.splitlines() if x.startswith("split"))
+    counts = [int(c) for c in line.split()[1].split(",")]
+    assert "balanced per rank" in line
+    assert {counts[r] + counts[31 - r] for r in range(16)} == {5}

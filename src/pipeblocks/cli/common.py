@@ -256,7 +256,8 @@ def split_lines(built: Built, choice: SplitChoice | None, unit: str = " s") -> l
     if counts is None:
         return []
     how = "given" if isinstance(built.request.costs.split, tuple) and choice is None else (
-        "chosen" if choice is not None else "even")
+        "chosen" if choice is not None else "balanced per rank: no vocabulary layer on the end stages"
+        if built.request.costs.vocab_parallel else "even")
     lines = [f"split         {split_text(counts)} layers per stage ({how})"]
     if choice is not None:
         lines.append(choice.describe(unit))

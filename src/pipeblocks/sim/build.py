@@ -40,7 +40,7 @@ from .recompute_place import place_recompute
 from .vocab_costs import with_vocab_parallel
 from .sequence_split import chunk_shares, split_lengths
 from .split_auto import SplitChoice, balanced_counts, choose_split
-from ..core.split import AUTO, check_split
+from ..core.split import AUTO, check_split, layer_counts, rank_balanced
 
 __all__ = [
     "Built", "build", "data_parallel", "memory_budget", "resolve_costs", "model_config", "stage_model_config",
@@ -324,6 +324,11 @@ def stage_model_config(spec: CostSpec, num_stages: int, *, p: int | None = None)
         except ValueError as err:
             raise ScheduleError(str(err)) from None
         config = dataclasses.replace(config, split=counts)
+    elif spec.split is None and spec.vocab_parallel:
+        # no vocabulary layer on the end stages: the even rule's lighter ends would leave the
+        # ranks holding them short (`core.split.rank_balanced`, as the planner cuts them)
+        layer_counts(config.layers, num_stages)  # the error when there are fewer layers than stages
+        config = dataclasses.replace(config, split=rank_balanced(config.layers, num_stages))
     elif spec.split is not None:  # build() resolves "auto" before any costs are asked
         raise ScheduleError(f"--split {spec.split}: resolve it with sim.build.build (or choose_split_for) first")
     return config
