@@ -186,3 +186,18 @@ def test_a_checkpoint_records_a_split_other_than_the_even_one():
         return cfg.meta("data")
 
     assert meta((1, 3))["split"] == [1, 3] and "split" not in meta((2, 2)) and "split" not in meta(None)
+
+
+def test_train_split_auto_prices_the_run_s_own_model():
+    """A small model with a large vocabulary: the head's stage gives layers away; with a small
+    vocabulary the split stays closer to even."""
+    from pipeblocks.models import GPTConfig
+    from pipeblocks.train.run import prepare
+
+    def split(vocab):
+        request = ScheduleRequest(name="1f1b", m=4, mesh=Mesh(pp=2), costs=CostSpec(split="auto"))
+        cfg, _ = prepare(request, model=GPTConfig(layers=6, vocab=vocab), steps=1)
+        return cfg.stage_layers
+
+    heavy, light = split(30000), split(256)
+    assert sum(heavy) == 6 and heavy[1] < light[1] <= 3
