@@ -6,158 +6,28 @@ semantics), and the loss and every gradient equal one process running the unspli
 in float64."""
 from __future__ import annotations
 
-import copy
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from pipeblocks import schedules
-from pipeblocks.core.actions import Action, Kind
-from pipeblocks.core.costs import Costs
-from pipeblocks.core.lowering import lower_for
-from pipeblocks.core.program import Comm
-from pipeblocks.core.vocab import VocabCosts, VocabPass, roots
+from _vocab_cases import TIMEOUT, V, Collective, Mailbox, ThreadLink, make_case, reference, run_rank
+from pipeblocks.core.vocab import roots
 from pipeblocks.runtime.vocab_exec import VocabRank, VocabTables
 from pipeblocks.runtime.vocab_parallel import gather_rows, partition_vocab, shard_rows
 
 pytestmark = pytest.mark.torch
-
-TIMEOUT = 30.0
-V, H, N = 11, 4, 3  # vocabulary (not divisible by 2 or 4: padded shards), width, tokens per microbatch
-COSTS = Costs(t_f=1.0, t_b=1.0, t_w=1.0, vocab=VocabCosts(t_s=0.3, t_t=0.2, t_if=0.05, t_ib=0.05, t_bcast=0.05,
-                                                           t_c0=0.1, t_if_reduce=0.02, t_ib_bcast=0.02))
-
-
-class Mailbox:
-    """Point-to-point tensors by key; a receive blocks until its send."""
-
-    def __init__(self) -> None:
-        self.items: dict = {}
-        self.cond = threading.Condition()
-
-    def put(self, key, value) -> None:
-        with self.cond:
-            self.items[key] = value
-            self.cond.notify_all()
-
-    def take(self, key):
-        with self.cond:
-            if not self.cond.wait_for(lambda: key in self.items, TIMEOUT):
-                raise TimeoutError(f"nothing sent under {key}: the Program deadlocks")
-            return self.items.pop(key)
-
-
-class Collective:
-    """All-reduces of one kind over p threads: the k-th call of every rank meets the others'
-    k-th; sums in rank order, so every rank gets the same bits."""
-
-    def __init__(self, p: int) -> None:
-        self.p, self.cond, self.calls, self.parts = p, threading.Condition(), {}, {}
-
-    def all_reduce(self, rank: int):
-        def reduce(tensor: torch.Tensor, op: str) -> None:
-            with self.cond:
-                k = self.calls[rank] = self.calls.get(rank, -1) + 1
-                self.parts.setdefault(k, {})[rank] = tensor.clone()
-                self.cond.notify_all()
-                if not self.cond.wait_for(lambda: len(self.parts[k]) == self.p, TIMEOUT):
-                    raise TimeoutError(f"all-reduce {k}: only ranks {sorted(self.parts[k])} arrived")
-                parts = [self.parts[k][r] for r in range(self.p)]
-            out = parts[0].clone()
-            for x in parts[1:]:
-                out = torch.maximum(out, x) if op == "max" else out + x
-            tensor.copy_(out)
-        return reduce
-
-
-class ThreadLink:
-    def __init__(self, rank: int, mailbox: Mailbox, collectives: dict, workers: dict) -> None:
-        self.rank, self.mailbox, self.collectives, self.workers = rank, mailbox, collectives, workers
-
-    def send(self, tensor, dst, key) -> None:
-        self.mailbox.put(("vocab", key), tensor)
-
-    def recv(self, key):
-        return self.mailbox.take(("vocab", key))
-
-    def issue(self, kind, work):
-        return self.workers[kind].submit(work, self.collectives[kind].all_reduce(self.rank))
-
-
-def _run_rank(rank, ops, stages, vocab: VocabRank, mailbox: Mailbox, last: int) -> None:
-    inputs, outputs, grads = {}, {}, {}
-    for op in ops:
-        if type(op) is VocabPass:
-            vocab.run(op)
-        elif type(op) is Comm:
-            if op.send:
-                value = outputs[op.stage, op.microbatch] if op.payload == "F" else grads[op.stage - 1, op.microbatch]
-                mailbox.put(op.key, value.detach())
-            else:
-                value = mailbox.take(op.key)
-                if op.payload == "F":
-                    inputs[op.stage, op.microbatch] = value
-                else:
-                    grads[op.stage, op.microbatch] = value
-        elif type(op) is Action:
-            s, i = op.stage, op.microbatch
-            if op.kind is Kind.F:
-                source = vocab.embedding_output(i) if s == 0 else inputs.pop((s, i), None)
-                if source is None:
-                    source = outputs[s - 1, i]  # the neighbour stage on this rank (the turn of a V)
-                leaf = source.detach().requires_grad_(True)
-                out = stages[s](leaf)
-                inputs[s, i] = leaf
-                outputs[s, i] = out
-                if s == last:
-                    vocab.after_last_forward(i, out)
-            elif op.kind in (Kind.B, Kind.BW):
-                grad = vocab.last_output_grad(i) if s == last else grads.pop((s, i))
-                leaf = inputs.pop((s, i))
-                torch.autograd.backward(outputs[s, i], grad)
-                if s == 0:
-                    vocab.after_first_backward(i, leaf.grad)
-                else:
-                    grads[s - 1, i] = leaf.grad
-            # W: the backward above already accumulated the weight gradients
-        else:
-            raise AssertionError(f"op {op} in a test Program")
-
-
-def _stage(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Tanh()).double()
 
 
 @pytest.mark.parametrize("name,p,m,tied", [
     ("1f1b", 2, 3, False), ("zb-v", 2, 4, True), ("1f1b", 4, 5, False), ("v-half", 4, 8, False),
 ])
 def test_vocab_program_runs_and_is_exact(name, p, m, tied):
-    program = lower_for(schedules.get(name)(p=p, m=m), vocab=COSTS, check=True)
-    schedule = program.schedule
+    case = make_case(name, p, m, tied)
+    program, schedule = case.program, case.program.schedule
     S = schedule.num_stages
-    torch.manual_seed(0)
-    embedding = torch.randn(V, H, dtype=torch.float64)
-    head = embedding if tied else torch.randn(V, H, dtype=torch.float64)
-    tokens = [torch.randint(0, V, (N,)) for _ in range(m)]
-    labels = [torch.randint(0, V, (N,)) for _ in range(m)]
-    labels[1][0] = -100  # an ignored label
-    stages = [_stage(s) for s in range(S)]
-
-    # reference: one process, the unsplit tables
-    ref_stages = copy.deepcopy(stages)
-    ref_emb = embedding.clone().requires_grad_(True)
-    ref_head = ref_emb if tied else head.clone().requires_grad_(True)
-    loss = 0.0
-    for i in range(m):
-        x = ref_emb[tokens[i]]
-        for stage in ref_stages:
-            x = stage(x)
-        loss = loss + F.cross_entropy(x @ ref_head.T, labels[i]) / m
-    loss.backward()
+    embedding, head, tokens, labels, stages = case.embedding, case.head, case.tokens, case.labels, case.stages
+    loss, ref_emb_grad, ref_head_grad, ref_stages = reference(case, tied)
 
     part = partition_vocab(V, p)
     first, last_rank = roots(schedule)
@@ -174,7 +44,7 @@ def test_vocab_program_runs_and_is_exact(name, p, m, tied):
         ranks.append(VocabRank(r, part, tables[r], link, tokens=tokens, labels=labels, first=first, last=last_rank,
                                scale=1.0 / m, timeout=TIMEOUT))
     with ThreadPoolExecutor(p) as pool:
-        futures = [pool.submit(_run_rank, r, program.ranks[r], stages, ranks[r], mailbox, S - 1) for r in range(p)]
+        futures = [pool.submit(run_rank, r, program.ranks[r], stages, ranks[r], mailbox, S - 1) for r in range(p)]
         for f in futures:
             f.result(2 * TIMEOUT)
     for w in pools:
@@ -183,9 +53,9 @@ def test_vocab_program_runs_and_is_exact(name, p, m, tied):
     assert sum(ranks[0].losses()).item() == pytest.approx(loss.item(), rel=1e-12, abs=1e-14)
     assert all(torch.equal(sum(ranks[r].losses()), sum(ranks[0].losses())) for r in range(p))
     grad_emb = gather_rows([t.embedding.grad for t in tables], part)
-    torch.testing.assert_close(grad_emb, ref_emb.grad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad_emb, ref_emb_grad, rtol=1e-12, atol=1e-14)
     if not tied:
-        torch.testing.assert_close(gather_rows([t.head.grad for t in tables], part), ref_head.grad,
+        torch.testing.assert_close(gather_rows([t.head.grad for t in tables], part), ref_head_grad,
                                    rtol=1e-12, atol=1e-14)
     for mine, ref in zip(stages, ref_stages):
         for a, b in zip(mine.parameters(), ref.parameters()):
