@@ -152,3 +152,13 @@ def test_two_barriers_put_t_before_the_last_backward(name):
            for r in (one.ranks[one.schedule.placement.stage_to_rank[last]],)):
         with pytest.raises(ScheduleError, match="T0 runs after"):
             check_vocab(one, barriers=2)
+
+
+@pytest.mark.parametrize("name,p,m", [("1f1b", 4, 4), ("zb-h1", 3, 6), ("v-half", 4, 8), ("interleaved-1f1b", 2, 4)])
+def test_collectives_slower_than_the_passes_still_place(name, p, m):
+    # a tiny model on a real link: X arrives long after the last stage's backward would have
+    # run, so the rank's S must still go before whatever follows that backward
+    slow = dataclasses.replace(VOCAB, t_bcast=30.0, t_c0=50.0, t_if_reduce=20.0, t_ib_bcast=30.0)
+    program = _lowered(name, p, m, dataclasses.replace(COSTS, t_f=0.01, t_b=0.01, t_w=0.01, vocab=slow))
+    check_vocab(program)
+    check_deadlock(program)

@@ -106,6 +106,7 @@ def place(program: Program, events, vocab, barriers: int = 1) -> Program:
         if i + 1 < m:
             ready["IB", i] = max(ready["IB", i], ready["IB", i + 1])
     order = sorted(ready, key=lambda k: (ready[k], k[1], _ORDER[k[0]]))
+    follows = _follows(program, first_rank, last_rank)
     ranks = []
     for rank, ops in enumerate(program.ranks):
         # compute ops of this rank and their start times, in program order
@@ -124,9 +125,20 @@ def place(program: Program, events, vocab, barriers: int = 1) -> Program:
                 t -= vocab.t_ib_bcast
             pos = next((pos for pos, start in starts if start >= t - 1e-12 * max(1.0, abs(t))), len(ops))
             at[key] = _before_receives(ops, pos)
-        # where a root needs the pass before one of its own actions, bring it (and every pass
-        # ordered before it) forward
+        # a pass goes before every op of its rank that (through any rank) comes after what
+        # waits for it: S(i) (and T(i) with two barriers) before whatever follows the last
+        # stage's backward of i, IF(i) before whatever follows stage 0's forward of i; it and
+        # every pass ordered before it are brought forward
         limits: dict[tuple[str, int], int] = {}
+        seen_b = seen_f = -1
+        for pos, (after_b, after_f) in enumerate(follows[rank]):
+            for i in range(seen_b + 1, after_b + 1):
+                limits["S", i] = _before_receives(ops, pos)
+                if barriers == 2:
+                    limits["T", i] = limits["S", i]
+            for i in range(seen_f + 1, after_f + 1):
+                limits["IF", i] = _before_receives(ops, pos)
+            seen_b, seen_f = max(seen_b, after_b), max(seen_f, after_f)
         floors: dict[tuple[str, int], int] = {}
         for pos, op in enumerate(ops):
             if type(op) is not Action:
@@ -137,12 +149,6 @@ def place(program: Program, events, vocab, barriers: int = 1) -> Program:
                 floors["S", op.microbatch] = pos + 1
             if rank == first_rank and op.stage == 0 and op.kind in (Kind.B, Kind.BW):
                 floors["IB", op.microbatch] = pos + 1
-            if rank == last_rank and op.stage == last and op.kind in (Kind.B, Kind.BW):
-                limits["S", op.microbatch] = _before_receives(ops, pos)
-                if barriers == 2:
-                    limits["T", op.microbatch] = limits["S", op.microbatch]
-            if rank == first_rank and op.stage == 0 and op.kind is Kind.F:
-                limits["IF", op.microbatch] = _before_receives(ops, pos)
         bound = 0
         for key in order:
             at[key] = bound = max(at[key], floors.get(key, 0), bound)
@@ -161,6 +167,50 @@ def place(program: Program, events, vocab, barriers: int = 1) -> Program:
         out.extend(slots.get(len(ops), ()))
         ranks.append(tuple(out))
     return Program(schedule, tuple(ranks))
+
+
+def _follows(program: Program, first_rank: int, last_rank: int) -> list[list[tuple[int, int]]]:
+    """Per rank and op position of `program` (no vocabulary pass in it): the largest i such
+    that the op comes after (on its rank, or through transfers) the last stage's backward of
+    microbatch i, and the largest i such that it comes after stage 0's forward of i (-1: none),
+    the op itself included."""
+    from .program import Comm
+
+    last = program.schedule.num_stages - 1
+    ranks = program.ranks
+    out: list[list[tuple[int, int]]] = [[] for _ in ranks]
+    state = [(-1, -1)] * len(ranks)
+    sent: dict[tuple, tuple[int, int]] = {}
+    waiting: dict[tuple, int] = {}
+    ready = list(range(len(ranks)))
+    while ready:
+        rank = ready.pop()
+        ops = ranks[rank]
+        b, f = state[rank]
+        while len(out[rank]) < len(ops):
+            op = ops[len(out[rank])]
+            if type(op) is Comm:
+                if op.send:
+                    sent[op.key] = (b, f)
+                    woken = waiting.pop(op.key, None)
+                    if woken is not None:
+                        ready.append(woken)
+                elif op.key in sent:
+                    rb, rf = sent[op.key]
+                    b, f = max(b, rb), max(f, rf)
+                else:
+                    waiting[op.key] = rank
+                    break
+            elif type(op) is Action:
+                if rank == last_rank and op.stage == last and op.kind in (Kind.B, Kind.BW):
+                    b = max(b, op.microbatch)
+                if rank == first_rank and op.stage == 0 and op.kind is Kind.F:
+                    f = max(f, op.microbatch)
+            out[rank].append((b, f))
+        state[rank] = (b, f)
+    if any(len(o) < len(ops) for o, ops in zip(out, ranks)):
+        raise DeadlockError(f"schedule {program.schedule.name!r} deadlocks before its vocabulary passes are placed")
+    return out
 
 
 def _before_receives(ops, pos: int) -> int:
