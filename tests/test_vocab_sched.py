@@ -162,3 +162,17 @@ def test_collectives_slower_than_the_passes_still_place(name, p, m):
     program = _lowered(name, p, m, dataclasses.replace(COSTS, t_f=0.01, t_b=0.01, t_w=0.01, vocab=slow))
     check_vocab(program)
     check_deadlock(program)
+
+
+def test_data_parallel_reduces_the_vocabulary_rows_at_the_step_end():
+    from pipeblocks.core.dp_model import DPCostModel
+
+    s = schedules.get("1f1b")(p=2, m=2)
+    timeline = simulate(s, dataclasses.replace(COSTS, data_parallel=DPCostModel(dp=2)))
+    for r, comm in enumerate(timeline.comm_events):
+        reduce = [e for e in comm if e.op == "VOCAB_REDUCE_GRAD"]
+        assert len(reduce) == 1 and reduce[0].end > reduce[0].start
+        assert reduce[0].start >= max(e.end for e in timeline.events[r]) - 1e-12  # after the last T and IB
+    rowless = simulate(s, dataclasses.replace(COSTS, data_parallel=DPCostModel(dp=2),
+                                              vocab=dataclasses.replace(VOCAB, params=0.0)))
+    assert not any(e.op == "VOCAB_REDUCE_GRAD" for comm in rowless.comm_events for e in comm)

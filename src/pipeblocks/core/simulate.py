@@ -64,7 +64,7 @@ from .dp_stream import CommStream, UnitPasses, after_step_gathers
 from .timeline import Event, Timeline
 from .errors import ScheduleError
 from .vocab import VocabPass
-from .vocab_sim import vocab_keys, vocab_sends as _vocab_sends, vocab_static
+from .vocab_sim import vocab_keys, vocab_reduce, vocab_sends as _vocab_sends, vocab_static
 
 __all__ = ["simulate", "simulate_program"]
 
@@ -249,7 +249,8 @@ def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
             memory_peak=memory_peak,
         )
     step_end = tuple(
-        stream.finish(after_step_gathers(table, placement.stages_of(r))) for r, stream in enumerate(streams)
+        stream.finish(vocab_reduce(table) + after_step_gathers(table, placement.stages_of(r)))
+        for r, stream in enumerate(streams)
     )
     return Timeline(
         schedule=schedule,

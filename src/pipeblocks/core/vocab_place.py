@@ -8,7 +8,10 @@ under the given costs: each rank runs a vocabulary pass at its first action boun
 the pass's input is ready (X broadcast, the embedding gradient broadcast), T(i) and IB(i)
 with the next microbatch's pass (the paper fuses T(i) with S(i+1): the collective they
 wait for then has a microbatch's time to arrive), and all ranks hold the passes in one
-order (sorted by that ready time), so the all-reduces line up and no rank idles at a pass. The timeline of the Program
+order (sorted by that ready time), so the all-reduces line up and no rank idles at a pass.
+A pass never goes after an op of its rank that (through any rank's transfers) follows what
+waits for it: S(i) comes before whatever follows the last stage's backward of i, IF(i)
+before whatever follows stage 0's forward of i, so the Program cannot deadlock on them. The timeline of the Program
 with the passes is used to place them again (a few rounds; the fastest is kept).
 
 A schedule whose last stage runs its backward right after its forward (1F1B) would wait

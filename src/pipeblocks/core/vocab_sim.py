@@ -11,7 +11,9 @@ broadcast after stage 0's backward. Collectives are taken not to contend with ea
 on the link (each is priced alone).
 
 Static memory: each rank holds `VocabCosts.params` more parameters (its V/p rows of the
-embedding and the head), priced as one more replicated-by-policy stage.
+embedding and the head), priced as one more stage under the first stage's policy. With
+data parallelism their gradients are reduced over the replicas at the end of the step,
+after the last T and IB (`vocab_reduce`: `VOCAB_REDUCE_GRAD` on the communication stream).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from .program import Program
 from .vocab import VocabPass
 from .vocab_links import barriers_of, delay, links
 
-__all__ = ["vocab_keys", "vocab_sends", "vocab_static"]
+__all__ = ["vocab_keys", "vocab_reduce", "vocab_sends", "vocab_static"]
 
 
 def vocab_keys(program: Program, table):
@@ -56,3 +58,13 @@ def vocab_sends(sends: list, keys, ids) -> None:
 def vocab_static(table, peak: bool) -> float:
     """Static bytes of one rank's vocabulary rows (between steps, or at the step's peak)."""
     return table.data_parallel.static_memory((table.vocab.params,), (0,), peak=peak)
+
+
+def vocab_reduce(table) -> list[tuple[str, float]]:
+    """The data-parallel reduction of a rank's vocabulary rows' gradients at the end of the
+    step, as (text, duration) for the communication stream (none without vocabulary
+    parallelism or with one replica)."""
+    dp = table.data_parallel
+    if table.vocab is None or dp.dp <= 1 or not table.vocab.params:
+        return []
+    return [("VOCAB_REDUCE_GRAD", dp.op_time("REDUCE_GRAD", table.vocab.params, dp.policies(1)[0]))]
