@@ -71,3 +71,11 @@ def test_default_split_balances_ranks_without_vocabulary_layers(capsys):
     counts = [int(c) for c in line.split()[1].split(",")]
     assert "balanced per rank" in line
     assert {counts[r] + counts[31 - r] for r in range(16)} == {5}
+
+
+def test_simulate_names_the_passes(capsys):
+    assert main(["simulate", "1f1b", "-p", "4", "-m", "8", "--model", "llama-3-8b", "--vocab-parallel"]) == 0
+    out, _ = capsys.readouterr()
+    line = next(x for x in out.splitlines() if x.startswith("vocabulary"))
+    assert "one barrier" in line and "one more microbatch in flight" in line
+    assert len(line.split("time per rank ")[1].split(";")[0].split()) == 4

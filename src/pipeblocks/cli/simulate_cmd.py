@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
     if "tp" in summary:
         print("tp comm       " + " ".join(f"{t:.4g}" for t in summary["tp_comm"])
               + "   (seconds per rank in tensor-parallel collectives, inside its F and B)")
+    if built.costs.vocab is not None:
+        print(_vocab_line(built, timeline))
     if any(summary["recompute_time"]):
         pairs = recompute_pairs(schedule, built.recompute)
         print(f"recompute     {len(pairs)} (stage, microbatch) pairs ({len(built.recompute_at)} moved into "
@@ -73,6 +75,19 @@ def run(args: argparse.Namespace) -> int:
             print(_what_fits(built, timeline, 1e9 if analytic_costs(args) else 1.0))
     print(f"(static memory: parameters, gradients and optimizer state between steps, and at the step's peak; {unit})")
     return 0
+
+
+def _vocab_line(built, timeline) -> str:
+    """--vocab-parallel: the passes every rank runs, their time, and whether the schedule
+    was given one more microbatch in flight (`core.vocab_place`)."""
+    from ..core.vocab import VocabPass
+
+    per_rank = [sum(e.end - e.start for e in evs if type(e.action) is VocabPass) for evs in timeline.events]
+    barriers = "one barrier (C0)" if built.costs.vocab.barriers == 1 else "two barriers (C0, C1)"
+    shifted = timeline.schedule.ranks != built.schedule.ranks
+    return ("vocabulary    IF, S, T, IB of every microbatch on every rank, " + barriers + "; time per rank "
+            + " ".join(f"{t:.4g}" for t in per_rank)
+            + ("; the schedule holds one more microbatch in flight" if shifted else ""))
 
 
 def _tp_comm(built) -> list[float]:
