@@ -79,3 +79,17 @@ def test_simulate_names_the_passes(capsys):
     line = next(x for x in out.splitlines() if x.startswith("vocabulary"))
     assert "one barrier" in line and "one more microbatch in flight" in line
     assert len(line.split("time per rank ")[1].split(";")[0].split()) == 4
+
+
+def test_hf_config_with_a_large_tied_vocabulary(capsys, tmp_path):
+    # a Qwen2-1.5B-shaped config.json (152k vocabulary, tied tables): priced without weights
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536,
+        "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+        "max_position_embeddings": 32768, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "torch_dtype": "bfloat16"}))
+    base = ("zb-v", "-p", "4", "-m", "16", "--hf", str(tmp_path / "config.json"))
+    naive, naive_need = _simulate(capsys, *base)
+    vocab, need = _simulate(capsys, *base, "--vocab-parallel")
+    assert vocab < naive
+    assert max(need) / min(need) < max(naive_need) / min(naive_need)
