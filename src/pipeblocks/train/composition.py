@@ -28,6 +28,8 @@ The features (`Draft.features`):
     no-async-form   the schedule has no asynchronous form
     tied        the model ties its head to its embedding
     no-export   the model has no Hugging Face form (its spec has no export)
+    copies      --schedule dualpipe (two copies of every model stage)
+    split       --split given (counts or auto)
 """
 from __future__ import annotations
 
@@ -71,6 +73,8 @@ class Draft:
     async_forms: tuple[str, ...] = ()
     """the schedules that have an asynchronous form"""
     fsdp_policies: tuple[str, ...] = ("zero2", "zero3")
+    split: bool = False
+    """--split given (counts or auto)"""
 
     @property
     def features(self) -> frozenset[str]:
@@ -87,7 +91,7 @@ class Draft:
             "not-fsdp": sharded and not set(self.sharding) <= set(self.fsdp_policies),
             "no-async-form": self.async_mode is not None and self.schedule not in self.async_forms,
             "tied": self.model_tied, "no-export": not self.model_exports,
-            "copies": self.schedule == "dualpipe",
+            "copies": self.schedule == "dualpipe", "split": self.split,
         }
         return frozenset(name for name, on in flags.items() if on)
 
@@ -110,10 +114,37 @@ def _sharding(d: Draft) -> str:
 
 REFUSALS: tuple[Refusal, ...] = (
     # ---- schedules ----------------------------------------------------------------------
-    Refusal(("copies",),
-            lambda d: "--schedule dualpipe: pipeblocks train does not build DualPipe's two copies of every stage yet; "
-            "use --schedule dualpipev (the same program on the V placement, no copies), or run dualpipe from "
-            "Python with PipelineRunner (docs/schedules.md, DualPipe)"),
+    # DualPipe: each model stage is built twice (once per direction), its copies' gradients summed
+    Refusal(("copies", "sharded"),
+            lambda d: f"--schedule dualpipe with --dp {d.dp} --sharding {_sharding(d)} is not supported: its "
+            "stage copies sum gradients over the pipeline's ranks only; use --dp 1 --sharding replicate, or "
+            "--schedule dualpipev (no copies) with data parallelism"),
+    Refusal(("copies", "tp"),
+            lambda d: f"--schedule dualpipe with --tp {d.tp} is not supported: drop --tp, or use --schedule dualpipev"),
+    Refusal(("copies", "async"),
+            lambda d: "--schedule dualpipe with --async is not supported: its two directions step together; drop "
+            "--async"),
+    Refusal(("copies", "tied"),
+            lambda d: f"--schedule dualpipe with model {d.model}, whose head is tied to its embedding, is not "
+            "supported (each rank would hold the tied weight's two copies of two directions); use --schedule "
+            "dualpipev, or a model without tied embeddings"),
+    Refusal(("copies", "split"),
+            lambda d: "--split with --schedule dualpipe is not supported: both directions cut the model by the even "
+            "rule (docs/schedules.md, DualPipe); drop --split"),
+    Refusal(("copies", "seq-chunks"),
+            lambda d: f"--schedule dualpipe with --seq-chunks {d.seq_chunks} is not supported: drop --seq-chunks"),
+    Refusal(("copies", "clip"),
+            lambda d: "--clip-grad with --schedule dualpipe is not supported yet (the global norm would count both "
+            "copies of every stage): drop --clip-grad"),
+    Refusal(("copies", "emulate"),
+            lambda d: "--emulate with --schedule dualpipe is not supported yet (emulated compute has one loss stage, "
+            "DualPipe one per direction): drop --emulate, or emulate --schedule dualpipev"),
+    Refusal(("copies", "checkpoint"),
+            lambda d: "--checkpoint with --schedule dualpipe is not supported yet (a checkpoint would hold every "
+            "model stage twice): drop --checkpoint/--resume, or train with --schedule dualpipev"),
+    Refusal(("copies", "save-hf"),
+            lambda d: "--save-hf with --schedule dualpipe is not supported yet: drop --save-hf, or train with "
+            "--schedule dualpipev"),
     # ---- options that need another ----------------------------------------------------
     Refusal(("resume", "-checkpoint"), lambda d: "--resume needs --checkpoint DIR: the directory to resume from"),
     Refusal(("save-every", "-checkpoint"),

@@ -325,7 +325,12 @@ class TrainConfig:
     @property
     def stage_layers(self) -> tuple[int, ...]:
         """Transformer layers of every global stage: the schedule section's split, or the even
-        rule; what the ranks build, the dry run profiles and emulation sleeps for."""
+        rule; what the ranks build, the dry run profiles and emulation sleeps for. DualPipe's
+        chains: the model's stages once per chain (`stage_copies.copy_layers`)."""
+        if self.schedule.schedule.chains > 1:
+            from .stage_copies import copy_layers
+
+            return copy_layers(self.model.layers, self.schedule.schedule)
         return stage_layers(self.model.layers, self.num_stages, self.schedule.split)
 
     @property
@@ -389,6 +394,6 @@ class TrainConfig:
             **({"async": self.async_mode.describe()} if self.async_mode is not None else {}),
             **({"tp": self.tp} if self.tp > 1 else {}),
             # a per-rank checkpoint holds its stages' blocks: another split cannot resume it
-            **({"split": list(self.stage_layers)} if self.stage_layers != layer_counts(self.model.layers,
-                                                                                       self.num_stages) else {}),
+            **({"split": list(self.stage_layers)} if self.schedule.schedule.chains == 1 and self.stage_layers
+               != layer_counts(self.model.layers, self.num_stages) else {}),  # DualPipe: the even rule only
         }

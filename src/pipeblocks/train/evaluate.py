@@ -28,15 +28,17 @@ __all__ = ["held_out_loss"]
 @torch.no_grad()
 def held_out_loss(stages: Mapping[int, torch.nn.Module], loss_fn: Callable, placement, *, rank: int,
                   batch: tuple[torch.Tensor, torch.Tensor], microbatches: int, group=None,
-                  device: torch.device | None = None) -> float | None:
-    """The mean loss of `batch` cut into `microbatches` (see the module doc)."""
+                  device: torch.device | None = None, num_stages: int | None = None) -> float | None:
+    """The mean loss of `batch` cut into `microbatches` (see the module doc). `num_stages`:
+    through the first stages only (DualPipe: its first direction, stages 0..L-1 of 2L)."""
     inputs, targets = batch
-    last = placement.num_stages - 1
+    count = placement.num_stages if num_stages is None else num_stages
+    last = count - 1
     mine = set(placement.stages_of(rank))
     total = 0.0
     for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches)):
         value = x.to(device) if device is not None else x
-        for s in range(placement.num_stages):
+        for s in range(count):
             owner = placement.rank_of(s)
             if s > 0 and placement.rank_of(s - 1) != owner:
                 if owner == rank:

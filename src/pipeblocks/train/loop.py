@@ -153,6 +153,8 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
         else:
             static = max(static, _static_now(built, optimizer))
         loss = _replica_mean(result.loss, setup.mesh) if result.loss is not None else None
+        if cfg.schedule.schedule.chains > 1:  # DualPipe: each direction's last stage holds its share of the mean
+            loss = _chains_total(result.loss, cfg, setup)
         if cfg.verify:
             # the step is taken; with clipping, the gradients it used (clipped) are compared
             return RankResult(rank, tuple(stages), ((step, loss),) if loss is not None else (),
@@ -210,7 +212,9 @@ def set_lr(optimizer, lr: float) -> None:
 def _writes_progress(cfg: TrainConfig, setup) -> bool:
     """Whether this rank prints the progress lines and writes the metrics: the one holding the
     last stage, of replica 0 (and tensor-parallel rank 0)."""
-    last = cfg.num_stages - 1
+    from .stage_copies import model_stages
+
+    last = model_stages(cfg.schedule.schedule) - 1  # DualPipe: the first direction's last stage
     return last in setup.modules and setup.replica == 0 and getattr(setup, "tp_rank", 0) == 0
 
 
@@ -230,11 +234,13 @@ def _evaluate_if_due(cfg: TrainConfig, ctx, setup, done: int, last: int) -> floa
     import contextlib
 
     from .evaluate import held_out_loss
+    from .stage_copies import model_stages
 
     batch = setup.held_out.eval_batch(cfg.batch_size)
     with setup.copies if setup.copies is not None else contextlib.nullcontext():
         loss = held_out_loss(setup.runner_stages, setup.loss_fn, cfg.schedule.placement, rank=setup.rank, batch=batch,
-                             microbatches=cfg.schedule.m, group=setup.pp_group, device=ctx.device)
+                             microbatches=cfg.schedule.m, group=setup.pp_group, device=ctx.device,
+                             num_stages=model_stages(cfg.schedule.schedule))  # DualPipe: the first direction
     ctx.control.beat()
     if loss is not None and not cfg.quiet and _writes_progress(cfg, setup):
         print(f"eval {done:>5}/{cfg.steps}  held-out loss {loss:.4f}", flush=True)
@@ -322,6 +328,19 @@ def _replica_batch(cfg: TrainConfig, data: TokenWindows, step: int, replica: int
         return inputs, targets
     n = cfg.batch_size
     return inputs[replica * n:(replica + 1) * n], targets[replica * n:(replica + 1) * n]
+
+
+def _chains_total(loss: float | None, cfg: TrainConfig, setup) -> float | None:
+    """DualPipe's step loss: the sum of the two directions' shares (each the sum of its own
+    microbatches' losses over m), on the rank that reports progress (None elsewhere); every
+    pipeline rank takes part."""
+    import torch.distributed as dist
+
+    total = torch.tensor([loss or 0.0, float(loss is not None)], dtype=torch.float64)
+    dist.all_reduce(total, group=setup.pp_group)
+    if not _writes_progress(cfg, setup) or total[1].item() == 0:
+        return None
+    return float(total[0].item())
 
 
 def _replica_mean(loss: float, mesh) -> float:

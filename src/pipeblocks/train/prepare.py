@@ -117,6 +117,7 @@ def _draft(request: ScheduleRequest, schedule: Schedule, recompute, choice: Mode
         save_hf=options.get("save_hf") is not None, sizes=tuple(sizes), model=choice.source,
         model_takes_chunks=spec.supports_sequence_chunks, model_has_tp_plan=spec.tp_plan is not None,
         model_tied=bool(spec.shape.tied), model_exports=spec.export is not None, async_forms=tuple(ASYNC_FORMS),
+        split=request.costs.split is not None,
     )
 
 
@@ -144,7 +145,7 @@ def _check_fits(choice: ModelChoice, schedule: Schedule, tp: int,
     shape = choice.shape
     counts = None if split is None else check_split(split, layers=shape.layers, num_stages=schedule.num_stages,
                                                      p=schedule.p)
-    layer_counts(shape.layers, schedule.num_stages)
+    layer_counts(shape.layers, schedule.num_stages // schedule.chains)  # DualPipe: the model's stages, once per chain
     check_tp(shape, tp, seq=choice.sequence)
     if shape.context is not None and choice.sequence > shape.context:
         raise ValueError(f"--seq {choice.sequence} is longer than the model's context of {shape.context} positions: "

@@ -93,10 +93,16 @@ def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
     rank, replica = (mesh.pp_rank, mesh.dp_rank) if mesh is not None else (ctx.rank, 0)
     mine = cfg.schedule.placement.stages_of(rank)
     # TP first (on the meta device), then FSDP2 over the DTensor shards: torchtitan's order
-    built = build_stages(spec, seed=cfg.seed, num_stages=cfg.num_stages, stages=mine, device=ctx.device,
-                         dtype=getattr(torch, cfg.precision.master), tp_mesh=mesh.tp_mesh if cfg.tp > 1 else None,
-                         counts=cfg.stage_layers)
-    modules = {stage.index: stage for stage in built}
+    if cfg.schedule.schedule.chains > 1:  # DualPipe: model stage s mod L for global stage s, one copy per chain
+        from .stage_copies import build_copies
+
+        modules = build_copies(spec, cfg.schedule.schedule, mine, seed=cfg.seed, device=ctx.device,
+                               dtype=getattr(torch, cfg.precision.master))
+    else:
+        built = build_stages(spec, seed=cfg.seed, num_stages=cfg.num_stages, stages=mine, device=ctx.device,
+                             dtype=getattr(torch, cfg.precision.master), tp_mesh=mesh.tp_mesh if cfg.tp > 1 else None,
+                             counts=cfg.stage_layers)
+        modules = {stage.index: stage for stage in built}
     precision = cfg.precision
     cast = {s: m for s, m in modules.items()
             if precision.mixed and not (mesh is not None and ShardingPolicy(cfg.sharding[s]).fsdp)}

@@ -22,6 +22,7 @@ from ..schedules import names
 from .config import TrainConfig
 from .describe import describe, describe_loop
 from .prepare import prepare
+from .stage_copies import one_chain, per_chain
 from .report import format_bytes
 from .tp_predict import tp_shapes, tp_stage_memory
 
@@ -116,7 +117,8 @@ def _static_predicted(cfg: TrainConfig, stages) -> list[int]:
     s = cfg.schedule
     program = lower_for(s.schedule, policies=cfg.sharding, dp=cfg.dp, recompute=s.recompute,
                         recompute_at=s.recompute_anchors)
-    shapes = {st.index: [tuple(p.shape) for p in st.parameters() if p.requires_grad] for st in stages}
+    # by global stage: the stages come in global order (DualPipe's copies: both, so 2x parameters per rank)
+    shapes = {i: [tuple(p.shape) for p in st.parameters() if p.requires_grad] for i, st in enumerate(stages)}
     if cfg.tp > 1:  # one tensor-parallel rank's share
         shapes = tp_shapes(cfg, stages)
     # the optimistic step (and its spare copies) runs without data and tensor parallelism only
@@ -139,6 +141,11 @@ def profiled_stages(cfg: TrainConfig):
 
     spec = profiling_spec(cfg.model.spec())
     dtype = torch_dtype(cfg.precision.compute if cfg.precision.mixed else cfg.precision.master)
+    if cfg.schedule.schedule.chains > 1:  # DualPipe: every model stage once per chain, in global stage order
+        from .stage_copies import build_copies
+
+        copies = build_copies(spec, cfg.schedule.schedule, range(cfg.num_stages), seed=cfg.seed, dtype=dtype)
+        return [copies[s] for s in range(cfg.num_stages)], spec.loss
     stages = build_stages(spec, seed=cfg.seed, num_stages=cfg.num_stages, stages=range(cfg.num_stages), dtype=dtype,
                           counts=cfg.stage_layers)
     return stages, spec.loss
@@ -194,7 +201,8 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = No
     s = cfg.schedule
     x, y = data.batch(0, cfg.microbatch_size, seed=cfg.seed)
     stages, loss_fn = profiled_stages(cfg)
-    memory = profile_stage_memory(stages, x, loss_fn, y)
+    chain = one_chain(s.schedule, stages)  # DualPipe: one direction profiled, its figures repeated for the other
+    memory = per_chain(s.schedule, profile_stage_memory(chain, x, loss_fn, y))
     if cfg.tp > 1:  # what one tensor-parallel rank saves of the whole stages profiled here
         memory = tp_stage_memory(cfg, memory)
     seq_mem = profile_chunk_memory(stages, x, loss_fn, y, s.seq_lengths) if s.seq_chunks > 1 else None
@@ -206,12 +214,13 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = No
         from ..sim.hardware_profile import resolve_hardware
         from .predict import predicted_times, profile_between_passes, with_runtime_time
 
-        f, b, w, t_comm = predicted_times(stages, x, loss_fn, y, resolve_hardware(hardware),
+        f, b, w, t_comm = predicted_times(chain, x, loss_fn, y, resolve_hardware(hardware),
                                           split=s.schedule.has_split_backward)
+        f, b, w = (per_chain(s.schedule, t) for t in (f, b, w))
         f, b, w = with_runtime_time(f, b, w, profile_between_passes(hardware), split=s.schedule.has_split_backward)
     else:
         with torch_threads(cfg.threads_for(_local_ranks(cfg))):  # as a rank of the run (p x dp x tp)
-            times = profile_stage_times(stages, x, loss_fn, y)
+            times = per_chain(s.schedule, profile_stage_times(chain, x, loss_fn, y))
         f, b, w = (tuple(t[i] for t in times) for i in range(3))
     total = sum(x.m_b for x in memory)
     ratio = min(1.0, sum(x.m_w for x in memory) / total) if s.schedule.has_split_backward and total > 0 else 1.0
@@ -266,7 +275,7 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
     # Per-stage activation bytes of one microbatch, measured the way the runtime counts them.
     x, y = data.batch(0, cfg.microbatch_size, seed=cfg.seed)
     stages, loss_fn = profiled_stages(cfg)
-    memory = profile_stage_memory(stages, x, loss_fn, y)
+    memory = per_chain(s.schedule, profile_stage_memory(one_chain(s.schedule, stages), x, loss_fn, y))
     if cfg.tp > 1:  # what one tensor-parallel rank saves of the whole stages profiled here
         memory = tp_stage_memory(cfg, memory)
     seq_mem = profile_chunk_memory(stages, x, loss_fn, y, s.seq_lengths) if s.seq_chunks > 1 else None
@@ -357,13 +366,16 @@ def judge(cfg: TrainConfig, data: TokenWindows, results) -> tuple[float, float, 
             lr=cfg.lr_at(0), max_norm=cfg.clip_grad, precision=cfg.precision)
     worst = GradDiff("", 0.0)
     for replica in range(cfg.dp):
-        mine = [r for r in results if r.dp_rank == replica]
-        grads = {name: g for r in mine for name, g in (r.grads or {}).items()}
-        params = {name: t for r in mine for name, t in (r.params or {}).items()}
-        complete = grads.keys() == ref_grads.keys() and all(g is not None for g in grads.values())
-        stepped = reference_apply(cfg.model, seed=cfg.seed, grads=grads, lr=cfg.lr_at(0)) if complete else ref_params
-        worst = max(worst, compare_grads(grads, ref_grads), compare_grads(params, stepped),
-                    key=lambda d: d.relative)
+        ranks = [r for r in results if r.dp_rank == replica]
+        # DualPipe: rank r and rank p-1-r hold the two copies of a model stage; taking the ranks
+        # in both orders compares each copy (the later rank's names win)
+        for mine in (ranks, ranks[::-1]) if cfg.schedule.schedule.chains > 1 else (ranks,):
+            grads = {name: g for r in mine for name, g in (r.grads or {}).items()}
+            params = {name: t for r in mine for name, t in (r.params or {}).items()}
+            complete = grads.keys() == ref_grads.keys() and all(g is not None for g in grads.values())
+            stepped = reference_apply(cfg.model, seed=cfg.seed, grads=grads, lr=cfg.lr_at(0)) if complete else ref_params
+            worst = max(worst, compare_grads(grads, ref_grads), compare_grads(params, stepped),
+                        key=lambda d: d.relative)
     clipped = ""
     if cfg.clip_grad is not None:
         check = results[0].checks[0][1]
