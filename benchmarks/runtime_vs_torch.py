@@ -8,7 +8,7 @@
 
 For each schedule both libraries have (GPipe, 1F1B, Interleaved 1F1B, ZB-V, DualPipeV), each (p, m)
 and each mode, the same GPT (2p transformer blocks, the stage split of
-`pipeblocks.models.split`, weights from one seed) trains on the same microbatches on p
+`pipeblocks.models.build_stages`, weights from one seed) trains on the same microbatches on p
 local gloo processes, first under pipeblocks' `PipelineRunner`, then under torch's own
 schedule class (`ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`,
 `ScheduleZBVZeroBubble`, `ScheduleDualPipeV`) over `PipelineStage`s of the same stage modules. Global stage
