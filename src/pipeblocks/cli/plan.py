@@ -208,8 +208,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {line}")
     other = runnable(result)
     if other is not None and other is not result.ranked[0]:
-        print(f"\n`train` does not run --vocab-parallel yet (simulate, compare and plan place and price it); the best "
-              f"plan it runs is #{result.ranked.index(other) + 1}, {other.candidate.label}:")
+        print(f"\n`train --vocab-parallel` runs the built-in Llama at --dp 1 without --tp or --hf for now (simulate, "
+              f"compare and plan place and price the rest); the best plan it runs is #{result.ranked.index(other) + 1}, "
+              f"{other.candidate.label}:")
         for line in commands(result, other):
             print(f"  {line}")
     return 0

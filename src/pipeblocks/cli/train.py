@@ -125,7 +125,6 @@ import math
 from pathlib import Path
 
 from ..core.precision import PRECISION_NAMES
-from ..core.errors import ScheduleError
 from ..core.request import CostSpec
 from ..models.config import GPTConfig
 from ..models.family import FAMILIES, family_names
@@ -274,11 +273,10 @@ def prepare_from_args(args: argparse.Namespace):
     from ..train import run as training
     from ..train.config import DataSpec
 
-    if getattr(args, "vocab_parallel", False):
-        raise ScheduleError(
-            "train --vocab-parallel: the runtime does not run the vocabulary passes yet (simulate, compare, show, "
-            "plot and plan place and price them); drop --vocab-parallel to train"
-        )
+    # the runtime places the vocabulary passes by the run's own model (train.vocab_setup.vocab_costs);
+    # the request's costs are unit costs, which know no vocabulary
+    vocab_parallel = bool(getattr(args, "vocab_parallel", False))
+    args = argparse.Namespace(**{**vars(args), "vocab_parallel": False})
     emulate = args.emulate
     async_mode = mode_from_args(args)
     precision = _precision(args.precision, args.dtype)
@@ -291,7 +289,7 @@ def prepare_from_args(args: argparse.Namespace):
     data = DataSpec(args.data, tokenizer=args.tokenizer, field=args.data_field, dtype=args.data_dtype)
     return training.prepare(
         request, model=model_from_args(args, precision), precision=precision, device=args.device, emulate=emulate,
-        data=data, sizes=given_sizes(args), dry_run=args.dry_run,
+        data=data, sizes=given_sizes(args), dry_run=args.dry_run, vocab_parallel=vocab_parallel,
         microbatch_size=args.microbatch_size, steps=args.steps, lr=args.lr, seed=args.seed,
         checkpoint=args.checkpoint, resume=args.resume, save_every=args.save_every, verify=args.verify,
         timeout_s=args.timeout, quiet=args.quiet, overwrite=args.overwrite, clip_grad=args.clip_grad,

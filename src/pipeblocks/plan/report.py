@@ -8,20 +8,29 @@ from ..schedules import get
 
 from .search import Evaluated, PlanResult
 
-__all__ = ["table", "to_json", "commands", "row", "runnable", "TRAIN_RUNS_VOCAB_PARALLEL"]
+__all__ = ["table", "to_json", "commands", "row", "runnable", "trains", "TRAIN_RUNS_VOCAB_PARALLEL"]
 
 _GB = 1e9
 
-TRAIN_RUNS_VOCAB_PARALLEL = False
-"""Whether `pipeblocks train --vocab-parallel` runs the vocabulary passes. Until it does, `train`
-refuses the option, and a plan whose best candidate is NAME+vocab also names the best plan that
-`train` can run (`runnable`). The runtime's side turns this on when it lands."""
+TRAIN_RUNS_VOCAB_PARALLEL = True
+"""Whether `pipeblocks train --vocab-parallel` runs the vocabulary passes (it does: the built-in
+Llama, without data or tensor parallelism; train.composition refuses the rest). A plan whose best
+candidate is a +vocab plan that `train` does not run also names the best plan it runs (`runnable`)."""
+
+
+def trains(result: PlanResult, e: Evaluated) -> bool:
+    """Whether `pipeblocks train` runs plan `e` as `commands` print it: a +vocab plan only on
+    the built-in Llama (`--model-family llama`, no --hf), at dp = 1 and tp = 1."""
+    c = e.candidate
+    if not c.vocab_parallel:
+        return True
+    llama = result.problem.hf is None and not result.problem.model.fused_qkv
+    return TRAIN_RUNS_VOCAB_PARALLEL and llama and c.dp == 1 and c.tp == 1 and c.seq_chunks == 1
 
 
 def runnable(result: PlanResult) -> Evaluated | None:
-    """The best feasible plan that `pipeblocks train` runs today (a +vocab plan only once
-    TRAIN_RUNS_VOCAB_PARALLEL); None when there is none."""
-    return next((e for e in result.ranked if TRAIN_RUNS_VOCAB_PARALLEL or not e.candidate.vocab_parallel), None)
+    """The best feasible plan that `pipeblocks train` runs today (`trains`); None when there is none."""
+    return next((e for e in result.ranked if trains(result, e)), None)
 
 
 def row(e: Evaluated) -> dict:
@@ -77,7 +86,7 @@ def to_json(result: PlanResult, top: int | None = None) -> dict:
 
 def _train_commands(result: PlanResult) -> list[str]:
     """The commands of the best plan `train` runs today (the same as "commands" unless the best is a
-    +vocab plan before TRAIN_RUNS_VOCAB_PARALLEL)."""
+    +vocab plan that train does not run: `trains`)."""
     best = runnable(result)
     return [] if best is None else commands(result, best)
 

@@ -91,8 +91,12 @@ class ModuleCompute:
         m: int,
         tracker: SavedTensorTracker,
         loss_stages: frozenset[int] | None = None,
+        first_takes_grad: bool = False,
     ) -> None:
         self.modules = modules
+        # vocabulary parallelism: stage 0's input is the embedding output, whose gradient
+        # its backward returns (every stage then takes and returns a gradient)
+        self.first_grad = 0 if first_takes_grad else 1
         self.loss_fn = loss_fn
         self.last_stage = last_stage
         # the stages that end in the loss: the last, or each chain's last (DualPipe)
@@ -152,10 +156,10 @@ class ModuleCompute:
                 f"stages {stage} and {backward_stage}: the overlap hook runs plain stages (no side inputs, no "
                 "recomputation)"
             )
-        if stage > 0:
+        if stage >= self.first_grad:
             for leaf in floating_leaves(x):
                 leaf.requires_grad_(True)
-        roots, grads, inp = _backward_args(backward_stage, unit, grad)
+        roots, grads, inp = _backward_args(backward_stage, unit, grad, self.first_grad)
         last_backward = backward_stage in self.loss_stages
         criterion = (lambda out, labels: self.loss_fn(out, labels)) if stage in self.loss_stages else None
         module0, module1 = self.modules[stage], self.modules[backward_stage]
@@ -169,7 +173,8 @@ class ModuleCompute:
         for t in inputs:
             dx, t.grad = t.grad, None
             dxs.append(dx if dx is not None or not t.requires_grad else torch.zeros_like(t))
-        dx = _input_gradient(backward_stage, unit.inp, dxs[0] if isinstance(inp, torch.Tensor) else dxs or None)
+        dx = _input_gradient(backward_stage, unit.inp, dxs[0] if isinstance(inp, torch.Tensor) else dxs or None,
+                             self.first_grad)
         unit.root = unit.inp = None
         self._backward_done(unit)
         if stage not in self.loss_stages:
@@ -193,7 +198,7 @@ class ModuleCompute:
         self, stage: int, x: Any, target: torch.Tensor | None, chunk: SequenceChunk | None,
         side: Mapping[str, Any] | None = None,
     ) -> tuple[Any, Unit]:
-        if stage > 0:
+        if stage >= self.first_grad:
             for leaf in floating_leaves(x):
                 leaf.requires_grad_(True)
         if chunk is not None:
@@ -215,10 +220,10 @@ class ModuleCompute:
         return None, Unit(x, loss / self.m, loss.detach(), chunk=chunk, leaves=leaves)
 
     def input_grad(self, stage: int, unit: Unit, grad: Any) -> Any:
-        root, grad, inp = _backward_args(stage, unit, grad)
+        root, grad, inp = _backward_args(stage, unit, grad, self.first_grad)
         dx, unit.work = input_backward(root, grad, inp, self._params[stage], unit.leaves,
                                        partitions=self.partitions[stage])
-        dx = _input_gradient(stage, unit.inp, dx)
+        dx = _input_gradient(stage, unit.inp, dx, self.first_grad)
         unit.root = None  # frees the graph above the join nodes
         unit.inp = None
         self._backward_done(unit)
@@ -230,8 +235,8 @@ class ModuleCompute:
         unit.work = None
 
     def full_backward(self, stage: int, unit: Unit, grad: Any) -> Any:
-        root, grad, inp = _backward_args(stage, unit, grad)
-        dx = _input_gradient(stage, unit.inp, fused_backward(root, grad, inp))
+        root, grad, inp = _backward_args(stage, unit, grad, self.first_grad)
+        dx = _input_gradient(stage, unit.inp, fused_backward(root, grad, inp), self.first_grad)
         unit.root = unit.inp = None
         self._backward_done(unit)
         return dx
@@ -251,11 +256,12 @@ def _detached(out: Any, stage: int) -> Any:
     return layout.build([t.detach() for t in leaves])
 
 
-def _backward_args(stage: int, unit: Unit, grad: Any) -> tuple[Any, Any, Any]:
+def _backward_args(stage: int, unit: Unit, grad: Any, first_grad: int = 1) -> tuple[Any, Any, Any]:
     """(roots, their gradients, inputs) for backward.py: the tensors themselves for a stage
     whose output and input are one floating tensor each (the loss is the root of the last
-    stage), else lists: the floating outputs and their gradients, the floating inputs."""
-    root, inp = unit.root, unit.inp if stage > 0 else None
+    stage), else lists: the floating outputs and their gradients, the floating inputs.
+    first_grad: the first stage whose input takes a gradient (0 under vocabulary parallelism)."""
+    root, inp = unit.root, unit.inp if stage >= first_grad else None
     if not (isinstance(root, torch.Tensor) and (grad is None or isinstance(grad, torch.Tensor))):
         root, grad = floating_leaves(root), leaves_of(grad)
         if len(root) != len(grad):
@@ -265,11 +271,11 @@ def _backward_args(stage: int, unit: Unit, grad: Any) -> tuple[Any, Any, Any]:
     return root, grad, inp
 
 
-def _input_gradient(stage: int, inp: Any, dx: Any) -> Any:
+def _input_gradient(stage: int, inp: Any, dx: Any, first_grad: int = 1) -> Any:
     """The gradient of the stage input in the form of shapes.py (None: the backward reached
-    none of the input's floating leaves; on stage 0 always None)."""
-    if stage == 0 or isinstance(dx, torch.Tensor):
-        return dx if stage > 0 else None
+    none of the input's floating leaves; on stage 0 always None, unless `first_grad` is 0)."""
+    if stage < first_grad or isinstance(dx, torch.Tensor):
+        return dx if stage >= first_grad else None
     if not floating_leaves(inp):
         return ()  # nothing to send back
     return None if dx is None else tuple(dx)

@@ -23,6 +23,10 @@ The executor walks `program.ranks[rank]` in order and knows nothing about schedu
                 before it): through the compute object's `overlap_hook` when the stage
                 modules' class has `overlapped_forward_backward` (DualPipe's
                 interface), else the forward then the backward; two events
+    VocabPass   IF, S, T or IB of a microbatch (vocabulary parallelism, `core.vocab`): run
+                by the `vocab` object (`vocab_step.VocabStep`); stage 0 then takes the
+                embedding output from it and hands it its input gradient, and the last
+                stage hands it its output X and takes dL/dX from it (no loss on a stage)
     STEP        an optimizer step inside the Program (asynchronous training): handed to
                 the compute object's `optimizer_step(stage, step)`; only a compute object
                 that has that method runs a Program with steps
@@ -51,9 +55,10 @@ from typing import Callable
 import torch
 
 from ..core.actions import Action, Kind
-from ..core.ops import ACTION, DP, OVERLAP, P2P, RECOMPUTE, STEP, require_known
+from ..core.ops import ACTION, DP, OVERLAP, P2P, RECOMPUTE, STEP, VOCAB, require_known
 from ..core.program import Comm, DPOp, OptimizerStep, Overlap, Program, Recompute
 from ..core.recompute import recompute_units
+from ..core.vocab import VocabPass
 from .comm import Mailbox, Tags, leaf_key, receive_posts
 from .compute import Unit
 from .sequence import SequenceChunk
@@ -61,8 +66,8 @@ from .shapes import TENSOR, ActivationSpec, SpecMismatchError, TensorSpec, activ
 
 __all__ = ["RankExecutor", "RankRecord", "ActionError"]
 
-_COMPUTE, _SEND, _RECV, _DP, _RECOMPUTE, _STEP, _PAIR = (  # plan op codes
-    "compute", "send", "recv", "dp", "recompute", "step", "pair")
+_COMPUTE, _SEND, _RECV, _DP, _RECOMPUTE, _STEP, _PAIR, _VOCAB = (  # plan op codes
+    "compute", "send", "recv", "dp", "recompute", "step", "pair", "vocab")
 
 
 def _microbatch_of(code: str, op, key) -> int:
@@ -73,6 +78,8 @@ def _microbatch_of(code: str, op, key) -> int:
         return op.microbatch
     if code is _PAIR:
         return min(op.forward.microbatch, op.backward.microbatch)
+    if code is _VOCAB:
+        return op.microbatch
     return -1
 
 
@@ -108,6 +115,7 @@ class RankExecutor:
         clock: Callable[[], float] = time.perf_counter,
         chunks: dict[tuple[int, int, int], SequenceChunk] | None = None,
         data_parallel=None,
+        vocab=None,
     ) -> None:
         schedule = program.schedule
         self.ops = program.ranks[rank]
@@ -129,6 +137,9 @@ class RankExecutor:
         self.tags = Tags(schedule.num_stages, schedule.m, schedule.seq_chunks)
         self.posts = receive_posts(program, rank)
         self.dp = data_parallel
+        self.vocab = vocab
+        if vocab is not None:  # stage 0 and the last stage end at the vocabulary passes
+            self.starts = self.ends = frozenset()
         self.recomputed = recompute_units(self.ops)
         if self.recomputed and schedule.seq_chunks > 1:
             raise ValueError(
@@ -138,6 +149,7 @@ class RankExecutor:
             )
         known = (ACTION, P2P, RECOMPUTE, OVERLAP) + ((DP,) if data_parallel else ())
         known += (STEP,) if hasattr(compute, "optimizer_step") else ()
+        known += (VOCAB,) if vocab is not None else ()
         require_known(self.ops, f"the runtime (rank {rank})", known)
         self._plan = self._compile()
         # an asynchronous Program may be drained early: its compute object names the first
@@ -167,6 +179,8 @@ class RankExecutor:
                 plan.append((posts, _RECOMPUTE, op, op.unit, 0, 0, None))
             elif type(op) is OptimizerStep:
                 plan.append((posts, _STEP, op, None, 0, 0, None))
+            elif type(op) is VocabPass:
+                plan.append((posts, _VOCAB, op, None, 0, 0, None))
             elif op.send:
                 count = len(self._sent_spec(op.key).leaves)
                 leaves = tuple((self.tags.data(op.key, i), str(op) if count == 1 else f"{op} (leaf {i})")
@@ -249,6 +263,10 @@ class RankExecutor:
             if code is _DP:
                 mailbox.flush()  # a collective may block: the pipeline peers get their tensors first
                 self.dp.run(op)
+                continue
+            if code is _VOCAB:
+                mailbox.flush()  # S and IB may wait for a peer: the pipeline peers get their tensors first
+                self.vocab.run(op)  # not an event of the measured timeline (its actions are the stages')
                 continue
             if code is _STEP:
                 mailbox.flush()  # the peers get this rank's tensors before the step's compute
@@ -337,7 +355,10 @@ class RankExecutor:
         compute = self.compute
         if op.kind is Kind.F:
             unit_index = mb * self.k + chunk
-            x = inputs[unit_index] if s in self.starts else ready.pop(("F", s - 1, mb, chunk))
+            if self.vocab is not None and s == 0:
+                x = self.vocab.embedding_output(mb)
+            else:
+                x = inputs[unit_index] if s in self.starts else ready.pop(("F", s - 1, mb, chunk))
             target = targets[unit_index] if s in self.ends else None
             extra = {"side": side[mb]} if side else {}  # only then: compute objects without side inputs work
             if (s, mb, chunk) in self.recomputed:
@@ -347,7 +368,9 @@ class RankExecutor:
             else:
                 out, unit = compute.forward(s, x, target, chunk=self.chunks[(s, mb, chunk)], **extra)
             units[(s, mb, chunk)] = unit
-            if out is not None:
+            if self.vocab is not None and s == self.last:
+                self.vocab.after_last_forward(mb, out)  # X: to the S passes of every rank
+            elif out is not None:
                 expected = self.out_specs.get((s, mb, chunk))
                 if expected is not None:
                     self._check_output(op, out, expected)
@@ -358,13 +381,18 @@ class RankExecutor:
         if op.kind is Kind.W:
             compute.weight_grad(s, units.pop((s, mb, chunk)))
             return
-        grad = None if s in self.ends else ready.pop(("B", s + 1, mb, chunk))
+        if self.vocab is not None and s == self.last:
+            grad = self.vocab.last_output_grad(mb)  # dL/dX from C0
+        else:
+            grad = None if s in self.ends else ready.pop(("B", s + 1, mb, chunk))
         unit = units[(s, mb, chunk)]
         if op.kind is Kind.B:
             dx = compute.input_grad(s, unit, grad)
         else:
             dx = compute.full_backward(s, units.pop((s, mb, chunk)), grad)
-        if s not in self.starts:
+        if self.vocab is not None and s == 0:
+            self.vocab.after_first_backward(mb, dx)  # to the IB passes of every rank
+        elif s not in self.starts:
             if dx is None:
                 raise ActionError(
                     f"rank {self.rank}, action {op}: stage {s} produced no gradient for its input; "

@@ -45,7 +45,9 @@ from .step_inputs import microbatches, side_microbatches, side_text, to_device
 from .timeline import gather_timeline
 
 if TYPE_CHECKING:
+    from ..core.costs import Costs
     from .data_parallel import DataParallel
+    from .vocab_step import VocabStep
     from .precision import ComputeCopies
 
 __all__ = ["PipelineRunner", "StepResult"]
@@ -122,6 +124,11 @@ class PipelineRunner:
         pass and drops the copies (`end_step`) when the step's work is done, before the
         optimizer may step; the copies are not counted as activations. Chunks sharded by
         FSDP2 cast through FSDP2's own MixedPrecisionPolicy instead.
+    vocab: vocabulary parallelism (`vocab_step.VocabStep`, this rank's table shards and
+        their link): stage 0 holds no embedding and the last stage no head (it ends at the
+        final norm's output X; `loss_fn` is not called); `vocab_costs`, costs whose `vocab`
+        is set, place the IF, S, T and IB passes into the Program (`core.vocab_place`).
+        Every rank then takes the step's inputs and targets, and knows its loss.
     """
 
     def __init__(
@@ -144,6 +151,8 @@ class PipelineRunner:
         recompute_at: Mapping[tuple[int, int, int], Action] | None = None,
         program: Program | None = None,
         precision: ComputeCopies | None = None,
+        vocab: VocabStep | None = None,
+        vocab_costs: Costs | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -162,6 +171,10 @@ class PipelineRunner:
         self.schedule = schedule
         self.data_parallel = data_parallel
         self.precision = precision
+        self.vocab = vocab
+        if vocab is not None and (vocab_costs is None or vocab_costs.vocab is None or program is not None):
+            raise ValueError("vocab= needs vocab_costs= (Costs whose vocab is set) to place the vocabulary passes, "
+                             "and no program=")
         if program is not None:
             if program.schedule is not schedule:
                 raise ValueError("program= must be lowered from the schedule given: pass program.schedule as schedule")
@@ -178,7 +191,8 @@ class PipelineRunner:
                     "recompute sequence chunks (a chunk's recomputation would append its K/V twice); drop the "
                     "recomputation (--recompute none, or a schedule without -r) or the sequence chunks"
                 )
-            self.program = _lower(schedule, data_parallel, self.recompute, recompute_at)
+            self.program = _lower(schedule, data_parallel, self.recompute, recompute_at,
+                                  vocab_costs if vocab is not None else None)
         self.rank = dist.get_rank(group) if rank is None else rank
         if self.rank != dist.get_rank(group):
             raise ValueError(f"rank={rank} but this process is rank {dist.get_rank(group)} of the group")
@@ -200,7 +214,9 @@ class PipelineRunner:
         self.tracker = SavedTensorTracker(enabled=measure_memory)
         self.compute = compute if compute is not None else ModuleCompute(
             self.stages, loss_fn, schedule.num_stages - 1, schedule.m, self.tracker,
-            loss_stages=frozenset(s for s in range(schedule.num_stages) if schedule.ends_chain(s)),
+            loss_stages=frozenset() if vocab is not None else frozenset(
+                s for s in range(schedule.num_stages) if schedule.ends_chain(s)),
+            first_takes_grad=vocab is not None,
         )
         # DualPipe: the copies of a model stage (one per chain) sum their gradients each step
         self.copies = StageCopies.of(schedule, self.rank, self.stages, group, data_parallel, self.timeout_s)
@@ -259,8 +275,9 @@ class PipelineRunner:
             Their shapes, like those of the inputs, are fixed by the first step.
         """
         m = self.schedule.m
-        xs = microbatches(inputs, m, "inputs") if self.holds_first_stage else None
-        ys = microbatches(targets, m, "targets") if self.holds_last_stage else None
+        every = self.vocab is not None  # the vocabulary passes of every rank take both
+        xs = microbatches(inputs, m, "inputs") if self.holds_first_stage or every else None
+        ys = microbatches(targets, m, "targets") if self.holds_last_stage or every else None
         side = side_microbatches(side_inputs, m, self.device)
         side_specs = [{name: TensorSpec.of(t) for name, t in mb.items()} for mb in side] if side else []
         if self._side_specs is not None and side_specs != self._side_specs:
@@ -298,7 +315,10 @@ class PipelineRunner:
         self.tracker.reset_peak()
         if dp is not None:
             dp.reset_step()
+        if self.vocab is not None:
+            self.vocab.begin_step(xs, ys)
         record = self._executor.run(xs, ys, side)
+        losses = self.vocab.end_step() if self.vocab is not None else record.losses
         if dp is not None:
             dp.finish()
         if self.precision is not None:
@@ -323,7 +343,6 @@ class PipelineRunner:
         if self.record_timeline:
             timeline = gather_timeline(self.schedule, record, trace, self.tracker.peak if measured else 0, self.group,
                                        origin)
-        losses = record.losses
         return StepResult(
             loss=sum(losses) / m if self.holds_last_stage else None,
             losses=losses,
@@ -348,7 +367,7 @@ class PipelineRunner:
         out_specs: dict[int, list[ActivationSpec]] = {}
         for stage in placement.stages_of(self.rank):
             if schedule.starts_chain(stage):
-                specs = [ActivationSpec.of(x) for x in xs]
+                specs = [ActivationSpec.of(self.vocab.stage_input(x) if self.vocab is not None else x) for x in xs]
             elif placement.rank_of(stage - 1) == self.rank:
                 specs = out_specs[stage - 1]
             else:
@@ -367,7 +386,7 @@ class PipelineRunner:
         sent = {(s, mb, c): out_specs[s][mb * k + c] for s in out_specs for mb in range(m) for c in range(k)}
         chunks = sequence_chunks(in_specs, m, k) if k > 1 else None
         return RankExecutor(self.program, self.rank, self.compute, self.mailbox, self.device, recv_specs, sent,
-                            chunks=chunks, data_parallel=self.data_parallel)
+                            chunks=chunks, data_parallel=self.data_parallel, vocab=self.vocab)
 
     def _send_specs(self, stage: int, specs: list[ActivationSpec], peer: int, tags: Tags) -> None:
         """The input specs of `stage`, as two messages: the stream's length, then the stream
@@ -415,13 +434,14 @@ class PipelineRunner:
 
 
 def _lower(schedule: Schedule, dp: DataParallel | None, recompute: frozenset[tuple[int, int]],
-           recompute_at: Mapping[tuple[int, int, int], Action] | None = None) -> Program:
-    """The Program with the DP ops this rank's `dp` needs and the recomputations where they
-    were placed (`lowering.lower_for`), proved free of deadlock and well placed."""
+           recompute_at: Mapping[tuple[int, int, int], Action] | None = None, vocab: Costs | None = None) -> Program:
+    """The Program with the DP ops this rank's `dp` needs, the recomputations where they
+    were placed and the vocabulary passes (`lowering.lower_for`), proved free of deadlock
+    and well placed."""
     if dp is None:
-        return lower_for(schedule, recompute=recompute, recompute_at=recompute_at, check=True)
+        return lower_for(schedule, recompute=recompute, recompute_at=recompute_at, check=True, vocab=vocab)
     return lower_for(schedule, policies=dp.policies, dp=dp.d, recompute=recompute, recompute_at=recompute_at,
-                     reduce_at_end=dp.reduce_at_end, units=dp.units, check=True)
+                     reduce_at_end=dp.reduce_at_end, units=dp.units, check=True, vocab=vocab)
 
 
 def _module_device(stages: Mapping[int, torch.nn.Module]) -> torch.device:

@@ -65,10 +65,14 @@ class DistVocabLink:
     def issue(self, kind: str, work: Callable[[AllReduce], object]) -> Future:
         return self.workers[kind].submit(work, process_group_all_reduce(self.groups[kind]))
 
-    def close(self) -> None:
-        """Wait for this rank's sends; stop the workers."""
+    def finish_step(self) -> None:
+        """Wait for this rank's sends of the step (the workers stay, for the next step)."""
         for handle in self.sends:
             handle.wait()
         self.sends.clear()
+
+    def close(self) -> None:
+        """Wait for this rank's sends; stop the workers."""
+        self.finish_step()
         for worker in self.workers.values():
             worker.shutdown(wait=True)

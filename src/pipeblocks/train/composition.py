@@ -30,6 +30,8 @@ The features (`Draft.features`):
     no-export   the model has no Hugging Face form (its spec has no export)
     copies      --schedule dualpipe (two copies of every model stage)
     split       --split given (counts or auto)
+    vocab       --vocab-parallel (the embedding and head split by vocabulary rows)
+    no-vocab-model  a model whose vocabulary rows train does not split yet (all but --model-family llama)
 """
 from __future__ import annotations
 
@@ -75,6 +77,8 @@ class Draft:
     fsdp_policies: tuple[str, ...] = ("zero2", "zero3")
     split: bool = False
     """--split given (counts or auto)"""
+    vocab_parallel: bool = False
+    """--vocab-parallel given"""
 
     @property
     def features(self) -> frozenset[str]:
@@ -92,6 +96,7 @@ class Draft:
             "no-async-form": self.async_mode is not None and self.schedule not in self.async_forms,
             "tied": self.model_tied, "no-export": not self.model_exports,
             "copies": self.schedule == "dualpipe", "split": self.split,
+            "vocab": self.vocab_parallel, "no-vocab-model": self.model != "llama",
         }
         return frozenset(name for name, on in flags.items() if on)
 
@@ -145,6 +150,40 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("copies", "save-hf"),
             lambda d: "--save-hf with --schedule dualpipe is not supported yet: drop --save-hf, or train with "
             "--schedule dualpipev"),
+    # ---- vocabulary parallelism: the runtime runs it with these, not yet with the others --
+    Refusal(("vocab", "no-vocab-model"),
+            lambda d: f"--vocab-parallel trains the built-in Llama for now (its rows are filled from the seed); model "
+            f"{d.model} is not split by vocabulary yet: use --model-family llama, or drop --vocab-parallel"),
+    Refusal(("vocab", "copies"),
+            lambda d: "--vocab-parallel with --schedule dualpipe is not supported: its two directions have two first "
+            "and two last stages; use --schedule dualpipev, zb-v or v-half"),
+    Refusal(("vocab", "sharded"),
+            lambda d: f"--vocab-parallel with --dp {d.dp} --sharding {_sharding(d)} is not supported yet (the "
+            "vocabulary rows' gradients are not reduced over the replicas): use --dp 1 --sharding replicate"),
+    Refusal(("vocab", "tp"),
+            lambda d: f"--vocab-parallel with --tp {d.tp} is not supported: the rows are split over the pipeline ranks "
+            "only; drop --tp or --vocab-parallel"),
+    Refusal(("vocab", "async"),
+            lambda d: "--vocab-parallel with --async is not supported: the vocabulary passes run inside a flushed "
+            "step; drop --async or --vocab-parallel"),
+    Refusal(("vocab", "seq-chunks"),
+            lambda d: f"--vocab-parallel runs whole microbatches: drop --seq-chunks {d.seq_chunks} (or use a "
+            "schedule without sequence chunks)"),
+    Refusal(("vocab", "emulate"),
+            lambda d: "--vocab-parallel with --emulate is not supported yet (emulated compute has no vocabulary "
+            "passes): drop --emulate (simulate --vocab-parallel predicts the step)"),
+    Refusal(("vocab", "checkpoint"),
+            lambda d: "--vocab-parallel with --checkpoint/--resume is not supported yet (a checkpoint would not hold "
+            "the ranks' vocabulary rows): drop --checkpoint"),
+    Refusal(("vocab", "save-hf"),
+            lambda d: "--vocab-parallel with --save-hf is not supported yet (the export would not gather the "
+            "vocabulary rows): drop --save-hf"),
+    Refusal(("vocab", "eval"),
+            lambda d: f"--vocab-parallel with --eval-every {d.eval_every} is not supported yet (evaluation runs "
+            "stages that end in the head): drop --eval-every"),
+    Refusal(("vocab", "dry-run"),
+            lambda d: "--vocab-parallel with --dry-run is not supported yet (the dry run profiles stages with the "
+            "embedding and head): use simulate --vocab-parallel --model ... to predict the step"),
     # ---- options that need another ----------------------------------------------------
     Refusal(("resume", "-checkpoint"), lambda d: "--resume needs --checkpoint DIR: the directory to resume from"),
     Refusal(("save-every", "-checkpoint"),

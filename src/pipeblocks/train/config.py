@@ -70,6 +70,9 @@ class ScheduleSpec:
     split: tuple[int, ...] | None = None
     """transformer layers of every global stage, in stage order (--split, or what --split
     auto chose); None: the even rule (`core.split.layer_counts`)"""
+    vocab_parallel: bool = False
+    """--vocab-parallel: the embedding and head split by vocabulary rows over the pipeline
+    ranks, their passes placed into the Program (train/vocab_setup.py)"""
 
     def __post_init__(self) -> None:
         k = self.schedule.seq_chunks

@@ -133,7 +133,9 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
         set_lr(optimizer, cfg.lr_at(step))
         runner.measure_memory = step < start + MEMORY_STEPS or step == last - 1
         t0 = time.perf_counter()
-        result = runner.step(inputs if runner.holds_first_stage else None, targets if runner.holds_last_stage else None)
+        every = setup.vocab is not None  # every rank's vocabulary passes take the tokens and the labels
+        result = runner.step(inputs if runner.holds_first_stage or every else None,
+                             targets if runner.holds_last_stage or every else None)
         if cfg.tp > 1:
             settle_partial_grads(setup.params)
         if setup.tied is not None:  # the two copies of a tied embedding take the sum of their gradients
@@ -144,6 +146,8 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
             # the step's peak: full gradients, the state of the previous step, the compute copies
             static = max(static, _static_now(built, optimizer) + (setup.copies.step_bytes if setup.copies else 0))
         grads = _full_grads(built) if cfg.verify and cfg.clip_grad is None else None
+        if grads is not None and setup.vocab is not None:  # the tables gathered whole, by the model's names
+            grads = {**grads, **_vocab_tables(cfg, setup)[0]}
         with control.critical():  # an interrupt must not leave half the parameters stepped
             check = validator.step() if validator is not None else optimizer.step()
             last_good.stepped(step + 1)
@@ -158,7 +162,8 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
         if cfg.verify:
             # the step is taken; with clipping, the gradients it used (clipped) are compared
             return RankResult(rank, tuple(stages), ((step, loss),) if loss is not None else (),
-                              grads=grads if grads is not None else _full_grads(built), params=_full_params(built),
+                              grads=grads if grads is not None else {**_full_grads(built), **_vocab_tables(cfg, setup)[0]},
+                              params={**_full_params(built), **_vocab_tables(cfg, setup)[1]},
                               checks=() if check is None or cfg.clip_grad is None else ((step, check),),
                               dp_rank=replica, static_bytes_measured=static, static_bytes_predicted=static_predicted[0],
                               tp_rank=setup.tp_rank)
@@ -275,13 +280,18 @@ def _runner(cfg: TrainConfig, ctx, setup):
     from ..runtime import PipelineRunner
 
     compute = _emulated_compute(cfg, setup.modules, ctx.device) if cfg.emulation is not None else None
+    vocab = {}
+    if setup.vocab is not None:
+        from .vocab_setup import vocab_costs
+
+        vocab = {"vocab": setup.vocab, "vocab_costs": vocab_costs(cfg)}
     return PipelineRunner(
         cfg.schedule.schedule, setup.runner_stages, setup.loss_fn, rank=setup.rank, device=ctx.device,
         timeout_s=cfg.timeout_s, record_timeline=not cfg.verify and setup.replica == 0 and setup.tp_rank == 0,
         compute=compute,
         seq_lengths=cfg.schedule.seq_lengths, group=setup.pp_group, data_parallel=setup.data_parallel,
         recompute=cfg.schedule.recompute, recompute_at=cfg.schedule.recompute_anchors,
-        precision=setup.copies if compute is None else None,
+        precision=setup.copies if compute is None else None, **vocab,
     )
 
 
@@ -364,6 +374,16 @@ def _full(tensor):
 def _full_grads(built) -> dict:
     return {n: None if p.grad is None else _full(p.grad).detach().cpu().clone()
             for s in built for n, p in s.named_parameters()}
+
+
+def _vocab_tables(cfg: TrainConfig, setup) -> tuple[dict, dict]:
+    """--vocab-parallel: the tables' (gradients, weights) now, gathered whole by their names
+    (every pipeline rank takes part); ({}, {}) without it."""
+    if setup.vocab is None:
+        return {}, {}
+    from .vocab_setup import full_tables
+
+    return full_tables(cfg.model.spec(), setup.vocab, setup.pp_group)
 
 
 def _full_params(built) -> dict:

@@ -13,6 +13,7 @@ ValueError with the numbers and the fix.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ..core.precision import PrecisionPolicy, precision_policy
@@ -44,7 +45,8 @@ def prepare(
     request: ScheduleRequest, *, model: Any, family: str | None = None, precision: str | None = None,
     device: str = "cpu", emulate: tuple[float, float, float] | None = None, checkpoint: str | None = None,
     resume: bool = False, save_every: int = 0, overwrite: bool = False, threads_per_rank: int | None = None,
-    data: DataSpec | str | None = None, dry_run: bool = False, sizes: tuple[str, ...] = (), **train_options,
+    data: DataSpec | str | None = None, dry_run: bool = False, sizes: tuple[str, ...] = (), vocab_parallel: bool = False,
+    **train_options,
 ) -> tuple[TrainConfig, TokenWindows]:
     """The run's config and training data, every user error raised here (ValueError).
 
@@ -54,6 +56,8 @@ def prepare(
     device: "auto", "cpu" or "cuda", resolved against this machine's GPUs for its local ranks.
     data: a `DataSpec` (or a path: its text, bytes). dry_run: the run will only be predicted.
     sizes: the size options the command line was given (refused with --hf and --model).
+    vocab_parallel: split the embedding and head by vocabulary rows over the pipeline ranks
+        (train/vocab_setup.py; `request.costs.vocab_parallel` asks for it too).
     The other options are `TrainConfig`'s loop settings.
     """
     choice = model_choice(model, family)
@@ -65,7 +69,14 @@ def prepare(
     request, schedule = built.request, built.schedule
     check_composition(_draft(request, schedule, built.recompute, choice, spec, policy, emulate=emulate,
                              checkpoint=checkpoint, resume=resume, save_every=save_every, dry_run=dry_run,
-                             sizes=sizes, options=train_options))
+                             sizes=sizes, options=train_options,
+                             vocab_parallel=vocab_parallel or request.costs.vocab_parallel))
+    if vocab_parallel or request.costs.vocab_parallel:
+        from ..core.vocab_partition import partition_vocab
+
+        part = partition_vocab(choice.vocab, schedule.p)  # a rank without a real row: refused, named
+        if part.note() is not None:
+            print(f"note: {part.note()}", file=sys.stderr)
     validate(schedule)
     split = _check_fits(choice, schedule, request.mesh.tp, request.costs.split)
     from ..models.build import check_weights
@@ -87,7 +98,7 @@ def prepare(
     scheduled = ScheduleSpec(schedule, sequence_chunk_lengths(schedule, request.costs.seq_split, choice),
                              recompute_pairs(schedule, built.recompute),  # --recompute's, or the schedule's own
                              recompute_at=built.recompute_at,  # where the simulator moved them into idle time
-                             split=split)
+                             split=split, vocab_parallel=vocab_parallel or request.costs.vocab_parallel)
     cfg = TrainConfig(model=choice, schedule=scheduled, mesh=mesh, precision=policy, checkpoint=ck,
                       emulation=emulation, data=data, **options)
     _check_batch(cfg, train_data)
@@ -104,7 +115,7 @@ def model_choice(model: Any, family: str | None = None) -> ModelChoice:
 
 
 def _draft(request: ScheduleRequest, schedule: Schedule, recompute, choice: ModelChoice, spec, policy: PrecisionPolicy,
-           *, emulate, checkpoint, resume, save_every, dry_run, sizes, options: dict) -> Draft:
+           *, emulate, checkpoint, resume, save_every, dry_run, sizes, options: dict, vocab_parallel: bool = False) -> Draft:
     """The run as `composition.check_composition` reads it."""
     async_mode = options.get("async_mode")
     return Draft(
@@ -117,7 +128,7 @@ def _draft(request: ScheduleRequest, schedule: Schedule, recompute, choice: Mode
         save_hf=options.get("save_hf") is not None, sizes=tuple(sizes), model=choice.source,
         model_takes_chunks=spec.supports_sequence_chunks, model_has_tp_plan=spec.tp_plan is not None,
         model_tied=bool(spec.shape.tied), model_exports=spec.export is not None, async_forms=tuple(ASYNC_FORMS),
-        split=request.costs.split is not None,
+        split=request.costs.split is not None, vocab_parallel=vocab_parallel,
     )
 
 

@@ -57,6 +57,8 @@ class RankSetup:
     """the held-out tail of the data (`cfg.held_out` of it; None when nothing is held out)"""
     tied: Any = None
     """runtime.tied.TiedWeights when the model ties its head to its embedding, else None"""
+    vocab: Any = None
+    """runtime.vocab_step.VocabStep under --vocab-parallel (this rank's rows of the tables), else None"""
 
     @property
     def stages(self) -> list[torch.nn.Module]:
@@ -74,7 +76,9 @@ class RankSetup:
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
-        return [p for module in self.stages for p in module.parameters()]
+        """The stages' parameters, then this rank's vocabulary rows (under --vocab-parallel)."""
+        rows = self.vocab.parameters if self.vocab is not None else []
+        return [p for module in self.stages for p in module.parameters()] + rows
 
 
 def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
@@ -103,6 +107,9 @@ def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
                              dtype=getattr(torch, cfg.precision.master), tp_mesh=mesh.tp_mesh if cfg.tp > 1 else None,
                              counts=cfg.stage_layers)
         modules = {stage.index: stage for stage in built}
+    vocab = None
+    if cfg.schedule.vocab_parallel:  # the stages without the vocabulary layers; this rank's rows of them
+        modules, vocab = _vocab_parallel(cfg, ctx, spec, modules, rank, replica)
     precision = cfg.precision
     cast = {s: m for s, m in modules.items()
             if precision.mixed and not (mesh is not None and ShardingPolicy(cfg.sharding[s]).fsdp)}
@@ -129,7 +136,23 @@ def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
     data, held_out = corpus.split(cfg.held_out)
     torch.manual_seed(cfg.seed)
     return RankSetup(rank, replica, mesh, modules, runner_stages, copies, data_parallel, data, spec.loss,
-                     held_out, tied)
+                     held_out, tied, vocab)
+
+
+def _vocab_parallel(cfg: TrainConfig, ctx, spec, modules: dict, rank: int, replica: int):
+    """(the stages without embedding and head, this rank's `VocabStep`) on its pipeline
+    (global rank = pp_rank * dp + replica, runtime.mesh)."""
+    from ..runtime.precision import torch_dtype
+    from .vocab_setup import strip_vocab, vocab_rank
+
+    p, dp, placement = cfg.schedule.p, cfg.dp, cfg.schedule.placement
+    pipelines = [[r * dp + d for r in range(p)] for d in range(dp)]
+    vocab = vocab_rank(spec, rank=rank, ranks=pipelines[replica], first=placement.rank_of(0),
+                       last=placement.rank_of(cfg.num_stages - 1), seed=cfg.seed,
+                       master=getattr(torch, cfg.precision.master), compute=torch_dtype(cfg.precision.compute),
+                       tokens=cfg.microbatch_size * cfg.model.sequence, device=ctx.device, timeout_s=cfg.timeout_s,
+                       pipelines=pipelines)
+    return strip_vocab(modules, spec), vocab
 
 
 def emulated_costs(cfg: TrainConfig):
