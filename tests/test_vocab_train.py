@@ -1,7 +1,8 @@
 """`pipeblocks train --vocab-parallel`: the stages hold no embedding and no head, every rank
 holds its rows of both as parameters of its optimizer, the executor runs the Program's IF,
 S, T and IB passes, and `--verify` is exact in float64 against one process training the
-unsplit model (the tables gathered back by their names are compared too)."""
+unsplit model (the tables gathered back by their names are compared too), with data
+parallelism as without."""
 from __future__ import annotations
 
 import re
@@ -20,8 +21,6 @@ VERIFIED = re.compile(r"loss ([\d.]+) vs one process ([\d.]+) .*; (\d+) gradient
     (dict(model="gpt"), r"--vocab-parallel trains the built-in Llama for now .* model gpt .* --model-family llama"),
     (dict(model="hf:models/qwen2"), r"model hf:models/qwen2 is not split by vocabulary yet"),
     (dict(schedule="dualpipe"), r"--vocab-parallel with --schedule dualpipe is not supported: .* dualpipev"),
-    (dict(dp=2), r"--vocab-parallel with --dp 2 --sharding replicate is not supported yet .* --dp 1"),
-    (dict(sharding=("zero3",)), r"--vocab-parallel with --dp 1 --sharding zero3 is not supported yet"),
     (dict(tp=2), r"--vocab-parallel with --tp 2 is not supported: .* drop --tp"),
     (dict(async_mode="pipemare"), r"--vocab-parallel with --async is not supported"),
     (dict(seq_chunks=2), r"--vocab-parallel runs whole microbatches: drop --seq-chunks 2"),
@@ -40,7 +39,7 @@ def test_what_vocab_parallel_does_not_compose_with_is_one_line(options, says):
 
 def test_vocab_parallel_composes_with_what_train_runs():
     for options in (dict(), dict(verify=True, precision="bf16-mixed"), dict(clip_grad=1.0, recompute=True),
-                    dict(split=True, schedule="v-half")):
+                    dict(split=True, schedule="v-half"), dict(dp=2, sharding=("zero3",))):
         check_composition(Draft(**{**dict(model="llama", schedule="1f1b", vocab_parallel=True), **options}))
 
 
@@ -48,10 +47,12 @@ def test_vocab_parallel_composes_with_what_train_runs():
 def test_train_vocab_parallel_verify_is_exact_in_float64_at_p2_and_p4():
     from test_train import _train
 
-    # p = 2 under 1F1B; p = 4 under V-Half (two stages per rank, stage 0 and the last on rank 0),
-    # V = 256 (bytes): 128 and 64 rows per rank
-    for p, schedule, m in ((2, "1f1b", 4), (4, "v-half", 4)):
-        proc = _train("--schedule", schedule, "-p", str(p), "-m", str(m), "--microbatch-size", "2", *TINY, "--verify")
+    # p = 2 under 1F1B with two replicas (zero3: the stages sharded, the rows replicated, their
+    # gradients averaged over dp); p = 4 under V-Half (two stages per rank, stage 0 and the last
+    # on rank 0). V = 256 (bytes): 128 and 64 rows per rank
+    for p, schedule, extra in ((2, "1f1b", ("--dp", "2", "--sharding", "zero3")), (4, "v-half", ())):
+        proc = _train("--schedule", schedule, "-p", str(p), "-m", "4", "--microbatch-size", "2", *TINY, *extra,
+                      "--verify")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         match = VERIFIED.search(proc.stdout)
         assert match, proc.stdout

@@ -128,7 +128,8 @@ class PipelineRunner:
         their link): stage 0 holds no embedding and the last stage no head (it ends at the
         final norm's output X; `loss_fn` is not called); `vocab_costs`, costs whose `vocab`
         is set, place the IF, S, T and IB passes into the Program (`core.vocab_place`).
-        Every rank then takes the step's inputs and targets, and knows its loss.
+        Every rank then takes the step's inputs and targets, and knows its loss. With
+        `data_parallel` the rows' gradients are averaged over the replicas after the step.
     """
 
     def __init__(
@@ -321,6 +322,8 @@ class PipelineRunner:
         losses = self.vocab.end_step() if self.vocab is not None else record.losses
         if dp is not None:
             dp.finish()
+            if self.vocab is not None:
+                self.vocab.reduce_gradients(dp.group, dp.d)
         if self.precision is not None:
             self.precision.end_step()
         if self.copies is not None:

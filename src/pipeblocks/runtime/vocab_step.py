@@ -80,6 +80,17 @@ class VocabStep:
     def after_first_backward(self, i: int, grad: Tensor) -> None:
         self._rank.after_first_backward(i, grad.reshape(-1, self.hidden))
 
+    def reduce_gradients(self, group, replicas: int) -> None:
+        """Data parallelism: the rows' gradients averaged over the `replicas` of the dp `group`
+        (the same rows on every replica, as any replicated parameter's)."""
+        import torch.distributed as dist
+
+        for table in self.parameters:
+            if table.grad is None:
+                table.grad = torch.zeros_like(table)
+            dist.all_reduce(table.grad, group=group)
+            table.grad.div_(replicas)
+
     def end_step(self) -> tuple[float, ...]:
         """Per microbatch, the mean token loss (every rank: C0 gave it); this rank's sends done."""
         losses = tuple(float(loss) * len(self._rank.tokens) for loss in self._rank.losses())

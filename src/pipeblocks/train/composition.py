@@ -157,9 +157,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("vocab", "copies"),
             lambda d: "--vocab-parallel with --schedule dualpipe is not supported: its two directions have two first "
             "and two last stages; use --schedule dualpipev, zb-v or v-half"),
-    Refusal(("vocab", "sharded"),
-            lambda d: f"--vocab-parallel with --dp {d.dp} --sharding {_sharding(d)} is not supported yet (the "
-            "vocabulary rows' gradients are not reduced over the replicas): use --dp 1 --sharding replicate"),
     Refusal(("vocab", "tp"),
             lambda d: f"--vocab-parallel with --tp {d.tp} is not supported: the rows are split over the pipeline ranks "
             "only; drop --tp or --vocab-parallel"),

@@ -109,6 +109,8 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
     built, stages = setup.stages, setup.modules
     optimizer = dp.optimizer(torch.optim.AdamW, lr=cfg.lr) if dp is not None else torch.optim.AdamW(setup.params,
                                                                                                     lr=cfg.lr)
+    if dp is not None and setup.vocab is not None:
+        _add_vocab_optimizer(optimizer, setup.vocab, lr=cfg.lr)
     start = _restore(cfg, ctx, setup, optimizer)
     # with data or tensor parallelism the optimizer steps directly (prepare refuses --clip-grad there)
     validator = None if dp is not None or cfg.tp > 1 else PostValidator(
@@ -205,6 +207,18 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
                       skipped_steps=tuple(skipped), dp_rank=replica, static_bytes_measured=static,
                       static_bytes_predicted=predicted, dp_wait_s=tuple(dp_waits), dp_link=link, eval_losses=tuple(evals),
                       tp_rank=setup.tp_rank)
+
+
+VOCAB_ROWS = -1
+"""The key of the vocabulary rows' optimizer among a data-parallel rank's chunk optimizers."""
+
+
+def _add_vocab_optimizer(optimizer, vocab, *, lr: float) -> None:
+    """--vocab-parallel with --dp: the rows (replicated over dp, their gradients averaged by the
+    runner) get an AdamW of their own, stepped with the chunks' (no gathers to issue after it)."""
+    optimizer.by_stage[VOCAB_ROWS] = torch.optim.AdamW(vocab.parameters, lr=lr)
+    after = optimizer.after_step
+    optimizer.after_step = None if after is None else (lambda stage: None if stage == VOCAB_ROWS else after(stage))
 
 
 def set_lr(optimizer, lr: float) -> None:

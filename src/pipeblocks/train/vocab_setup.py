@@ -128,8 +128,10 @@ def full_tables(spec, vocab, group) -> tuple[dict, dict]:
 def vocab_costs(cfg):
     """Costs with `vocab` set, for placing the passes into the Program: the stages' blocks
     against one rank's share of the tables (forward 2·n·h·V/p multiply-adds per table, against
-    about 24·n·h² per layer), as unit times; the placement needs their order, not seconds."""
-    from ..core.costs import Costs
+    about 24·n·h² per layer), as unit times; the placement needs their order, not seconds.
+    With --dp the blocks (one DP unit each at block grain) are priced as equal shares."""
+    from ..core.costs import BlockCosts, Costs
+    from ..core.dp_model import DPCostModel
     from ..core.vocab import VocabCosts
 
     shape = cfg.model.spec().shape
@@ -139,6 +141,13 @@ def vocab_costs(cfg):
     layers = cfg.stage_layers
     per = sum(layers) / len(layers)
     f = tuple(n / per for n in layers)
-    return Costs(t_f=f, t_b=f, t_w=f, vocab=VocabCosts(
+    # data parallelism at block grain names each block's unit: the blocks as the stages hold them
+    blocks = BlockCosts.even(tuple(layers), tuple(float(n) for n in layers))
+    # one policy for all: the simulator prices the rows' own static bytes with the first
+    # (core.vocab_sim.vocab_static); the placement needs the DP ops' order, not their bytes
+    dp = DPCostModel(dp=cfg.dp, sharding=(cfg.sharding[0],), unit=cfg.mesh.dp_unit) if cfg.data_parallel \
+        else DPCostModel()
+    return Costs(t_f=f, t_b=f, t_w=f, params=tuple(float(n) for n in layers), blocks=blocks, data_parallel=dp,
+                 vocab=VocabCosts(
         t_s=vocab, t_t=vocab, t_if=vocab / 10, t_ib=vocab / 10, t_bcast=0.05, t_c0=0.1, t_if_reduce=0.05,
         t_ib_bcast=0.05))
