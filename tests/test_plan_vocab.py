@@ -55,13 +55,13 @@ def test_search_lists_both_and_the_command_names_the_option():
     assert "--vocab-parallel" in commands(one)[0]
     assert all("--vocab-parallel" not in c for c in commands(PlanResult(
         result.problem, tuple(e for e in result.evaluated if not e.candidate.vocab_parallel), (), 0.0, 0)))
-    # train runs a +vocab plan of the built-in Llama at dp = 1 (not yet with replicas): the plan
+    # train runs a +vocab plan of the built-in Llama with replicas, not yet with --tp: the plan
     # names the best plan it runs beside a best it does not
     from pipeblocks.plan.report import TRAIN_RUNS_VOCAB_PARALLEL, runnable, to_json, trains
     assert TRAIN_RUNS_VOCAB_PARALLEL
     vocab = [e for e in result.ranked if e.candidate.vocab_parallel]
-    assert any(e.candidate.dp == 1 for e in vocab) and any(e.candidate.dp > 1 for e in vocab)
-    assert all(trains(result, e) == (e.candidate.dp == 1 and e.candidate.tp == 1) for e in vocab)
+    assert any(e.candidate.dp > 1 for e in vocab)
+    assert all(trains(result, e) == (e.candidate.tp == 1 and e.candidate.seq_chunks == 1) for e in vocab)
     assert runnable(one) is (best if trains(result, best) else None)
     first = next(e for e in result.ranked if trains(result, e))
     assert runnable(result) is first

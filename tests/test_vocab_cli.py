@@ -47,10 +47,10 @@ def test_refusals(capsys, argv, message):
 
 
 def test_train_refuses_a_model_it_does_not_split_yet(capsys):
-    """train runs --vocab-parallel on the built-in Llama; the GPT (the default family) is refused in one line."""
+    """train runs --vocab-parallel on the built-in Llama and --hf models; the GPT (the default family) is refused in one line."""
     code = main(["train", "--schedule", "1f1b", "-p", "2", "-m", "2", "--steps", "1", "--vocab-parallel"])
     out, err = capsys.readouterr()
-    assert code == 2 and "--vocab-parallel trains the built-in Llama for now" in err and "Traceback" not in err
+    assert code == 2 and "--vocab-parallel trains the built-in Llama and --hf models for now" in err and "Traceback" not in err
 
 
 def test_show_program_holds_the_passes_and_export_refuses(capsys):

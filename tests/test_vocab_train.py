@@ -18,8 +18,8 @@ VERIFIED = re.compile(r"loss ([\d.]+) vs one process ([\d.]+) .*; (\d+) gradient
 
 
 @pytest.mark.parametrize("options, says", [
-    (dict(model="gpt"), r"--vocab-parallel trains the built-in Llama for now .* model gpt .* --model-family llama"),
-    (dict(model="hf:models/qwen2"), r"model hf:models/qwen2 is not split by vocabulary yet"),
+    (dict(model="gpt"), r"--vocab-parallel trains the built-in Llama and --hf models for now .* model gpt .* --hf DIR"),
+    (dict(model="models/tiny.py:Tiny"), r"model models/tiny.py:Tiny is not split by vocabulary yet"),
     (dict(schedule="dualpipe"), r"--vocab-parallel with --schedule dualpipe is not supported: .* dualpipev"),
     (dict(tp=2), r"--vocab-parallel with --tp 2 is not supported: .* drop --tp"),
     (dict(async_mode="pipemare"), r"--vocab-parallel with --async is not supported"),
@@ -29,6 +29,7 @@ VERIFIED = re.compile(r"loss ([\d.]+) vs one process ([\d.]+) .*; (\d+) gradient
     (dict(save_hf=True), r"--vocab-parallel with --save-hf is not supported yet"),
     (dict(eval_every=2), r"--vocab-parallel with --eval-every 2 is not supported yet"),
     (dict(dry_run=True), r"--vocab-parallel with --dry-run is not supported yet"),
+    (dict(verify=True, precision="bf16-mixed"), r"--verify under bf16-mixed with --vocab-parallel: .* fp64"),
 ])
 def test_what_vocab_parallel_does_not_compose_with_is_one_line(options, says):
     draft = dict(model="llama", schedule="1f1b", vocab_parallel=True)
@@ -38,14 +39,28 @@ def test_what_vocab_parallel_does_not_compose_with_is_one_line(options, says):
 
 
 def test_vocab_parallel_composes_with_what_train_runs():
-    for options in (dict(), dict(verify=True, precision="bf16-mixed"), dict(clip_grad=1.0, recompute=True),
+    for options in (dict(), dict(precision="bf16-mixed"), dict(clip_grad=1.0, recompute=True, verify=True),
+                    dict(model="hf:models/qwen2", model_tied=True),
                     dict(split=True, schedule="v-half"), dict(dp=2, sharding=("zero3",))):
         check_composition(Draft(**{**dict(model="llama", schedule="1f1b", vocab_parallel=True), **options}))
 
 
 @pytest.mark.spawn
-def test_train_vocab_parallel_verify_is_exact_in_float64_at_p2_and_p4():
+def test_train_vocab_parallel_verify_is_exact_in_float64_at_p2_and_p4(tmp_path):
     from test_train import _train
+
+    # a Hugging Face Qwen2 whose head is tied to its embedding: one shard of rows per rank takes
+    # both passes' gradients, compared under both names with transformers' tied model
+    pytest.importorskip("transformers", reason="Hugging Face models need transformers (pip install -e .[hf])")
+    from _hf_dirs import make_model_dir
+
+    tied = make_model_dir(tmp_path / "qwen2", "Qwen2ForCausalLM", tied=True, layers=4)
+    proc = _train("--hf", str(tied), "--seq", "8", "--schedule", "zb-v", "-p", "2", "-m", "4", "--microbatch-size", "2",
+                  "--precision", "fp64", "--timeout", "90", "--vocab-parallel", "--verify")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    match = VERIFIED.search(proc.stdout)
+    assert match and float(match.group(4)) <= 1e-12, proc.stdout
+    assert int(match.group(3)) == 4 * 12 + 3, proc.stdout  # q, k, v have biases in Qwen2
 
     # p = 2 under 1F1B with two replicas (zero3: the stages sharded, the rows replicated, their
     # gradients averaged over dp); p = 4 under V-Half (two stages per rank, stage 0 and the last

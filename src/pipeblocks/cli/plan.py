@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {line}")
     other = runnable(result)
     if other is not None and other is not result.ranked[0]:
-        print(f"\n`train --vocab-parallel` runs the built-in Llama at --dp 1 without --tp or --hf for now (simulate, "
+        print(f"\n`train --vocab-parallel` runs the built-in Llama and --hf models without --tp for now (simulate, "
               f"compare and plan place and price the rest); the best plan it runs is #{result.ranked.index(other) + 1}, "
               f"{other.candidate.label}:")
         for line in commands(result, other):

@@ -14,18 +14,20 @@ _GB = 1e9
 
 TRAIN_RUNS_VOCAB_PARALLEL = True
 """Whether `pipeblocks train --vocab-parallel` runs the vocabulary passes (it does: the built-in
-Llama, without data or tensor parallelism; train.composition refuses the rest). A plan whose best
+Llama and --hf models, with data parallelism, without tensor parallelism; train.composition
+refuses the rest). A plan whose best
 candidate is a +vocab plan that `train` does not run also names the best plan it runs (`runnable`)."""
 
 
 def trains(result: PlanResult, e: Evaluated) -> bool:
-    """Whether `pipeblocks train` runs plan `e` as `commands` print it: a +vocab plan only on
-    the built-in Llama (`--model-family llama`, no --hf), at dp = 1 and tp = 1."""
+    """Whether `pipeblocks train` runs plan `e` as `commands` print it: a +vocab plan on the
+    built-in Llama (`--model-family llama`) or a --hf model, without tensor parallelism or
+    sequence chunks (any dp)."""
     c = e.candidate
     if not c.vocab_parallel:
         return True
-    llama = result.problem.hf is None and not result.problem.model.fused_qkv
-    return TRAIN_RUNS_VOCAB_PARALLEL and llama and c.dp == 1 and c.tp == 1 and c.seq_chunks == 1
+    llama = result.problem.hf is not None or not result.problem.model.fused_qkv
+    return TRAIN_RUNS_VOCAB_PARALLEL and llama and c.tp == 1 and c.seq_chunks == 1
 
 
 def runnable(result: PlanResult) -> Evaluated | None:

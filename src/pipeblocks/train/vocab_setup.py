@@ -11,8 +11,8 @@ p = 2 with V = 11 rows::
 
 `strip_vocab(modules, spec)` rebuilds the stages without the vocabulary parts, and
 `vocab_rank(...)` makes the rank's `runtime.vocab_step.VocabStep`: its shards of the tables
-(filled from the run's seed as the whole model's are; one shard when the head is tied to
-the embedding) as parameters for the optimizer, and the communication
+(filled from the run's seed as the whole model's are, or read from a Hugging Face
+directory's weights; one shard when the head is tied to the embedding) as parameters for the optimizer, and the communication
 (`runtime.vocab_link.DistVocabLink`) on the rank's pipeline. `full_tables` gathers the
 shards back whole, by the model's names, for `--verify`.
 """
@@ -64,13 +64,11 @@ def strip_vocab(modules: Mapping[int, nn.Module], spec) -> dict[int, nn.Module]:
 
 
 def _table(spec, path: str, *, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """The whole [V, h] weight at `path` as the whole model of `seed` has it."""
-    if spec.init is None:
-        raise ValueError(
-            f"--vocab-parallel: model {spec.name!r} takes pretrained weights; the vocabulary rows are filled from "
-            "the run's seed (built-in families) for now: use --model-family llama, or drop --vocab-parallel"
-        )
+    """The whole [V, h] weight at `path` as the whole model of `seed` has it, or as the
+    model's pretrained weights hold it."""
     shape = spec.shape
+    if spec.weights is not None:
+        return spec.weights.read(f"{path}.weight", (shape.vocab, shape.hidden)).to(device=device, dtype=dtype)
     table = torch.empty(shape.vocab, shape.hidden, dtype=dtype, device=device)
     spec.init(seed)(f"{path}.weight", table)
     return table
