@@ -74,3 +74,19 @@ def test_train_vocab_parallel_verify_is_exact_in_float64_at_p2_and_p4(tmp_path):
         # 8 layers of 9 tensors, the final norm, the embedding and the head: all compared
         assert int(match.group(3)) == 8 * 9 + 3, proc.stdout
         assert float(match.group(4)) <= 1e-12, proc.stdout
+
+
+@pytest.mark.torch
+def test_vocab_parallel_cuts_equal_layers_per_rank():
+    """No stage holds a vocabulary layer: without --split the layers are cut as simulate and plan
+    cut them (the first L mod S stages one more), so every rank of a V placement holds 3 of 6."""
+    from pipeblocks.core.request import Mesh, ScheduleRequest
+    from pipeblocks.models.llama_config import LlamaConfig
+    from pipeblocks.train.run import prepare
+
+    model = LlamaConfig(layers=6, hidden=16, heads=2, kv_heads=1, seq=8, dtype="float64")
+    request = ScheduleRequest(name="v-half", m=4, mesh=Mesh(pp=2))
+    plain, _ = prepare(request, model=model, steps=1, microbatch_size=2)
+    vocab, _ = prepare(request, model=model, steps=1, microbatch_size=2, vocab_parallel=True)
+    assert plain.stage_layers == (1, 2, 2, 1) and not plain.schedule.vocab_parallel
+    assert vocab.stage_layers == (2, 2, 1, 1) and vocab.schedule.vocab_parallel

@@ -79,6 +79,11 @@ def prepare(
             print(f"note: {part.note()}", file=sys.stderr)
     validate(schedule)
     split = _check_fits(choice, schedule, request.mesh.tp, request.costs.split)
+    if split is None and (vocab_parallel or request.costs.vocab_parallel):
+        from ..core.split import rank_balanced
+
+        # no vocabulary layer on the end stages: cut as simulate and plan do (equal layers per rank)
+        split = rank_balanced(choice.layers, schedule.num_stages)
     from ..models.build import check_weights
 
     check_weights(spec)  # a pretrained model's files hold every tensor, in its shape (headers only)
