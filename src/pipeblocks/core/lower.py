@@ -22,7 +22,7 @@ from .ops import ACTION, DP, OVERLAP, P2P, RECOMPUTE, STEP, unsupported
 from .program import Comm, DPOp, Op, OptimizerStep, Overlap, Program, Recompute
 from .schedule import Schedule
 from .vocab import VocabPass
-from .vocab_links import check_deadlock_vocab
+from .vocab_links import barriers_of, key_name, links
 
 __all__ = ["Pass", "PASSES", "lower", "add_p2p", "check_deadlock"]
 
@@ -81,51 +81,65 @@ def lower(schedule: Schedule, passes: Sequence[Pass] = PASSES) -> Program:
 
 
 def check_deadlock(program: Program) -> None:
-    """Raise DeadlockError naming every blocked rank and the receive it waits on."""
+    """Raise DeadlockError naming every blocked rank and what it waits on.
+
+    One walk serves every Program: an op may wait for keys that other ops post. A receive
+    waits for its send's key; with vocabulary passes their collectives and broadcasts are
+    keys too (`vocab_links.links`: what each op position receives before it and sends after
+    it). Sends and posted keys never block."""
     ranks = program.ranks
-    if any(type(op) is VocabPass for ops in ranks for op in ops):
-        return check_deadlock_vocab(program)  # the vocabulary passes' keys beside the transfers
+    vocab = any(type(op) is VocabPass for ops in ranks for op in ops)
+    extra = links(program, barriers_of(program)) if vocab else [{} for _ in ranks]
     cursor = [0] * len(ranks)
-    sent: set[tuple] = set()
-    waiting: dict[tuple, int] = {}
+    sent: set = set()
+    waiting: dict = {}
+    blocked_on: dict[int, object] = {}
     ready = list(range(len(ranks)))
     while ready:
         rank = ready.pop()
-        ops = ranks[rank]
+        ops, table = ranks[rank], extra[rank]
         pos = cursor[rank]
         while pos < len(ops):
             op = ops[pos]
             kind = type(op)
-            if kind is Comm:
-                key = op.key
-                if op.send:
-                    sent.add(key)
-                    woken = waiting.pop(key, None)
-                    if woken is not None:
-                        ready.append(woken)
-                elif key not in sent:
-                    waiting[key] = rank
-                    break
-            elif (kind is not Action and kind is not DPOp and kind is not OptimizerStep and kind is not Recompute
-                  and kind is not Overlap):
+            if (kind is not Comm and kind is not Action and kind is not DPOp and kind is not OptimizerStep
+                    and kind is not Recompute and kind is not Overlap and not (vocab and kind is VocabPass)):
                 # DP ops never wait on a pipeline peer: every replica runs this same Program;
                 # an optimizer step and a recomputation wait on their own rank only; an
                 # overlapped pair's receives are all before it
                 raise unsupported(op, "the deadlock check", (ACTION, P2P, DP, STEP, RECOMPUTE, OVERLAP))
+            link = table.get(pos)
+            need = ([op.key] if kind is Comm and not op.send else []) + (link[0] if link else [])
+            missing = next((key for key in need if key not in sent), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(rank)
+                blocked_on[rank] = missing
+                break
+            posted = ([op.key] if kind is Comm and op.send else []) + (link[1] if link else [])
+            for key in posted:
+                sent.add(key)
+                ready.extend(waiting.pop(key, ()))
             pos += 1
         cursor[rank] = pos
     blocked = [r for r in range(len(ranks)) if cursor[r] < len(ranks[r])]
     if blocked:
-        lines = []
-        for r in blocked:
-            op = ranks[r][cursor[r]]
-            consumer = next((o for o in ranks[r][cursor[r]:] if isinstance(o, (Action, Overlap))), None)
-            lines.append(
-                f"rank {r} blocks at {op} (before {consumer}), waiting for rank {op.peer}, "
-                f"which is itself blocked at {ranks[op.peer][cursor[op.peer]] if cursor[op.peer] < len(ranks[op.peer]) else 'its end'}"
-            )
+        lines = [_blocked_line(program, cursor, r, blocked_on.get(r)) for r in blocked]
         raise DeadlockError(
-            f"schedule {program.schedule.name!r} (p={program.p}, m={program.schedule.m}) deadlocks:\n  "
-            + "\n  ".join(lines)
-            + "\nreorder the actions so that each rank produces what another rank waits for before it waits itself"
+            f"schedule {program.schedule.name!r} (p={program.p}, m={program.schedule.m})"
+            + (" with vocabulary passes" if vocab else "") + " deadlocks:\n  " + "\n  ".join(lines)
+            + ("\nplace each vocabulary pass where its input is ready on every rank (vocab_place.add_vocab does)"
+               if vocab else
+               "\nreorder the actions so that each rank produces what another rank waits for before it waits itself")
         )
+
+
+def _blocked_line(program: Program, cursor: list[int], rank: int, key) -> str:
+    ranks = program.ranks
+    op = ranks[rank][cursor[rank]]
+    if type(op) is Comm and not op.send and key == op.key:
+        peer = op.peer
+        consumer = next((o for o in ranks[rank][cursor[rank]:] if isinstance(o, (Action, Overlap))), None)
+        where = ranks[peer][cursor[peer]] if cursor[peer] < len(ranks[peer]) else "its end"
+        return (f"rank {rank} blocks at {op} (before {consumer}), waiting for rank {peer}, "
+                f"which is itself blocked at {where}")
+    return f"rank {rank} blocks at {op}, waiting for {key_name(key)}"

@@ -24,7 +24,7 @@ from .actions import Action, Kind
 from .program import Program
 from .vocab import VocabCosts, VocabPass, roots
 
-__all__ = ["links", "delay", "barriers_of", "check_deadlock_vocab"]
+__all__ = ["links", "delay", "barriers_of", "key_name"]
 
 Key = tuple
 
@@ -86,55 +86,8 @@ def barriers_of(program: Program) -> int:
     return int(program.schedule.option("vocab_barriers", 1))
 
 
-def check_deadlock_vocab(program: Program) -> None:
-    """`lower.check_deadlock` for a Program with vocabulary passes: transfers and the
-    vocabulary keys (`links`) both block their receiver until sent."""
-    from .errors import DeadlockError
-    from .program import Comm
-
-    extra = links(program, barriers_of(program))
-    ranks = program.ranks
-    cursor = [0] * len(ranks)
-    sent: set = set()
-    waiting: dict = {}
-    ready = list(range(len(ranks)))
-    blocked_on: dict[int, object] = {}
-    while ready:
-        rank = ready.pop()
-        ops = ranks[rank]
-        pos = cursor[rank]
-        while pos < len(ops):
-            op = ops[pos]
-            need: list = []
-            if type(op) is Comm and not op.send:
-                need.append(op.key)
-            link = extra[rank].get(pos)
-            if link:
-                need.extend(link[0])
-            missing = next((k for k in need if k not in sent), None)
-            if missing is not None:
-                waiting.setdefault(missing, []).append(rank)
-                blocked_on[rank] = missing
-                break
-            posted = [op.key] if type(op) is Comm and op.send else []
-            if link:
-                posted.extend(link[1])
-            for key in posted:
-                sent.add(key)
-                ready.extend(waiting.pop(key, ()))
-            pos += 1
-        cursor[rank] = pos
-    blocked = [r for r in range(len(ranks)) if cursor[r] < len(ranks[r])]
-    if blocked:
-        lines = [f"rank {r} blocks at {ranks[r][cursor[r]]}, waiting for {_name(blocked_on.get(r))}" for r in blocked]
-        raise DeadlockError(
-            f"schedule {program.schedule.name!r} (p={program.p}, m={program.schedule.m}) with vocabulary passes "
-            "deadlocks:\n  " + "\n  ".join(lines)
-            + "\nplace each vocabulary pass where its input is ready on every rank (vocab_place.add_vocab does)"
-        )
-
-
-def _name(key) -> str:
+def key_name(key) -> str:
+    """What a key stands for, in words (the deadlock check's message)."""
     if key is None:
         return "nothing"
     if isinstance(key, tuple) and key and key[0] in ("X", "D", "C0", "C1", "IF"):
