@@ -176,3 +176,18 @@ def test_data_parallel_reduces_the_vocabulary_rows_at_the_step_end():
     rowless = simulate(s, dataclasses.replace(COSTS, data_parallel=DPCostModel(dp=2),
                                               vocab=dataclasses.replace(VOCAB, params=0.0)))
     assert not any(e.op == "VOCAB_REDUCE_GRAD" for comm in rowless.comm_events for e in comm)
+
+
+def test_vocabulary_rows_stay_replicated_under_per_stage_sharding():
+    # the runtime keeps the rows whole on every replica and averages their gradients, so
+    # they are priced as replicated whatever the stages' policies, one per stage included
+    from pipeblocks.core.dp_model import DPCostModel, static_bytes
+    from pipeblocks.core.sharding import ShardingPolicy
+
+    s = schedules.get("1f1b")(p=2, m=2)
+    base = dataclasses.replace(COSTS, data_parallel=DPCostModel(dp=2, sharding=("zero3", "zero1")))
+    rows = simulate(s, base)
+    rowless = simulate(s, dataclasses.replace(base, vocab=dataclasses.replace(VOCAB, params=0.0)))
+    replicated = static_bytes(VOCAB.params, ShardingPolicy.REPLICATE, 2, base.data_parallel.bytes)
+    for with_rows, without in zip(rows.static_memory, rowless.static_memory):
+        assert with_rows - without == pytest.approx(replicated)

@@ -17,7 +17,9 @@ after the last T and IB (`vocab_reduce`: `VOCAB_REDUCE_GRAD` on the communicatio
 """
 from __future__ import annotations
 
+from .dp_model import static_bytes, static_peak_bytes
 from .errors import ScheduleError
+from .sharding import ShardingPolicy
 from .program import Program
 from .vocab import VocabPass
 from .vocab_links import barriers_of, delay, links
@@ -56,8 +58,13 @@ def vocab_sends(sends: list, keys, ids) -> None:
 
 
 def vocab_static(table, peak: bool) -> float:
-    """Static bytes of one rank's vocabulary rows (between steps, or at the step's peak)."""
-    return table.data_parallel.static_memory((table.vocab.params,), (0,), peak=peak)
+    """Static bytes of one rank's vocabulary rows (between steps, or at the step's peak).
+    The rows are replicated over the replicas whatever the stages' sharding (the runtime
+    averages their gradients over dp after the step, `runtime.vocab_step`)."""
+    dp = table.data_parallel
+    if peak:
+        return static_peak_bytes(table.vocab.params, ShardingPolicy.REPLICATE, dp.dp, dp.bytes)
+    return static_bytes(table.vocab.params, ShardingPolicy.REPLICATE, dp.dp, dp.bytes)
 
 
 def vocab_reduce(table) -> list[tuple[str, float]]:
@@ -67,4 +74,4 @@ def vocab_reduce(table) -> list[tuple[str, float]]:
     dp = table.data_parallel
     if table.vocab is None or dp.dp <= 1 or not table.vocab.params:
         return []
-    return [("VOCAB_REDUCE_GRAD", dp.op_time("REDUCE_GRAD", table.vocab.params, dp.policies(1)[0]))]
+    return [("VOCAB_REDUCE_GRAD", dp.op_time("REDUCE_GRAD", table.vocab.params, ShardingPolicy.REPLICATE))]
