@@ -1,5 +1,5 @@
 """Balancing the stages of a large-vocabulary model: the naive split, today's rule, the
-pass-time balanced split, --split auto, and (once it runs) --vocab-parallel.
+pass-time balanced split, --split auto, and --vocab-parallel.
 
     PYTHONPATH=src python benchmarks/vocab_balance.py                         # p = 4 and 8, 1f1b, llama-3-8b, a100
     PYTHONPATH=src python benchmarks/vocab_balance.py --p 8 --no-emulate      # the simulator only (seconds)
@@ -18,16 +18,21 @@ Columns:
     balanced  the split that balances the stages' F + B + W, the head included
               (`sim.split_auto.balanced_counts`: what `plan --split auto` uses)
     auto      `--split auto`: the simulator's choice, the shortest step within --gpu-memory
-    vocab     `--vocab-parallel` (embedding and head split by vocabulary over all ranks):
-              only with --vocab-parallel, and only once the simulator and the emulated
-              runtime run it; until then asking for it stops with the reason
+    vocab     `--vocab-parallel` (embedding and head split by vocabulary over all ranks),
+              only with --vocab-parallel: the stages without embedding and head, every
+              rank running the IF, S, T and IB passes of every microbatch
 
 For each: the layers per stage, the simulated step (a100), each rank's compute per step and
 its memory (static at the step's peak + peak activation, GB), and the step measured on the
 runtime in emulated compute: p processes on gloo, every pass sleeping its analytic time
 times --scale while tensors of a small model's shapes cross between the ranks (the
 runtime's emulated mode, `runtime.emulate.EmulatedCosts.from_costs`). The measured step is
-given in the model's seconds (divided by the scale).
+given in the model's seconds (divided by the scale). For the vocab column the toy stages are
+blocks without embedding and head (the last ends at its norm's X), and the vocabulary passes
+sleep their analytic times (t_if, t_s, t_t, t_ib) times --scale before running on toy tables
+(32 rows of the toy width) whose X, embedding gradient and all-reduces really cross gloo
+(`runtime.vocab_emulate`); as for the stages' transfers, the collectives' modelled times are
+not slept.
 """
 from __future__ import annotations
 
@@ -62,11 +67,7 @@ def _base(args: argparse.Namespace, p: int) -> ScheduleRequest:
 
 
 def vocab_parallel_request(base: ScheduleRequest) -> ScheduleRequest:
-    """HOOK for the vocabulary-parallel column: `base` with --vocab-parallel, once the cost
-    specification has it; until then a clear error, never a made-up figure."""
-    if "vocab_parallel" not in {f.name for f in dataclasses.fields(CostSpec)}:
-        raise SystemExit("--vocab-parallel: this checkout has no vocabulary parallelism in its cost specification "
-                         "yet (CostSpec.vocab_parallel); run without --vocab-parallel")
+    """`base` with --vocab-parallel (the even split)."""
     return dataclasses.replace(base, costs=dataclasses.replace(base.costs, vocab_parallel=True))
 
 
@@ -112,43 +113,55 @@ def simulated(args: argparse.Namespace, p: int, variant: str) -> tuple[dict, obj
 def _worker(ctx, cases, warmup, steps):
     import torch
 
+    from pipeblocks.core.vocab import roots
     from pipeblocks.models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
     from pipeblocks.runtime import PipelineRunner
     from pipeblocks.runtime.emulate import EmulatedCompute
+    from pipeblocks.runtime.vocab_emulate import toy_vocab_step
+    from pipeblocks.runtime.vocab_link import DistVocabLink
 
     torch.set_num_threads(1)
     config = ToyConfig(vocab=32, hidden=64, seq=16)
     out = []
-    for schedule, costs in cases:
+    for schedule, costs, vocab_times, vocab_costs in cases:
         S = schedule.num_stages
-        stages = toy_stages(S, config, dtype=torch.float32)
+        vocab = vocab_times is not None
+        stages = toy_stages(S, config, dtype=torch.float32, with_vocab=not vocab)
         mine = {s: stages[s] for s in schedule.placement.stages_of(ctx.rank)}
+        link, extra = None, {}
+        if vocab:  # every process makes the link's groups (collective), then its rows of toy tables
+            first, last = roots(schedule)
+            link = DistVocabLink(list(range(schedule.p)), (config.seq, config.hidden), torch.float32,
+                                 first=first, last=last)
+            extra = {"vocab": toy_vocab_step(ctx.rank, link, ranks=schedule.p, vocab=config.vocab,
+                                             hidden=config.hidden, first=first, last=last, before_pass=vocab_times),
+                     "vocab_costs": vocab_costs}
         runner = PipelineRunner(schedule, mine, cross_entropy, timeout_s=600,
-                                compute=EmulatedCompute(costs, mine, S), measure_memory=False)
+                                compute=EmulatedCompute(costs, mine, S, vocab_parallel=vocab), measure_memory=False,
+                                **extra)
         x, y = toy_batch(schedule.m, config)
         for _ in range(warmup):
             runner.step(x, y)
         runner.record_timeline = True
         timelines = [runner.step(x, y).timeline for _ in range(steps)]  # the whole step's, on rank 0
         out.append([t.makespan for t in timelines if t is not None])
+        if link is not None:
+            link.close()
     return out
 
 
-def vocab_emulated_hook(built) -> None:
-    """HOOK for the vocabulary-parallel column's emulated step: the emulated runtime must run
-    the IF/S/T/IB passes (their sleeps and collectives) for the figure to mean anything; the
-    runner here lowers the schedule without them. Wire it here once the runtime's emulated
-    mode runs vocabulary passes; until then the cell stays empty, with this reason."""
-    raise NotImplementedError("the emulated runtime does not run the vocabulary passes (IF, S, T, IB) yet: "
-                              "no measured step for --vocab-parallel")
-
-
 def measure(builts: list, p: int, scale: float, warmup: int, steps: int) -> list[list[float]]:
-    """Emulated step times (seconds of the model: measured / scale) of each Built, in one set of p processes."""
+    """Emulated step times (seconds of the model: measured / scale) of each Built, in one set of p
+    processes; a Built whose costs price vocabulary passes runs them (`runtime.vocab_emulate`)."""
     from pipeblocks.runtime import spawn
     from pipeblocks.runtime.emulate import EmulatedCosts
+    from pipeblocks.runtime.vocab_emulate import VocabPassTimes
 
-    cases = [(b.schedule, EmulatedCosts.from_costs(b.costs, b.schedule, scale=scale)) for b in builts]
+    cases = []
+    for b in builts:
+        times = None if b.costs.vocab is None else VocabPassTimes.from_costs(b.costs.vocab, ms_per_unit=1e3 * scale)
+        cases.append((b.schedule, EmulatedCosts.from_costs(b.costs, b.schedule, scale=scale), times,
+                      b.costs if times is not None else None))
     per_rank = spawn(_worker, p, args=(cases, warmup, steps), timeout_s=1800, threads_per_rank=1)
     return [[t / scale for t in times] for times in per_rank[0]]
 
@@ -180,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--m-per-rank", type=int, default=4, help="microbatches per step per pipeline rank (m = this x p)")
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU that --split auto must fit (default 80)")
-    parser.add_argument("--vocab-parallel", action="store_true", help="add the --vocab-parallel column (see the hook)")
+    parser.add_argument("--vocab-parallel", action="store_true", help="add the --vocab-parallel column")
     parser.add_argument("--no-emulate", action="store_true", help="the simulator only")
     parser.add_argument("--scale", type=float, default=0.2,
                         help="emulated seconds per modelled second (default 0.2: a 7 s step sleeps 1.4 s; smaller "
@@ -200,18 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"p={p}: simulated {len(results)} variants in {time.monotonic() - started:.1f} s", file=sys.stderr)
         if not args.no_emulate:
             started = time.monotonic()
-            runnable = []
-            for row, built in results:
-                try:
-                    if row["variant"] == "vocab":
-                        vocab_emulated_hook(built)
-                    runnable.append((row, built))
-                except NotImplementedError as why:
-                    row["step_emulated_s"], row["emulated_unavailable"] = None, str(why)
-                    print(f"p={p}: {why}", file=sys.stderr)
-            times = measure([built for _, built in runnable], p, args.scale, args.warmup, args.steps)
+            times = measure([built for _, built in results], p, args.scale, args.warmup, args.steps)
             print(f"p={p}: emulated in {time.monotonic() - started:.0f} s", file=sys.stderr)
-            for (row, _), measured in zip(runnable, times):
+            for (row, _), measured in zip(results, times):
                 row["step_emulated_s"] = statistics.median(measured)
                 row["step_emulated_runs_s"] = measured
         rows += [row for row, _ in results]

@@ -3,7 +3,9 @@
 Stage 0 embeds token ids `LongTensor[b, s]`; every stage holds `blocks_per_stage` residual
 MLP blocks; the last stage ends in a norm and a head that returns logits `[b, s, vocab]`.
 `toy_stages` builds the same weights in every process from a seed, so each rank can keep
-only its stages while a reference process runs them all.
+only its stages while a reference process runs them all. With `with_vocab=False` no stage
+holds the embedding or the head (vocabulary parallelism, `runtime.vocab_step`): every stage
+maps [b, s, hidden] to [b, s, hidden], the last ending at its norm.
 """
 from __future__ import annotations
 
@@ -37,31 +39,34 @@ class _Block(nn.Module):
 
 
 class _Stage(nn.Module):
-    def __init__(self, config: ToyConfig, first: bool, last: bool) -> None:
+    def __init__(self, config: ToyConfig, first: bool, last: bool, with_vocab: bool = True) -> None:
         super().__init__()
-        self.embed = nn.Embedding(config.vocab, config.hidden) if first else None
+        self.embed = nn.Embedding(config.vocab, config.hidden) if first and with_vocab else None
         self.blocks = nn.Sequential(*(_Block(config.hidden) for _ in range(config.blocks_per_stage)))
         self.norm = nn.LayerNorm(config.hidden) if last else None
-        self.head = nn.Linear(config.hidden, config.vocab) if last else None
+        self.head = nn.Linear(config.hidden, config.vocab) if last and with_vocab else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             x = self.embed(x)
         x = self.blocks(x)
+        if self.norm is not None:
+            x = self.norm(x)
         if self.head is not None:
-            x = self.head(self.norm(x))
+            x = self.head(x)
         return x
 
 
 def toy_stages(num_stages: int, config: ToyConfig = ToyConfig(), *, seed: int = 0,
-               dtype: torch.dtype = torch.float64) -> list[nn.Module]:
-    """All stages of the model, with weights fixed by `seed`."""
+               dtype: torch.dtype = torch.float64, with_vocab: bool = True) -> list[nn.Module]:
+    """All stages of the model, with weights fixed by `seed`; `with_vocab=False`: without the
+    embedding and the head (module doc)."""
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        stages = [_Stage(config, s == 0, s == num_stages - 1).to(dtype) for s in range(num_stages)]
+        stages = [_Stage(config, s == 0, s == num_stages - 1, with_vocab).to(dtype) for s in range(num_stages)]
     finally:
         torch.random.set_rng_state(generator_state)
     return stages

@@ -5,7 +5,11 @@ schedule exactly as in training (same Program, same receives, sends, hand-overs 
 waits, tensors of the real shapes and dtypes), but a forward sleeps `f_ms` per layer and
 returns zeros of the stage's output spec (a tensor, tuple or dict, as the module returns),
 B sleeps `b_ms` per layer and returns a zero gradient of the input (shapes.py), W sleeps
-`w_ms` per layer, and a fused BW sleeps B + W. Comparing the
+`w_ms` per layer, and a fused BW sleeps B + W. Under vocabulary parallelism
+(`vocab_parallel=True`, with `vocab_emulate.EmulatedVocabStep` for the IF, S, T and IB
+passes) no stage holds the loss: the last stage returns zeros of its output X like any
+other stage, and stage 0's backward returns a zero gradient of its input (the embedding
+output, whose gradient the IB passes take). Comparing the
 measured Timeline with `simulate(schedule, costs.sim_costs(schedule))` shows the runtime's
 own overhead and bubbles on a machine far smaller than the model.
 
@@ -112,11 +116,21 @@ class EmulatedCosts:
 
 
 class EmulatedCompute:
-    """Sleeps instead of computing; the modules serve only to infer output shapes."""
+    """Sleeps instead of computing; the modules serve only to infer output shapes.
+
+    vocab_parallel: the stages hold no embedding and no head (`runtime.vocab_step`): the last
+    stage ends at its output X (zeros of its output spec, no loss) and stage 0's backward
+    gives its input's gradient to the IB passes. False: the last stage is the loss stage.
+    """
 
     def __init__(self, costs: EmulatedCosts, stages: Mapping[int, torch.nn.Module], num_stages: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", *, vocab_parallel: bool = False) -> None:
         self.costs = costs
+        self.vocab_parallel = bool(vocab_parallel)
+        # the stage whose forward ends in the loss (none under vocabulary parallelism), and
+        # the first stage whose backward hands its input a gradient
+        self._loss_stage = -1 if self.vocab_parallel else num_stages - 1
+        self._first_grad = 0 if self.vocab_parallel else 1
         self.stages = stages
         self.num_stages = num_stages
         self.device = torch.device(device)
@@ -135,7 +149,7 @@ class EmulatedCompute:
     def forward(self, stage: int, x: Any, target: torch.Tensor | None, *, keep: bool = True,
                 side: Mapping[str, Any] | None = None) -> tuple[Any, Unit]:
         self._sleep(self.costs.f_ms, stage, "F")
-        if stage == self.num_stages - 1:
+        if stage == self._loss_stage:
             return None, Unit(x, x, loss=torch.zeros(()))
         spec = ActivationSpec.of(x)
         key = (stage, spec, tuple((k, TensorSpec.of(v)) for k, v in side.items()) if side else ())
@@ -153,7 +167,7 @@ class EmulatedCompute:
 
     def input_grad(self, stage: int, unit: Unit, grad: Any) -> Any:
         self._sleep(self.costs.b_ms, stage, "B")
-        dx = zero_gradient(unit.inp) if stage > 0 else None
+        dx = zero_gradient(unit.inp) if stage >= self._first_grad else None
         unit.root = unit.inp = None
         unit.work = WeightGradWork([])
         return dx
@@ -164,6 +178,6 @@ class EmulatedCompute:
 
     def full_backward(self, stage: int, unit: Unit, grad: Any) -> Any:
         self._sleep(self.costs.b_ms + self.costs.w_ms, stage, "BW")
-        dx = zero_gradient(unit.inp) if stage > 0 else None
+        dx = zero_gradient(unit.inp) if stage >= self._first_grad else None
         unit.root = unit.inp = None
         return dx

@@ -26,7 +26,9 @@ The executor walks `program.ranks[rank]` in order and knows nothing about schedu
     VocabPass   IF, S, T or IB of a microbatch (vocabulary parallelism, `core.vocab`): run
                 by the `vocab` object (`vocab_step.VocabStep`); stage 0 then takes the
                 embedding output from it and hands it its input gradient, and the last
-                stage hands it its output X and takes dL/dX from it (no loss on a stage)
+                stage hands it its output X and takes dL/dX from it (no loss on a stage);
+                an event of the timeline (as in the simulator's) from when its input (X,
+                C0's statistics, the embedding gradient) was in: the wait is idle
     STEP        an optimizer step inside the Program (asynchronous training): handed to
                 the compute object's `optimizer_step(stage, step)`; only a compute object
                 that has that method runs a Program with steps
@@ -91,7 +93,7 @@ class ActionError(RuntimeError):
 class RankRecord:
     """What one rank measured in one step (times from `clock`, in seconds)."""
 
-    events: tuple[tuple[Action | Recompute, float, float], ...]
+    events: tuple[tuple[Action | Recompute | VocabPass, float, float], ...]
     losses: tuple[float, ...]
     wait_s: float
 
@@ -266,7 +268,10 @@ class RankExecutor:
                 continue
             if code is _VOCAB:
                 mailbox.flush()  # S and IB may wait for a peer: the pipeline peers get their tensors first
-                self.vocab.run(op)  # not an event of the measured timeline (its actions are the stages')
+                start = clock()
+                waited = self.vocab.run(op) or 0.0
+                wait_s += waited
+                events.append((op, start + waited, clock()))  # from when its input was in, as simulated
                 continue
             if code is _STEP:
                 mailbox.flush()  # the peers get this rank's tensors before the step's compute

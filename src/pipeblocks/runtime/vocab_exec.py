@@ -23,9 +23,16 @@ and the deadlock check assume.
 
 The loss of microbatch i (mean cross entropy over its labels, times `scale`, 1/m for the
 mean over a step) is known on every rank after C0: `losses()`.
+
+`run` returns the seconds the pass waited for its input (S for X, T for C0's statistics,
+IB for the embedding gradient; IF waits for nothing), so that the executor's timeline
+counts the wait as idle, as the simulator does. `before_pass`, when given, is called with
+the pass once its input is in and before its arithmetic: emulated compute sleeps the
+pass's modelled time there (`vocab_emulate`), so that S issues C0 at its end, as priced.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -71,14 +78,14 @@ class VocabTables:
 class VocabRank:
     """The vocabulary passes of rank `rank` (of `part.ranks`) for one step of microbatches
     `tokens[i]` / `labels[i]` (flat [n] each); `first` / `last`: the ranks holding stage 0
-    and the last stage."""
+    and the last stage; `before_pass`: see the module doc."""
 
     def __init__(self, rank: int, part: VocabPartition, tables: VocabTables, link: VocabLink, *,
                  tokens: list[Tensor], labels: list[Tensor], first: int, last: int, scale: float = 1.0,
-                 timeout: float = 120.0) -> None:
+                 timeout: float = 120.0, before_pass: Callable[[VocabPass], None] | None = None) -> None:
         self.rank, self.part, self.tables, self.link = rank, part, tables, link
         self.tokens, self.labels, self.first, self.last = tokens, labels, first, last
-        self.scale, self.timeout = scale, timeout
+        self.scale, self.timeout, self.before_pass = scale, timeout, before_pass
         self._embedded: dict[int, Future] = {}
         self._x: dict[int, Tensor] = {}
         self._demb: dict[int, Tensor] = {}
@@ -88,9 +95,12 @@ class VocabRank:
     def _g(self, i: int, like: Tensor) -> Tensor:
         return mean_token_grad(self.labels[i], scale=self.scale, dtype=like.dtype)
 
-    def run(self, op: VocabPass) -> None:
+    def run(self, op: VocabPass) -> float:
+        """Run pass `op`; the seconds it waited for its input (module doc)."""
         i = op.microbatch
+        waited = 0.0
         if op.kind == "IF":
+            self._before(op)
             local = embedding_forward_local(self.tokens[i], self.tables.embedding.detach(), self.part, self.rank)
 
             def reduce(all_reduce: AllReduce, local: Tensor = local) -> Tensor:
@@ -99,22 +109,36 @@ class VocabRank:
 
             self._embedded[i] = self.link.issue("IF", reduce)
         elif op.kind == "S":
+            start = time.perf_counter()
             x = self._x.pop(i) if self.rank == self.last else self.link.recv(("X", i, self.rank))
+            waited = time.perf_counter() - start
+            self._before(op)
             shard, partials = output_forward(x, self.tables.head, self.labels[i], self.part, self.rank)
             self._shard[i] = shard
             labels = self.labels[i]
             self._stats[i] = self.link.issue("C0", lambda all_reduce: reduce_output(partials, labels, all_reduce))
         elif op.kind == "T":
             shard = self._shard.pop(i)
+            start = time.perf_counter()
             stats: OutputStats = self._stats[i].result(self.timeout)
+            waited = time.perf_counter() - start
+            self._before(op)
             _accumulate(self.tables.head, output_weight_grad(shard, stats, self._g(i, shard.softmax),
                                                              dtype=self.tables.head.dtype))
         elif op.kind == "IB":
+            start = time.perf_counter()
             grad = self._demb.pop(i) if self.rank == self.first else self.link.recv(("D", i, self.rank))
+            waited = time.perf_counter() - start
+            self._before(op)
             _accumulate(self.tables.embedding,
                         embedding_weight_grad(self.tokens[i], grad, self.part, self.rank).to(self.tables.embedding.dtype))
         else:
             raise ValueError(f"unknown vocabulary pass {op}: expected IF, S, T or IB")
+        return waited
+
+    def _before(self, op: VocabPass) -> None:
+        if self.before_pass is not None:
+            self.before_pass(op)
 
     def embedding_output(self, i: int) -> Tensor:
         """Stage 0's input for microbatch i: IF(i)'s all-reduced embedding output."""

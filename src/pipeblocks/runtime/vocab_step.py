@@ -21,7 +21,7 @@ gradients accumulate in `.grad` as any parameter's.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -36,11 +36,14 @@ __all__ = ["VocabStep"]
 class VocabStep:
     """Rank `rank`'s vocabulary passes: `embedding` and `head` are its row shards
     ([ceil(V/p), h] each; the same parameter when tied); `first` / `last`: the pipeline
-    ranks holding stage 0 and the last stage; `dtype`: what stage 0 takes as input."""
+    ranks holding stage 0 and the last stage; `dtype`: what stage 0 takes as input;
+    `before_pass`: called with each pass once its input is in, before its arithmetic
+    (emulated compute sleeps there: `vocab_emulate`)."""
 
     def __init__(self, rank: int, part: VocabPartition, embedding: nn.Parameter, head: nn.Parameter, link: VocabLink,
-                 *, first: int, last: int, dtype: torch.dtype, timeout_s: float = 300.0) -> None:
-        self.rank, self.part, self.link = rank, part, link
+                 *, first: int, last: int, dtype: torch.dtype, timeout_s: float = 300.0,
+                 before_pass: Callable[[VocabPass], None] | None = None) -> None:
+        self.rank, self.part, self.link, self.before_pass = rank, part, link, before_pass
         self.tables = VocabTables(embedding, head)
         self.first, self.last, self.dtype, self.timeout_s = first, last, dtype, timeout_s
         self.hidden = embedding.shape[1]
@@ -62,11 +65,13 @@ class VocabStep:
         self._shape = tuple(tokens[0].shape)
         self._rank = VocabRank(self.rank, self.part, self.tables, self.link,
                                tokens=[t.reshape(-1) for t in tokens], labels=[y.reshape(-1) for y in labels],
-                               first=self.first, last=self.last, scale=1.0 / m, timeout=self.timeout_s)
+                               first=self.first, last=self.last, scale=1.0 / m, timeout=self.timeout_s,
+                               before_pass=self.before_pass)
 
-    def run(self, op: VocabPass) -> None:
+    def run(self, op: VocabPass) -> float:
+        """Run pass `op`; the seconds it waited for its input (X, C0's statistics, the embedding gradient)."""
         with torch.no_grad():  # the passes compute their gradients themselves
-            self._rank.run(op)
+            return self._rank.run(op)
 
     def embedding_output(self, i: int) -> Tensor:
         return self._rank.embedding_output(i).view(*self._shape, self.hidden).to(self.dtype)
