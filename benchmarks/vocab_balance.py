@@ -144,15 +144,34 @@ def _worker(ctx, cases, warmup, steps):
             runner.step(x, y)
         runner.record_timeline = True
         timelines = [runner.step(x, y).timeline for _ in range(steps)]  # the whole step's, on rank 0
-        out.append([t.makespan for t in timelines if t is not None])
+        latency = None
         if link is not None:
             link.close()
+            latency = _all_reduce_ms(link.groups["C0"], (config.seq, config.hidden))
+        out.append(([t.makespan for t in timelines if t is not None], latency))
     return out
 
 
-def measure(builts: list, p: int, scale: float, warmup: int, steps: int) -> list[list[float]]:
+def _all_reduce_ms(group, shape, repeats: int = 20) -> float:
+    """Median wall milliseconds of one all-reduce of a toy tensor of `shape` over `group` (every
+    rank calls it): what each of C0's four all-reduces and IF's one costs on this machine."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.zeros(shape)
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def measure(builts: list, p: int, scale: float, warmup: int, steps: int) -> list[tuple[list[float], float | None]]:
     """Emulated step times (seconds of the model: measured / scale) of each Built, in one set of p
-    processes; a Built whose costs price vocabulary passes runs them (`runtime.vocab_emulate`)."""
+    processes; a Built whose costs price vocabulary passes runs them (`runtime.vocab_emulate`),
+    and then also gives the wall milliseconds of one of its all-reduces here (else None)."""
     from pipeblocks.runtime import spawn
     from pipeblocks.runtime.emulate import EmulatedCosts
     from pipeblocks.runtime.vocab_emulate import VocabPassTimes
@@ -163,7 +182,7 @@ def measure(builts: list, p: int, scale: float, warmup: int, steps: int) -> list
         cases.append((b.schedule, EmulatedCosts.from_costs(b.costs, b.schedule, scale=scale), times,
                       b.costs if times is not None else None))
     per_rank = spawn(_worker, p, args=(cases, warmup, steps), timeout_s=1800, threads_per_rank=1)
-    return [[t / scale for t in times] for times in per_rank[0]]
+    return [([t / scale for t in times], latency) for times, latency in per_rank[0]]
 
 
 # ---- output ----------------------------------------------------------------------------------
@@ -215,15 +234,23 @@ def main(argv: list[str] | None = None) -> int:
             started = time.monotonic()
             times = measure([built for _, built in results], p, args.scale, args.warmup, args.steps)
             print(f"p={p}: emulated in {time.monotonic() - started:.0f} s", file=sys.stderr)
-            for (row, _), measured in zip(results, times):
+            for (row, built), (measured, latency) in zip(results, times):
                 row["step_emulated_s"] = statistics.median(measured)
                 row["step_emulated_runs_s"] = measured
+                if latency is not None:
+                    row["all_reduce_ms_measured"] = latency
+                    row["c0_ms_modelled"] = built.costs.vocab.t_c0 * 1e3 * args.scale
         rows += [row for row, _ in results]
     load_after = os.getloadavg()[0]
     print(_table(rows))
     if not args.no_emulate:
         print(f"emulated at scale {args.scale:g}, median of {args.steps} steps after {args.warmup}; {os.cpu_count()} cores, "
               f"load average {load_before:.1f} before, {load_after:.1f} after (other work lengthens the emulated steps)")
+    for r in rows:
+        if r.get("all_reduce_ms_measured") is not None:
+            print(f"vocab p={r['p']}: one all-reduce of the toy tensors took {r['all_reduce_ms_measured']:.2f} ms here "
+                  f"(C0 is four back to back, IF's one); C0 is modelled at {r['c0_ms_modelled']:.2f} ms for all four "
+                  f"at scale {args.scale:g} and is not slept: the emulated step pays this machine's collectives")
     print("sim step: the simulated step; vs naive: the naive split's step over this one, minus 1 (+: faster); "
           "emulated: the runtime's step in emulated compute (median), in the model's seconds; compute: a rank's "
           "passes per step; memory: static at the step's peak + peak activation")
