@@ -167,3 +167,55 @@ def test_partition_refuses_a_rank_without_rows():
     with pytest.raises(ValueError, match="expected \\(3, 2\\)"):
         vp.output_forward(torch.zeros(1, 2), torch.zeros(2, 2), torch.zeros(1, dtype=torch.long),
                           vp.partition_vocab(10, 4), 0)
+
+
+def _head_grads(x, head, labels, p, *, drop_rescale=False):
+    """dL/dX and dL/dW of the vocabulary-parallel head over p threaded ranks (x in the compute
+    dtype, the head a float32 master as under bf16-mixed); `drop_rescale`: a deliberately wrong
+    C0 that forgets each rank's exp(m_r - M) (every rank's softmax taken as the global one)."""
+    part = vp.partition_vocab(head.shape[0], p)
+    group = ThreadAllReduce(p)
+
+    def rank(r):
+        shard, partials = vp.output_forward(x, vp.shard_rows(head, part, r), labels, part, r)
+        if drop_rescale:
+            partials = vp.OutputPartials(torch.zeros_like(partials.local_max), torch.ones_like(partials.local_sum),
+                                         partials.target_logit, partials.softmax_input_grad, partials.target_rows)
+        stats = vp.reduce_output(partials, labels, group.for_rank(r))
+        g = vp.mean_token_grad(labels)
+        return vp.output_input_grad(stats, g), vp.output_weight_grad(shard, stats, g, dtype=torch.float32)
+
+    out = _run_ranks(p, rank)
+    return {"x": out[0][0], "head": vp.gather_rows([o[1] for o in out], part)}
+
+
+def _unsplit_head_grads(x, head, labels):
+    x, head = x.detach().clone().requires_grad_(), head.detach().clone().requires_grad_()
+    F.cross_entropy((x @ head.T).float(), labels).backward()
+    return {"x": x.grad, "head": head.grad}
+
+
+def test_bf16_vocab_parallel_is_as_close_to_float64_as_one_process():
+    """Under bf16-mixed the sharded head rounds elsewhere than one process's bfloat16 head, so
+    `train --verify` judges both against float64 (`reference.excess_error`): the products run in
+    bfloat16 (the float32 master shard rounded, as one process's compute copy is) and the result
+    is within one process's own rounding noise; a C0 without the rescaling is far outside it."""
+    from pipeblocks.train.reference import TOLERANCE, excess_error
+
+    g = torch.Generator().manual_seed(0)
+    n, hidden, vocab = 64, 16, 1000
+    x = torch.randn(n, hidden, generator=g, dtype=torch.float64)
+    head = torch.randn(vocab, hidden, generator=g, dtype=torch.float64) * 0.2
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    truth = _unsplit_head_grads(x, head, labels)
+    one_process = _unsplit_head_grads(x.bfloat16(), head.bfloat16(), labels)
+    got = _head_grads(x.bfloat16(), head.float(), labels, p=4)
+    assert got["x"].dtype == torch.float32 and got["head"].dtype == torch.float32
+    judged = excess_error(got, one_process, truth)
+    assert judged.relative <= TOLERANCE["bf16-mixed"], judged
+    # the products ran in bfloat16, not in the master's float32: the shard kept for T is bfloat16
+    part = vp.partition_vocab(vocab, 4)
+    shard, _ = vp.output_forward(x.bfloat16(), vp.shard_rows(head.float(), part, 0), labels, part, 0)
+    assert shard.x.dtype == torch.bfloat16 and shard.softmax.dtype == torch.float32
+    wrong = excess_error(_head_grads(x.bfloat16(), head.float(), labels, p=4, drop_rescale=True), one_process, truth)
+    assert wrong.relative > 10 * TOLERANCE["bf16-mixed"], wrong

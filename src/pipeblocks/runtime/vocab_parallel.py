@@ -38,9 +38,10 @@ Collectives are passed in, as an `AllReduce` callable ``(tensor, op) -> None`` t
 place over the p ranks (op "sum" or "max"): `process_group_all_reduce(group)` wraps
 torch.distributed; tests simulate p shards in one process with threads.
 
-Precision: the matrix products run in the inputs' dtype (bfloat16 under bf16-mixed, as the
-unsplit head does) and everything after them in float32 or wider: the logits are upcast before
-the softmax, as the loss upcasts them on one rank; float64 stays float64 throughout. Gradients
+Precision: the matrix products run in the activations' dtype, the run's compute dtype
+(bfloat16 under bf16-mixed, where the tables are float32 masters: a shard is rounded to
+bfloat16 for its products, as the unsplit head's compute copy is), and everything after them
+in float32 or wider: the logits are upcast before the softmax, as the loss upcasts them on one rank; float64 stays float64 throughout. Gradients
 come back in the dtype asked for (the parameter's or the activation's).
 """
 from __future__ import annotations
@@ -151,7 +152,7 @@ def output_forward(x: Tensor, weight_shard: Tensor, labels: Tensor, part: VocabP
     if weight_shard.shape != (part.shard_size, x.shape[1]):
         raise ValueError(f"rank {rank}'s head shard is {tuple(weight_shard.shape)}, expected "
                          f"({part.shard_size}, {x.shape[1]}) for V = {part.vocab_size} over p = {part.ranks}")
-    gemm = torch.promote_types(x.dtype, weight_shard.dtype)
+    gemm = x.dtype  # the compute dtype: a float32 master shard is rounded as the unsplit head's copy is
     wide = _wide(gemm)
     xc, w = x.detach().to(gemm), weight_shard.detach().to(gemm)
     logits = (xc @ w.T).to(wide)

@@ -179,12 +179,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("vocab", "eval"),
             lambda d: f"--vocab-parallel with --eval-every {d.eval_every} is not supported yet (evaluation runs "
             "stages that end in the head): drop --eval-every"),
-    Refusal(("vocab", "verify", "mixed"),
-            # measured (p=2, 4 layers): 0.0091 on a gradient (llama), 0.0187 (Qwen2, tied): another rounding
-            lambda d: f"--verify under {d.precision} with --vocab-parallel: the head's softmax over row shards sums its "
-            "statistics in float32 and dL/dX comes from their all-reduce, a different rounding from one process's "
-            "bfloat16 product over the whole vocabulary, near or beyond bf16-mixed's tolerance; verify in --precision "
-            "fp64 (exact to 1e-15) or fp32, then train in bf16-mixed"),
     Refusal(("vocab", "dry-run"),
             lambda d: "--vocab-parallel with --dry-run is not supported yet (the dry run profiles stages with the "
             "embedding and head): use simulate --vocab-parallel --model ... to predict the step"),

@@ -354,7 +354,9 @@ def judge(cfg: TrainConfig, data: TokenWindows, results) -> tuple[float, float, 
     so comparing it with the reference's own step would compare rounding noise on
     near-zero gradients). With clipping the ranks' step is post-validated, and the one
     process clips synchronously."""
-    from .reference import GradDiff, compare_grads, reference_apply, reference_update
+    from .reference import ROUNDING_NOISE_FACTOR, ExcessError, GradDiff, compare_grads, excess_error
+    from .reference import in_float64, reference_apply
+    from .reference import reference_update
     from .reference import relative_difference
     from .reference import torch_threads
 
@@ -364,7 +366,13 @@ def judge(cfg: TrainConfig, data: TokenWindows, results) -> tuple[float, float, 
         ref_loss, ref_grads, ref_params, ref_norm = reference_update(
             cfg.model, seed=cfg.seed, inputs=inputs, targets=targets, microbatches=cfg.dp * cfg.schedule.m,
             lr=cfg.lr_at(0), max_norm=cfg.clip_grad, precision=cfg.precision)
-    worst = GradDiff("", 0.0)
+    truth = None
+    if cfg.schedule.vocab_parallel and cfg.precision.mixed:  # other arithmetic: judged against float64 (excess_error)
+        with torch_threads(cfg.threads_for(cfg.world_size)):
+            _, truth, _, _ = reference_update(in_float64(cfg.model), seed=cfg.seed, inputs=inputs, targets=targets,
+                                              microbatches=cfg.dp * cfg.schedule.m, lr=cfg.lr_at(0),
+                                              max_norm=cfg.clip_grad)
+    worst, excess = GradDiff("", 0.0), ExcessError("", -math.inf, 0.0)
     for replica in range(cfg.dp):
         ranks = [r for r in results if r.dp_rank == replica]
         # DualPipe: rank r and rank p-1-r hold the two copies of a model stage; taking the ranks
@@ -374,8 +382,11 @@ def judge(cfg: TrainConfig, data: TokenWindows, results) -> tuple[float, float, 
             params = {name: t for r in mine for name, t in (r.params or {}).items()}
             complete = grads.keys() == ref_grads.keys() and all(g is not None for g in grads.values())
             stepped = reference_apply(cfg.model, seed=cfg.seed, grads=grads, lr=cfg.lr_at(0)) if complete else ref_params
-            worst = max(worst, compare_grads(grads, ref_grads), compare_grads(params, stepped),
-                        key=lambda d: d.relative)
+            if truth is None:
+                worst = max(worst, compare_grads(grads, ref_grads), key=lambda d: d.relative)
+            else:
+                excess = max(excess, excess_error(grads, ref_grads, truth), key=lambda d: d.relative)
+            worst = max(worst, compare_grads(params, stepped), key=lambda d: d.relative)
     clipped = ""
     if cfg.clip_grad is not None:
         check = results[0].checks[0][1]
@@ -391,10 +402,17 @@ def judge(cfg: TrainConfig, data: TokenWindows, results) -> tuple[float, float, 
     mesh = f" dp={cfg.dp} sharding={','.join(map(str, cfg.sharding))}" if cfg.data_parallel else ""
     mesh += f" tp={cfg.tp}" if cfg.tp > 1 else ""
     recomputed = f" recompute={len(s.recompute)} (stage, microbatch) pairs" if s.recompute else ""
-    what = "gradients and weights after the " + ("clipped step" if cfg.clip_grad is not None else "optimizer step")
+    what = ("weights" if truth is not None else "gradients and weights") + " after the " + (
+        "clipped step" if cfg.clip_grad is not None else "optimizer step")
     lines = [f"verify {cfg.model.family} {s.name} p={s.p} m={s.m}{chunks}{mesh}{recomputed} {cfg.precision.name}:"
              f"{clipped} loss {loss:.10g} vs one process {ref_loss:.10g} (relative difference {loss_diff:.3g}); "
              f"{len(ref_grads)} {what}, largest relative difference {worst.relative:.3g} ({worst.name})"]
+    if truth is not None:
+        largest = max(largest, excess.relative)
+        lines[0] += (f"; gradients against float64 (vocabulary parallelism rounds elsewhere than one process): "
+                     f"closest to its bound {excess.name}, {excess.pipeline:.3g} from float64 where one process in "
+                     f"{cfg.precision.compute} is {excess.one_process:.3g} (allowed: tolerance + "
+                     f"{ROUNDING_NOISE_FACTOR:g} x that; excess {excess.relative:.3g})")
     if cfg.data_parallel or cfg.tp > 1:
         for r in sorted(results, key=lambda r: (r.dp_rank, r.rank, r.tp_rank)):
             tp_rank = f" tp rank {r.tp_rank}" if cfg.tp > 1 else ""
