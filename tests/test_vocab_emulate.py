@@ -86,3 +86,28 @@ def test_emulated_vocab_step_runs_and_follows_the_simulator():
     for r in range(2):
         busy = out["busy"][r] * 1e3 / simulated.busy(r)
         assert 0.8 <= busy <= 3.0, (r, out["busy"], [simulated.busy(q) for q in range(2)])
+
+
+@pytest.mark.spawn
+def test_train_vocab_parallel_emulate_runs_and_its_report_simulates_the_passes(tmp_path):
+    import json
+
+    from test_train import _train
+
+    from pipeblocks import schedules
+    from pipeblocks.core.simulate import simulate
+
+    report = tmp_path / "r.json"
+    proc = _train("--model-family", "llama", "--layers", "4", "--hidden", "16", "--heads", "2", "--kv-heads", "1",
+                  "--seq", "8", "--timeout", "60", "--vocab-parallel", "--schedule", "1f1b", "-p", "2", "-m", "4",
+                  "--microbatch-size", "2", "--steps", "2", "--emulate", "2,2,2", "--report", str(report))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "loss emulated" in proc.stdout, proc.stdout
+    data = json.loads(report.read_text())
+    assert data["emulated"]
+    # the report's simulator replays the Program with its vocabulary passes: longer than the
+    # stages' passes alone (2 layers per stage at 2 ms per pass per layer)
+    alone = simulate(schedules.get("1f1b")(p=2, m=4), Costs(t_f=0.004, t_b=0.004, t_w=0.004)).makespan
+    assert data["iteration_time_simulated_s"] > alone * 1.05, (data["iteration_time_simulated_s"], alone)
+    ratio = data["iteration_time_measured_s"] / data["iteration_time_simulated_s"]
+    assert 0.5 <= ratio <= 3.0, ratio

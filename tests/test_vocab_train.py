@@ -24,7 +24,6 @@ VERIFIED = re.compile(r"loss ([\d.]+) vs one process ([\d.]+) .*; (\d+) gradient
     (dict(tp=2), r"--vocab-parallel with --tp 2 is not supported: .* drop --tp"),
     (dict(async_mode="pipemare"), r"--vocab-parallel with --async is not supported"),
     (dict(seq_chunks=2), r"--vocab-parallel runs whole microbatches: drop --seq-chunks 2"),
-    (dict(emulate=True), r"--vocab-parallel with --emulate is not supported yet"),
     (dict(checkpoint=True), r"--vocab-parallel with --checkpoint/--resume is not supported yet"),
     (dict(save_hf=True), r"--vocab-parallel with --save-hf is not supported yet"),
     (dict(eval_every=2), r"--vocab-parallel with --eval-every 2 is not supported yet"),
@@ -41,7 +40,7 @@ def test_vocab_parallel_composes_with_what_train_runs():
     for options in (dict(), dict(precision="bf16-mixed"), dict(clip_grad=1.0, recompute=True, verify=True),
                     dict(precision="bf16-mixed", verify=True),
                     dict(model="hf:models/qwen2", model_tied=True),
-                    dict(split=True, schedule="v-half"), dict(dp=2, sharding=("zero3",))):
+                    dict(split=True, schedule="v-half"), dict(dp=2, sharding=("zero3",)), dict(emulate=True)):
         check_composition(Draft(**{**dict(model="llama", schedule="1f1b", vocab_parallel=True), **options}))
 
 

@@ -167,9 +167,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(("vocab", "seq-chunks"),
             lambda d: f"--vocab-parallel runs whole microbatches: drop --seq-chunks {d.seq_chunks} (or use a "
             "schedule without sequence chunks)"),
-    Refusal(("vocab", "emulate"),
-            lambda d: "--vocab-parallel with --emulate is not supported yet (emulated compute has no vocabulary "
-            "passes): drop --emulate (simulate --vocab-parallel predicts the step)"),
     Refusal(("vocab", "checkpoint"),
             lambda d: "--vocab-parallel with --checkpoint/--resume is not supported yet (a checkpoint would not hold "
             "the ranks' vocabulary rows): drop --checkpoint"),

@@ -537,4 +537,5 @@ def _emulated_compute(cfg: TrainConfig, stages, device):
     from ..runtime.emulate import EmulatedCompute
     from .rank_setup import emulated_costs
 
-    return EmulatedCompute(emulated_costs(cfg), stages, cfg.num_stages, device)
+    return EmulatedCompute(emulated_costs(cfg), stages, cfg.num_stages, device,
+                           vocab_parallel=cfg.schedule.vocab_parallel)

@@ -143,7 +143,7 @@ def _vocab_parallel(cfg: TrainConfig, ctx, spec, modules: dict, rank: int, repli
     """(the stages without embedding and head, this rank's `VocabStep`) on its pipeline
     (global rank = pp_rank * dp + replica, runtime.mesh)."""
     from ..runtime.precision import torch_dtype
-    from .vocab_setup import strip_vocab, vocab_rank
+    from .vocab_setup import emulated_pass_times, strip_vocab, vocab_rank
 
     p, dp, placement = cfg.schedule.p, cfg.dp, cfg.schedule.placement
     pipelines = [[r * dp + d for r in range(p)] for d in range(dp)]
@@ -151,7 +151,7 @@ def _vocab_parallel(cfg: TrainConfig, ctx, spec, modules: dict, rank: int, repli
                        last=placement.rank_of(cfg.num_stages - 1), seed=cfg.seed,
                        master=getattr(torch, cfg.precision.master), compute=torch_dtype(cfg.precision.compute),
                        tokens=cfg.microbatch_size * cfg.model.sequence, device=ctx.device, timeout_s=cfg.timeout_s,
-                       pipelines=pipelines)
+                       pipelines=pipelines, before_pass=emulated_pass_times(cfg) if cfg.emulation is not None else None)
     return strip_vocab(modules, spec), vocab
 
 

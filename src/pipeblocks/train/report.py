@@ -54,6 +54,7 @@ from ..core.costs import Costs
 from ..core.dp_units import DPUnits
 from ..core.simulate import simulate
 from ..core.timeline import Timeline
+from ..core.vocab import VocabCosts, VocabPass
 from ..sim.overhead import handover_gaps, local_gaps
 
 __all__ = ["RankResult", "format_bytes", "RunReport", "profiled_costs", "iteration_times", "build_report", "format_report",
@@ -153,13 +154,43 @@ def between_passes(timelines: Sequence[Timeline]) -> float:
     return statistics.fmean(gaps) if gaps else 0.0
 
 
+def vocab_pass_costs(timelines: Sequence[Timeline], t_comm: float) -> VocabCosts:
+    """The vocabulary passes at their mean measured duration per kind (IF, S, T, IB) plus the
+    time between passes, as `profiled_costs` prices the stages' passes; X's and the embedding
+    gradient's transfers at the measured hop `t_comm`. The all-reduces (C0, IF's) are not
+    measured apart: they cost nothing here, and what they take shows as measured over simulated."""
+    durations: dict[str, list[float]] = defaultdict(list)
+    for timeline in timelines:
+        for events in timeline.events:
+            for e in events:
+                if type(e.action) is VocabPass:
+                    durations[e.action.kind].append(e.end - e.start)
+    between = between_passes(timelines)
+    mean = {kind: statistics.fmean(values) + between if values else 0.0 for kind, values in durations.items()}
+    return VocabCosts(t_if=mean.get("IF", 0.0), t_s=mean.get("S", 0.0), t_t=mean.get("T", 0.0),
+                      t_ib=mean.get("IB", 0.0), t_bcast=t_comm, t_ib_bcast=t_comm)
+
+
+def _simulate_vocab(schedule: Schedule, costs: Costs, placed: Costs, timed: Sequence[Timeline], recompute,
+                    recompute_at) -> Timeline:
+    """The Program lowered as the runner lowers it (the passes placed by `placed`), simulated
+    with the measured pass times."""
+    from ..core.lowering import lower_for
+    from ..core.simulate import simulate_program
+
+    data_parallel = costs.data_parallel
+    program = lower_for(schedule, policies=data_parallel.sharding, dp=data_parallel.dp, recompute=recompute,
+                        recompute_at=recompute_at, units=costs.dp_units(schedule.num_stages), vocab=placed)
+    return simulate_program(program, dataclasses.replace(costs, vocab=vocab_pass_costs(timed, costs.t_comm)))
+
+
 def passes_bubble(simulated: Timeline, between: float) -> float:
     """The simulated timeline's bubble ratio with the time between passes counted as idle, as
     the measured bubble counts it (the simulated passes carry it in their durations)."""
     span = simulated.makespan
     if span <= 0:
         return 0.0
-    busy = [simulated.busy(r) - between * sum(1 for e in events if type(e.action) is Action)
+    busy = [simulated.busy(r) - between * sum(1 for e in events if type(e.action) in (Action, VocabPass))
             for r, events in enumerate(simulated.events)]
     return (span - max(busy)) / span
 
@@ -179,6 +210,7 @@ def build_report(
     seq_mem: Sequence[float] | None = None, dp: int = 1, sharding: Sequence[str] = ("replicate",),
     stage_param_bytes: Sequence[float] | None = None, recompute: Iterable[tuple[int, int]] = (),
     dp_units: DPUnits | None = None, tokens_per_step: int | None = None, recompute_at=None,
+    vocab: Costs | None = None,
 ) -> RunReport:
     """Compare the run with the simulator's replay of it; `memory[s]` has .m_b and .m_w of stage s.
 
@@ -207,6 +239,10 @@ def build_report(
     recomputation's time measured and simulated, and the simulated part of it that
     lengthens the rank's step (`recompute_exposed_s_simulated`); the step's is
     `recompute_step_cost_s_simulated`.
+
+    vocab: under --vocab-parallel, the costs the runner placed the IF, S, T and IB passes by
+    (`vocab_setup.vocab_costs`): the simulator replays the Program so placed, each pass at its
+    mean measured duration (`vocab_pass_costs`).
 
     tokens_per_step: the tokens of one step over all replicas, for `tokens_per_s_measured`
     (over `step_time_s`; null without it). The keys the asynchronous report shares are
@@ -237,7 +273,10 @@ def build_report(
         )
     if all(hasattr(x, "input_ratio") for x in memory):  # profiled: what a recomputed forward keeps
         costs = dataclasses.replace(costs, recompute_input_ratio=tuple(x.input_ratio for x in memory))
-    simulated = simulate(schedule, costs, recompute=frozenset(recompute), recompute_at=recompute_at)
+    if vocab is None:
+        simulated = simulate(schedule, costs, recompute=frozenset(recompute), recompute_at=recompute_at)
+    else:
+        simulated = _simulate_vocab(schedule, costs, vocab, timed, frozenset(recompute), recompute_at)
     recomputed = bool(simulated.recompute_exposed)
     measured_recompute = [statistics.median(t.recompute_time[r] for t in timed) for r in range(schedule.p)]
     exposed = list(simulated.exposed_comm) or [0.0] * schedule.p

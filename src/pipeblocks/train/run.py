@@ -230,6 +230,15 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = No
     return stages, costs
 
 
+def _vocab_placement(cfg: TrainConfig):
+    """Under --vocab-parallel, the costs the runner placed the vocabulary passes by; else None."""
+    if not cfg.schedule.vocab_parallel:
+        return None
+    from .vocab_setup import vocab_costs
+
+    return vocab_costs(cfg)
+
+
 # ---- launch --------------------------------------------------------------------------------
 def _launch(cfg: TrainConfig):
     from .loop import checkpoint_note, launch, launch_or_report
@@ -285,7 +294,8 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
                          recompute_at=s.recompute_anchors,
                          stage_param_bytes=[sum(q.numel() for q in st.parameters()) * cfg.precision.master_bytes
                                             for st in stages],
-                         dp_units=dp_units(cfg), tokens_per_step=cfg.tokens_per_step)
+                         dp_units=dp_units(cfg), tokens_per_step=cfg.tokens_per_step,
+                         vocab=_vocab_placement(cfg))
     built.data["model"] = cfg.model.to_json()
     built.data["precision"] = cfg.precision.name
     built.data["device"] = cfg.mesh.device

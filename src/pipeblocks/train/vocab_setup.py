@@ -23,7 +23,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-__all__ = ["full_tables", "strip_vocab", "vocab_costs", "vocab_paths", "vocab_rank"]
+__all__ = ["emulated_pass_times", "full_tables", "strip_vocab", "vocab_costs", "vocab_paths", "vocab_rank"]
 
 
 def vocab_paths(spec) -> tuple[str, str]:
@@ -75,11 +75,13 @@ def _table(spec, path: str, *, seed: int, dtype: torch.dtype, device) -> torch.T
 
 
 def vocab_rank(spec, *, rank: int, ranks: list[int], first: int, last: int, seed: int, master: torch.dtype,
-               compute: torch.dtype, tokens: int, device, timeout_s: float, pipelines: list[list[int]] | None = None):
+               compute: torch.dtype, tokens: int, device, timeout_s: float, pipelines: list[list[int]] | None = None,
+               before_pass=None):
     """Rank `rank`'s `VocabStep` on the pipeline of global `ranks` (pipeline order; `first` /
     `last`: the pipeline ranks of stage 0 and the last stage); `tokens` per microbatch.
     `pipelines`: every pipeline of the job, in one order on every process (the link's
-    groups are made by all of them; default: this one only)."""
+    groups are made by all of them; default: this one only). `before_pass`: under --emulate,
+    the `runtime.vocab_emulate.VocabPassTimes` each pass sleeps (`emulated_pass_times`)."""
     from ..runtime.vocab_link import DistVocabLink
     from ..runtime.vocab_parallel import partition_vocab, shard_rows
     from ..runtime.vocab_step import VocabStep
@@ -97,7 +99,17 @@ def vocab_rank(spec, *, rank: int, ranks: list[int], first: int, last: int, seed
             link = made
         else:
             made.close()
-    return VocabStep(rank, part, emb, out, link, first=first, last=last, dtype=compute, timeout_s=timeout_s)
+    return VocabStep(rank, part, emb, out, link, first=first, last=last, dtype=compute, timeout_s=timeout_s,
+                     before_pass=before_pass)
+
+
+def emulated_pass_times(cfg):
+    """Under --emulate F,B,W: what each vocabulary pass sleeps. `vocab_costs` prices the passes
+    in layer forwards (one rank's share of a table against a layer's multiply-adds), so each
+    unit lasts the F milliseconds of one layer."""
+    from ..runtime.vocab_emulate import VocabPassTimes
+
+    return VocabPassTimes.from_costs(vocab_costs(cfg).vocab, ms_per_unit=cfg.emulation.times_ms[0])
 
 
 def full_tables(spec, vocab, group) -> tuple[dict, dict]:
