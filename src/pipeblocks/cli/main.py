@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pipeblocks", description="Pipeline-parallel schedules: list, show, simulate, compare, plot, train."
     )
     parser.add_argument("--version", action="version", version=f"pipeblocks {__version__}")
+    parser.add_argument("--schedules-from", action="append", default=[], metavar="MODULE",
+                        help="a .py file or an importable module whose generators, marked with "
+                             "@pipeblocks.schedules.register, every command then knows by name (before or after "
+                             "the command; repeat it for several; docs/schedules.md)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"{__package__}.{name}").register(sub)
@@ -44,10 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv, sources = _schedules_from(sys.argv[1:] if argv is None else list(argv))
     try:
         args = parser.parse_args(argv)
     except SystemExit as done:  # --help, --version, or a bad option: a status, as for any other end
         return done.code if isinstance(done.code, int) else 2
+    try:
+        _load_schedules(sources)
+    except ValueError as err:
+        print(f"pipeblocks {args.command}: error: {err}", file=sys.stderr)
+        return 2
     _show_progress()
     try:
         return int(args.run(args) or 0)
@@ -66,6 +76,35 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _schedules_from(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv without its --schedules-from options, their modules): the option may follow the
+    command (`pipeblocks simulate NAME --schedules-from my.py`), where the command's own parser
+    would not know it."""
+    rest, sources, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--schedules-from" and i + 1 < len(argv):
+            sources.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--schedules-from="):
+            sources.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, sources
+
+
+def _load_schedules(sources: list[str]) -> None:
+    """Register the generators of each module (the ranks `train` starts get the Schedule
+    itself, built here; under torchrun every process reads the same command line)."""
+    from ..schedules import load_schedules
+
+    for source in sources:
+        added = load_schedules(source)
+        logging.getLogger("pipeblocks.schedules").info("schedules from %s: %s", source, ", ".join(added))
 
 
 def _said_by_rank_zero() -> bool:

@@ -40,13 +40,13 @@ NAME is a ModelSpec, or a function of no arguments that returns one.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.model_shape import ModelShape
+from ..core.user_module import import_user_file
 from .adapter import BlockAdapter
 from .layout import Layout
 
@@ -233,21 +233,10 @@ def _as_spec(value: Any, text: str) -> ModelSpec:
 
 
 def _import_file(path: str):
-    file = Path(path).expanduser().resolve()
-    if not file.is_file():
-        raise ValueError(f"--model: no file {path!r}: give FILE.py:NAME with an existing Python file")
-    module_name = f"pipeblocks_user_model_{abs(hash(str(file))):x}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
-    return module
+        return import_user_file(path, prefix="pipeblocks_user_model")
+    except FileNotFoundError:
+        raise ValueError(f"--model: no file {path!r}: give FILE.py:NAME with an existing Python file") from None
 
 
 def _import_module(name: str, text: str):
