@@ -45,6 +45,8 @@ from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
 from pipeblocks.core.sharding import parse_sharding
 from pipeblocks.sim.build import build
 
+import _shared_tests  # noqa: F401  (tests/ on sys.path: _emulated_mesh)
+
 SCHEDULES = ("1f1b", "interleaved-1f1b", "bfs", "zb-h1", "zb-v", "v-half", "v-min")
 
 
@@ -69,7 +71,7 @@ EMULATED_SCHEDULES = ("1f1b", "bfs", "zb-v")
 
 
 def measure_emulated(name: str, args: argparse.Namespace) -> dict:
-    from pipeblocks.train.emulated_mesh import EmulatedMeshCase, measure_emulated_meshes, predict_emulated_mesh
+    from _emulated_mesh import EmulatedMeshCase, measure_emulated_meshes, predict_emulated_mesh
     from pipeblocks.schedules import get
 
     stages = get(name)(p=args.p, m=args.m).num_stages

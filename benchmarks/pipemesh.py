@@ -78,6 +78,7 @@ from pipeblocks.core.timeline import Timeline
 from pipeblocks.sim.build import build, memory_budget, model_config
 from pipeblocks.sim.recompute_auto import fits_memory, memory_need
 
+import _shared_tests  # noqa: F401  (tests/ on sys.path: _emulated_mesh)
 from _output import write_json
 
 BASELINES = (("depth-first", "interleaved-1f1b"), ("breadth-first", "bfs"))
@@ -235,7 +236,7 @@ MATCHED_STEP_LIMIT_S = 20.0  # --match-idle refuses a link that slow: the runs w
 
 def emulated_cases(args: argparse.Namespace, bandwidth_gbs: float) -> list:
     """The three schedules of --emulated at p = 2, d = 2 on a link of `bandwidth_gbs`."""
-    from pipeblocks.train.emulated_mesh import EmulatedMeshCase
+    from _emulated_mesh import EmulatedMeshCase
 
     groups = {"elastic": (("forward_groups", args.forward_groups), ("backward_groups", args.backward_groups))}
     return [
@@ -253,7 +254,7 @@ def bandwidth_for_idle(args: argparse.Namespace, idle: float) -> float:
     """The link (GB/s) at which the simulator puts the emulated depth-first's exposed
     communication at `idle` of its step: how a sweep point's regime maps onto p = 2, d = 2.
     Bisection on a log scale; the share falls as the link gets faster."""
-    from pipeblocks.train.emulated_mesh import predict_emulated_mesh
+    from _emulated_mesh import predict_emulated_mesh
 
     def share(gbs: float) -> float:
         sim = predict_emulated_mesh(emulated_cases(args, gbs)[0])
@@ -275,7 +276,7 @@ def bandwidth_for_idle(args: argparse.Namespace, idle: float) -> float:
 
 
 def run_emulated(args: argparse.Namespace) -> dict:
-    from pipeblocks.train.emulated_mesh import measure_emulated_meshes, predict_emulated_mesh
+    from _emulated_mesh import measure_emulated_meshes, predict_emulated_mesh
 
     cases = emulated_cases(args, args.dp_bandwidth)
     sims = [predict_emulated_mesh(case) for case in cases]

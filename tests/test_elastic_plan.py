@@ -80,7 +80,7 @@ def test_emulated_case_takes_generator_options_and_orders_as_the_simulator():
     # the benchmark's emulated check (benchmarks/pipemesh.py --emulated), simulated side:
     # chunk 1's 40 ms all-reduce hides under 2 (depth-first), 6 (elastic 6,2 / 2,6) or 8
     # (bfs) backwards of chunk 0, 8 ms each
-    from pipeblocks.train.emulated_mesh import EmulatedMeshCase, predict_emulated_mesh
+    from _emulated_mesh import EmulatedMeshCase, predict_emulated_mesh
 
     common = dict(p=2, dp=2, m=8, f_ms=4.0, b_ms=4.0, w_ms=4.0, stage_params=(4e6,) * 4, bandwidth=2e8)
     elastic = EmulatedMeshCase("elastic", options=(("v", 2), ("forward_groups", (6, 2)), ("backward_groups", (2, 6))),

@@ -14,7 +14,7 @@ from pipeblocks.core.sharding import parse_sharding
 from pipeblocks.models import GPTConfig
 from pipeblocks.runtime.emulated_link import EmulatedLink
 from pipeblocks.train import run as training
-from pipeblocks.train.emulated_mesh import (
+from _emulated_mesh import (
     EmulatedMeshCase,
     measure_emulated_mesh,
     measure_emulated_meshes,

@@ -25,7 +25,7 @@ from pipeblocks.schedules import get
 from pipeblocks.sim import memory_estimate
 from pipeblocks.sim.analytic import TransformerConfig
 from pipeblocks.sim.build import build
-from pipeblocks.train import emulated_mesh
+import _emulated_mesh as emulated_mesh
 
 simulate_module = importlib.import_module("pipeblocks.core.simulate")  # the package's name is the function
 

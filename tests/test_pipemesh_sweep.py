@@ -118,7 +118,7 @@ def test_match_idle_maps_a_point_onto_the_emulated_mesh(pipemesh):
     depth-first at a sweep point's idle share (simulated only; nothing is launched)."""
     import argparse
 
-    from pipeblocks.train.emulated_mesh import predict_emulated_mesh
+    from _emulated_mesh import predict_emulated_mesh
 
     args = argparse.Namespace(m=8, emulate_ms=20.0, stage_params=12e6, v=2, emulated_sharding="zero3", steps=4,
                               forward_groups="8", backward_groups="2,6", blocks=1, dp_unit="chunk", prefetch=None)

@@ -16,7 +16,7 @@ from pipeblocks.core.sharding import ShardingPolicy
 from pipeblocks.models import GPTConfig
 from pipeblocks.runtime import RankFailedError, spawn
 from pipeblocks.runtime.mesh import check_world_size
-from pipeblocks.runtime.static_memory import chunk_bytes
+from pipeblocks.core.static_memory import chunk_bytes
 from pipeblocks.train import run as training
 from pipeblocks.train.reference import reference_update, relative_difference
 

@@ -1,4 +1,4 @@
-"""Text for the reference GPT: a byte tokenizer, the embedded corpus, and token windows.
+"""Text as bytes: a byte tokenizer, the embedded corpus, and token windows over a text file.
 
     >>> data = TokenWindows.load(None, seq=64)          # Python's own help topics, no download
     >>> inputs, targets = data.batch(step=0, batch_size=8, seed=0)   # LongTensor [8, 64] each

@@ -15,7 +15,7 @@ LlamaConfig, Layout, ModelShape, get_family, and the command line) does not impo
 """
 from __future__ import annotations
 
-import importlib
+from ..core.lazy import lazy_exports
 
 __all__ = [
     "ModelSpec", "ModelShape", "register_model", "load_spec", "model_logits",
@@ -39,13 +39,4 @@ _HOME = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    home = _HOME[name]
-    module = importlib.import_module(home if home.startswith("..") else f".{home}", __name__)
-    return getattr(module, name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _HOME)

@@ -68,7 +68,7 @@ from .dp_measure import chunk_static_tensors, held_bytes, measure_link
 from .dp_overlap import DPEvent, GathersAhead, InPassReductions
 from .dp_units import GradBucket, finish_reduce_scatter, reduce_scatter_unit
 from .emulated_link import EmulatedLink
-from .static_memory import zero1_partition
+from ..core.static_memory import zero1_partition
 
 __all__ = ["DataParallel", "ChunkOptimizers", "DPEvent", "held_bytes", "measure_link", "zero1_partition"]
 

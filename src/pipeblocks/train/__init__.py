@@ -1,12 +1,16 @@
-"""Training the reference GPT through a pipeline schedule: config, loop, checkpoints,
-the single-process reference check, and the measured-vs-simulated report.
+"""Training a model through a pipeline schedule: the built-in GPT and Llama, a user's
+`ModelSpec` (`--model`) or a Hugging Face directory (`--hf`), on bytes, a tokenizer's tokens
+or token files; synchronous schedules and the asynchronous modes (`asynchronous/`), with
+data and tensor parallelism, vocabulary parallelism, checkpoints (atomic, verified on load,
+saved on a stop), the single-process reference check (`--verify`), the dry run and the
+measured-against-simulated report.
 
 Names are imported on first use, so `from pipeblocks.train import TrainConfig` does not
 import torch.
 """
 from __future__ import annotations
 
-import importlib
+from ..core.lazy import lazy_exports
 
 __all__ = [
     "TrainConfig", "launch", "train_rank", "latest_step", "load_rank", "restore_rank", "save_rank",
@@ -21,11 +25,4 @@ _HOME = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _HOME)

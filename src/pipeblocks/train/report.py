@@ -88,7 +88,7 @@ class RankResult:
     static_bytes_measured: int = 0
     """The largest parameter + gradient + optimizer-state bytes held (sampled at the step's peak)."""
     static_bytes_predicted: int = 0
-    """What runtime.static_memory predicts for it."""
+    """What core.static_memory predicts for it."""
     dp_wait_s: tuple[float, ...] = ()
     """Per step: time the rank waited on data-parallel communication (exposed)."""
     dp_link: tuple[float, float] | None = None
@@ -223,7 +223,7 @@ def build_report(
 
     dp, sharding: the mesh's replicas and the per-chunk policies. Rows are per process
     (pipeline rank, replica); the static bytes (parameters, gradients, optimizer state)
-    are measured at the step's peak and predicted by `runtime.static_memory`;
+    are measured at the step's peak and predicted by `core.static_memory`;
     `dp_comm_exposed_s_measured` is the median over the timed steps of the time the rank
     waited on data-parallel communication. With dp > 1 the simulator replays the step
     with its DP ops on the link the run measured (`dp_link`, a ring all-reduce fit) and

@@ -109,10 +109,10 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None, 
 def _static_predicted(cfg: TrainConfig, stages) -> list[int]:
     """Peak static bytes per pipeline rank (replica 0) in a steady-state step: parameters,
     gradients, AdamW state and bf16-mixed's compute copies as the precision and the mesh's
-    policies hold them (runtime.static_memory); without data parallelism also the
+    policies hold them (core.static_memory); without data parallelism also the
     optimistic step's spare parameter and two moments (in the master dtype)."""
     from ..core.lowering import lower_for
-    from ..runtime.static_memory import predict_static_peak
+    from ..core.static_memory import predict_static_peak
 
     s = cfg.schedule
     program = lower_for(s.schedule, policies=cfg.sharding, dp=cfg.dp, recompute=s.recompute,

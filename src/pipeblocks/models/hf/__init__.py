@@ -17,7 +17,7 @@ optional extra: `pip install -e .[hf]`; importing this package does not import i
 """
 from __future__ import annotations
 
-import importlib
+from ...core.lazy import lazy_exports
 
 __all__ = ["HF_LAYOUT", "HFDecoderAdapter", "SafetensorsWeights", "hf_spec", "hf_tp_plan", "save_hf",
            "require_transformers"]
@@ -28,11 +28,4 @@ _HOME = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _HOME)

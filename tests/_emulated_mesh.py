@@ -1,4 +1,5 @@
-"""Exposed DP communication measured on an emulated mesh, beside the simulator's prediction.
+"""Exposed DP communication measured on an emulated mesh, beside the simulator's prediction
+(shared by the tests and by benchmarks/mesh.py and benchmarks/pipemesh.py).
 
 Every pass sleeps its modelled time (`runtime.emulate`) and every DP collective takes its
 modelled link time (`runtime.emulated_link`), on a real p x d mesh of local processes, so
@@ -18,12 +19,12 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from ..core.costs import BlockCosts, Costs
-from ..core.dp_model import DPCostModel, Link
-from ..core.dp_units import DPUnits, check_dp_unit, check_prefetch, units_for
-from ..core.lowering import lower_for
-from ..core.sharding import parse_sharding
-from ..core.simulate import simulate_program
+from pipeblocks.core.costs import BlockCosts, Costs
+from pipeblocks.core.dp_model import DPCostModel, Link
+from pipeblocks.core.dp_units import DPUnits, check_dp_unit, check_prefetch, units_for
+from pipeblocks.core.lowering import lower_for
+from pipeblocks.core.sharding import parse_sharding
+from pipeblocks.core.simulate import simulate_program
 
 __all__ = ["EmulatedMeshCase", "measure_emulated_mesh", "measure_emulated_meshes", "predict_emulated_mesh"]
 
@@ -65,7 +66,7 @@ class EmulatedMeshCase:
         check_prefetch(self.prefetch)
 
     def build_schedule(self):
-        from .. import schedules
+        from pipeblocks import schedules
 
         return schedules.get(self.schedule)(p=self.p, m=self.m, **dict(self.options))
 
@@ -101,13 +102,13 @@ def _build(case: EmulatedMeshCase, mesh, device):
     """One case's runner and DataParallel on this process's ranks of `mesh`."""
     import torch
 
-    from ..core.sharding import per_stage
-    from ..models import GPTConfig, cross_entropy
-    from ..models.build import build_stages
-    from ..runtime import PipelineRunner
-    from ..runtime.data_parallel import DataParallel
-    from ..runtime.emulate import EmulatedCompute, EmulatedCosts
-    from ..runtime.emulated_link import EmulatedLink
+    from pipeblocks.core.sharding import per_stage
+    from pipeblocks.models import GPTConfig, cross_entropy
+    from pipeblocks.models.build import build_stages
+    from pipeblocks.runtime import PipelineRunner
+    from pipeblocks.runtime.data_parallel import DataParallel
+    from pipeblocks.runtime.emulate import EmulatedCompute, EmulatedCosts
+    from pipeblocks.runtime.emulated_link import EmulatedLink
 
     schedule = case.build_schedule()
     S = schedule.num_stages
@@ -131,7 +132,7 @@ def _build(case: EmulatedMeshCase, mesh, device):
 def _worker(ctx, cases: tuple[EmulatedMeshCase, ...]) -> list[list[tuple[float, float]]]:
     import torch
 
-    from ..runtime.mesh import init_mesh
+    from pipeblocks.runtime.mesh import init_mesh
 
     mesh = init_mesh(cases[0].p, cases[0].dp, ctx.device)
     built = [_build(case, mesh, ctx.device) for case in cases]
@@ -160,7 +161,7 @@ def measure_emulated_mesh(case: EmulatedMeshCase, *, timeout_s: float = 120.0) -
 def measure_emulated_meshes(cases, *, timeout_s: float = 120.0) -> list[dict]:
     """`measure_emulated_mesh` of several cases on one p x d mesh (one launch): their steps
     are interleaved, so that they are compared under the same load."""
-    from ..runtime import spawn
+    from pipeblocks.runtime import spawn
 
     cases = tuple(cases)
     if not cases:
