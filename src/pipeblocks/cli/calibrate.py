@@ -11,7 +11,8 @@ and the head with the runtime's own forward and split backward, counts their FLO
 measures the block's saved bytes; it measures the peak (a large matmul's FLOP/s in the
 precision: on a CPU there is no data-sheet figure to trust) and the memory bandwidth, and,
 unless --no-links, the point-to-point and all-reduce latency and bandwidth between two
-local processes (gloo on CPU, NCCL with two GPUs). Then it fits the achieved fraction of
+local processes (gloo on CPU, NCCL with two GPUs) and, on a CPU, how much longer the passes
+take inside a pipelined run (a few steps of 1F1B and of v-half: `runtime.in_run`). Then it fits the achieved fraction of
 the peak per pass kind, constant or as a function of arithmetic intensity, with or without
 a fixed overhead per pass of a block, and says which fits best with the residuals
 (`pipeblocks.sim.hardware_profile`). A shape that does not
@@ -30,13 +31,14 @@ threads, it is an error. The profile records `threads` and `ranks`, and `train -
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import sys
 import time
 
 from ..core.precision import PRECISION_NAMES
-from ..train.config import threads_per_rank
+from ..train.config import TrainConfig, threads_per_rank
 from ..train.run import DEFAULT_P
 from .argtypes import positive_int
 from .common import print_json, progress
@@ -209,8 +211,30 @@ def _measure(args: argparse.Namespace, device, shapes, *, ranks: int | None) -> 
     profile = build_profile(name=name, peak_flops=peak, peak_how=peak_how, points=points, links=links,
                             memory_bandwidth=bandwidth, about=about,
                             ranks_per_node=torch.cuda.device_count() if device.type == "cuda" else os.cpu_count() or 1)
+    if args.links and device.type == "cpu" and points:
+        # the first shape's block, with train's default microbatch: a run as `train` starts it
+        shape = dataclasses.replace(shapes[0], microbatch=TrainConfig.__dataclass_fields__["microbatch_size"].default)
+        profile["in_run"] = _in_run(args, shape, profile)
     profile["seconds"] = time.monotonic() - started
     return profile
+
+
+def _in_run(args, shape, profile: dict) -> dict:
+    """The passes of a few 1F1B and v-half steps on two local processes against the profile's
+    prediction for them (`runtime.in_run`): the in-run factor per chunks per rank."""
+    import torch
+
+    from ..runtime.in_run import IN_RUN_LAYERS, measure_in_run
+    from ..sim.hardware_profile import profile_hardware
+    from ..train.predict import in_run_factors
+
+    progress(f"calibrate: passes inside a run (1f1b and v-half, p=2, {IN_RUN_LAYERS} blocks of {shape.text}) ...")
+    measured = measure_in_run(args.model_family, shape, precision=args.precision, threads=torch.get_num_threads())
+    factors = in_run_factors(profile_hardware(profile), args.model_family, shape, args.precision, measured)
+    progress("calibrate: inside a run the passes take " + ", ".join(
+        f"{factor:.2f}x the profile's with {chunks} chunk(s) per rank" for chunks, factor in sorted(factors.items())))
+    return {"factors": factors, "model": f"{args.model_family}, {IN_RUN_LAYERS} blocks of {shape.text}, p=2, m=8",
+            "schedules": measured}
 
 
 def _point_rows(args, point, element: int) -> list[dict]:
@@ -286,6 +310,11 @@ def format_profile(profile: dict) -> str:
                      f"{ring['latency_s'] * 1e6:.1f} us, {ring['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")
     else:
         lines.append(f"links: {links.get('note', 'not measured')}")
+    factors = profile.get("in_run", {}).get("factors")
+    if factors:
+        lines.append("inside a run (" + profile["in_run"]["model"] + "): the passes take " + ", ".join(
+            f"{factor:.2f}x with {chunks} chunk(s) per rank" for chunks, factor in sorted(factors.items()))
+            + " (train --dry-run --hardware applies it)")
     for item in profile.get("skipped", []):
         lines.append(f"skipped {item['shape']}: {item['reason']}")
     return "\n".join(lines)

@@ -29,6 +29,13 @@ passes of a rank: the train report's `between passes`). `calibrate` measures it 
 link processes (`links.between_passes_s`), and the dry run adds it to every pass, as the
 report's simulated side adds the measured one (`with_runtime_time`): on small models it is
 a large share of the step (a fraction of a millisecond against passes of one or two).
+
+A rank inside a run also computes its passes more slowly than the same passes timed alone,
+and more so when it alternates between two stages (the V schedules): `calibrate` runs a few
+steps of 1F1B and of v-half (`runtime.in_run`) and records, per chunks per rank, what the
+run's passes took over what the profile predicts for them (`in_run_factors`, the profile's
+`in_run` field). The dry run multiplies its predicted passes by the factor of the run's
+chunks per rank (`profile_in_run_factor`; the two-chunk factor for more chunks).
 """
 from __future__ import annotations
 
@@ -36,7 +43,8 @@ import json
 from pathlib import Path
 from typing import Callable, Sequence
 
-__all__ = ["predicted_times", "profile_between_passes", "profile_threads", "threads_mismatch", "with_runtime_time"]
+__all__ = ["in_run_factors", "predicted_times", "profile_between_passes", "profile_in_run_factor", "profile_threads",
+           "threads_mismatch", "with_runtime_time"]
 
 
 def predicted_times(stages: Sequence, inputs, loss_fn: Callable, target, hardware, *, split: bool = True) -> tuple[
@@ -93,6 +101,57 @@ def with_runtime_time(f: tuple[float, ...], b: tuple[float, ...], w: tuple[float
     if split:
         return f, tuple(t + between if t else t for t in b), tuple(t + between for t in w)
     return f, tuple(t + between for t in b), w
+
+
+def in_run_factors(hardware, family: str, shape, precision: str, measured: dict) -> dict[str, float]:
+    """{chunks per rank: the passes' measured time in a run over what `hardware` predicts for
+    them} of `runtime.in_run.measure_in_run`'s result, summed over every pass of the step."""
+    from .. import schedules
+    from ..runtime.in_run import in_run_model
+
+    factors = {}
+    for name, run in measured.items():
+        schedule = schedules.get(name)(p=2, m=2)
+        spec, stages = in_run_model(family, shape, precision, schedule.num_stages)
+        tokens = _tokens(shape)
+        f, b, w, _ = predicted_times(stages, tokens[:, :-1], spec.loss, tokens[:, 1:], hardware,
+                                     split=schedule.has_split_backward)
+        each = {"F": f, "B": b, "W": w}
+        predicted = sum(each[kind][int(stage)] if kind in each else b[int(stage)] + w[int(stage)]
+                        for stage, kind in (_stage_kind(key) for key in run["passes"]))
+        if predicted > 0:
+            factors[str(run["chunks"])] = sum(run["passes"].values()) / predicted
+    return factors
+
+
+def _stage_kind(key: str) -> tuple[str, str]:
+    """("12", "BW") of "12BW"."""
+    digits = len(key) - len(key.lstrip("0123456789"))
+    return key[:digits], key[digits:]
+
+
+def _tokens(shape):
+    """One microbatch of token ids ([microbatch, seq + 1]) for `shape`, seed 0."""
+    import torch
+
+    return torch.randint(0, 256, (shape.microbatch, shape.seq + 1), generator=torch.Generator().manual_seed(0))
+
+
+def profile_in_run_factor(text: str, chunks: int) -> float | None:
+    """The in-run factor a profile file measured for `chunks` chunks per rank (the largest
+    measured when it has none for that many; None: a preset, or not measured)."""
+    path = Path(text)
+    if not path.is_file():
+        return None
+    try:
+        factors = json.loads(path.read_text()).get("in_run", {}).get("factors", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    valid = {int(k): float(v) for k, v in factors.items()
+             if str(k).isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+    if not valid:
+        return None
+    return valid.get(chunks, valid[max(k for k in valid if k <= chunks)] if min(valid) <= chunks else None)
 
 
 def profile_between_passes(text: str) -> float | None:

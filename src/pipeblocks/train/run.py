@@ -165,12 +165,15 @@ def profiling_spec(spec):
 def _times_from(cfg: TrainConfig, hardware: str | None) -> str:
     if hardware is None:
         return "profiled in this process"
-    from .predict import profile_threads
+    from .predict import profile_in_run_factor, profile_threads
 
     threads, mine = profile_threads(hardware), cfg.threads_for(_local_ranks(cfg))
     other = (f"; measured with {threads} torch threads, a rank here has {mine}"
              if cfg.mesh.device == "cpu" and threads not in (None, mine) else "")
-    return f"predicted from hardware {hardware}{other}"
+    chunks = cfg.schedule.schedule.num_stages // cfg.schedule.p
+    factor = profile_in_run_factor(hardware, chunks)
+    inside = f", x {factor:.2f} as inside a run of {chunks} chunk(s) per rank" if factor else ""
+    return f"predicted from hardware {hardware}{inside}{other}"
 
 
 def _threads_against_profile(cfg: TrainConfig, hardware: str | None) -> dict:
@@ -212,11 +215,13 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = No
         f, b, w = (tuple(t * 1e-3 for t in times) for times in (ms.t_f, ms.t_b, ms.t_w))
     elif hardware is not None:
         from ..sim.hardware_profile import resolve_hardware
-        from .predict import predicted_times, profile_between_passes, with_runtime_time
+        from .predict import predicted_times, profile_between_passes, profile_in_run_factor, with_runtime_time
 
         f, b, w, t_comm = predicted_times(chain, x, loss_fn, y, resolve_hardware(hardware),
                                           split=s.schedule.has_split_backward)
         f, b, w = (per_chain(s.schedule, t) for t in (f, b, w))
+        factor = profile_in_run_factor(hardware, s.schedule.num_stages // s.p) or 1.0  # as inside a run
+        f, b, w = (tuple(t * factor for t in times) for times in (f, b, w))
         f, b, w = with_runtime_time(f, b, w, profile_between_passes(hardware), split=s.schedule.has_split_backward)
     else:
         with torch_threads(cfg.threads_for(_local_ranks(cfg))):  # as a rank of the run (p x dp x tp)
