@@ -154,7 +154,7 @@ def _worker(ctx, cases, warmup, steps):
 
 def _all_reduce_ms(group, shape, repeats: int = 20) -> float:
     """Median wall milliseconds of one all-reduce of a toy tensor of `shape` over `group` (every
-    rank calls it): what each of C0's four all-reduces and IF's one costs on this machine."""
+    rank calls it): what each of C0's two all-reduces and IF's one costs on this machine."""
     import torch
     import torch.distributed as dist
 
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r.get("all_reduce_ms_measured") is not None:
             print(f"vocab p={r['p']}: one all-reduce of the toy tensors took {r['all_reduce_ms_measured']:.2f} ms here "
-                  f"(C0 is four back to back, IF's one); C0 is modelled at {r['c0_ms_modelled']:.2f} ms for all four "
+                  f"(C0 is two back to back, IF's one); C0 is modelled at {r['c0_ms_modelled']:.2f} ms for both "
                   f"at scale {args.scale:g} and is not slept: the emulated step pays this machine's collectives")
     print("sim step: the simulated step; vs naive: the naive split's step over this one, minus 1 (+: faster); "
           "emulated: the runtime's step in emulated compute (median), in the model's seconds; compute: a rank's "

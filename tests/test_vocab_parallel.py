@@ -150,6 +150,30 @@ def test_bfloat16_within_its_rounding():
     assert torch.allclose(out[0][2].float(), xr.grad.float(), rtol=0.02, atol=2e-3)
 
 
+
+def test_c0_is_a_max_then_one_sum():
+    """C0 runs two collectives on every rank: the MAX of the n local maxima, then one SUM of one
+    flat buffer of 2*n*h + 2*n values (s_r.G_r, Y_r, s_r, t_r)."""
+    n, hidden, vocab, p = 6, 4, 13, 3
+    case = _case(vocab, hidden, tied=False, seed=5)
+    x = torch.randn(n, hidden, dtype=torch.float64)
+    labels = case[1].reshape(-1)[:n]
+    part, group = vp.partition_vocab(vocab, p), ThreadAllReduce(p)
+    calls: list[list] = [[] for _ in range(p)]
+
+    def rank(r):
+        inner = group.for_rank(r)
+
+        def counted(tensor, op):
+            calls[r].append((op, tuple(tensor.shape)))
+            inner(tensor, op)
+
+        _, partials = vp.output_forward(x, vp.shard_rows(case[3], part, r), labels, part, r)
+        return vp.reduce_output(partials, labels, counted)
+
+    _run_ranks(p, rank)
+    assert calls == [[("max", (n,)), ("sum", (2 * n * hidden + 2 * n,))]] * p
+
 def test_partition_pads_and_says_so():
     part = vp.partition_vocab(10, 4)
     assert [part.rows(r) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
