@@ -37,17 +37,13 @@ def test_padding_is_priced_and_collectives_grow_with_p():
 
 def test_c0_is_two_all_reduces():
     """C0 is priced as the runtime runs it (`vocab_parallel.reduce_output`): a ring all-reduce of
-    the n maxima, then one of the (2*n*h + 2*n) summed values, each 2(p-1) latencies."""
+    the 3*p*n gathered statistics, then one of the n*h input gradient, each 2(p-1) latencies."""
     p, n, h = 4, LLAMA.seq * LLAMA.microbatch_size, LLAMA.hidden
-    moved = 2 * (p - 1) / p * (n + 2 * n * h + 2 * n) * 4 / A100.bandwidth  # float32 statistics
+    moved = 2 * (p - 1) / p * (3 * p * n + n * h) * 4 / A100.bandwidth  # float32 statistics
     assert math.isclose(vocab_costs(LLAMA, dataclasses.replace(A100, latency=0.0), ranks=p).t_c0, moved,
                         rel_tol=1e-12)
     assert math.isclose(vocab_costs(LLAMA, A100, ranks=p).t_c0, moved + 2 * 2 * (p - 1) * A100.latency,
                         rel_tol=1e-12)
-
-def test_a_rank_without_rows_is_refused():
-    with pytest.raises(ScheduleError, match=r"V = 5 .* of p = 4 .* at least 7"):
-        vocab_costs(dataclasses.replace(LLAMA, vocab=5), A100, ranks=4)
 
 
 def test_end_stages_become_middle_stages():

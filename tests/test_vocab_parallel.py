@@ -78,7 +78,7 @@ def _vocab_parallel(p, tokens, labels, emb, head, body, tied):
         b = body.clone().requires_grad_()
         x = torch.tanh(h0 @ b)
         shard, partials = vp.output_forward(x.reshape(-1, x.shape[-1]), head_shard, flat, part, r)   # S
-        stats = vp.reduce_output(partials, flat, all_reduce)                     # C0
+        stats = vp.reduce_output(partials, flat, all_reduce, rank=r, ranks=p)    # C0
         g = vp.mean_token_grad(flat, dtype=torch.float64)
         loss = (stats.token_loss() * g).sum()
         head_grad = vp.output_weight_grad(shard, stats, g)                       # T
@@ -138,7 +138,7 @@ def test_bfloat16_within_its_rounding():
     def rank(r):
         shard, partials = vp.output_forward(x, vp.shard_rows(head, part, r), labels, part, r)
         assert shard.softmax.dtype == torch.float32
-        stats = vp.reduce_output(partials, labels, group.for_rank(r))
+        stats = vp.reduce_output(partials, labels, group.for_rank(r), rank=r, ranks=2)
         tg = vp.mean_token_grad(labels)
         return ((stats.token_loss() * tg).sum(), vp.output_weight_grad(shard, stats, tg, dtype=torch.bfloat16),
                 vp.output_input_grad(stats, tg, dtype=torch.bfloat16))
@@ -152,8 +152,8 @@ def test_bfloat16_within_its_rounding():
 
 
 def test_c0_is_a_max_then_one_sum():
-    """C0 runs two collectives on every rank: the MAX of the n local maxima, then one SUM of one
-    flat buffer of 2*n*h + 2*n values (s_r.G_r, Y_r, s_r, t_r)."""
+    """C0 runs two collectives on every rank: a MAX that gathers every rank's (m_r, e_r, t_r)
+    ([p, 3, n]), then the SUM of the n x h values alpha_r.G_r - Y_r."""
     n, hidden, vocab, p = 6, 4, 13, 3
     case = _case(vocab, hidden, tied=False, seed=5)
     x = torch.randn(n, hidden, dtype=torch.float64)
@@ -169,10 +169,10 @@ def test_c0_is_a_max_then_one_sum():
             inner(tensor, op)
 
         _, partials = vp.output_forward(x, vp.shard_rows(case[3], part, r), labels, part, r)
-        return vp.reduce_output(partials, labels, counted)
+        return vp.reduce_output(partials, labels, counted, rank=r, ranks=p)
 
     _run_ranks(p, rank)
-    assert calls == [[("max", (n,)), ("sum", (2 * n * hidden + 2 * n,))]] * p
+    assert calls == [[("max", (p, 3, n)), ("sum", (n, hidden))]] * p
 
 def test_partition_pads_and_says_so():
     part = vp.partition_vocab(10, 4)
@@ -205,7 +205,7 @@ def _head_grads(x, head, labels, p, *, drop_rescale=False):
         if drop_rescale:
             partials = vp.OutputPartials(torch.zeros_like(partials.local_max), torch.ones_like(partials.local_sum),
                                          partials.target_logit, partials.softmax_input_grad, partials.target_rows)
-        stats = vp.reduce_output(partials, labels, group.for_rank(r))
+        stats = vp.reduce_output(partials, labels, group.for_rank(r), rank=r, ranks=p)
         g = vp.mean_token_grad(labels)
         return vp.output_input_grad(stats, g), vp.output_weight_grad(shard, stats, g, dtype=torch.float32)
 

@@ -39,7 +39,7 @@ def _worker(rank, world, init_file, folder):
         h0 = vp.embedding_forward(tokens, emb_shard, part, rank, all_reduce).requires_grad_()   # IF
         x = torch.sin(h0)                                                                     # the stages
         shard, partials = vp.output_forward(x.detach(), head_shard, labels, part, rank)       # S
-        stats = vp.reduce_output(partials, labels, all_reduce)                                # C0
+        stats = vp.reduce_output(partials, labels, all_reduce, rank=rank, ranks=world)      # C0
         g = vp.mean_token_grad(labels, dtype=torch.float64)
         x.backward(vp.output_input_grad(stats, g))
         torch.save({"loss": (stats.token_loss() * g).sum(),

@@ -116,7 +116,9 @@ class VocabRank:
             shard, partials = output_forward(x, self.tables.head, self.labels[i], self.part, self.rank)
             self._shard[i] = shard
             labels = self.labels[i]
-            self._stats[i] = self.link.issue("C0", lambda all_reduce: reduce_output(partials, labels, all_reduce))
+            rank, ranks = self.rank, self.part.ranks
+            self._stats[i] = self.link.issue(
+                "C0", lambda all_reduce: reduce_output(partials, labels, all_reduce, rank=rank, ranks=ranks))
         elif op.kind == "T":
             shard = self._shard.pop(i)
             start = time.perf_counter()

@@ -10,9 +10,9 @@ stage's output (n tokens × h) sent to every rank and y the labels:
     S   (every rank)  Z_r = X·W_rᵀ, its local max m_r, local sum e_r = Σ exp(Z_r − m_r), the
                       target logit t_r (0 where y is not in r's rows), the local softmax P̃_r,
                       G_r = P̃_r·W_r and Y_r = W_r[y]                      -> output_forward
-    C0  (one barrier) M = max m_r; s_r = e_r·exp(m_r − M); z = Σ t_r; E = Σ s_r;
-                      dX/g = (Σ s_r·G_r)/E − Σ Y_r = Σ (α_r·G_r − Y_r),
-                      α_r = s_r/E                                         -> reduce_output
+    C0  (one barrier) every rank's (m_r, e_r, t_r) gathered; M = max m_r; E = Σ e_r·exp(m_r − M);
+                      z = Σ t_r; dX/g = Σ (α_r·G_r − Y_r), α_r = e_r·exp(m_r − M)/E
+                                                                          -> reduce_output
                       loss per token: ℓ = log E + M − z                   -> OutputStats.token_loss
     T   (every rank)  D_r = g ⊙ (α_r·P̃_r − onehot_r(y)); ∇W_r = D_rᵀ·X   -> output_weight_grad
     last stage        dL/dX = g ⊙ dX/g                                    -> output_input_grad
@@ -23,14 +23,15 @@ stage's output (n tokens × h) sent to every rank and y the labels:
 This is the paper's Algorithm 2: one communication phase C0 between S and T, so the 1F1B
 activation overhead is one extra microbatch. It is exact, not an approximation: each rank
 normalises with its own max and C0 rescales by exp(m_r − M), so no exponential is recomputed
-after the global max is known, and because dX is linear in G_r and Y_r, the sums of s_r·G_r and
-of Y_r give Σ_r D_r·W_r / g exactly (Algorithm 1 would need a second barrier C1 after T to
-all-reduce D_r·W_r). C0 is two all-reduces issued back to back on the communication stream, no
-compute pass between them: the MAX of the m_r, then one SUM of one flat buffer
-[s_r·G_r, Y_r, s_r, t_r] (2·n·h + 2·n values), whose parts need only M. E divides the first part
-after the sum (the division moved out of the sum, which changes only the rounding), and Y's part
-stays apart because E divides only G's: two latency-bound rounds, where summing α_r·G_r − Y_r
-(n·h values) would need E first, a round of its own.
+after the global max is known, and because dX is linear in G_r and Y_r, the all-reduce of
+α_r·G_r − Y_r gives Σ_r D_r·W_r / g exactly (Algorithm 1 would need a second barrier C1 after T
+to all-reduce D_r·W_r). C0 is two all-reduces issued back to back on the communication stream,
+no compute pass between them. The first gathers every rank's statistics: a MAX all-reduce of a
+[p, 3, n] buffer in which rank r fills row r with (m_r, e_r, t_r) and every other row with −∞,
+so each rank then holds all p rows and computes M, E and z itself, in the same order on every
+rank. The second is the SUM of α_r·G_r − Y_r (n·h values), which needs E, known by then. Two
+latency-bound rounds, and the bytes of the sums alone: the n·h sum is the one that counts
+(3·p·n values gathered is small beside it).
 
 Tied embeddings: the embedding and the head are one table, so a rank holds one shard for both
 and adds the T gradient and the IB gradient into it; no pair of copies is kept equal.
@@ -182,25 +183,26 @@ def output_forward(x: Tensor, weight_shard: Tensor, labels: Tensor, part: VocabP
     return shard, partials
 
 
-def reduce_output(partials: OutputPartials, labels: Tensor, all_reduce: AllReduce, *,
+def reduce_output(partials: OutputPartials, labels: Tensor, all_reduce: AllReduce, *, rank: int, ranks: int,
                   ignore_index: int = IGNORE_INDEX) -> OutputStats:
-    """Barrier C0: two all-reduces back to back, the MAX of the local maxima, then one SUM of
-    [s_r·G_r, Y_r, s_r, t_r] (s_r = e_r·exp(m_r − M)) in one flat buffer; the same result on every rank."""
-    global_max = partials.local_max.clone()
-    all_reduce(global_max, "max")
-    scaled = partials.local_sum * torch.exp(partials.local_max - global_max)
-    grads, rows = partials.softmax_input_grad, partials.target_rows
-    n, h = grads.shape
-    if rows.shape != grads.shape or {rows.dtype, grads.dtype, partials.target_logit.dtype} != {scaled.dtype}:
-        raise ValueError(f"C0 sums one buffer of one dtype: G_r is {tuple(grads.shape)} {grads.dtype}, Y_r "
-                         f"{tuple(rows.shape)} {rows.dtype}, t_r {partials.target_logit.dtype}, the statistics "
-                         f"{scaled.dtype}; build the partials with output_forward")
-    flat = torch.cat([(scaled[:, None] * grads).reshape(-1), rows.reshape(-1), scaled, partials.target_logit])
-    all_reduce(flat, "sum")
-    weighted, summed_rows, sum_exp, target_logit = flat.split([n * h, n * h, n, n])
-    input_grad = weighted.view(n, h) / sum_exp[:, None] - summed_rows.view(n, h)
-    # copies of the statistics, so that what T keeps does not hold the whole buffer
-    return OutputStats(global_max=global_max, sum_exp=sum_exp.clone(), target_logit=target_logit.clone(),
+    """Barrier C0 on `rank` of `ranks`: two all-reduces back to back (the module docstring), a
+    MAX that gathers every rank's (m_r, e_r, t_r), then the SUM of α_r·G_r − Y_r; the same
+    result on every rank."""
+    if not 0 <= rank < ranks:
+        raise ValueError(f"C0 on rank {rank} of {ranks}: give 0 <= rank < ranks")
+    stats = (partials.local_max, partials.local_sum, partials.target_logit)
+    gathered = torch.full((ranks, 3, stats[0].shape[0]), -math.inf, dtype=stats[0].dtype, device=stats[0].device)
+    gathered[rank] = torch.stack(stats)
+    all_reduce(gathered, "max")
+    maxima, sums, targets = gathered.unbind(1)  # [p, n] each, every rank's row filled in
+    global_max = maxima.max(dim=0).values
+    scaled = sums * torch.exp(maxima - global_max)  # s_r, every rank's, in rank order
+    sum_exp = scaled.sum(dim=0)
+    target_logit = targets.sum(dim=0)
+    alpha = scaled[rank] / sum_exp
+    input_grad = alpha[:, None] * partials.softmax_input_grad - partials.target_rows
+    all_reduce(input_grad, "sum")
+    return OutputStats(global_max=global_max, sum_exp=sum_exp, target_logit=target_logit,
                        input_grad=input_grad, valid=labels != ignore_index)
 
 

@@ -12,8 +12,9 @@ the softmax's (`core.vocab.VocabCosts`, the fields the simulator reads)::
     t_t      T: ∇W_r = D_rᵀ.X (2*n*h*V_r, at W's), plus n*V_r*(f + e) bytes for D_r
     t_if     IF: the rows' lookup, n*h*e read and written;  t_ib  IB: the rows' scatter, 3*n*h*e
     t_bcast  X to every rank: a broadcast of n*h*e bytes
-    t_c0     C0: two all-reduces back to back, the max of n*f bytes, then one sum of
-             (2*n*h + 2*n)*f bytes (s_r.G_r, Y_r, the rescaled sum of exponentials, the target logit)
+    t_c0     C0: two all-reduces back to back, a max of 3*p*n*f bytes (every rank's maximum,
+             sum of exponentials and target logit, gathered), then the sum of n*h*f bytes
+             (alpha_r.G_r - Y_r, the input gradient)
     t_if_reduce   the all-reduce (sum) of IF's n*h*e output;  t_ib_bcast  the broadcast of its gradient
     mem_st   held from S to T: X (n*h*e), the softmax shard (n*V_r*f), G_r until C0 (n*h*f), the
              statistics and the label's column (n*(2f + 8))
@@ -125,7 +126,7 @@ def vocab_costs(config: TransformerConfig, hardware: Hardware, *, ranks: int,
         t_if=streamed(2 * hidden_bytes),
         t_ib=streamed(3 * hidden_bytes),
         t_bcast=_broadcast(hidden_bytes, ranks, hardware),
-        t_c0=_all_reduce(n * f, ranks, hardware) + _all_reduce((2 * n * h + 2 * n) * f, ranks, hardware),
+        t_c0=_all_reduce(3 * ranks * n * f, ranks, hardware) + _all_reduce(n * h * f, ranks, hardware),
         t_c1=0.0,
         t_if_reduce=_all_reduce(hidden_bytes, ranks, hardware),
         t_ib_bcast=_broadcast(hidden_bytes, ranks, hardware),
