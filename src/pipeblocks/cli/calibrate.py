@@ -213,7 +213,7 @@ def _measure(args: argparse.Namespace, device, shapes, *, ranks: int | None) -> 
                             ranks_per_node=torch.cuda.device_count() if device.type == "cuda" else os.cpu_count() or 1)
     if args.links and device.type == "cpu" and points:
         # the first shape's block, with train's default microbatch: a run as `train` starts it
-        shape = dataclasses.replace(shapes[0], microbatch=TrainConfig.__dataclass_fields__["microbatch_size"].default)
+        shape = dataclasses.replace(shapes[0], microbatch=TrainConfig.microbatch_size)
         profile["in_run"] = _in_run(args, shape, profile)
     profile["seconds"] = time.monotonic() - started
     return profile

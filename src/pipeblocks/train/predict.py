@@ -137,44 +137,45 @@ def _tokens(shape):
     return torch.randint(0, 256, (shape.microbatch, shape.seq + 1), generator=torch.Generator().manual_seed(0))
 
 
-def profile_in_run_factor(text: str, chunks: int) -> float | None:
-    """The in-run factor a profile file measured for `chunks` chunks per rank (the largest
-    measured when it has none for that many; None: a preset, or not measured)."""
+def _profile_field(text: str, *keys: str):
+    """The value at `keys` in the profile file `text` (None: a preset's name, no such file or
+    field, or a file that is not a profile)."""
     path = Path(text)
     if not path.is_file():
         return None
     try:
-        factors = json.loads(path.read_text()).get("in_run", {}).get("factors", {})
+        value = json.loads(path.read_text())
+        for key in keys:
+            value = value.get(key)
     except (OSError, ValueError, AttributeError):
         return None
-    valid = {int(k): float(v) for k, v in factors.items()
-             if str(k).isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
-    if not valid:
+    return value
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def profile_in_run_factor(text: str, chunks: int) -> float | None:
+    """The in-run factor a profile file measured for `chunks` chunks per rank (the largest
+    measured when it has none for that many; None: a preset, or not measured)."""
+    factors = _profile_field(text, "in_run", "factors")
+    if not isinstance(factors, dict):
         return None
-    return valid.get(chunks, valid[max(k for k in valid if k <= chunks)] if min(valid) <= chunks else None)
+    valid = {int(k): float(v) for k, v in factors.items() if str(k).isdigit() and _number(v) and v > 0}
+    below = [k for k in valid if k <= chunks]
+    return valid[max(below)] if below else None
 
 
 def profile_between_passes(text: str) -> float | None:
     """The runtime's time between two passes a profile file measured (None: a preset, or not measured)."""
-    path = Path(text)
-    if not path.is_file():
-        return None
-    try:
-        value = json.loads(path.read_text()).get("links", {}).get("between_passes_s")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
+    value = _profile_field(text, "links", "between_passes_s")
+    return float(value) if _number(value) and value >= 0 else None
 
 
 def profile_threads(text: str) -> int | None:
     """The torch threads a profile file was measured with (None: a preset, or not said)."""
-    path = Path(text)
-    if not path.is_file():
-        return None
-    try:
-        threads = json.loads(path.read_text()).get("threads")
-    except (OSError, ValueError, AttributeError):
-        return None
+    threads = _profile_field(text, "threads")
     return threads if isinstance(threads, int) and not isinstance(threads, bool) else None
 
 
