@@ -137,7 +137,7 @@ def load_schedules(source: str) -> tuple[str, ...]:
         raise ScheduleError(f"--schedules-from {source!r}: cannot import it ({err}): give a .py file or an importable "
                             "module that defines generators marked with pipeblocks.schedules.register") from None
     found = {**specs()}
-    where = {**{name: spec.build.__module__ for name, spec in _builtin().items()}, **_USER_FROM}
+    where = dict(_USER_FROM)  # a built-in is named by its module (`_marked`)
     added = _marked(module, found, where)
     if not added:
         raise ScheduleError(f"--schedules-from {source!r}: it registers no schedule: mark a generator with "
