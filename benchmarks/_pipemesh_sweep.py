@@ -37,8 +37,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
-from pipeblocks.core.sharding import ShardingPolicy, parse_sharding, per_stage
+from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.core.ir.sharding import ShardingPolicy, parse_sharding, per_stage
 
 __all__ = ["Point", "sharding_policies", "grid", "sweep_point", "run_sweep", "regime_summary", "main_sweep"]
 

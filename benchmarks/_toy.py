@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pipeblocks.core.errors import ScheduleError
+from pipeblocks.core.ir.errors import ScheduleError
 from pipeblocks.schedules import get
 
 __all__ = ["toy_schedules"]

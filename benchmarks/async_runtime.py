@@ -22,14 +22,14 @@ import argparse
 import statistics
 
 from pipeblocks.core import simulate, simulate_program, steady_state
-from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
 from pipeblocks.models import GPTConfig
 from pipeblocks.runtime.emulate import EmulatedCosts
 from pipeblocks.schedules import get
 from pipeblocks.schedules.asynchronous import async_1f1b
 from pipeblocks.train import loop
 from pipeblocks.train.asynchronous import run as async_run
-from pipeblocks.core.async_mode import AsyncMode
+from pipeblocks.core.lowering.async_mode import AsyncMode
 from pipeblocks.train.run import prepare
 
 from _output import write_json

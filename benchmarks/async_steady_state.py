@@ -20,7 +20,7 @@ import sys
 from pipeblocks.core import parse_costs, simulate, simulate_program, steady_state, weight_versions
 from pipeblocks.schedules import get
 from pipeblocks.schedules.asynchronous import async_1f1b
-from pipeblocks.core.async_mode import AsyncMode, weight_memory
+from pipeblocks.core.lowering.async_mode import AsyncMode, weight_memory
 
 from _output import write_json
 

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
 from pipeblocks.models.config import GPTConfig
 from pipeblocks.train.run import dry_run, prepare
 

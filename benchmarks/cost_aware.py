@@ -23,7 +23,7 @@ import argparse
 import json
 import time
 
-from pipeblocks.core.errors import ScheduleError
+from pipeblocks.core.ir.errors import ScheduleError
 from pipeblocks.schedules import get
 from pipeblocks.sim import Costs, simulate
 

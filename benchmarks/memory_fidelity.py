@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 import json
 
-from pipeblocks.core.request import Mesh, ScheduleRequest
+from pipeblocks.resolve.request import Mesh, ScheduleRequest
 from pipeblocks.models.config import GPTConfig
 from pipeblocks.sim.analytic import TransformerConfig
 from pipeblocks.sim.memory_estimate import estimate_memory

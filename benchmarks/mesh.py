@@ -16,7 +16,7 @@ communication stream; "step" is the makespan including it):
     overlap: step / exposed  each REDUCE_GRAD right after its stage's last W or BW (lowering)
     saved       step time saved by overlapping, in percent of the end-of-step step
 
---dp-unit block: one gather and one reduction per layer (`core.dp_units`), pipelined with
+--dp-unit block: one gather and one reduction per layer (`core.ir.dp_units`), pipelined with
 the passes; with --prefetch K only K units of a chunk are gathered ahead of its first pass.
 
 With --emulated, p x d local processes run each schedule with emulated compute (every
@@ -39,11 +39,11 @@ import json
 import sys
 
 from pipeblocks.core import Costs, ScheduleError, simulate, simulate_program
-from pipeblocks.core.dp_model import DPCostModel
-from pipeblocks.core.lowering import lower_for
-from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
-from pipeblocks.core.sharding import parse_sharding
-from pipeblocks.sim.build import build
+from pipeblocks.core.cost.dp_model import DPCostModel
+from pipeblocks.core.lowering.entry import lower_for
+from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.core.ir.sharding import parse_sharding
+from pipeblocks.resolve.build import build
 
 import _shared_tests  # noqa: F401  (tests/ on sys.path: _emulated_mesh)
 

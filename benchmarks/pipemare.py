@@ -58,7 +58,7 @@ from pipeblocks.data.text import TokenWindows
 from pipeblocks.models import GPTConfig, build_stages, cross_entropy
 from pipeblocks.schedules import get
 from pipeblocks.schedules.asynchronous import async_1f1b
-from pipeblocks.core.async_mode import DEFAULT_LR_WARMUP_FRACTION, AsyncMode
+from pipeblocks.core.lowering.async_mode import DEFAULT_LR_WARMUP_FRACTION, AsyncMode
 from pipeblocks.train.asynchronous.reference import replay
 from pipeblocks.train.lr_schedule import resolve_schedule
 

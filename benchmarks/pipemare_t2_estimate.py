@@ -26,7 +26,7 @@ from torch import nn
 
 from pipeblocks.core import weight_versions
 from pipeblocks.schedules.asynchronous import async_1f1b
-from pipeblocks.core.async_mode import AsyncMode
+from pipeblocks.core.lowering.async_mode import AsyncMode
 from pipeblocks.train.asynchronous.reference import replay
 
 from _output import write_json

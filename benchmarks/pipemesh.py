@@ -72,11 +72,11 @@ import sys
 import time
 
 from pipeblocks.core import ScheduleError, simulate
-from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
-from pipeblocks.core.sharding import parse_sharding
-from pipeblocks.core.timeline import Timeline
-from pipeblocks.sim.build import build, memory_budget, model_config
-from pipeblocks.sim.recompute_auto import fits_memory, memory_need
+from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.core.ir.sharding import parse_sharding
+from pipeblocks.core.simulator.timeline import Timeline
+from pipeblocks.resolve.build import build, memory_budget, model_config
+from pipeblocks.resolve.recompute_auto import fits_memory, memory_need
 
 import _shared_tests  # noqa: F401  (tests/ on sys.path: _emulated_mesh)
 from _output import write_json

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from pipeblocks import schedules
 from pipeblocks.models import GPTConfig, build_stages, cross_entropy
-from pipeblocks.core.split import layer_counts
+from pipeblocks.core.cost.split import layer_counts
 from pipeblocks.runtime import PipelineRunner, spawn
 from pipeblocks.runtime.emulate import EmulatedCompute, EmulatedCosts
 from pipeblocks.sim import simulate

@@ -25,10 +25,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from pipeblocks.core.recompute import recompute_pairs
-from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
-from pipeblocks.core.sharding import parse_sharding
-from pipeblocks.sim.build import build
+from pipeblocks.core.lowering.recompute import recompute_pairs
+from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.core.ir.sharding import parse_sharding
+from pipeblocks.resolve.build import build
 
 from _output import write_json
 

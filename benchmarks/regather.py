@@ -12,7 +12,7 @@ memory need per rank (GB: static memory at the step's peak plus peak activation;
 zero3-regather traced together over time) under both policies. Then, with --budget B (GB;
 default: halfway between the best zero3 need and the best zero3-regather need over those
 groups), `--sharding auto` for elastic (groups and policy per chunk chosen together,
-`sim.elastic_plan`): its groups, policies, step time and need.
+`resolve.elastic_plan`): its groups, policies, step time and need.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import sys
 import time
 
 from pipeblocks.core import simulate
-from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
-from pipeblocks.core.sharding import parse_sharding
-from pipeblocks.sim.build import build
+from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.core.ir.sharding import parse_sharding
+from pipeblocks.resolve.build import build
 
 
 def measure(request: ScheduleRequest) -> dict:

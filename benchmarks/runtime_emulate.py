@@ -35,7 +35,7 @@ import time
 import torch
 
 from pipeblocks import schedules
-from pipeblocks.core.validate import validate
+from pipeblocks.core.lowering.validate import validate
 from pipeblocks.runtime import PipelineRunner, spawn
 from pipeblocks.runtime.backward import WeightGradWork
 from pipeblocks.runtime.compute import Unit

@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeblocks import schedules
-from pipeblocks.core.schedule import Schedule
+from pipeblocks.core.ir.schedule import Schedule
 from pipeblocks.models import GPTConfig, build_stages, cross_entropy, layer_counts
 from pipeblocks.runtime import PipelineRunner, spawn
 from pipeblocks.runtime.emulate import EmulatedCompute, EmulatedCosts, precise_sleep

@@ -46,7 +46,7 @@ finally:
 
 _CURVE = """
 import resource, sys
-from pipeblocks.core.errors import ScheduleError
+from pipeblocks.core.ir.errors import ScheduleError
 from pipeblocks.schedules import get
 from pipeblocks.sim import simulate
 p, m = int(sys.argv[1]), int(sys.argv[2])

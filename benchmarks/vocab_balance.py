@@ -13,10 +13,10 @@ Columns:
 
     naive     equal layer counts, the vocabulary layers on the end stages as they come
               (the extra layers of an uneven split on the first stages)
-    today     the default rule (`core.split.layer_counts`): equal counts, the extra layers
+    today     the default rule (`core.cost.split.layer_counts`): equal counts, the extra layers
               off the end stages; with 32 layers at p = 4 or 8 it is the naive split
     balanced  the split that balances the stages' F + B + W, the head included
-              (`sim.split_auto.balanced_counts`: what `plan --split auto` uses)
+              (`resolve.split_auto.balanced_counts`: what `plan --split auto` uses)
     auto      `--split auto`: the simulator's choice, the shortest step within --gpu-memory
     vocab     `--vocab-parallel` (embedding and head split by vocabulary over all ranks),
               only with --vocab-parallel: the stages without embedding and head, every
@@ -44,10 +44,10 @@ import statistics
 import sys
 import time
 
-from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
-from pipeblocks.core.split import split_text
-from pipeblocks.sim.build import build, stage_model_config
-from pipeblocks.sim.split_auto import balanced_counts
+from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.core.cost.split import split_text
+from pipeblocks.resolve.build import build, stage_model_config
+from pipeblocks.resolve.split_auto import balanced_counts
 
 MODEL = "llama-3-8b"
 HARDWARE = "a100"
@@ -113,7 +113,7 @@ def simulated(args: argparse.Namespace, p: int, variant: str) -> tuple[dict, obj
 def _worker(ctx, cases, warmup, steps):
     import torch
 
-    from pipeblocks.core.vocab import roots
+    from pipeblocks.core.ir.vocab import roots
     from pipeblocks.models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
     from pipeblocks.runtime import PipelineRunner
     from pipeblocks.runtime.emulate import EmulatedCompute

@@ -28,7 +28,7 @@ import json
 import sys
 import time
 
-from pipeblocks.core.errors import ScheduleError
+from pipeblocks.core.ir.errors import ScheduleError
 from pipeblocks.schedules import get
 from pipeblocks.sim import Costs, simulate
 

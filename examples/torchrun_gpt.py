@@ -29,7 +29,7 @@ import argparse
 import torch
 
 from pipeblocks import schedules
-from pipeblocks.core.sharding import parse_sharding, per_stage
+from pipeblocks.core.ir.sharding import parse_sharding, per_stage
 from pipeblocks.data.text import TokenWindows
 from pipeblocks.models.config import GPTConfig
 from pipeblocks.models.gpt import cross_entropy

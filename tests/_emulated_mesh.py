@@ -19,12 +19,12 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from pipeblocks.core.costs import BlockCosts, Costs
-from pipeblocks.core.dp_model import DPCostModel, Link
-from pipeblocks.core.dp_units import DPUnits, check_dp_unit, check_prefetch, units_for
-from pipeblocks.core.lowering import lower_for
-from pipeblocks.core.sharding import parse_sharding
-from pipeblocks.core.simulate import simulate_program
+from pipeblocks.core.cost.costs import BlockCosts, Costs
+from pipeblocks.core.cost.dp_model import DPCostModel, Link
+from pipeblocks.core.ir.dp_units import DPUnits, check_dp_unit, check_prefetch, units_for
+from pipeblocks.core.lowering.entry import lower_for
+from pipeblocks.core.ir.sharding import parse_sharding
+from pipeblocks.core.simulator.simulate import simulate_program
 
 __all__ = ["EmulatedMeshCase", "measure_emulated_mesh", "measure_emulated_meshes", "predict_emulated_mesh"]
 
@@ -102,7 +102,7 @@ def _build(case: EmulatedMeshCase, mesh, device):
     """One case's runner and DataParallel on this process's ranks of `mesh`."""
     import torch
 
-    from pipeblocks.core.sharding import per_stage
+    from pipeblocks.core.ir.sharding import per_stage
     from pipeblocks.models import GPTConfig, cross_entropy
     from pipeblocks.models.build import build_stages
     from pipeblocks.runtime import PipelineRunner

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from pipeblocks.core.request import Mesh, ScheduleRequest
-from pipeblocks.core.sharding import parse_sharding
+from pipeblocks.resolve.request import Mesh, ScheduleRequest
+from pipeblocks.core.ir.sharding import parse_sharding
 from pipeblocks.runtime import spawn
 from pipeblocks.train.run import prepare
 

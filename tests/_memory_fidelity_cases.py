@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pipeblocks import schedules
-from pipeblocks.core.sharding import parse_sharding, per_stage
+from pipeblocks.core.ir.sharding import parse_sharding, per_stage
 from pipeblocks.models import GPTConfig, cross_entropy
 from pipeblocks.models import build_stages
 from pipeblocks.runtime import PipelineRunner

@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 
 from pipeblocks import schedules
-from pipeblocks.core.sharding import parse_sharding, per_stage
+from pipeblocks.core.ir.sharding import parse_sharding, per_stage
 from pipeblocks.models import GPTConfig, cross_entropy
 from pipeblocks.models import build_stages
 from pipeblocks.runtime import PipelineRunner
 from pipeblocks.runtime.data_parallel import DataParallel
 from pipeblocks.runtime.mesh import init_mesh
-from pipeblocks.core.static_memory import predict_static_peak
+from pipeblocks.core.cost.static_memory import predict_static_peak
 
 MODEL = GPTConfig(layers=4, hidden=8, heads=2, seq=8, vocab=16, dtype="float64")
 M = 2  # microbatches per replica

@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 
 from pipeblocks import schedules
-from pipeblocks.core.program import Recompute
-from pipeblocks.core.recompute import all_pairs
+from pipeblocks.core.ir.program import Recompute
+from pipeblocks.core.lowering.recompute import all_pairs
 from pipeblocks.models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
-from pipeblocks.core.costs import Costs
+from pipeblocks.core.cost.costs import Costs
 from pipeblocks.runtime import PipelineRunner
-from pipeblocks.sim.recompute_place import place_recompute
+from pipeblocks.resolve.recompute_place import place_recompute
 
 P, M = 2, 4
 MICROBATCH = 2
@@ -30,7 +30,7 @@ CASES = {
     "interleaved+some": ("interleaved-1f1b", ((0, 0), (1, 3), (2, 1), (3, 2), (3, 3))),
     "v-half+all": ("v-half", "all"),  # two stages of one rank hand over locally at the V's turn
     "v-half": ("v-half", ()),
-    # every pair, 7 of 16 moved into the waits slow transfers leave (sim.recompute_place)
+    # every pair, 7 of 16 moved into the waits slow transfers leave (resolve.recompute_place)
     "v-half+placed": ("v-half", "all"),
 }
 PLACED_WITH = {"v-half+placed": Costs(t_comm=1.0)}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeblocks.core.actions import Action, Kind
-from pipeblocks.core.costs import StageCosts
-from pipeblocks.core.deps import requirements
+from pipeblocks.core.ir.actions import Action, Kind
+from pipeblocks.core.cost.costs import StageCosts
+from pipeblocks.core.ir.deps import requirements
 
 __all__ = ["compact"]
 

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from pipeblocks import schedules
-from pipeblocks.core.actions import Action, Kind
-from pipeblocks.core.costs import Costs
-from pipeblocks.core.lowering import lower_for
-from pipeblocks.core.program import Comm, Program
-from pipeblocks.core.vocab import VocabCosts, VocabPass
+from pipeblocks.core.ir.actions import Action, Kind
+from pipeblocks.core.cost.costs import Costs
+from pipeblocks.core.lowering.entry import lower_for
+from pipeblocks.core.ir.program import Comm, Program
+from pipeblocks.core.ir.vocab import VocabCosts, VocabPass
 from pipeblocks.runtime.vocab_exec import VocabRank
 
 TIMEOUT = 30.0

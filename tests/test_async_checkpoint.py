@@ -102,7 +102,7 @@ def test_resuming_an_asynchronous_checkpoint_as_another_run_is_one_line(args, me
     import torch
 
     from pipeblocks.cli.main import main
-    from pipeblocks.core.async_mode import AsyncMode
+    from pipeblocks.core.lowering.async_mode import AsyncMode
     from pipeblocks.train import checkpoint as ckpt
 
     mode = AsyncMode("pipemare", sync_warmup_steps=1, lr_warmup_steps=4)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeblocks.core.async_mode import DEFAULT_LR_WARMUP_FRACTION, AsyncMode, default_k, t1_multiplier
+from pipeblocks.core.lowering.async_mode import DEFAULT_LR_WARMUP_FRACTION, AsyncMode, default_k, t1_multiplier
 from pipeblocks.schedules import get
 from pipeblocks.train.config import ModelChoice, ScheduleSpec, TrainConfig
 from pipeblocks.train.loop_options import check_same_kind

@@ -13,7 +13,7 @@ from torch import nn
 from pipeblocks.core import WeightVersions, weight_versions
 from pipeblocks.models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
 from pipeblocks.schedules.asynchronous import async_1f1b
-from pipeblocks.core.async_mode import MODES, AsyncMode, lookahead, t1_multiplier, weight_memory
+from pipeblocks.core.lowering.async_mode import MODES, AsyncMode, lookahead, t1_multiplier, weight_memory
 from pipeblocks.train.asynchronous.reference import replay
 
 pytestmark = pytest.mark.torch

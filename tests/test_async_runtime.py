@@ -11,9 +11,9 @@ from pipeblocks.models import GPT, GPTConfig, cross_entropy
 from pipeblocks.runtime import spawn
 from pipeblocks.schedules import get
 from pipeblocks.schedules.asynchronous import one_f_one_b_delay
-from pipeblocks.core.async_mode import AsyncMode
+from pipeblocks.core.lowering.async_mode import AsyncMode
 from pipeblocks.train.asynchronous.run import check_against_replay
-from pipeblocks.core.precision import precision_policy
+from pipeblocks.core.cost.precision import precision_policy
 from pipeblocks.train.config import EmulationSpec, MeshSpec, ModelChoice, ScheduleSpec, TrainConfig
 
 from _async_cases import async_worker
@@ -80,7 +80,7 @@ def test_measured_delays_are_the_programs(runs):
 
 
 def test_pipedream_stashes_what_the_program_says_and_the_others_nothing(runs):
-    from pipeblocks.core.versions import stashed_versions
+    from pipeblocks.core.lowering.versions import stashed_versions
     from pipeblocks.schedules.asynchronous import async_1f1b
 
     stashes = stashed_versions(async_1f1b(p=P, n=N, steps=STEPS))

@@ -6,7 +6,7 @@ import pytest
 
 from pipeblocks.cli.main import main
 from pipeblocks.schedules import get
-from pipeblocks.core.async_mode import AsyncMode
+from pipeblocks.core.lowering.async_mode import AsyncMode
 from pipeblocks.train.config import ModelChoice, ScheduleSpec, TrainConfig
 
 

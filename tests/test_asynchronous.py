@@ -11,8 +11,8 @@ from pipeblocks.core import (
     check_optimizer_steps, check_program, lower, simulate, simulate_program, stashed_versions, steady_state,
     weight_versions,
 )
-from pipeblocks.core.actions import Action, Kind
-from pipeblocks.core.ops import ACTION, P2P, STEP, Stream, UnknownOpError, op_type, parse_op, require_known
+from pipeblocks.core.ir.actions import Action, Kind
+from pipeblocks.core.ir.ops import ACTION, P2P, STEP, Stream, UnknownOpError, op_type, parse_op, require_known
 from pipeblocks.cli.main import main
 from pipeblocks.schedules import get
 from pipeblocks.schedules.asynchronous import async_1f1b, async_1f1b_schedule, one_f_one_b_delay

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.torch
 def test_train_dry_run_predicts_from_a_profile(tmp_path, capsys):
     """`train --dry-run --hardware PROFILE.json`: pass times from the profile's fits and the
     FLOPs counted on the run's stages, not timed here; the hop from its link."""
-    from pipeblocks.core.costs import Costs
-    from pipeblocks.core.simulate import simulate
+    from pipeblocks.core.cost.costs import Costs
+    from pipeblocks.core.simulator.simulate import simulate
     from pipeblocks import schedules
     from pipeblocks.models.family import get_family
     from pipeblocks.train.predict import predicted_times
@@ -99,7 +99,7 @@ def test_dry_run_warns_once_when_the_profile_has_other_threads_than_a_rank(tmp_p
     import io
     import os
 
-    from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
+    from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
     from pipeblocks.models.config import GPTConfig
     from pipeblocks.train.run import dry_run, prepare
 

@@ -12,7 +12,7 @@ import pytest
 from pipeblocks import Costs, Schedule, ScheduleError, schedules
 from pipeblocks.cli.common import json_text
 from pipeblocks.cli.main import main
-from pipeblocks.core.costs import parse_costs
+from pipeblocks.core.cost.costs import parse_costs
 
 
 def run_cli(capsys, *argv):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from pipeblocks.core.collector import collector_paused
+from pipeblocks.core.simulator.collector import collector_paused
 
 
 class _Node:

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from pipeblocks.core.costs import Costs
-from pipeblocks.core.errors import ScheduleError
-from pipeblocks.core.placement import Placement
-from pipeblocks.core.simulate import simulate
-from pipeblocks.core.validate import validate
+from pipeblocks.core.cost.costs import Costs
+from pipeblocks.core.ir.errors import ScheduleError
+from pipeblocks.core.ir.placement import Placement
+from pipeblocks.core.simulator.simulate import simulate
+from pipeblocks.core.lowering.validate import validate
 from pipeblocks.schedules import get
 from pipeblocks.schedules._reorder import peaks_of
 from pipeblocks.schedules._zb_search import refill_weights

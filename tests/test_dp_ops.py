@@ -7,9 +7,7 @@ import pytest
 from pipeblocks.core import (
     PASSES,
     DPOp,
-    Mesh,
     Program,
-    ScheduleRequest,
     ShardingPolicy,
     check_deadlock,
     check_dp_ops,
@@ -18,8 +16,9 @@ from pipeblocks.core import (
     parse_sharding,
     per_stage,
 )
-from pipeblocks.core.errors import ScheduleError
-from pipeblocks.core.ops import DP, Stream, op_type, parse_op
+from pipeblocks.core.ir.errors import ScheduleError
+from pipeblocks.resolve.request import Mesh, ScheduleRequest
+from pipeblocks.core.ir.ops import DP, Stream, op_type, parse_op
 from pipeblocks.schedules import get
 
 
@@ -134,7 +133,7 @@ def test_check_dp_ops_names_misplaced_ops():
 
 def test_every_registered_schedule_lowers_and_simulates_with_dp_ops():
     from pipeblocks.core import Costs, simulate
-    from pipeblocks.core.dp_model import DPCostModel
+    from pipeblocks.core.cost.dp_model import DPCostModel
     from pipeblocks.schedules import names
 
     for name in names():

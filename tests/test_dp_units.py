@@ -7,14 +7,14 @@ import dataclasses
 import pytest
 
 from pipeblocks.core import DPOp, Program, check_dp_ops, lower_for, parse_sharding, simulate
-from pipeblocks.core.costs import BlockCosts, Costs
-from pipeblocks.core.dp_model import DPCostModel, Link
-from pipeblocks.core.dp_units import DPUnits, check_dp_unit, units_for
-from pipeblocks.core.errors import ScheduleError
-from pipeblocks.core.ops import parse_op
-from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.core.cost.costs import BlockCosts, Costs
+from pipeblocks.core.cost.dp_model import DPCostModel, Link
+from pipeblocks.core.ir.dp_units import DPUnits, check_dp_unit, units_for
+from pipeblocks.core.ir.errors import ScheduleError
+from pipeblocks.core.ir.ops import parse_op
+from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
 from pipeblocks.schedules import get
-from pipeblocks.sim.build import build
+from pipeblocks.resolve.build import build
 
 ZERO3 = parse_sharding("zero3")
 

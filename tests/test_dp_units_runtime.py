@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
-from pipeblocks.core.sharding import parse_sharding
+from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.core.ir.sharding import parse_sharding
 from pipeblocks.models import GPTConfig
 
 from _recompute_cases import verify_worker

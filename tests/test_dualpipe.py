@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from pipeblocks.core import Costs, ScheduleError, simulate
-from pipeblocks.core.lowering import lower_for
-from pipeblocks.core.ops import UnknownOpError
-from pipeblocks.core.program import Overlap, Program
-from pipeblocks.core.schedule import Schedule
-from pipeblocks.core.validate import check_structure
+from pipeblocks.core.lowering.entry import lower_for
+from pipeblocks.core.ir.ops import UnknownOpError
+from pipeblocks.core.ir.program import Overlap, Program
+from pipeblocks.core.ir.schedule import Schedule
+from pipeblocks.core.lowering.validate import check_structure
 from pipeblocks.interop import from_torch_csv, to_torch_csv
 from pipeblocks.schedules import get
 
@@ -110,7 +110,7 @@ def test_recompute_and_async_refuse_pairs():
 
 
 def test_dp_lowering_around_pairs():
-    from pipeblocks.core.dp_model import DPCostModel
+    from pipeblocks.core.cost.dp_model import DPCostModel
 
     schedule = get("dualpipev")(p=2, m=4)
     program = lower_for(schedule, policies=["zero3"], dp=2, check=True)
@@ -214,7 +214,7 @@ def test_hardware_overlap_share_prices_the_pairs():
 
 
 def test_dualpipe_model_costs_price_whole_model_stages_twice():
-    from pipeblocks.core.costs import repeat_stages
+    from pipeblocks.core.cost.costs import repeat_stages
     from pipeblocks.sim.analytic import HARDWARE, MODELS, transformer_costs
 
     model = transformer_costs(MODELS["1.5b"], HARDWARE["a100"], num_stages=4)

@@ -42,7 +42,7 @@ def test_ranks_build_equal_copies_and_the_dry_run_counts_both():
     dry run's static memory holds the whole model on each rank: dualpipev's two ranks together."""
     import torch
 
-    from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
+    from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
     from pipeblocks.models import GPTConfig
     from pipeblocks.train.run import dry_run, prepare
     from pipeblocks.train.stage_copies import build_copies

@@ -6,10 +6,10 @@ import itertools
 import pytest
 
 from pipeblocks import schedules
-from pipeblocks.core.costs import Costs
-from pipeblocks.core.dp_model import DPCostModel, Link
-from pipeblocks.core.errors import ScheduleError
-from pipeblocks.core.simulate import simulate
+from pipeblocks.core.cost.costs import Costs
+from pipeblocks.core.cost.dp_model import DPCostModel, Link
+from pipeblocks.core.ir.errors import ScheduleError
+from pipeblocks.core.simulator.simulate import simulate
 from pipeblocks.schedules.elastic import balanced, rule_groups, search_groups
 
 elastic = schedules.get("elastic")

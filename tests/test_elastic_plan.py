@@ -5,16 +5,16 @@ import json
 import pytest
 
 from pipeblocks.cli.main import main
-from pipeblocks.core.errors import ScheduleError
-from pipeblocks.core.lowering import lower_for
-from pipeblocks.core.passes_dp import check_dp_ops
-from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
-from pipeblocks.core.sharding import ShardingPolicy
-from pipeblocks.core.simulate import simulate
-from pipeblocks.core.validate import validate
-from pipeblocks.sim.build import build, data_parallel, resolve_costs
-from pipeblocks.sim.elastic_plan import choose_elastic_plan
-from pipeblocks.sim.recompute_auto import fits_memory
+from pipeblocks.core.ir.errors import ScheduleError
+from pipeblocks.core.lowering.entry import lower_for
+from pipeblocks.core.lowering.passes_dp import check_dp_ops
+from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.core.ir.sharding import ShardingPolicy
+from pipeblocks.core.simulator.simulate import simulate
+from pipeblocks.core.lowering.validate import validate
+from pipeblocks.resolve.build import build, data_parallel, resolve_costs
+from pipeblocks.resolve.elastic_plan import choose_elastic_plan
+from pipeblocks.resolve.recompute_auto import fits_memory
 
 ZERO3 = (ShardingPolicy.ZERO3,)
 

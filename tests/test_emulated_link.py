@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from pipeblocks.core.dp_model import DPCostModel
-from pipeblocks.core.dp_model import Link
-from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
-from pipeblocks.core.sharding import parse_sharding
+from pipeblocks.core.cost.dp_model import DPCostModel
+from pipeblocks.core.cost.dp_model import Link
+from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.core.ir.sharding import parse_sharding
 from pipeblocks.models import GPTConfig
 from pipeblocks.runtime.emulated_link import EmulatedLink
 from pipeblocks.train import run as training
@@ -136,7 +136,7 @@ def test_elastic_runs_ahead_of_depth_first_on_an_emulated_zero3_mesh():
 def test_block_grain_passes_meet_their_units_gathers_and_issue_their_reductions():
     # one stage of two units (0.5e6 parameters each): a gather or reduce-scatter takes 1 ms;
     # at prefetch 1 unit 1's gather is issued when the forward reaches unit 0
-    from pipeblocks.core.dp_units import units_for
+    from pipeblocks.core.ir.dp_units import units_for
 
     model = DPCostModel(dp=2, sharding=parse_sharding("zero3"), link=Link(bandwidth=1e9))
     link = EmulatedLink(model, (1e6,), units=units_for("block", (2,), prefetch=1))

@@ -58,8 +58,8 @@ def test_the_dry_run_multiplies_the_predicted_passes_by_the_factor(tmp_path, cap
 
     from pipeblocks import schedules
     from pipeblocks.cli.main import main
-    from pipeblocks.core.costs import Costs
-    from pipeblocks.core.simulate import simulate
+    from pipeblocks.core.cost.costs import Costs
+    from pipeblocks.core.simulator.simulate import simulate
     from pipeblocks.models import build_model, split_stages
     from pipeblocks.models.family import get_family
     from pipeblocks.sim.hardware_profile import load_profile

@@ -13,7 +13,7 @@ import types
 import pytest
 
 from pipeblocks.core import ScheduleError, validate
-from pipeblocks.core.schedule import Schedule
+from pipeblocks.core.ir.schedule import Schedule
 from pipeblocks.interop import from_torch_csv, to_torch_csv
 from pipeblocks.schedules import get
 
@@ -203,7 +203,7 @@ def test_torch_runtime_on_gloo_matches_one_process():
                                          ("dualpipev", "zero3")])
 def test_lowered_csv_carries_dp_ops_through_torch_and_back(name, policy):
     from pipeblocks.core import parse_sharding
-    from pipeblocks.core.lowering import lower_for
+    from pipeblocks.core.lowering.entry import lower_for
     from pipeblocks.interop import program_from_torch_csv, program_to_torch_csv
 
     schedule = get(name)(p=2, m=4)

@@ -1,4 +1,4 @@
-"""One lowering entry (`core.lowering.lower_for`): every consumer holds the same Program.
+"""One lowering entry (`core.lowering.entry.lower_for`): every consumer holds the same Program.
 
 For each schedule, mesh and recomputation, the Program `show --program` prints, the one
 `export --format torch-comms-csv` writes, the simulator's, the runtime's, the memory
@@ -13,21 +13,21 @@ import pytest
 
 from pipeblocks.cli.common import request_from_args
 from pipeblocks.cli.main import build_parser, main
-from pipeblocks.core import lowering
-from pipeblocks.core.errors import ScheduleError
-from pipeblocks.core.lowering import lower_for
-from pipeblocks.core.program import Recompute
-from pipeblocks.core.recompute import all_pairs, recompute_pairs
-from pipeblocks.core.sharding import parse_sharding, per_stage
-from pipeblocks.core.simulate import simulate
+from pipeblocks.core.lowering import entry as lowering
+from pipeblocks.core.ir.errors import ScheduleError
+from pipeblocks.core.lowering.entry import lower_for
+from pipeblocks.core.ir.program import Recompute
+from pipeblocks.core.lowering.recompute import all_pairs, recompute_pairs
+from pipeblocks.core.ir.sharding import parse_sharding, per_stage
+from pipeblocks.core.simulator.simulate import simulate
 from pipeblocks.interop import program_to_torch_csv
 from pipeblocks.schedules import get
 from pipeblocks.sim import memory_estimate
 from pipeblocks.sim.analytic import TransformerConfig
-from pipeblocks.sim.build import build
+from pipeblocks.resolve.build import build
 import _emulated_mesh as emulated_mesh
 
-simulate_module = importlib.import_module("pipeblocks.core.simulate")  # the package's name is the function
+simulate_module = importlib.import_module("pipeblocks.core.simulator.simulate")  # the package's name is the function
 
 P, M = 2, 4
 SCHEDULES = ("1f1b", "1f1b-r", "zb-v", "v-half", "interleaved-1f1b", "elastic")
@@ -111,8 +111,8 @@ def test_every_consumer_lowers_the_same_program(name, monkeypatch, capsys):
 def test_given_pairs_reach_the_simulator_and_the_runtime_alike(monkeypatch):
     from pipeblocks.runtime.runner import _lower
 
-    from pipeblocks.core.costs import Costs
-    from pipeblocks.core.dp_model import DPCostModel
+    from pipeblocks.core.cost.costs import Costs
+    from pipeblocks.core.cost.dp_model import DPCostModel
 
     simulated = _recording(monkeypatch, simulate_module)
     schedule = get("1f1b-r")(p=P, m=M)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from pipeblocks import schedules
-from pipeblocks.core.errors import ScheduleError
+from pipeblocks.core.ir.errors import ScheduleError
 from pipeblocks.sim.analytic import TransformerConfig, stage_activation_bytes
 from pipeblocks.sim.memory_estimate import estimate_memory, stage_param_shapes
 

@@ -8,7 +8,7 @@ import pytest
 
 from pipeblocks.cli.main import main
 from pipeblocks.core import Costs, parse_sharding, simulate
-from pipeblocks.core.dp_model import (
+from pipeblocks.core.cost.dp_model import (
     PRECISIONS,
     DPCostModel,
     Link,
@@ -18,7 +18,7 @@ from pipeblocks.core.dp_model import (
     static_bytes,
     static_peak_bytes,
 )
-from pipeblocks.core.sharding import ShardingPolicy
+from pipeblocks.core.ir.sharding import ShardingPolicy
 from pipeblocks.schedules import get
 from pipeblocks.sim.analytic import HARDWARE, MODELS, dp_link, stage_params
 
@@ -195,7 +195,7 @@ def test_static_memory_at_the_step_peak_keeps_full_gradients_and_gathered_parame
 
 
 def test_auto_sharding_picks_the_fastest_then_the_smallest(capsys):
-    from pipeblocks.sim.auto_sharding import choose_sharding
+    from pipeblocks.resolve.auto_sharding import choose_sharding
 
     schedule = get("zb-v")(p=2, m=4)
     costs = _dp("replicate", d=4)

@@ -144,6 +144,6 @@ def test_configs_layout_and_registry_import_no_torch_and_nothing_imports_transfo
     for stem in torch_free:
         imports = _top_level_imports(models / f"{stem}.py")
         assert "torch" not in imports, stem
-        assert {m for m in imports if m.startswith(".")} <= {".config", ".llama_config", "..core.split", "..core.lazy"}, stem
+        assert {m for m in imports if m.startswith(".")} <= {".config", ".llama_config", "..core.cost.split", "..core.util.lazy"}, stem
     for path in Path(pipeblocks.__file__).parent.rglob("*.py"):
         assert "transformers" not in _top_level_imports(path), path

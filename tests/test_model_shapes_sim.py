@@ -12,10 +12,10 @@ import shlex
 import pytest
 
 from pipeblocks.cli.main import build_parser, main
-from pipeblocks.core.errors import ScheduleError
-from pipeblocks.core.model_shape import ModelShape
-from pipeblocks.core.hf_config import read_hf_config
-from pipeblocks.core.request import CostSpec
+from pipeblocks.core.ir.errors import ScheduleError
+from pipeblocks.core.cost.model_shape import ModelShape
+from pipeblocks.core.cost.hf_config import read_hf_config
+from pipeblocks.resolve.request import CostSpec
 from pipeblocks.plan import PlanProblem
 from pipeblocks.plan.intensity import layer_efficiency
 from pipeblocks.plan.search import model_flops
@@ -26,7 +26,7 @@ from pipeblocks.sim.analytic import (
     stage_params, transformer_costs, transformer_w_ratio,
 )
 from pipeblocks.sim.blocks import transformer_blocks
-from pipeblocks.sim.build import model_config, resolve_costs
+from pipeblocks.resolve.build import model_config, resolve_costs
 from pipeblocks.sim.memory_estimate import stage_param_shapes
 from pipeblocks.sim.sequence_split import balanced_split, chunk_flops
 from pipeblocks.sim.tp_memory import tp_layer_activation_bytes, tp_mismatch

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipeblocks.core import Placement
-from pipeblocks.core.split import layer_counts
+from pipeblocks.core.cost.split import layer_counts
 from pipeblocks.models import BlockAdapter, Layout, allocate_stages, split_model
 from pipeblocks.models.layout import layer_ranges
 from pipeblocks.models.splitter import resolve

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import pytest
 
 from pipeblocks.core import Program, lower, simulate_program
-from pipeblocks.core.lower import PASSES, add_p2p, check_deadlock
-from pipeblocks.core.ops import ACTION, OP_TYPES, P2P, Stream, UnknownOpError, op_type, parse_op, require_known
+from pipeblocks.core.lowering.lower import PASSES, add_p2p, check_deadlock
+from pipeblocks.core.ir.ops import ACTION, OP_TYPES, P2P, Stream, UnknownOpError, op_type, parse_op, require_known
 from pipeblocks.schedules import get
 
 

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from pipeblocks import Costs, schedules, simulate
-from pipeblocks.core.timeline import Event, Timeline
+from pipeblocks.core.simulator.timeline import Event, Timeline
 from pipeblocks.sim.overhead import (
     handover_gaps,
     local_gaps,

@@ -12,7 +12,7 @@ import pytest
 
 from pipeblocks.cli.main import build_parser, main
 from pipeblocks.plan import PlanProblem, search
-from pipeblocks.core.errors import ScheduleError
+from pipeblocks.core.ir.errors import ScheduleError
 from pipeblocks.plan.costs import replica_costs
 from pipeblocks.plan.intensity import gemm_efficiency, layer_efficiency
 from pipeblocks.sim.analytic import HARDWARE, MODELS, TransformerConfig

@@ -11,9 +11,9 @@ import math
 
 import pytest
 
-from pipeblocks.core.dp_model import PRECISIONS, DPCostModel, static_peak_bytes
-from pipeblocks.core.sharding import ShardingPolicy
-from pipeblocks.core.static_memory import chunk_bytes
+from pipeblocks.core.cost.dp_model import PRECISIONS, DPCostModel, static_peak_bytes
+from pipeblocks.core.ir.sharding import ShardingPolicy
+from pipeblocks.core.cost.static_memory import chunk_bytes
 from pipeblocks.plan import PlanProblem
 from pipeblocks.sim.analytic import HARDWARE, TransformerConfig
 from pipeblocks.sim.memory_estimate import estimate_memory, rank_static_peak, stage_param_shapes
@@ -66,7 +66,7 @@ def test_planner_memory_per_rank_is_the_estimate(case):
 @pytest.mark.parametrize("d", [2, 4])
 def test_closed_form_peak_is_the_shape_exact_one_when_parameters_split_evenly(policy, d):
     """`dp_model.static_peak_bytes` (the simulator's `static_memory_peak`, the planner's at
-    tp > 1 and mixed precision) is `core.static_memory`'s FSDP2/ZeroRedundancyOptimizer
+    tp > 1 and mixed precision) is `core.cost.static_memory`'s FSDP2/ZeroRedundancyOptimizer
     holdings when dim 0 divides by d and zero1's partition is even: here four equal tensors."""
     shapes = [(8, 3)] * 4
     params = sum(math.prod(s) for s in shapes)

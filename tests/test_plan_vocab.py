@@ -73,8 +73,8 @@ def test_search_lists_both_and_the_command_names_the_option():
 def test_planner_static_memory_is_the_simulators():
     """The planner's static bytes per rank (tensor shapes) equal what `simulate --vocab-parallel`
     holds in the step (parameter counts), rank by rank, at bf16-mixed and replicate."""
-    from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
-    from pipeblocks.sim.build import build
+    from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
+    from pipeblocks.resolve.build import build
 
     p = 4
     costs = CostSpec(model="llama-3-8b", hardware="a100", vocab_parallel=True, mixed_precision=True)
@@ -107,7 +107,7 @@ def test_split_auto_balances_a_vocab_candidate_per_rank():
     """--split auto balances the head and embedding against layers; a +vocab candidate has them on
     no stage, so its layers are balanced per rank (a split balanced for the head would now starve
     the last stage, and the even rule's lighter ends starve rank 0 under a V placement)."""
-    from pipeblocks.core.split import rank_balanced
+    from pipeblocks.core.cost.split import rank_balanced
 
     entry = _Entry(bound=1.0, shape=MeshShape(1, 1, 4), microbatch_size=1, m=8, stages=4)
     auto, even = _problem(split="auto", gpu_memory=200e9), _problem(gpu_memory=200e9)

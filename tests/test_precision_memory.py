@@ -1,4 +1,4 @@
-"""Static memory by precision: the op walk (`core.static_memory.predict_static_peak`) prices
+"""Static memory by precision: the op walk (`core.cost.static_memory.predict_static_peak`) prices
 the bytes the runtime holds under bf16-mixed (float32 master 4, bfloat16 compute copy or
 gathered parameters 2, float32 gradient 4, AdamW state 8 per parameter), `estimate_memory`
 and the planner take their static memory from it for every precision, and the fp32 and
@@ -11,11 +11,11 @@ import math
 import pytest
 
 from pipeblocks import schedules
-from pipeblocks.core.dp_model import PRECISIONS, Precision, precision_bytes, static_peak_bytes
-from pipeblocks.core.lowering import lower_for
-from pipeblocks.core.precision import PRECISION_NAMES, precision_policy
-from pipeblocks.core.sharding import ShardingPolicy
-from pipeblocks.core.static_memory import chunk_bytes, predict_static_peak
+from pipeblocks.core.cost.dp_model import PRECISIONS, Precision, precision_bytes, static_peak_bytes
+from pipeblocks.core.lowering.entry import lower_for
+from pipeblocks.core.cost.precision import PRECISION_NAMES, precision_policy
+from pipeblocks.core.ir.sharding import ShardingPolicy
+from pipeblocks.core.cost.static_memory import chunk_bytes, predict_static_peak
 from pipeblocks.sim.analytic import TransformerConfig
 from pipeblocks.sim.memory_estimate import estimate_memory, rank_static_peak, stage_param_shapes
 
@@ -162,7 +162,7 @@ def test_stage_zero_holds_no_w_gradients_beside_its_gathered_parameters():
            for r in range(2)]
     assert got == [piece.step_peak(False), piece.step_peak(True)]
     # the simulator's and the planner's closed forms agree: stage 0 without, stage 1 with
-    from pipeblocks.core.dp_model import DPCostModel
+    from pipeblocks.core.cost.dp_model import DPCostModel
 
     model = DPCostModel(dp=2, sharding=(ShardingPolicy.ZERO3,), precision="bf16-mixed")
     alone = [model.static_memory((1000.0, 1000.0), [s], peak=True, split_backward=True) for s in range(2)]

@@ -7,14 +7,14 @@ import pytest
 
 from pipeblocks import schedules
 from pipeblocks.cli.main import main
-from pipeblocks.core.costs import Costs
-from pipeblocks.core.errors import ScheduleError
-from pipeblocks.core.lower import PASSES, check_deadlock, lower
-from pipeblocks.core.ops import parse_op
-from pipeblocks.core.program import Program, Recompute
-from pipeblocks.core.recompute import add_recompute, all_pairs, check_recompute
-from pipeblocks.core.simulate import simulate
-from pipeblocks.sim.recompute_auto import choose_recompute, memory_need
+from pipeblocks.core.cost.costs import Costs
+from pipeblocks.core.ir.errors import ScheduleError
+from pipeblocks.core.lowering.lower import PASSES, check_deadlock, lower
+from pipeblocks.core.ir.ops import parse_op
+from pipeblocks.core.ir.program import Program, Recompute
+from pipeblocks.core.lowering.recompute import add_recompute, all_pairs, check_recompute
+from pipeblocks.core.simulator.simulate import simulate
+from pipeblocks.resolve.recompute_auto import choose_recompute, memory_need
 
 one_f_one_b = schedules.get("1f1b")
 
@@ -118,7 +118,7 @@ def test_analytic_input_share():
 
 
 def test_bad_recompute_mode():
-    from pipeblocks.core.request import Mesh, ScheduleRequest
+    from pipeblocks.resolve.request import Mesh, ScheduleRequest
 
     with pytest.raises(ValueError, match="--recompute 'some'"):
         ScheduleRequest(name="1f1b", m=4, mesh=Mesh(pp=2), recompute="some")
@@ -127,8 +127,8 @@ def test_bad_recompute_mode():
 def test_zero3_recomputation_runs_gathered():
     """A recomputation runs the stage's forward, so a zero3 stage must be gathered for it:
     the DP passes place it inside the UNSHARD..RESHARD window, and a misplaced one is refused."""
-    from pipeblocks.core.passes_dp import check_dp_ops, dp_passes
-    from pipeblocks.core.sharding import ShardingPolicy
+    from pipeblocks.core.lowering.passes_dp import check_dp_ops, dp_passes
+    from pipeblocks.core.ir.sharding import ShardingPolicy
 
     zero3 = (ShardingPolicy.ZERO3,)
     schedule = schedules.get("elastic")(p=2, m=4, forward_groups="2,2", backward_groups="4")

@@ -10,13 +10,13 @@ import itertools
 import pytest
 
 from pipeblocks import schedules
-from pipeblocks.core.costs import Costs
-from pipeblocks.core.lowering import lower_for
-from pipeblocks.core.program import Recompute
-from pipeblocks.core.recompute import all_pairs, check_recompute
-from pipeblocks.core.simulate import simulate
-from pipeblocks.sim.recompute_auto import choose_recompute, memory_need
-from pipeblocks.sim.recompute_place import place_recompute
+from pipeblocks.core.cost.costs import Costs
+from pipeblocks.core.lowering.entry import lower_for
+from pipeblocks.core.ir.program import Recompute
+from pipeblocks.core.lowering.recompute import all_pairs, check_recompute
+from pipeblocks.core.simulator.simulate import simulate
+from pipeblocks.resolve.recompute_auto import choose_recompute, memory_need
+from pipeblocks.resolve.recompute_place import place_recompute
 
 # budgets between full recomputation's need and none's (unit costs: static memory 16 per rank)
 CASES = [("1f1b", dict(p=2, m=4), 17.34), ("1f1b", dict(p=3, m=3), 17.67), ("1f1b", dict(p=3, m=3), 18.24),

@@ -68,8 +68,8 @@ def test_report_replays_the_recomputation():
     """The train report's prediction recomputes the pairs the run did, each forward keeping
     the profiled input share; recomputation events in the measured timeline are not passes."""
     from pipeblocks import schedules
-    from pipeblocks.core.recompute import all_pairs
-    from pipeblocks.core.simulate import simulate
+    from pipeblocks.core.lowering.recompute import all_pairs
+    from pipeblocks.core.simulator.simulate import simulate
     from pipeblocks.runtime.memory import StageMemory
     from pipeblocks.train.report import RankResult, build_report
 

@@ -8,18 +8,18 @@ import json
 
 import pytest
 
-from pipeblocks.core.costs import Costs
-from pipeblocks.core.dp_model import DPCostModel, Link
-from pipeblocks.core.dp_units import DPUnits
-from pipeblocks.core.errors import ScheduleError
-from pipeblocks.core.lowering import lower_for
-from pipeblocks.core.passes_dp import check_dp_ops
-from pipeblocks.core.program import DPOp, Program
-from pipeblocks.core.sharding import ShardingPolicy, parse_sharding
-from pipeblocks.core.simulate import simulate
+from pipeblocks.core.cost.costs import Costs
+from pipeblocks.core.cost.dp_model import DPCostModel, Link
+from pipeblocks.core.ir.dp_units import DPUnits
+from pipeblocks.core.ir.errors import ScheduleError
+from pipeblocks.core.lowering.entry import lower_for
+from pipeblocks.core.lowering.passes_dp import check_dp_ops
+from pipeblocks.core.ir.program import DPOp, Program
+from pipeblocks.core.ir.sharding import ShardingPolicy, parse_sharding
+from pipeblocks.core.simulator.simulate import simulate
 from pipeblocks.schedules import get
-from pipeblocks.sim.auto_sharding import choose_sharding
-from pipeblocks.sim.elastic_plan import choose_elastic_plan
+from pipeblocks.resolve.auto_sharding import choose_sharding
+from pipeblocks.resolve.elastic_plan import choose_elastic_plan
 
 REGATHER = ShardingPolicy.ZERO3_REGATHER
 
@@ -183,8 +183,8 @@ def test_predicted_static_peak_follows_the_regathers():
     """The runtime's prediction walks the Program: a chunk freed between visits is not
     counted there; here the walk's peak (stage 2's reduction, every chunk gathered) is
     zero3's, and on a Program whose regather comes later it is lower."""
-    from pipeblocks.core.precision import precision_policy
-    from pipeblocks.core.static_memory import chunk_bytes, predict_static_peak
+    from pipeblocks.core.cost.precision import precision_policy
+    from pipeblocks.core.cost.static_memory import chunk_bytes, predict_static_peak
 
     shapes = {0: [(64, 16)], 2: [(64, 16)]}
     fp64 = precision_policy("fp64")

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipeblocks.core.lowering import lower_for
-from pipeblocks.core.program import DPOp
-from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
-from pipeblocks.core.sharding import parse_sharding
+from pipeblocks.core.lowering.entry import lower_for
+from pipeblocks.core.ir.program import DPOp
+from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.core.ir.sharding import parse_sharding
 from pipeblocks.models import GPTConfig
 
 from _recompute_cases import verify_worker

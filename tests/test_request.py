@@ -8,11 +8,11 @@ import pytest
 
 from pipeblocks.cli.main import build_parser, main
 from pipeblocks.cli.common import request_from_args
-from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
 from pipeblocks.schedules import get, names
 from pipeblocks.schedules.registry import ScheduleSpec
-from pipeblocks.sim import build as build_module
-from pipeblocks.sim.build import build
+from pipeblocks.resolve import build as build_module
+from pipeblocks.resolve.build import build
 
 
 def _counting(monkeypatch, name: str) -> list[dict]:

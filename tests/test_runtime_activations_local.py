@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipeblocks import schedules
-from pipeblocks.core.validate import validate
+from pipeblocks.core.lowering.validate import validate
 from pipeblocks.runtime.backward import fused_backward, input_backward
 from pipeblocks.runtime.compute import ModuleCompute
 from pipeblocks.runtime.emulate import EmulatedCompute, EmulatedCosts

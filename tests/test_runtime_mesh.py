@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeblocks.core.request import Mesh, ScheduleRequest
-from pipeblocks.core.sharding import ShardingPolicy
+from pipeblocks.resolve.request import Mesh, ScheduleRequest
+from pipeblocks.core.ir.sharding import ShardingPolicy
 from pipeblocks.models import GPTConfig
 from pipeblocks.runtime import RankFailedError, spawn
 from pipeblocks.runtime.mesh import check_world_size
-from pipeblocks.core.static_memory import chunk_bytes
+from pipeblocks.core.cost.static_memory import chunk_bytes
 from pipeblocks.train import run as training
 from pipeblocks.train.reference import reference_update, relative_difference
 
@@ -111,9 +111,9 @@ def test_a_replica_failing_inside_a_collective_stops_every_rank_with_its_error()
 
 def test_the_executor_refuses_dp_ops_without_data_parallelism():
     from pipeblocks import schedules
-    from pipeblocks.core.lower import PASSES, lower
-    from pipeblocks.core.ops import UnknownOpError
-    from pipeblocks.core.passes_dp import dp_passes
+    from pipeblocks.core.lowering.lower import PASSES, lower
+    from pipeblocks.core.ir.ops import UnknownOpError
+    from pipeblocks.core.lowering.passes_dp import dp_passes
     from pipeblocks.runtime.executor import RankExecutor
 
     schedule = schedules.get("1f1b")(p=2, m=2)
@@ -156,8 +156,8 @@ def test_clip_grad_with_data_parallelism_is_refused_before_launch():
 
 
 def test_auto_sharding_trains_with_the_policies_the_simulator_chose():
-    from pipeblocks.core.sharding import per_stage
-    from pipeblocks.sim.build import build
+    from pipeblocks.core.ir.sharding import per_stage
+    from pipeblocks.resolve.build import build
 
     request = ScheduleRequest(name="zb-v", m=2, mesh=Mesh(pp=2, dp=2), auto_sharding=True)
     cfg, _ = training.prepare(request, model=GPTConfig(layers=4, hidden=8, heads=2, seq=8), verify=True)
@@ -185,7 +185,7 @@ def test_torchrun_with_the_wrong_world_size_fails_before_training(tmp_path):
 def test_report_has_a_row_per_process_with_dp_fields():
     """The report's new fields, from hand-made results (no launch)."""
     from pipeblocks import schedules
-    from pipeblocks.core.simulate import simulate
+    from pipeblocks.core.simulator.simulate import simulate
     from pipeblocks.train.report import RankResult, build_report
 
     schedule = schedules.get("1f1b")(p=2, m=2)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from pipeblocks import schedules
-from pipeblocks.core.actions import Action
-from pipeblocks.core.program import Comm
-from pipeblocks.core.validate import validate
+from pipeblocks.core.ir.actions import Action
+from pipeblocks.core.ir.program import Comm
+from pipeblocks.core.lowering.validate import validate
 from pipeblocks.runtime.backward import WeightGradWork
 from pipeblocks.runtime.comm import receive_posts
 from pipeblocks.runtime.compute import Unit

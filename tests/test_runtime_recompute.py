@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeblocks.core import Costs
-from pipeblocks.core.simulate import simulate
+from pipeblocks.core.simulator.simulate import simulate
 from pipeblocks.models.toy import cross_entropy, toy_batch, toy_stages
 from pipeblocks.runtime import spawn
 from pipeblocks.runtime.profile import profile_stage_memory

@@ -3,7 +3,7 @@ import pytest
 
 from pipeblocks import Costs, Schedule, ScheduleError, schedules, simulate
 from pipeblocks.sim.analytic import HARDWARE, MODELS, TransformerConfig, layer_split, parse_model, transformer_costs
-from pipeblocks.core.costs import parse_costs
+from pipeblocks.core.cost.costs import parse_costs
 from pipeblocks.sim.plots import ParetoPoint, plot_pareto, plot_timeline
 from pipeblocks.sim.text_timeline import render_text_timeline
 
@@ -116,7 +116,7 @@ def test_analytic_formulas():
 
 
 def test_layer_split_is_the_model_splitters_rule():
-    from pipeblocks.core.split import layer_counts
+    from pipeblocks.core.cost.split import layer_counts
 
     assert layer_split(8, 4) == (2, 2, 2, 2)
     assert layer_split(10, 4) == (2, 3, 3, 2)  # the ends carry the embedding and the head

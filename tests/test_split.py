@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 
 from pipeblocks.cli.main import main
-from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
-from pipeblocks.core.split import check_split, parse_split, stage_layers
+from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.core.cost.split import check_split, parse_split, stage_layers
 from pipeblocks.sim.analytic import HARDWARE, MODELS, head_flops, layer_flops, transformer_costs
-from pipeblocks.sim.build import build, choose_split_for
-from pipeblocks.sim.split_auto import balanced_counts, choose_split
+from pipeblocks.resolve.build import build, choose_split_for
+from pipeblocks.resolve.split_auto import balanced_counts, choose_split
 
 
 def run_cli(capsys, *argv):

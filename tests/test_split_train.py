@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from pipeblocks.core.request import CostSpec, Mesh, ScheduleRequest
+from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
 from pipeblocks.models import GPTConfig
 from pipeblocks.runtime import spawn
 from pipeblocks.train.run import judge, prepare

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from pipeblocks.cli.main import main
-from pipeblocks.core.async_mode import AsyncMode
-from pipeblocks.core.request import Mesh, ScheduleRequest
-from pipeblocks.core.sharding import parse_sharding
+from pipeblocks.core.lowering.async_mode import AsyncMode
+from pipeblocks.resolve.request import Mesh, ScheduleRequest
+from pipeblocks.core.ir.sharding import parse_sharding
 from pipeblocks.models.config import GPTConfig
 from pipeblocks.models import build_model, split_stages
 from pipeblocks.models.family import get_family
@@ -185,8 +185,8 @@ def test_simulate_prices_tp_with_the_model(capsys):
 def test_emulated_tp_ranks_sleep_a_share_of_the_layer_and_its_collectives():
     """Under --emulate each tp rank sleeps 1/tp of a layer's F, B, W and, in F and B, the
     layer's collectives on the --hardware's intra-node link (the simulator's TPCostModel)."""
-    from pipeblocks.core.dp_model import Link
-    from pipeblocks.core.tp_model import TPCostModel
+    from pipeblocks.core.cost.dp_model import Link
+    from pipeblocks.core.cost.tp_model import TPCostModel
     from pipeblocks.sim.analytic import HARDWARE
     from pipeblocks.train.rank_setup import emulated_costs
 

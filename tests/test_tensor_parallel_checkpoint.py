@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from pipeblocks.core.request import Mesh, ScheduleRequest
-from pipeblocks.core.sharding import parse_sharding
+from pipeblocks.resolve.request import Mesh, ScheduleRequest
+from pipeblocks.core.ir.sharding import parse_sharding
 from pipeblocks.models.llama_config import LlamaConfig
 from pipeblocks.runtime import spawn
 from pipeblocks.train import sharded_checkpoint as sharded

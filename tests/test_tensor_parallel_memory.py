@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeblocks.core.request import Mesh, ScheduleRequest
+from pipeblocks.resolve.request import Mesh, ScheduleRequest
 from pipeblocks.models.config import GPTConfig
 from pipeblocks.runtime import spawn
 from pipeblocks.schedules import get

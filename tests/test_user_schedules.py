@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from pipeblocks.cli.main import main
-from pipeblocks.core.errors import ScheduleError
+from pipeblocks.core.ir.errors import ScheduleError
 from pipeblocks.schedules import registry
 
 MODULE = '''

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeblocks.core.request import Mesh, ScheduleRequest
-from pipeblocks.core.sharding import parse_sharding
+from pipeblocks.resolve.request import Mesh, ScheduleRequest
+from pipeblocks.core.ir.sharding import parse_sharding
 from pipeblocks.models import GPTConfig
 from pipeblocks.runtime import spawn
 from pipeblocks.train.run import judge, prepare

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pipeblocks.core.errors import ScheduleError
+from pipeblocks.core.ir.errors import ScheduleError
 from pipeblocks.sim.analytic import HARDWARE, MODELS, TransformerConfig, transformer_costs
 from pipeblocks.sim.blocks import transformer_blocks
 from pipeblocks.sim.vocab_costs import head_seconds, rank_loads, vocab_costs, with_vocab_parallel

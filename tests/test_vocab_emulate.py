@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeblocks.core.costs import Costs
-from pipeblocks.core.vocab import VocabCosts, VocabPass
+from pipeblocks.core.cost.costs import Costs
+from pipeblocks.core.ir.vocab import VocabCosts, VocabPass
 from pipeblocks.runtime.vocab_emulate import VocabPassTimes
 
 # ms: the vocabulary passes outweigh a stage's, so a run that skipped their sleeps would be
@@ -63,7 +63,7 @@ def _worker(ctx, m, steps):
 
 @pytest.mark.spawn
 def test_emulated_vocab_step_runs_and_follows_the_simulator():
-    from pipeblocks.core.simulate import simulate_program
+    from pipeblocks.core.simulator.simulate import simulate_program
     from pipeblocks.runtime import spawn
 
     m = 4
@@ -95,7 +95,7 @@ def test_train_vocab_parallel_emulate_runs_and_its_report_simulates_the_passes(t
     from test_train import _train
 
     from pipeblocks import schedules
-    from pipeblocks.core.simulate import simulate
+    from pipeblocks.core.simulator.simulate import simulate
 
     report = tmp_path / "r.json"
     proc = _train("--model-family", "llama", "--layers", "4", "--hidden", "16", "--heads", "2", "--kv-heads", "1",

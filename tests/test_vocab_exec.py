@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _vocab_cases import TIMEOUT, V, Collective, Mailbox, ThreadLink, make_case, reference, run_rank
-from pipeblocks.core.vocab import roots
+from pipeblocks.core.ir.vocab import roots
 from pipeblocks.runtime.vocab_exec import VocabRank, VocabTables
 from pipeblocks.runtime.vocab_parallel import gather_rows, partition_vocab, shard_rows
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _vocab_cases import H, N, make_case, reference, run_rank
-from pipeblocks.core.vocab import roots
+from pipeblocks.core.ir.vocab import roots
 from pipeblocks.runtime.vocab_parallel import gather_rows, partition_vocab, shard_rows
 
 pytestmark = pytest.mark.spawn

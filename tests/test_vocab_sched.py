@@ -8,15 +8,15 @@ import dataclasses
 import pytest
 
 from pipeblocks import schedules
-from pipeblocks.core.costs import Costs
-from pipeblocks.core.errors import DeadlockError, ScheduleError
-from pipeblocks.core.lower import check_deadlock
-from pipeblocks.core.lowering import lower_for
-from pipeblocks.core.ops import parse_op
-from pipeblocks.core.program import Program
-from pipeblocks.core.simulate import simulate, simulate_program
-from pipeblocks.core.vocab import VocabCosts, VocabPass, check_vocab
-from pipeblocks.core.vocab_place import one_more_in_flight
+from pipeblocks.core.cost.costs import Costs
+from pipeblocks.core.ir.errors import DeadlockError, ScheduleError
+from pipeblocks.core.lowering.lower import check_deadlock
+from pipeblocks.core.lowering.entry import lower_for
+from pipeblocks.core.ir.ops import parse_op
+from pipeblocks.core.ir.program import Program
+from pipeblocks.core.simulator.simulate import simulate, simulate_program
+from pipeblocks.core.ir.vocab import VocabCosts, VocabPass, check_vocab
+from pipeblocks.core.lowering.vocab_place import one_more_in_flight
 
 VOCAB = VocabCosts(t_s=0.3, t_t=0.2, t_if=0.05, t_ib=0.05, t_bcast=0.05, t_c0=0.1, t_if_reduce=0.02,
                    t_ib_bcast=0.02, mem_st=0.5, params=0.25)
@@ -125,7 +125,7 @@ def test_text_timeline_shows_the_passes():
 
 
 def test_module_docstring_shows_the_lowered_program():
-    from pipeblocks.core import vocab
+    from pipeblocks.core.ir import vocab
 
     text = _lowered("1f1b", 2, 2).to_text()
     assert all(f"    {line}" in vocab.__doc__ for line in text.splitlines())
@@ -165,7 +165,7 @@ def test_collectives_slower_than_the_passes_still_place(name, p, m):
 
 
 def test_data_parallel_reduces_the_vocabulary_rows_at_the_step_end():
-    from pipeblocks.core.dp_model import DPCostModel
+    from pipeblocks.core.cost.dp_model import DPCostModel
 
     s = schedules.get("1f1b")(p=2, m=2)
     timeline = simulate(s, dataclasses.replace(COSTS, data_parallel=DPCostModel(dp=2)))
@@ -181,8 +181,8 @@ def test_data_parallel_reduces_the_vocabulary_rows_at_the_step_end():
 def test_vocabulary_rows_stay_replicated_under_per_stage_sharding():
     # the runtime keeps the rows whole on every replica and averages their gradients, so
     # they are priced as replicated whatever the stages' policies, one per stage included
-    from pipeblocks.core.dp_model import DPCostModel, static_bytes
-    from pipeblocks.core.sharding import ShardingPolicy
+    from pipeblocks.core.cost.dp_model import DPCostModel, static_bytes
+    from pipeblocks.core.ir.sharding import ShardingPolicy
 
     s = schedules.get("1f1b")(p=2, m=2)
     base = dataclasses.replace(COSTS, data_parallel=DPCostModel(dp=2, sharding=("zero3", "zero1")))

@@ -90,7 +90,7 @@ def test_train_vocab_parallel_verify_is_exact_in_float64_at_p2_and_p4(tmp_path):
 def test_vocab_parallel_cuts_equal_layers_per_rank():
     """No stage holds a vocabulary layer: without --split the layers are cut as simulate and plan
     cut them (the first L mod S stages one more), so every rank of a V placement holds 3 of 6."""
-    from pipeblocks.core.request import Mesh, ScheduleRequest
+    from pipeblocks.resolve.request import Mesh, ScheduleRequest
     from pipeblocks.models.llama_config import LlamaConfig
     from pipeblocks.train.run import prepare
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..core.costs import parse_costs
-from ..core.errors import ScheduleError
+from ..core.cost.costs import parse_costs
+from ..core.ir.errors import ScheduleError
 from ..sim.plots import check_plot_suffix
 
 __all__ = [
@@ -102,9 +102,9 @@ def setting_text(text: str) -> str:
 
 
 def split_arg(text: str) -> tuple[int, ...] | str:
-    """--split N1,N2,...|auto, parsed at parse time (`core.split.parse_split`); the counts are
+    """--split N1,N2,...|auto, parsed at parse time (`core.cost.split.parse_split`); the counts are
     checked against the model and the stages when the request is built."""
-    from ..core.split import parse_split
+    from ..core.cost.split import parse_split
 
     try:
         return parse_split(text)

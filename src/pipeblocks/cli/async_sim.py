@@ -2,7 +2,7 @@
 
 The schedule's asynchronous form streams the microbatches of `--async-steps` optimizer
 steps (N = m each) without a flush; the figures are per step over the middle steps
-(`pipeblocks.core.steady`), beside the synchronous schedule's step. `weight_memory` is per
+(`pipeblocks.core.simulator.steady`), beside the synchronous schedule's step. `weight_memory` is per
 rank in units of one stage's weights: the mode's stashes (pipedream) or T2's buffer
 (pipemare) included; `weight_memory_sync` is synchronous training's.
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 
-from ..core.simulate import simulate, simulate_program
-from ..core.steady import steady_state
-from ..core.versions import weight_versions
+from ..core.simulator.simulate import simulate, simulate_program
+from ..core.simulator.steady import steady_state
+from ..core.lowering.versions import weight_versions
 from ..schedules.asynchronous import ASYNC_FORMS
-from ..core.async_mode import (
+from ..core.lowering.async_mode import (
     DEFAULT_DISCREPANCY_DECAY, DEFAULT_LR_WARMUP_FRACTION, MODES, AsyncMode, weight_memory,
 )
 from .common import Built, print_json

@@ -37,7 +37,7 @@ import platform
 import sys
 import time
 
-from ..core.precision import PRECISION_NAMES
+from ..core.cost.precision import PRECISION_NAMES
 from ..train.config import TrainConfig, threads_per_rank
 from ..train.run import DEFAULT_P
 from .argtypes import positive_int
@@ -118,8 +118,8 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..core.jsontext import json_text
-    from ..core.schedule import write_atomically
+    from ..core.util.jsontext import json_text
+    from ..core.ir.schedule import write_atomically
     from ..runtime.calibrate import resolve_device
 
     device = resolve_device(args.device)

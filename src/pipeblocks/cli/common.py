@@ -4,7 +4,7 @@ The options are declared in two groups: generator options (which schedule, p, m,
 options, sequence chunks), read by every command including `train`, and cost options
 (pass times or the analytic model), read by the commands that simulate without running.
 `request_from_args` turns the parsed options into one `ScheduleRequest`; `build` (in
-pipeblocks.sim.build) turns that into the schedule and its costs, once.
+pipeblocks.resolve.build) turns that into the schedule and its costs, once.
 """
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ import dataclasses
 import math
 import sys
 
-from ..core.dp_units import DP_UNIT_GRAINS
-from ..core.errors import ScheduleError
-from ..core.hf_config import supported_text
-from ..core.jsontext import json_text
-from ..core.request import RECOMPUTE_MODES, CostSpec, Mesh, ScheduleRequest
-from ..core.sharding import parse_sharding
-from ..core.split import AUTO, split_text
+from ..core.ir.dp_units import DP_UNIT_GRAINS
+from ..core.ir.errors import ScheduleError
+from ..core.cost.hf_config import supported_text
+from ..core.util.jsontext import json_text
+from ..resolve.request import RECOMPUTE_MODES, CostSpec, Mesh, ScheduleRequest
+from ..core.ir.sharding import parse_sharding
+from ..core.cost.split import AUTO, split_text
 from ..sim.analytic import HF_SEQ, MODELS
 from ..sim.hardware_profile import check_hardware_text, hardware_names_text
-from ..sim.build import Built, build, choose_split_for, stage_model_config
-from ..sim.split_auto import SplitChoice
+from ..resolve.build import Built, build, choose_split_for, stage_model_config
+from ..resolve.split_auto import SplitChoice
 from ..sim.sequence_split import SPLITS
 from .argtypes import costs_text, positive_float, positive_int, setting_text, split_arg, unit_float
 
@@ -232,7 +232,7 @@ def request_from_args(
 
 
 def build_split(request: ScheduleRequest) -> tuple[Built, SplitChoice | None]:
-    """`build(request)`, with `--split auto` resolved first (`sim.build.choose_split_for`) and
+    """`build(request)`, with `--split auto` resolved first (`resolve.build.choose_split_for`) and
     its choice returned beside (None without --split auto), for the commands to print."""
     if request.costs.split == AUTO:
         chosen = choose_split_for(request)
@@ -291,7 +291,7 @@ def _parse_setting(item: str) -> tuple[str, object]:
 
 
 def print_json(data: object) -> None:
-    """JSON without NaN or Infinity (see core.jsontext), so other tools can read it."""
+    """JSON without NaN or Infinity (see core.util.jsontext), so other tools can read it."""
     sys.stdout.write(json_text(data) + "\n")
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..core.errors import ScheduleError
+from ..core.ir.errors import ScheduleError
 from ..schedules import names
-from ..sim.build import memory_budget
+from ..resolve.build import memory_budget
 from ..sim.plots import ParetoPoint, plot_pareto
-from ..sim.recompute_auto import fits_memory
-from ..core.request import ScheduleRequest
+from ..resolve.recompute_auto import fits_memory
+from ..resolve.request import ScheduleRequest
 from .argtypes import plot_file
 from .common import add_schedule_options, analytic_costs, build, print_json, progress, request_from_args, split_of
 

@@ -19,8 +19,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..core.errors import ScheduleError
-from ..core.schedule import write_atomically
+from ..core.ir.errors import ScheduleError
+from ..core.ir.schedule import write_atomically
 from ..interop import program_to_torch_csv, to_torch_csv
 from .common import add_schedule_options, build, request_from_args
 

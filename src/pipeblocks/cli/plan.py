@@ -19,9 +19,9 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from ..core.dp_units import DP_UNIT_GRAINS
-from ..core.errors import ScheduleError
-from ..core.hf_config import supported_text
+from ..core.ir.dp_units import DP_UNIT_GRAINS
+from ..core.ir.errors import ScheduleError
+from ..core.cost.hf_config import supported_text
 from ..plan import PlanProblem, search
 from ..plan.plot import plot_plan
 from ..plan.report import commands, runnable, table, to_json

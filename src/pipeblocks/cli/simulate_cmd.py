@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import argparse
 
-from ..core.simulate import simulate
-from ..sim.build import memory_budget
-from ..core.recompute import all_pairs, recompute_pairs
-from ..sim.recompute_auto import fits_memory, memory_need
+from ..core.simulator.simulate import simulate
+from ..resolve.build import memory_budget
+from ..core.lowering.recompute import all_pairs, recompute_pairs
+from ..resolve.recompute_auto import fits_memory, memory_need
 from .async_sim import add_async_options, mode_from_args, run_async
 from .common import add_schedule_options, analytic_costs, build_split, request_from_args, print_json, split_lines, split_of
 
@@ -79,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _vocab_line(built, timeline) -> str:
     """--vocab-parallel: the passes every rank runs, their time, and whether the schedule
-    was given one more microbatch in flight (`core.vocab_place`)."""
-    from ..core.vocab import VocabPass
+    was given one more microbatch in flight (`core.lowering.vocab_place`)."""
+    from ..core.ir.vocab import VocabPass
 
     per_rank = [sum(e.end - e.start for e in evs if type(e.action) is VocabPass) for evs in timeline.events]
     barriers = "one barrier (C0)" if built.costs.vocab.barriers == 1 else "two barriers (C0, C1)"
@@ -92,7 +92,7 @@ def _vocab_line(built, timeline) -> str:
 
 def _tp_comm(built) -> list[float]:
     """Seconds each rank spends in tensor-parallel collectives per step (--tp > 1, --model or --hf)."""
-    from ..sim.build import stage_model_config
+    from ..resolve.build import stage_model_config
     from ..sim.hardware_profile import resolve_hardware
     from ..sim.tp_costs import tp_comm_per_rank
 

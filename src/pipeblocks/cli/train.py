@@ -124,8 +124,8 @@ import argparse
 import math
 from pathlib import Path
 
-from ..core.precision import PRECISION_NAMES
-from ..core.request import CostSpec
+from ..core.cost.precision import PRECISION_NAMES
+from ..resolve.request import CostSpec
 from ..models.config import GPTConfig
 from ..models.family import FAMILIES, family_names
 from ..train.config import TrainConfig
@@ -328,7 +328,7 @@ def model_from_args(args: argparse.Namespace, precision: str):
 
 
 def _other_model(args: argparse.Namespace, dtype: str):
-    from ..core.hf_config import read_hf_config
+    from ..core.cost.hf_config import read_hf_config
     from ..models.spec import portable_reference
     from ..train.model_choice import HF_PREFIX, ModelChoice
 
@@ -369,7 +369,7 @@ def _tokenizer_vocab(tokenizer: str | None) -> int:
 
 def _precision(precision: str | None, dtype: str | None) -> str:
     """--precision, or its older name --dtype (not both, unless they agree); default fp32."""
-    from ..core.precision import precision_policy
+    from ..core.cost.precision import precision_policy
 
     if dtype is not None and precision is not None and precision_policy(dtype).name != precision:
         raise ValueError(f"--dtype {dtype} and --precision {precision} disagree: give --precision alone")

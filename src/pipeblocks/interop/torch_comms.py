@@ -22,12 +22,12 @@ import io
 import re
 from collections.abc import Sequence
 
-from ..core.actions import Action
-from ..core.errors import ScheduleError
-from ..core.ops import format_op, parse_op
-from ..core.placement import Placement
-from ..core.program import Comm, DPOp, OptimizerStep, Overlap, Program, Recompute
-from ..core.schedule import Schedule
+from ..core.ir.actions import Action
+from ..core.ir.errors import ScheduleError
+from ..core.ir.ops import format_op, parse_op
+from ..core.ir.placement import Placement
+from ..core.ir.program import Comm, DPOp, OptimizerStep, Overlap, Program, Recompute
+from ..core.ir.schedule import Schedule
 from .torch_pipelining import _TO_TORCH, from_torch_rows, to_torch_rows
 
 __all__ = ["program_from_torch_csv", "program_from_torch_rows", "program_to_torch_csv", "program_to_torch_rows"]

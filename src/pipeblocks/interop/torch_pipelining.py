@@ -30,10 +30,10 @@ import io
 import re
 from typing import Sequence
 
-from ..core.actions import Action, Kind
-from ..core.errors import ScheduleError
-from ..core.placement import Placement
-from ..core.schedule import Schedule, stage_owners
+from ..core.ir.actions import Action, Kind
+from ..core.ir.errors import ScheduleError
+from ..core.ir.placement import Placement
+from ..core.ir.schedule import Schedule, stage_owners
 
 __all__ = ["to_torch_rows", "to_torch_csv", "from_torch_rows", "from_torch_csv"]
 
@@ -87,7 +87,7 @@ def from_torch_rows(
 
     p: ranks (default: the number of rows).  m: microbatches (default: largest index + 1).
     placement: "loop", "v", a Placement, or None to infer it from where the stages appear.
-    The result is not validated; call `pipeblocks.core.validate` on it.
+    The result is not validated; call `pipeblocks.core.lowering.validate` on it.
     """
     ranks: list[tuple[Action, ...]] = []
     overlapped: set[Action] = set()

@@ -15,7 +15,7 @@ LlamaConfig, Layout, ModelShape, get_family, and the command line) does not impo
 """
 from __future__ import annotations
 
-from ..core.lazy import lazy_exports
+from ..core.util.lazy import lazy_exports
 
 __all__ = [
     "ModelSpec", "ModelShape", "register_model", "load_spec", "model_logits",
@@ -28,10 +28,10 @@ __all__ = [
 
 _HOME = {
     "ModelSpec": "spec", "register_model": "spec", "load_spec": "spec", "model_logits": "spec",
-    "ModelShape": "..core.model_shape",
+    "ModelShape": "..core.cost.model_shape",
     "build_stages": "build", "build_model": "build", "split_stages": "build", "spec_of": "build",
     "GPTConfig": "config", "GPT": "gpt", "causal_attention": "gpt", "cross_entropy": "gpt", "gpt_spec": "gpt",
-    "layer_counts": "..core.split", "layer_ranges": "layout",
+    "layer_counts": "..core.cost.split", "layer_ranges": "layout",
     "LlamaConfig": "llama_config", "Llama": "llama", "llama_spec": "llama",
     "Layout": "layout", "Stage": "stage", "TiedPair": "stage", "BlockAdapter": "adapter", "split_model": "splitter",
     "allocate_stages": "splitter",

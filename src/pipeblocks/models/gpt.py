@@ -24,7 +24,7 @@ pipeline rank can build just its own stages (`pipeblocks.models.build_stages(gpt
 (`parameter_init` is the same rule as an `init(name, tensor)` function, the form the
 splitter takes). `gpt_spec(cfg)` is the model as `pipeblocks train` sees it (`ModelSpec`).
 
-Stages: stage s holds the s-th contiguous slice of blocks (`core.split.layer_counts`: the
+Stages: stage s holds the s-th contiguous slice of blocks (`core.cost.split.layer_counts`: the
 end stages, which carry the embedding and the head, get the lighter share); stage 0 also
 the embedding and the last stage the head, by GPT_LAYOUT. Sequence chunks (Seq1F1B):
 `stage(x, chunk=c)` runs the tokens [c.offset, c.offset + c.length) of a microbatch:
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.model_shape import ModelShape
+from ..core.cost.model_shape import ModelShape
 from .adapter import BlockAdapter
 from .config import GPTConfig
 from .init import seeded_normal_

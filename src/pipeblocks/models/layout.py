@@ -11,7 +11,7 @@ last stage, in order), and "shared" modules that every stage holds: parameter-fr
 such as a rotary-embedding table, which each stage recomputes rather than receives.
 
 Stage s holds the s-th contiguous slice of blocks, whatever the placement; counts come
-from `pipeblocks.core.split.layer_counts` (the end stages, which carry the embedding and
+from `pipeblocks.core.cost.split.layer_counts` (the end stages, which carry the embedding and
 the head, get the lighter share) or are given explicitly.
 
 Torch-free: the command line and the family registry read it without importing torch.
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..core.split import layer_counts
+from ..core.cost.split import layer_counts
 
 __all__ = ["Layout", "block_ranges", "layer_ranges"]
 

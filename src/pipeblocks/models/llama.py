@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.model_shape import ModelShape
+from ..core.cost.model_shape import ModelShape
 from .adapter import BlockAdapter, KVExtenderLike, SequenceChunkLike
 from .init import seeded_normal_
 from .layout import Layout

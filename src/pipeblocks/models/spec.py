@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..core.model_shape import ModelShape
-from ..core.user_module import import_user_file
+from ..core.cost.model_shape import ModelShape
+from ..core.util.user_module import import_user_file
 from .adapter import BlockAdapter
 from .layout import Layout
 

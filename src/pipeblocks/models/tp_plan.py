@@ -47,7 +47,7 @@ class TPPlan:
 
 
 def tp_sizes(shape: Any, seq: int) -> dict[str, int]:
-    """Every size tensor parallelism splits, by what it is called (a `core.model_shape.ModelShape`)."""
+    """Every size tensor parallelism splits, by what it is called (a `core.cost.model_shape.ModelShape`)."""
     return {
         "heads": shape.heads, "KV heads": shape.num_kv_heads, "MLP width": shape.ffn_width,
         "vocabulary": shape.vocab, "tokens per sequence (sequence parallelism)": seq,

@@ -9,7 +9,7 @@ Tensor parallelism is folded in as the runtime runs it (`runtime.tensor_parallel
 Megatron-style with sequence parallelism): pass FLOPs and parameters are divided by tp and
 every layer adds its collectives to the forward and the input-gradient pass, two
 all-gather + reduce-scatter pairs of its activation (s*b*h elements) on the intra-node
-link (`core.tp_model.TPCostModel`, tp never leaves a node); W carries none. A recomputed
+link (`core.cost.tp_model.TPCostModel`, tp never leaves a node); W carries none. A recomputed
 forward (1f1b-r) pays them again, since the simulator's recomputation takes the stage's
 forward time. Stored activations are what one tp rank saves (`activation_costs(tp=)`:
 the gathered GEMM inputs and the loss stay whole), as `estimate_memory(tp=)` has them.
@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..core.costs import Costs
-from ..core.dp_model import DPCostModel, Link
-from ..core.tp_model import TPCostModel
-from ..core.sharding import ShardingPolicy
+from ..core.cost.costs import Costs
+from ..core.cost.dp_model import DPCostModel, Link
+from ..core.cost.tp_model import TPCostModel
+from ..core.ir.sharding import ShardingPolicy
 from ..sim.blocks import transformer_blocks
 from ..sim.analytic import Hardware, TransformerConfig, dp_link, stage0_backward_in_w, transformer_costs
 from ..sim.memory_estimate import activation_costs, precision_config
@@ -58,7 +58,7 @@ def replica_costs(
     the tokens of one of `seq_chunks` sequence chunks (a chunked microbatch runs smaller GEMMs).
     `w_keeps`: what a split backward keeps from B until W (`sim.memory_estimate.estimate_memory`).
     `precision` prices the DP side and sets the activations' dtype (`sim.memory_estimate.precision_config`).
-    `dp_unit`: the grain of the DP collectives (`core.dp_units`): "block" (one gather and one
+    `dp_unit`: the grain of the DP collectives (`core.ir.dp_units`): "block" (one gather and one
     reduction per layer, as FSDP2 per block and DDP's buckets) or "chunk" (one per chunk)."""
     config, _ = precision_config(config, precision)
     memory = activation_costs(config, num_stages, w_keeps=w_keeps, tp=tp)

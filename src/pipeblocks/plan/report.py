@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import shlex
 
-from ..core.split import split_text
+from ..core.cost.split import split_text
 from ..schedules import get
 
 from .search import Evaluated, PlanResult

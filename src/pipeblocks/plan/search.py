@@ -43,11 +43,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ..core.errors import ScheduleError
-from ..core.placement import Placement
-from ..core.sharding import ShardingPolicy
-from ..core.simulate import simulate
-from ..core.vocab_partition import partition_vocab
+from ..core.ir.errors import ScheduleError
+from ..core.ir.placement import Placement
+from ..core.ir.sharding import ShardingPolicy
+from ..core.simulator.simulate import simulate
+from ..core.cost.vocab_partition import partition_vocab
 from ..schedules import get
 from ..schedules.sequence import split_sequence
 from ..sim.analytic import sequence_flops

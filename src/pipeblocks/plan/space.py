@@ -13,14 +13,14 @@ import functools
 import math
 from dataclasses import dataclass
 
-from ..core.dp_model import resolve_precision
-from ..core.dp_units import check_dp_unit
-from ..core.precision import PRECISION_NAMES
-from ..core.sharding import ShardingPolicy
+from ..core.cost.dp_model import resolve_precision
+from ..core.ir.dp_units import check_dp_unit
+from ..core.cost.precision import PRECISION_NAMES
+from ..core.ir.sharding import ShardingPolicy
 from ..schedules import get
-from ..core.split import AUTO, check_split, rank_balanced
+from ..core.cost.split import AUTO, check_split, rank_balanced
 from ..sim.analytic import Hardware, TransformerConfig, transformer_costs
-from ..sim.split_auto import balanced_counts
+from ..resolve.split_auto import balanced_counts
 from ..sim.memory_estimate import W_KEEPS, precision_config
 from ..sim.tp_memory import tp_mismatch
 
@@ -54,7 +54,7 @@ class PlanProblem:
         set per candidate). hardware: device, links and gpus_per_node.
     gpus: GPUs in all. gpu_memory: bytes per GPU. global_batch: sequences per step.
     schedules: registered schedule names to try. microbatch_sizes: the sizes b to try.
-    precision: a `core.precision` policy name, as `pipeblocks train --precision` runs it:
+    precision: a `core.cost.precision` policy name, as `pipeblocks train --precision` runs it:
         the static memory, the DP traffic and the activations' dtype ("bf16-mixed", also
         "mixed": float32 masters, gradients and AdamW state, a bfloat16 compute copy or
         gathered parameters, 18 bytes per parameter at replicate, bfloat16 activations;
@@ -70,7 +70,7 @@ class PlanProblem:
         memory_bandwidth. Off: the simulator's pass times, one efficiency for every shape.
     w_keeps: what a split backward keeps from B until W: "graph" (pipeblocks' runtime) or
         "weights" (the Zero Bubble paper's M_W); see `sim.memory_estimate.estimate_memory`.
-    dp_unit: the grain of the DP collectives (`core.dp_units`), as `train --dp-unit` runs
+    dp_unit: the grain of the DP collectives (`core.ir.dp_units`), as `train --dp-unit` runs
         them: "block" (the default: a gather and a reduction per layer, pipelined with the
         passes) or "chunk" (one per chunk).
     hf: the Hugging Face model directory the model was read from (`plan --hf`), which the
@@ -99,7 +99,7 @@ class PlanProblem:
     split: tuple[int, ...] | str | None = None
     """transformer layers per stage: None (the even rule), counts (`--split 3,4,4,3`: only
     candidates with that many stages), or "auto" (each candidate's stages balanced by pass
-    time, the head and its loss included: `sim.split_auto.balanced_counts`, no extra
+    time, the head and its loss included: `resolve.split_auto.balanced_counts`, no extra
     simulation; `simulate --split auto` refines a chosen plan with the simulator)"""
 
     def __post_init__(self) -> None:
@@ -161,9 +161,9 @@ class PlanProblem:
 
     def stage_split(self, num_stages: int, vocab: bool = False) -> tuple[int, ...] | None:
         """Layers per stage for a candidate of `num_stages` stages (None: the even rule); counts
-        that do not fit are a ValueError naming the numbers (`core.split.check_split`). `vocab`:
+        that do not fit are a ValueError naming the numbers (`core.cost.split.check_split`). `vocab`:
         a +vocab candidate, whose end stages carry no vocabulary layer: "auto" balances the layers
-        per rank (`core.split.rank_balanced`)."""
+        per rank (`core.cost.split.rank_balanced`)."""
         if self.split is None:
             return None
         if self.split == AUTO:

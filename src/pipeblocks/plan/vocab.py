@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..core.costs import Costs
-from ..core.sharding import ShardingPolicy
+from ..core.cost.costs import Costs
+from ..core.ir.sharding import ShardingPolicy
 from ..sim.analytic import Hardware, TransformerConfig, head_flops
 from ..sim.memory_estimate import precision_config
 from ..sim.vocab_costs import head_seconds, shard_rows, with_vocab_parallel

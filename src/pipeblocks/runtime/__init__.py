@@ -15,7 +15,7 @@ chunks) is the stage module contract in docs/runtime.md. The entry points:
     mesh.init_mesh(pp, dp, device) -> PipelineMesh                     # ("pp", "dp") device mesh
     data_parallel.DataParallel(stages, policies, mesh.dp_mesh)           # per-chunk sharding, DP ops
         .optimizer(torch.optim.AdamW, lr=...)                           # one optimizer per chunk
-    core.static_memory.predict_static_peak(program, rank, shapes, policies, ...)  # static bytes at the peak
+    core.cost.static_memory.predict_static_peak(program, rank, shapes, policies, ...)  # static bytes at the peak
     launch.spawn(fn, nprocs, *, args=(), timeout_s=600.0, ...) -> list   # fn(ctx, *args)
     launch.init_from_env(*, timeout_s=300.0, stop_signals=False) -> DistContext   # under torchrun
     ctx.control.step_done(k) -> bool      # after each step: True on every rank when the run is to stop

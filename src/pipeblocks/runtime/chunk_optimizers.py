@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from ..core.sharding import ShardingPolicy
+from ..core.ir.sharding import ShardingPolicy
 from .dp_chunks import ChunkState
 
 __all__ = ["ChunkOptimizers"]

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..core.actions import Action
-from ..core.program import Comm, Overlap, Program
+from ..core.ir.actions import Action
+from ..core.ir.program import Comm, Overlap, Program
 
 __all__ = ["PeerTimeoutError", "Tags", "leaf_key", "receive_posts", "Mailbox"]
 

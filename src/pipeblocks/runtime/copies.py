@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.schedule import Schedule
+from ..core.ir.schedule import Schedule
 
 __all__ = ["StageCopies"]
 

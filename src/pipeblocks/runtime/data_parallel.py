@@ -26,7 +26,7 @@ What each policy is built on (torch 2.13), per chunk (global stage):
     zero3      the same FSDP2 module, gathered by the Program's UNSHARD (asynchronously,
                waited by the chunk's first pass) and freed by its RESHARD
 
-Units (`units=`, `core.dp_units`; block grain): a chunk of several units is sharded per
+Units (`units=`, `core.ir.dp_units`; block grain): a chunk of several units is sharded per
 unit (`dp_units.shard_units`: `fully_shard` per unit, the stage as root) and its DP ops name
 a unit: `2UNSHARD.1` gathers unit 1 (asynchronously, waited by the chunk's first pass),
 `2REDUCE_GRAD.1` stands for unit 1's reduction, `2RESHARD.1` frees it. A unit's reduction
@@ -56,19 +56,19 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..core.actions import Action
-from ..core.dp_units import DPUnits
-from ..core.program import DPOp, Op, Recompute
-from ..core.sharding import ShardingPolicy
+from ..core.ir.actions import Action
+from ..core.ir.dp_units import DPUnits
+from ..core.ir.program import DPOp, Op, Recompute
+from ..core.ir.sharding import ShardingPolicy
 from .chunk_optimizers import ChunkOptimizers
 from .comm import PeerTimeoutError
-from ..core.sharding import FSDP_POLICIES as _FSDP
+from ..core.ir.sharding import FSDP_POLICIES as _FSDP
 from .dp_chunks import ChunkState, UnitState, reduce_scatter_chunk, shard_chunk
 from .dp_measure import chunk_static_tensors, held_bytes, measure_link
 from .dp_overlap import DPEvent, GathersAhead, InPassReductions
 from .dp_units import GradBucket, finish_reduce_scatter, reduce_scatter_unit
 from .emulated_link import EmulatedLink
-from ..core.static_memory import zero1_partition
+from ..core.cost.static_memory import zero1_partition
 
 __all__ = ["DataParallel", "ChunkOptimizers", "DPEvent", "held_bytes", "measure_link", "zero1_partition"]
 
@@ -79,13 +79,13 @@ class DataParallel:
     """This rank's chunks on the dp group of the mesh; runs the Program's DP ops.
 
     stages: global stage -> module (this rank's). policies: one per global stage
-    (`core.sharding.per_stage`). dp_mesh: the mesh's "dp" DeviceMesh; dp_group its group.
+    (`core.ir.sharding.per_stage`). dp_mesh: the mesh's "dp" DeviceMesh; dp_group its group.
     Build it before the optimizer: FSDP2 replaces the parameters by their shards.
     link: an `emulated_link.EmulatedLink` under emulated compute (any policy): each DP op
     also takes its modelled link time, waited where the real one is (a zero3 chunk's first
     pass after its UNSHARD, the end of the step). reduce_at_end: lower every REDUCE_GRAD to the
     end of the rank's step instead of right after its stage's last weight gradient.
-    units: the DP units of every global stage (`core.dp_units.DPUnits`; None: chunk grain);
+    units: the DP units of every global stage (`core.ir.dp_units.DPUnits`; None: chunk grain);
     a stage of several units must be a `models.Stage` with that many blocks.
     gather_ahead: issue the gathers that open the next step (its leading UNSHARD ops) as
     soon as the chunk's optimizer step is done (`ChunkOptimizers.step`); the next step's

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from ..core.sharding import FSDP_POLICIES, ShardingPolicy
+from ..core.ir.sharding import FSDP_POLICIES, ShardingPolicy
 from .dp_units import GradBucket, GradReadiness, shard_units, unit_modules
 
 __all__ = ["ChunkState", "UnitState", "accumulate_only", "reduce_scatter_chunk", "shard_chunk"]

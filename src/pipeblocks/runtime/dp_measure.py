@@ -33,7 +33,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from ..core.sharding import FSDP_POLICIES
+from ..core.ir.sharding import FSDP_POLICIES
 from .dp_chunks import ChunkState
 from .dp_units import accumulated_grads, gathers_in_flight
 

@@ -28,8 +28,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..core.schedule import Schedule
-from ..core.costs import Costs
+from ..core.ir.schedule import Schedule
+from ..core.cost.costs import Costs
 from .backward import WeightGradWork
 from .compute import Unit
 from .shapes import ActivationSpec, TensorSpec, infer_output_spec, zero_gradient

@@ -3,10 +3,10 @@
 Under emulated compute (`emulate.EmulatedCompute`) a step's passes sleep their modelled
 times; `EmulatedLink` does the same for the DP collectives, so that overlap and exposed
 communication can be measured on a machine whose own links are far faster (or slower)
-than the one modelled. It is the simulator's communication stream (`core.simulate`) run
+than the one modelled. It is the simulator's communication stream (`core.simulator.simulate`) run
 in wall-clock time: an op is issued when the Program reaches it, starts when the stream
 is free (ops run one at a time, in program order) and ends its modelled duration later
-(`core.dp_model`: ring all-reduce, reduce-scatter, all-gather on the link). Nothing runs
+(`core.cost.dp_model`: ring all-reduce, reduce-scatter, all-gather on the link). Nothing runs
 in the background: issuing an op only computes its deadline, and whoever needs the op
 done (the first pass of a zero3 chunk after its UNSHARD, the end of the step before the
 optimizer) sleeps until that deadline.
@@ -30,8 +30,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..core.dp_model import DPCostModel
-from ..core.dp_units import DPUnits
+from ..core.cost.dp_model import DPCostModel
+from ..core.ir.dp_units import DPUnits
 from .emulate import precise_sleep
 
 __all__ = ["EmulatedLink"]
@@ -58,7 +58,7 @@ class EmulatedLink:
 
     model: the link, replicas, policies and precision (its link in bytes per second and
         seconds per ring step). stage_params: parameters of every global stage.
-    units: the DP units (`core.dp_units`; None: chunk grain). unit_params: per global stage,
+    units: the DP units (`core.ir.dp_units`; None: chunk grain). unit_params: per global stage,
         the parameters of each unit (default: the stage's split by blocks).
     """
 

@@ -23,7 +23,7 @@ The executor walks `program.ranks[rank]` in order and knows nothing about schedu
                 before it): through the compute object's `overlap_hook` when the stage
                 modules' class has `overlapped_forward_backward` (DualPipe's
                 interface), else the forward then the backward; two events
-    VocabPass   IF, S, T or IB of a microbatch (vocabulary parallelism, `core.vocab`): run
+    VocabPass   IF, S, T or IB of a microbatch (vocabulary parallelism, `core.ir.vocab`): run
                 by the `vocab` object (`vocab_step.VocabStep`); stage 0 then takes the
                 embedding output from it and hands it its input gradient, and the last
                 stage hands it its output X and takes dL/dX from it (no loss on a stage);
@@ -56,11 +56,11 @@ from typing import Callable
 
 import torch
 
-from ..core.actions import Action, Kind
-from ..core.ops import ACTION, DP, OVERLAP, P2P, RECOMPUTE, STEP, VOCAB, require_known
-from ..core.program import Comm, DPOp, OptimizerStep, Overlap, Program, Recompute
-from ..core.recompute import recompute_units
-from ..core.vocab import VocabPass
+from ..core.ir.actions import Action, Kind
+from ..core.ir.ops import ACTION, DP, OVERLAP, P2P, RECOMPUTE, STEP, VOCAB, require_known
+from ..core.ir.program import Comm, DPOp, OptimizerStep, Overlap, Program, Recompute
+from ..core.lowering.recompute import recompute_units
+from ..core.ir.vocab import VocabPass
 from .comm import Mailbox, Tags, leaf_key, receive_posts
 from .compute import Unit
 from .sequence import SequenceChunk

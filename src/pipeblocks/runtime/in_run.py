@@ -47,7 +47,7 @@ def _worker(ctx, family: str, shape: Shape, precision: str, m: int, steps: int, 
     import torch.distributed as dist
 
     from .. import schedules
-    from ..core.actions import Action
+    from ..core.ir.actions import Action
     from .runner import PipelineRunner
 
     out = {}

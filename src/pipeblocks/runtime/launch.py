@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..core.schedule import Schedule
+from ..core.ir.schedule import Schedule
 from .lifecycle import RankControl, RunControl, RunState, SignalControl
 from .supervise import STARTUP_S, RankFailedError, RunStoppedError, catch_stop_signals, stop_all, supervise
 

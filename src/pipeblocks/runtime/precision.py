@@ -1,6 +1,6 @@
 """Mixed precision for the runtime: bf16 compute from fp32 master weights.
 
-Two paths with the same arithmetic (`core.precision` names the policy):
+Two paths with the same arithmetic (`core.cost.precision` names the policy):
 
 * Chunks that FSDP2 shards (zero2, zero3): FSDP2's own `MixedPrecisionPolicy(param_dtype=
   bfloat16, reduce_dtype=float32)` (`fsdp_policy`): the gathered parameters are bfloat16,
@@ -31,7 +31,7 @@ chooses (norms, softmax), so activations would be of mixed dtypes and the copies
 weights would be made again in every microbatch's forward.
 
 Bytes per parameter held (float32 AdamW): master 4 + copy 2 (during the step) + gradient
-4 + moments 8 = 18, as `core.dp_model.PRECISIONS["bf16-mixed"]` prices it.
+4 + moments 8 = 18, as `core.cost.dp_model.PRECISIONS["bf16-mixed"]` prices it.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ __all__ = ["CastStage", "ComputeCopies", "fsdp_policy", "torch_dtype"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a `core.precision` dtype name ("float32", "bfloat16", ...)."""
+    """The torch dtype of a `core.cost.precision` dtype name ("float32", "bfloat16", ...)."""
     return getattr(torch, name)
 
 

@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..core.actions import Action
-from ..core.lowering import lower_for
-from ..core.program import Program
-from ..core.recompute import recompute_pairs
-from ..core.schedule import Schedule
-from ..core.timeline import Timeline
+from ..core.ir.actions import Action
+from ..core.lowering.entry import lower_for
+from ..core.ir.program import Program
+from ..core.lowering.recompute import recompute_pairs
+from ..core.ir.schedule import Schedule
+from ..core.simulator.timeline import Timeline
 from .comm import Mailbox, Tags
 from .compute import ModuleCompute
 from .copies import StageCopies
@@ -45,7 +45,7 @@ from .step_inputs import microbatches, side_microbatches, side_text, to_device
 from .timeline import gather_timeline
 
 if TYPE_CHECKING:
-    from ..core.costs import Costs
+    from ..core.cost.costs import Costs
     from .data_parallel import DataParallel
     from .vocab_step import VocabStep
     from .precision import ComputeCopies
@@ -108,14 +108,14 @@ class PipelineRunner:
         ends when every reduction is done, so the optimizer may step.
     recompute: (stage, microbatch) pairs whose forward runs without keeping its autograd
         graph (only the stage input and the random state) and is re-run, with the graph,
-        just before the pair's backward (`core.recompute.add_recompute` places the RECOMPUTE
+        just before the pair's backward (`core.lowering.recompute.add_recompute` places the RECOMPUTE
         ops); the gradients are those without recomputation. None or none given: every pair
         when the schedule's options say recompute="all" (`1f1b-r`), else none
-        (`core.recompute.recompute_pairs`). Not with sequence chunks (ValueError).
+        (`core.lowering.recompute.recompute_pairs`). Not with sequence chunks (ValueError).
     recompute_at: where a unit's RECOMPUTE runs when the simulator moved it into idle time
-        (`sim.recompute_place`): the compute action it precedes; the others run just
+        (`resolve.recompute_place`): the compute action it precedes; the others run just
         before their backward. The Program is then the one the simulator ran.
-    program: a lowered Program of `schedule` to run instead of `core.lowering.lower_for`'s,
+    program: a lowered Program of `schedule` to run instead of `core.lowering.entry.lower_for`'s,
         such as an asynchronous one (`pipeblocks.schedules.asynchronous`) whose OPTIMIZER_STEP
         ops go to `compute.optimizer_step(stage, step)`; then one `step` call runs the
         whole Program (all its optimizer steps, one flush at the end).
@@ -127,7 +127,7 @@ class PipelineRunner:
     vocab: vocabulary parallelism (`vocab_step.VocabStep`, this rank's table shards and
         their link): stage 0 holds no embedding and the last stage no head (it ends at the
         final norm's output X; `loss_fn` is not called); `vocab_costs`, costs whose `vocab`
-        is set, place the IF, S, T and IB passes into the Program (`core.vocab_place`).
+        is set, place the IF, S, T and IB passes into the Program (`core.lowering.vocab_place`).
         Every rank then takes the step's inputs and targets, and knows its loss. With
         `data_parallel` the rows' gradients are averaged over the replicas after the step.
     """

@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..core.schedule import Schedule
+from ..core.ir.schedule import Schedule
 from .sequence import SequenceChunk, chunk_bounds
 from .shapes import ActivationSpec, SpecMismatchError, flatten
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..core.schedule import Schedule
-from ..core.timeline import Event, Timeline
+from ..core.ir.schedule import Schedule
+from ..core.simulator.timeline import Event, Timeline
 
 __all__ = ["gather_timeline", "to_timeline"]
 

@@ -2,7 +2,7 @@
 
 Under emulated compute (`emulate.EmulatedCompute(..., vocab_parallel=True)`) the stages'
 passes sleep their modelled times while tensors of the real shapes cross gloo. The IF, S,
-T and IB passes of a Program lowered with vocabulary parallelism (`core.vocab_place`) do
+T and IB passes of a Program lowered with vocabulary parallelism (`core.lowering.vocab_place`) do
 the same: a `vocab_step.VocabStep` runs them on small real tables (a toy vocabulary of the
 toy hidden width, `toy_vocab_step`, or the run's own model), and `VocabPassTimes`, its
 `before_pass`, sleeps each pass's modelled time once the pass's input is in and before its
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..core.vocab import VocabCosts, VocabPass
+from ..core.ir.vocab import VocabCosts, VocabPass
 from .emulate import precise_sleep
 from .vocab_exec import VocabLink
 from .vocab_parallel import partition_vocab, shard_rows

@@ -1,7 +1,7 @@
 """One rank's side of the vocabulary passes of a Program (vocabulary parallelism).
 
-A lowered Program with vocabulary parallelism (`core.vocab`, placed by
-`core.vocab_place.add_vocab`) holds IF, S, T and IB ops on every rank beside the stages'
+A lowered Program with vocabulary parallelism (`core.ir.vocab`, placed by
+`core.lowering.vocab_place.add_vocab`) holds IF, S, T and IB ops on every rank beside the stages'
 actions. `VocabRank` runs them for one rank with the arithmetic of `vocab_parallel` and
 gives the stages what they need from them::
 
@@ -14,7 +14,7 @@ gives the stages what they need from them::
     rank.after_first_backward(5, grad)     dL/d(embedding output): sent to every other rank
     rank.run(VocabPass("IB", 5))           the embedding shard's gradient (receives it)
 
-Communication is what `core.vocab_links` prices and checks: X and the embedding gradient
+Communication is what `core.lowering.vocab_links` prices and checks: X and the embedding gradient
 travel point to point from their root (`VocabLink.send` / `recv`); C0 and IF's reduction
 are all-reduces, each kind issued in microbatch order on a worker of its own (the rank's
 communication stream for that collective: `VocabLink.issue`), and waited on only where
@@ -39,7 +39,7 @@ from typing import Callable, Protocol
 
 from torch import Tensor
 
-from ..core.vocab import VocabPass
+from ..core.ir.vocab import VocabPass
 from .vocab_parallel import (
     AllReduce, OutputShard, OutputStats, VocabPartition, embedding_forward_local, embedding_weight_grad,
     mean_token_grad, output_forward, output_input_grad, output_weight_grad, reduce_output,

@@ -59,7 +59,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..core.vocab_partition import VocabPartition, partition_vocab
+from ..core.cost.vocab_partition import VocabPartition, partition_vocab
 
 __all__ = [
     "AllReduce", "VocabPartition", "partition_vocab", "shard_rows", "gather_rows",

@@ -1,6 +1,6 @@
 """The vocabulary passes inside a training step: what the executor asks of them.
 
-Under vocabulary parallelism (`core.vocab`) the stages hold no embedding and no head:
+Under vocabulary parallelism (`core.ir.vocab`) the stages hold no embedding and no head:
 stage 0 takes the all-reduced embedding output, the last stage ends at the final norm's
 output X, and every rank holds 1/p of the rows of both tables (one shard when tied). A
 1F1B rank of p = 2 runs, for microbatch 5::
@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..core.vocab import VocabPass
+from ..core.ir.vocab import VocabPass
 from .vocab_exec import VocabLink, VocabRank, VocabTables
 from .vocab_parallel import VocabPartition
 

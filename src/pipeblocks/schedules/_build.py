@@ -1,8 +1,8 @@
 """Small helpers shared by generators."""
 from __future__ import annotations
 
-from ..core.actions import Action, Kind
-from ..core.errors import ScheduleError
+from ..core.ir.actions import Action, Kind
+from ..core.ir.errors import ScheduleError
 
 __all__ = ["F", "B", "W", "BW", "require"]
 

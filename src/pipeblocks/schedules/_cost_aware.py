@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ..core.actions import Action
-from ..core.costs import Costs
-from ..core.errors import ScheduleError
-from ..core.placement import Placement
-from ..core.schedule import Schedule
+from ..core.ir.actions import Action
+from ..core.cost.costs import Costs
+from ..core.ir.errors import ScheduleError
+from ..core.ir.placement import Placement
+from ..core.ir.schedule import Schedule
 from ._reorder import peaks_of
 from ._zb_search import refill_weights
 from ._zb_select import select

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..core.actions import Action, Kind
-from ..core.costs import StageCosts
+from ..core.ir.actions import Action, Kind
+from ..core.cost.costs import StageCosts
 
 __all__ = ["KINDS", "SlotGrid"]
 
@@ -238,7 +238,7 @@ class SlotGrid:
 def _dependencies(stage: np.ndarray, kind: np.ndarray, mb: np.ndarray, num_stages: int) -> np.ndarray:
     """Per pass (a column), the ids of the (at most two) passes whose end it waits for, -1 for none:
     an F its previous stage's F; a B or BW its own F and the next stage's B or BW; a W its
-    B (the rules of `core.deps` for one sequence chunk)."""
+    B (the rules of `core.ir.deps` for one sequence chunk)."""
     count = len(stage)
     if count == 0:
         return np.full((2, 0), -1, dtype=np.int64)

@@ -4,7 +4,7 @@ The reorder loop times many candidate orders, so this module replays an order un
 resolved costs directly, without the validation and lowering `simulate` does, with the
 same rules (a pass starts when its rank is free and its inputs have
 arrived, t_comm after they were produced on another rank) and the same memory model
-(allocate at the start of F, release at the end of B/W/BW). `pipeblocks.core.simulate`
+(allocate at the start of F, release at the end of B/W/BW). `pipeblocks.core.simulator.simulate`
 stays the reference; the tests hold the two in agreement.
 """
 from __future__ import annotations
@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..core.actions import Action, Kind
-from ..core.costs import Costs, StageCosts
-from ..core.deps import phase_of, requirements
-from ..core.placement import Placement
+from ..core.ir.actions import Action, Kind
+from ..core.cost.costs import Costs, StageCosts
+from ..core.ir.deps import phase_of, requirements
+from ..core.ir.placement import Placement
 from ._grid import KINDS, SlotGrid
 
 __all__ = ["compact", "compact_both", "cost_table", "float_weights_of", "orders_of", "peaks_of", "replay", "replay_spans"]

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from itertools import product
 
-from ..core.actions import Action, Kind
-from ..core.placement import Placement
-from ..core.costs import StageCosts
+from ..core.ir.actions import Action, Kind
+from ..core.ir.placement import Placement
+from ..core.cost.costs import StageCosts
 from ._zb_timing import Timer, Unplaceable
 
 __all__ = ["reference_order", "reference_candidates", "KNOBS"]

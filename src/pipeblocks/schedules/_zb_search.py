@@ -26,11 +26,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from ..core.actions import Action, Kind
-from ..core.errors import ScheduleError
-from ..core.placement import Placement
-from ..core.schedule import Schedule
-from ..core.costs import Costs, StageCosts
+from ..core.ir.actions import Action, Kind
+from ..core.ir.errors import ScheduleError
+from ..core.ir.placement import Placement
+from ..core.ir.schedule import Schedule
+from ..core.cost.costs import Costs, StageCosts
 from ._reorder import peaks_of, replay_spans
 from ._zb_timing import Timer, Unplaceable
 

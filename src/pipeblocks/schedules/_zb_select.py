@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
 
-from ..core.actions import Action
-from ..core.costs import Costs, StageCosts
-from ..core.errors import ScheduleError
-from ..core.placement import Placement
-from ..core.schedule import Schedule
+from ..core.ir.actions import Action
+from ..core.cost.costs import Costs, StageCosts
+from ..core.ir.errors import ScheduleError
+from ..core.ir.placement import Placement
+from ..core.ir.schedule import Schedule
 from ._build import require
 from ._progress import Progress
 from ._zb_search import hill_climb, list_schedule

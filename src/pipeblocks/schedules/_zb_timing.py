@@ -3,10 +3,10 @@
 `Timer` places passes one at a time on their ranks and keeps, as the greedy schedulers
 need them, each pass's end time, each rank's clock, activation memory and accumulated
 bubble, and the Ws still pending. Its model is the simulator's, from the same pieces:
-the dependency rule is `core.deps.requirements`, durations and memory effects are the
+the dependency rule is `core.ir.deps.requirements`, durations and memory effects are the
 resolved `StageCosts.duration` / `StageCosts.memory`, and a pass starts when its rank is
 free and its inputs have arrived, t_comm after they were produced on another rank (as a
-lowered receive waits in `core.simulate`). A Timer lives for one build; nothing here is
+lowered receive waits in `core.simulator.simulate`). A Timer lives for one build; nothing here is
 shared state.
 
 `Candidate` and `pick_best` evaluate finished orders with the simulator's model and choose
@@ -18,14 +18,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..core.actions import Action, Kind
-from ..core.deps import requirements
-from ..core.errors import ScheduleError
-from ..core.placement import Placement
-from ..core.schedule import Schedule
-from ..core.costs import Costs, StageCosts
-from ..core.errors import DeadlockError
-from ..core.validate import check_structure
+from ..core.ir.actions import Action, Kind
+from ..core.ir.deps import requirements
+from ..core.ir.errors import ScheduleError
+from ..core.ir.placement import Placement
+from ..core.ir.schedule import Schedule
+from ..core.cost.costs import Costs, StageCosts
+from ..core.ir.errors import DeadlockError
+from ..core.lowering.validate import check_structure
 from ._reorder import peaks_of, replay_spans
 
 __all__ = ["Timer", "Unplaceable", "Candidate", "stage_costs", "evaluate", "pick_best", "memory_floor", "check_limit"]

@@ -18,12 +18,12 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
-from ..core.errors import ScheduleError
-from ..core.lowering import lower_for
-from ..core.program import Program
-from ..core.schedule import Schedule
-from ..core.steps import add_optimizer_steps
-from ..core.validate import check_program, check_structure
+from ..core.ir.errors import ScheduleError
+from ..core.lowering.entry import lower_for
+from ..core.ir.program import Program
+from ..core.ir.schedule import Schedule
+from ..core.lowering.steps import add_optimizer_steps
+from ..core.lowering.validate import check_program, check_structure
 from .classic import one_f_one_b
 
 __all__ = ["ASYNC_FORMS", "async_1f1b", "async_1f1b_schedule", "one_f_one_b_delay"]

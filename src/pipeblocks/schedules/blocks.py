@@ -38,12 +38,12 @@ from typing import Sequence
 
 import numpy as np
 
-from ..core.actions import Action, Kind
-from ..core.costs import StageCosts
-from ..core.deps import requirements
-from ..core.errors import ScheduleError
-from ..core.placement import Placement
-from ..core.schedule import Schedule
+from ..core.ir.actions import Action, Kind
+from ..core.cost.costs import StageCosts
+from ..core.ir.deps import requirements
+from ..core.ir.errors import ScheduleError
+from ..core.ir.placement import Placement
+from ..core.ir.schedule import Schedule
 from ._progress import Progress
 from ._grid import KINDS, SlotGrid
 from ._grid_timing import layout_peaks, layout_replay

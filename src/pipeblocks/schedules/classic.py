@@ -1,8 +1,8 @@
 """GPipe and 1F1B: one stage per rank, fused backward."""
 from __future__ import annotations
 
-from ..core.placement import Placement
-from ..core.schedule import Schedule
+from ..core.ir.placement import Placement
+from ..core.ir.schedule import Schedule
 from ._build import BW, F
 from .registry import register
 

@@ -49,10 +49,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..core.actions import Action
-from ..core.errors import ScheduleError
-from ..core.placement import Placement
-from ..core.schedule import Schedule
+from ..core.ir.actions import Action
+from ..core.ir.errors import ScheduleError
+from ..core.ir.placement import Placement
+from ..core.ir.schedule import Schedule
 from ._build import B, BW, F, W
 from .registry import register
 

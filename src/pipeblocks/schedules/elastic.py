@@ -22,10 +22,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..core.costs import Costs
-from ..core.errors import ScheduleError
-from ..core.placement import Placement
-from ..core.schedule import Schedule
+from ..core.cost.costs import Costs
+from ..core.ir.errors import ScheduleError
+from ..core.ir.placement import Placement
+from ..core.ir.schedule import Schedule
 from ._build import BW, F, require
 from .registry import register
 
@@ -183,7 +183,7 @@ def search_groups(
     """The fastest simulated (forward, backward) groups that fit `gpu_memory`, among
     `group_candidates` around `start` (the rule). Score: (memory over the budget, step
     time); the start wins ties."""
-    from ..core.simulate import (
+    from ..core.simulator.simulate import (
         simulate,  # the simulator is core; imported here to keep the module light
     )
 

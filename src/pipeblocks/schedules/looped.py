@@ -1,8 +1,8 @@
 """Looped placement (stage s on rank s mod p): interleaved 1F1B and breadth-first."""
 from __future__ import annotations
 
-from ..core.placement import Placement
-from ..core.schedule import Schedule
+from ..core.ir.placement import Placement
+from ..core.ir.schedule import Schedule
 from ._build import BW, F, require
 from .registry import register
 

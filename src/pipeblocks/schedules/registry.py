@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from ..core.collector import collector_paused
-from ..core.errors import ScheduleError
-from ..core.schedule import Schedule
-from ..core.user_module import import_user_module
+from ..core.simulator.collector import collector_paused
+from ..core.ir.errors import ScheduleError
+from ..core.ir.schedule import Schedule
+from ..core.util.user_module import import_user_module
 
 __all__ = ["ScheduleSpec", "register", "get", "names", "specs", "load_schedules", "FAMILIES", "ENTRY_POINT_GROUP"]
 

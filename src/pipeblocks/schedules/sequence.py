@@ -25,9 +25,9 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from ..core.actions import Action, Kind
-from ..core.errors import ScheduleError
-from ..core.schedule import Schedule
+from ..core.ir.actions import Action, Kind
+from ..core.ir.errors import ScheduleError
+from ..core.ir.schedule import Schedule
 from ._build import require
 from .registry import get, register
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import functools
 
-from ..core.errors import ScheduleError
-from ..core.placement import Placement
-from ..core.schedule import Schedule
+from ..core.ir.errors import ScheduleError
+from ..core.ir.placement import Placement
+from ..core.ir.schedule import Schedule
 from ._cost_aware import uniform
 from ._progress import Progress
 from ._reorder import cost_table, peaks_of, replay

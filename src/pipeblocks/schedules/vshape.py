@@ -23,11 +23,11 @@ Usage::
 """
 from __future__ import annotations
 
-from ..core.actions import Action, Kind
-from ..core.costs import Costs
-from ..core.errors import ScheduleError
-from ..core.placement import Placement
-from ..core.schedule import Schedule
+from ..core.ir.actions import Action, Kind
+from ..core.cost.costs import Costs
+from ..core.ir.errors import ScheduleError
+from ..core.ir.placement import Placement
+from ..core.ir.schedule import Schedule
 from ._cost_aware import cost_aware_v, wants_cost_aware
 from ._reorder import peaks_of
 from ._zb_timing import stage_costs

@@ -18,9 +18,9 @@ on that objective, and it still finds a schedule where the reference greedy cann
 """
 from __future__ import annotations
 
-from ..core.placement import Placement
-from ..core.schedule import Schedule
-from ..core.costs import Costs
+from ..core.ir.placement import Placement
+from ..core.ir.schedule import Schedule
+from ..core.cost.costs import Costs
 from ._zb_reference import reference_candidates
 from ._zb_select import select
 from ._zb_timing import check_limit, stage_costs

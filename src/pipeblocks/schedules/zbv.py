@@ -16,11 +16,11 @@ local search; chosen by the longest rank span, then the makespan.
 """
 from __future__ import annotations
 
-from ..core.actions import Action
-from ..core.errors import ScheduleError
-from ..core.placement import Placement
-from ..core.schedule import Schedule
-from ..core.costs import Costs
+from ..core.ir.actions import Action
+from ..core.ir.errors import ScheduleError
+from ..core.ir.placement import Placement
+from ..core.ir.schedule import Schedule
+from ..core.cost.costs import Costs
 from ._build import B, F, W
 from ._cost_aware import wants_cost_aware
 from ._reorder import peaks_of

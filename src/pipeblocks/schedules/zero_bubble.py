@@ -10,9 +10,9 @@ loop placement also counts the (p-1)*T_F head start of rank 0 over rank p-1.
 """
 from __future__ import annotations
 
-from ..core.actions import Action
-from ..core.placement import Placement
-from ..core.schedule import Schedule
+from ..core.ir.actions import Action
+from ..core.ir.placement import Placement
+from ..core.ir.schedule import Schedule
 from ._build import B, F, W
 from .registry import register
 

@@ -2,7 +2,7 @@
 model config and a hardware profile.
 
 The model is a decoder of `layers` blocks (`TransformerConfig`, whose sizes are a
-`core.model_shape.ModelShape`): with s = sequence, b = microbatch size, h = hidden,
+`core.cost.model_shape.ModelShape`): with s = sequence, b = microbatch size, h = hidden,
 a = query heads, k = key/value heads, d = head width (a*d the queries' width, k*d the
 keys' and the values'), f = the MLP's inner width, V = vocabulary, and
 W_l = 2*h*(a*d) + 2*h*(k*d) + m*h*f the elements of one block's projection matrices
@@ -29,7 +29,7 @@ Megatron's accounting (Korthikanti et al. 2022), plus the LayerNorm statistics; 
 attention the s x s scores are not stored and a log-sum-exp per query and head is
 (M_B = 34*s*b*h + 4*a*s*b + 16*s*b). M_W = 32*s*b*h (`transformer_w_ratio`).
 
-Layers per stage follow `core.split.layer_counts`, which gives the end stages the lighter
+Layers per stage follow `core.cost.split.layer_counts`, which gives the end stages the lighter
 share of an uneven split, or the config's own `split` (`--split 3,4,4,3`, or the counts
 `--split auto` chose). The first stage also saves the token ids (and a learned position
 table's ids); the last saves the final norm's input and output and the loss's
@@ -61,12 +61,12 @@ import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from ..core.errors import ScheduleError
-from ..core.costs import Costs
-from ..core.dp_model import Link
-from ..core.hf_config import read_hf_config
-from ..core.model_shape import ModelShape
-from ..core.split import check_split, layer_counts, stage_layers
+from ..core.ir.errors import ScheduleError
+from ..core.cost.costs import Costs
+from ..core.cost.dp_model import Link
+from ..core.cost.hf_config import read_hf_config
+from ..core.cost.model_shape import ModelShape
+from ..core.cost.split import check_split, layer_counts, stage_layers
 
 __all__ = [
     "TransformerConfig", "Hardware", "MODELS", "HARDWARE", "layer_split", "layer_activation_bytes", "transformer_costs",
@@ -82,7 +82,7 @@ _DTYPE_BYTES = MappingProxyType({"fp32": 4, "float32": 4, "bf16": 2, "fp16": 2, 
 @dataclass(frozen=True)
 class TransformerConfig:
     """A decoder-only transformer as the cost model prices it: its sizes (those of a
-    `core.model_shape.ModelShape`, the `shape` property) and how it is trained (sequence,
+    `core.cost.model_shape.ModelShape`, the `shape` property) and how it is trained (sequence,
     microbatch, dtype, attention kernel, dropout). The defaults are the reference GPT's
     (multi-head attention of width h, a GELU MLP of 4h, LayerNorm, learned positions, a bias
     on every projection, an untied head), so `TransformerConfig(layers, hidden, heads, seq)`
@@ -113,7 +113,7 @@ class TransformerConfig:
     linear_bias: every projection of a block has a bias; qkv_bias: only q, k and v do.
     qk_norm: an RMSNorm of d on every query and key head (Qwen3).
     split: transformer layers per global stage, in stage order (`--split 3,4,4,3`), or None
-        for `core.split.layer_counts`'s even rule; `stage_layers` answers either way.
+        for `core.cost.split.layer_counts`'s even rule; `stage_layers` answers either way.
     """
 
     layers: int
@@ -191,7 +191,7 @@ class TransformerConfig:
 
     def stage_layers(self, num_stages: int) -> tuple[int, ...]:
         """Layers per global stage: `split` when given (it must have `num_stages` entries),
-        else the splitter's even rule (`core.split.layer_counts`)."""
+        else the splitter's even rule (`core.cost.split.layer_counts`)."""
         try:
             return stage_layers(self.layers, num_stages, self.split)
         except ValueError as err:
@@ -410,7 +410,7 @@ def stage_params(config: TransformerConfig, num_stages: int) -> tuple[int, ...]:
 
 
 def layer_split(layers: int, num_stages: int) -> tuple[int, ...]:
-    """Layers per stage: the model splitter's rule (`core.split.layer_counts`), so the
+    """Layers per stage: the model splitter's rule (`core.cost.split.layer_counts`), so the
     analytic costs describe the stages the runtime builds."""
     return layer_counts(layers, num_stages)
 
@@ -678,7 +678,7 @@ HF_SEQ = 4096
 def model_from_hf(path: str, *, seq: int | None = None, microbatch_size: int = 1, dtype: str = "bf16",
                   flash_attention: bool = False, dropout: bool = False) -> TransformerConfig:
     """The config that prices the Hugging Face model whose directory (or config.json) is
-    `path` (`core.hf_config.read_hf_config`: an architecture pipeblocks does not train, or a
+    `path` (`core.cost.hf_config.read_hf_config`: an architecture pipeblocks does not train, or a
     path without a config.json, is a ValueError saying so), trained on `seq`-token
     sequences (None: min(context, HF_SEQ), the context being max_position_embeddings).
     A sliding attention window (Mistral) is priced as full causal attention."""

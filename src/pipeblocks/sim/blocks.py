@@ -1,6 +1,6 @@
 """The analytic model's blocks: per stage, each transformer layer's parameters and share of
 the pass times, so that the simulator can time data-parallel communication per block
-(`core.costs.BlockCosts`, `core.dp_units`).
+(`core.cost.costs.BlockCosts`, `core.ir.dp_units`).
 
 Per layer, as `sim.analytic` counts a stage (same formulas, split by layer): the block's
 parameters (`ModelShape.layer_params`: 12h^2 + 13h for the GPT) and its F, B and W FLOPs
@@ -19,7 +19,7 @@ neighbouring block.
 """
 from __future__ import annotations
 
-from ..core.costs import BlockCosts
+from ..core.cost.costs import BlockCosts
 from .analytic import TransformerConfig, head_flops, layer_flops
 
 __all__ = ["transformer_blocks"]

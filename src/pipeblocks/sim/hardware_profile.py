@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..core.errors import ScheduleError
+from ..core.ir.errors import ScheduleError
 from .analytic import HARDWARE, Hardware, PassEfficiency
 
 __all__ = [
@@ -260,7 +260,7 @@ def fit_link(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 def link_fields(p2p: Sequence[tuple[float, float]], all_reduce: Sequence[tuple[float, float]], ranks: int) -> dict:
     """The profile's links from measured (bytes, seconds): a point-to-point hop is latency +
     bytes / bandwidth; a ring all-reduce over d ranks is 2(d-1) * latency + 2(d-1)/d * bytes /
-    bandwidth (`core.dp_model.all_reduce_time`), solved for its step latency and bandwidth."""
+    bandwidth (`core.cost.dp_model.all_reduce_time`), solved for its step latency and bandwidth."""
     latency, slope = fit_link(p2p)
     ring_a, ring_slope = fit_link(all_reduce)
     d = max(2, ranks)

@@ -13,7 +13,7 @@ or profiled.
 Per process (pipeline rank r, replica d) it gives:
 
 * static bytes: parameters, gradients and AdamW state at the step's peak, as the sharding
-  policies and the precision hold them (`core.static_memory.predict_static_peak` over the
+  policies and the precision hold them (`core.cost.static_memory.predict_static_peak` over the
   lowered Program, with the model's parameter shapes per stage: FSDP2's padded
   shards, the zero1 partition of whole tensors; under bf16-mixed the float32 masters,
   gradients and state, and the bfloat16 compute copy or FSDP2's bfloat16 gathered
@@ -40,14 +40,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..core.costs import Costs
-from ..core.dp_model import resolve_precision, w_gradients_wait
-from ..core.lowering import lower_for
-from ..core.precision import PRECISION_NAMES, PrecisionPolicy
-from ..core.schedule import Schedule
-from ..core.sharding import ShardingPolicy, parse_sharding, per_stage
-from ..core.simulate import simulate
-from ..core.static_memory import chunk_bytes, predict_static_peak
+from ..core.cost.costs import Costs
+from ..core.cost.dp_model import resolve_precision, w_gradients_wait
+from ..core.lowering.entry import lower_for
+from ..core.cost.precision import PRECISION_NAMES, PrecisionPolicy
+from ..core.ir.schedule import Schedule
+from ..core.ir.sharding import ShardingPolicy, parse_sharding, per_stage
+from ..core.simulator.simulate import simulate
+from ..core.cost.static_memory import chunk_bytes, predict_static_peak
 from .analytic import (
     TransformerConfig, layer_activation_bytes, loss_activation_bytes, stage_activation_bytes,
     transformer_w_ratio,
@@ -121,7 +121,7 @@ def stage_param_shapes(config: TransformerConfig, num_stages: int, tp: int = 1) 
     return tp_stage_param_shapes(config, num_stages, tp)
 
 
-# TransformerConfig's name of a core.precision dtype where the two differ
+# TransformerConfig's name of a core.cost.precision dtype where the two differ
 _CONFIG_DTYPE = {"bfloat16": "bf16"}
 
 
@@ -199,7 +199,7 @@ def rank_static_peak(config: TransformerConfig, num_stages: int, stages: Sequenc
 
     The model's shapes per stage (`stage_param_shapes`; one tensor-parallel rank's share when
     tp > 1: the projections and tables split, the norms and the row-parallel biases whole), as
-    FSDP2 pads them and ZeroRedundancyOptimizer partitions them (`core.static_memory`), in
+    FSDP2 pads them and ZeroRedundancyOptimizer partitions them (`core.cost.static_memory`), in
     `precision` (`precision_config`). split_backward: the schedule runs W apart from B
     (`Schedule.has_split_backward`), which under mixed precision holds more on FSDP2
     chunks (`ChunkBytes.pending`).
@@ -236,7 +236,7 @@ def estimate_memory(
     sharding: one policy for every stage or one per stage (replicate, zero1, zero2, zero3).
     precision: "auto" (the config's activation dtype: fp32 or fp64 AdamW in that dtype,
         16-bit dtypes bf16-mixed), "fp32", "fp64", "bf16-mixed" ("mixed"), or a
-        `core.precision.PrecisionPolicy`; it prices the static bytes and sets the
+        `core.cost.precision.PrecisionPolicy`; it prices the static bytes and sets the
         activations' dtype (`precision_config`).
     seq_split: sequence-chunk boundaries ("balanced" or "even"), as `train --seq-split`.
     w_keeps: what a split backward keeps from B until W: "graph" (pipeblocks' runtime: all

@@ -35,10 +35,10 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ..core.actions import Action, Kind
-from ..core.costs import Costs
-from ..core.simulate import simulate
-from ..core.timeline import Timeline
+from ..core.ir.actions import Action, Kind
+from ..core.cost.costs import Costs
+from ..core.simulator.simulate import simulate
+from ..core.simulator.timeline import Timeline
 
 __all__ = ["OverheadBreakdown", "handover_gaps", "local_gaps", "measured_costs", "overhead_breakdown"]
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..core.actions import Kind
-from ..core.errors import ScheduleError
-from ..core.program import OptimizerStep, Recompute
-from ..core.timeline import Timeline
-from ..core.vocab import VocabPass
+from ..core.ir.actions import Kind
+from ..core.ir.errors import ScheduleError
+from ..core.ir.program import OptimizerStep, Recompute
+from ..core.simulator.timeline import Timeline
+from ..core.ir.vocab import VocabPass
 
 __all__ = [
     "plot_timeline", "plot_pareto", "ParetoPoint", "KIND_COLOURS", "DP_COLOURS", "check_plot_suffix", "rank_colours",

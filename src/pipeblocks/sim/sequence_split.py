@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import math
 
-from ..core.actions import Kind
-from ..core.errors import ScheduleError
-from ..core.schedule import Schedule
+from ..core.ir.actions import Kind
+from ..core.ir.errors import ScheduleError
+from ..core.ir.schedule import Schedule
 from .analytic import TransformerConfig, layer_activation_bytes
 
 __all__ = [

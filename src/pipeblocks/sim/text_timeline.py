@@ -19,10 +19,10 @@ from operator import itemgetter
 
 import numpy as np
 
-from ..core.actions import Action
-from ..core.program import OptimizerStep, Recompute
-from ..core.timeline import Event, Timeline
-from ..core.vocab import VocabPass
+from ..core.ir.actions import Action
+from ..core.ir.program import OptimizerStep, Recompute
+from ..core.simulator.timeline import Event, Timeline
+from ..core.ir.vocab import VocabPass
 
 __all__ = ["render_text_timeline"]
 

@@ -4,7 +4,7 @@
     >>> costs = tensor_parallel_costs(transformer_costs(config, hw, num_stages=4), config, hw, num_stages=4, tp=2)
     >>> tp_comm_per_rank(schedule, config, hw, tp=2)     # seconds per pipeline rank and step
 
-The collectives are `core.tp_model.TPCostModel`'s (the planner's too): two all-gather +
+The collectives are `core.cost.tp_model.TPCostModel`'s (the planner's too): two all-gather +
 reduce-scatter pairs per layer in F and in B, on the hardware's intra-node link; W has
 none. They move the hidden state (s*b*h values), whatever the block's inner widths (the
 heads, KV heads and MLP features each rank computes stay on it). F, B and W compute and
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..core.costs import Costs
-from ..core.dp_model import Link
-from ..core.schedule import Schedule
-from ..core.tp_model import TPCostModel
+from ..core.cost.costs import Costs
+from ..core.cost.dp_model import Link
+from ..core.ir.schedule import Schedule
+from ..core.cost.tp_model import TPCostModel
 from .analytic import Hardware, TransformerConfig
 from .tp_memory import tp_stage_activation_bytes
 

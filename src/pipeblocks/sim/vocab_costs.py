@@ -5,7 +5,7 @@ docs/vocab-parallel.md) the head, its softmax cross entropy and the input embedd
 end stages and are split by vocabulary rows over all p pipeline ranks, each holding
 ``V_r = ceil(V/p)`` rows (padding included: a padded row is computed like a real one). Per rank
 and per microbatch, with n = s*b tokens, h hidden, e the activation element size and f = max(4, e)
-the softmax's (`core.vocab.VocabCosts`, the fields the simulator reads)::
+the softmax's (`core.ir.vocab.VocabCosts`, the fields the simulator reads)::
 
     t_s      S: the logits shard X.W_rᵀ (2*n*h*V_r FLOPs, at F's efficiency) and, with one barrier,
              G_r = P̃_r.W_r (2*n*h*V_r, at B's), plus the softmax streaming n*V_r*(2e + f) bytes
@@ -45,10 +45,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..core.costs import BlockCosts, Costs
-from ..core.errors import ScheduleError
-from ..core.vocab_partition import VocabPartition, partition_vocab
-from ..core.vocab import VocabCosts
+from ..core.cost.costs import BlockCosts, Costs
+from ..core.ir.errors import ScheduleError
+from ..core.cost.vocab_partition import VocabPartition, partition_vocab
+from ..core.ir.vocab import VocabCosts
 from .analytic import (
     Hardware, TransformerConfig, cross_entropy_bytes, head_flops, head_intensity, loss_activation_bytes,
 )
@@ -58,7 +58,7 @@ __all__ = ["vocab_costs", "head_seconds", "head_activation_bytes", "with_vocab_p
 
 
 def shard_rows(vocab: int, ranks: int) -> int:
-    """Rows each rank holds, padding included: ceil(V/p) (`core.vocab_partition`)."""
+    """Rows each rank holds, padding included: ceil(V/p) (`core.cost.vocab_partition`)."""
     return VocabPartition(vocab, ranks).shard_size
 
 

@@ -1,7 +1,7 @@
 """Static memory under vocabulary parallelism: each rank's stages without the tables, and its rows of them.
 
 The planner prices static memory from tensor shapes (FSDP2 pads each tensor to its shards,
-ZeroRedundancyOptimizer partitions whole tensors: `core.static_memory`). With the vocabulary split
+ZeroRedundancyOptimizer partitions whole tensors: `core.cost.static_memory`). With the vocabulary split
 (docs/vocab-parallel.md) the token table leaves the first stage and the head (a tied head's copy
 too) the last, and every rank holds one [ceil(V/p), h] tensor per table (one when tied), under
 the same sharding policy as its stages. `simulate --vocab-parallel` counts the same bytes from
@@ -14,8 +14,8 @@ parameter counts (tests/test_plan_vocab.py holds the two equal).
 """
 from __future__ import annotations
 
-from ..core.dp_model import w_gradients_wait
-from ..core.static_memory import chunk_bytes
+from ..core.cost.dp_model import w_gradients_wait
+from ..core.cost.static_memory import chunk_bytes
 from .analytic import TransformerConfig
 from .memory_estimate import precision_config, stage_param_shapes
 from .vocab_costs import shard_rows

@@ -10,7 +10,7 @@ import torch.
 """
 from __future__ import annotations
 
-from ..core.lazy import lazy_exports
+from ..core.util.lazy import lazy_exports
 
 __all__ = [
     "TrainConfig", "launch", "train_rank", "latest_step", "load_rank", "restore_rank", "save_rank",

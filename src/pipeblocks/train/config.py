@@ -14,7 +14,7 @@ the command line or a request; nothing here calls into the simulator):
     model       ModelChoice: a built-in family and its config, a Hugging Face directory, or a user's ModelSpec
     schedule    ScheduleSpec: the schedule, its sequence-chunk lengths, the recomputed pairs
     mesh        MeshSpec: data-parallel replicas, sharding per chunk, tensor-parallel ranks, the device type
-    precision   core.precision.PrecisionPolicy: fp32, fp64 or bf16-mixed
+    precision   core.cost.precision.PrecisionPolicy: fp32, fp64 or bf16-mixed
     checkpoint  CheckpointSpec: where and when to save, whether to resume (None: no checkpoints)
     emulation   EmulationSpec: sleep instead of computing (None: real compute)
 
@@ -28,12 +28,12 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..core.async_mode import AsyncMode
-from ..core.precision import PrecisionPolicy, precision_policy
-from ..core.schedule import Schedule
-from ..core.dp_units import check_dp_unit
-from ..core.sharding import ShardingPolicy, per_stage
-from ..core.split import layer_counts, stage_layers
+from ..core.lowering.async_mode import AsyncMode
+from ..core.cost.precision import PrecisionPolicy, precision_policy
+from ..core.ir.schedule import Schedule
+from ..core.ir.dp_units import check_dp_unit
+from ..core.ir.sharding import ShardingPolicy, per_stage
+from ..core.cost.split import layer_counts, stage_layers
 from .lr_schedule import LRSchedule
 from .model_choice import ModelChoice
 
@@ -65,11 +65,11 @@ class ScheduleSpec:
     backward: --recompute's, or the schedule's own (`1f1b-r`: all)"""
     recompute_at: tuple = ()
     """((stage, microbatch, chunk), action) for each recomputation the simulator moved into
-    idle time (`sim.recompute_place`): it runs before that action, the others just before
+    idle time (`resolve.recompute_place`): it runs before that action, the others just before
     their backward"""
     split: tuple[int, ...] | None = None
     """transformer layers of every global stage, in stage order (--split, or what --split
-    auto chose); None: the even rule (`core.split.layer_counts`)"""
+    auto chose); None: the even rule (`core.cost.split.layer_counts`)"""
     vocab_parallel: bool = False
     """--vocab-parallel: the embedding and head split by vocabulary rows over the pipeline
     ranks, their passes placed into the Program (train/vocab_setup.py)"""
@@ -144,7 +144,7 @@ class MeshSpec:
     tp: int = 1
     """tensor-parallel ranks per stage (runtime.tensor_parallel); 1: none"""
     dp_unit: str = "block"
-    """the grain of the DP collectives (core.dp_units): "block" (one per block) or "chunk" (one per chunk)"""
+    """the grain of the DP collectives (core.ir.dp_units): "block" (one per block) or "chunk" (one per chunk)"""
 
     def __post_init__(self) -> None:
         for name, value in (("--dp", self.dp), ("--tp", self.tp)):

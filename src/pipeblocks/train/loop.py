@@ -415,7 +415,7 @@ def _static_now(built, optimizer) -> int:
 
 def _predict_static(cfg: TrainConfig, program, rank: int, replica: int, shapes) -> tuple[int, int]:
     """(first step, later steps) predicted peak static bytes of this rank."""
-    from ..core.static_memory import predict_static_peak
+    from ..core.cost.static_memory import predict_static_peak
 
     return tuple(
         predict_static_peak(program, rank, shapes, cfg.sharding, dp=cfg.dp, dp_rank=replica,

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.model_shape import ModelShape
+from ..core.cost.model_shape import ModelShape
 from ..models.config import GPTConfig
 
 __all__ = ["HF_PREFIX", "ModelChoice"]

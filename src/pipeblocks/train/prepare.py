@@ -16,16 +16,16 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ..core.precision import PrecisionPolicy, precision_policy
-from ..core.recompute import recompute_pairs
-from ..core.request import ScheduleRequest
-from ..core.schedule import Schedule
-from ..core.request import CostSpec
-from ..core.split import AUTO, check_split, layer_counts
-from ..core.validate import validate
+from ..core.cost.precision import PrecisionPolicy, precision_policy
+from ..core.lowering.recompute import recompute_pairs
+from ..resolve.request import ScheduleRequest
+from ..core.ir.schedule import Schedule
+from ..resolve.request import CostSpec
+from ..core.cost.split import AUTO, check_split, layer_counts
+from ..core.lowering.validate import validate
 from ..models.config import GPTConfig
 from ..schedules.asynchronous import ASYNC_FORMS
-from ..sim.build import build
+from ..resolve.build import build
 from .composition import Draft, check_composition
 from .config import CheckpointSpec, DataSpec, EmulationSpec, MeshSpec, ScheduleSpec, TrainConfig
 from .loop_options import resolve_loop_options
@@ -72,7 +72,7 @@ def prepare(
                              sizes=sizes, options=train_options,
                              vocab_parallel=vocab_parallel or request.costs.vocab_parallel))
     if vocab_parallel or request.costs.vocab_parallel:
-        from ..core.vocab_partition import partition_vocab
+        from ..core.cost.vocab_partition import partition_vocab
 
         part = partition_vocab(choice.vocab, schedule.p)  # a rank without a real row: refused, named
         if part.note() is not None:
@@ -80,7 +80,7 @@ def prepare(
     validate(schedule)
     split = _check_fits(choice, schedule, request.mesh.tp, request.costs.split)
     if split is None and (vocab_parallel or request.costs.vocab_parallel):
-        from ..core.split import rank_balanced
+        from ..core.cost.split import rank_balanced
 
         # no vocabulary layer on the end stages: cut as simulate and plan do (equal layers per rank)
         split = rank_balanced(choice.layers, schedule.num_stages)
@@ -141,10 +141,10 @@ def _resolve_split(request: ScheduleRequest, choice: ModelChoice, microbatch_siz
     """`request` with --split auto replaced by the counts the simulator chooses for the run's
     own model (its shape, sequence and microbatch size) under the analytic model of
     --hardware (a preset, default a100, or a `pipeblocks calibrate` profile), within
-    --gpu-memory when given (`sim.build.choose_split_for`); other requests as they are."""
+    --gpu-memory when given (`resolve.build.choose_split_for`); other requests as they are."""
     if request.costs.split != AUTO:
         return request
-    from ..sim.build import choose_split_for
+    from ..resolve.build import choose_split_for
 
     priced = CostSpec(shape=choice.shape, seq=choice.sequence, microbatch_size=microbatch_size or 1,
                       hardware=request.costs.hardware, split=AUTO, seq_split=request.costs.seq_split)

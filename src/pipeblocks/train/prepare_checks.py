@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from ..core.request import ScheduleRequest
+from ..resolve.request import ScheduleRequest
 from .config import TrainConfig
 
 if TYPE_CHECKING:

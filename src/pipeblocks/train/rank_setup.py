@@ -83,7 +83,7 @@ class RankSetup:
 
 def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
     """Build this rank's stages, precision, data parallelism and data (see the module doc)."""
-    from ..core.sharding import ShardingPolicy
+    from ..core.ir.sharding import ShardingPolicy
     from ..runtime.precision import ComputeCopies, fsdp_policy, torch_dtype
 
     from ..models.build import build_stages
@@ -170,7 +170,7 @@ def emulated_costs(cfg: TrainConfig):
 
 def dp_units(cfg: TrainConfig):
     """The DP units of every stage at the run's grain (None at chunk grain): one per block."""
-    from ..core.dp_units import units_for
+    from ..core.ir.dp_units import units_for
 
     return units_for(cfg.mesh.dp_unit, cfg.stage_layers)
 
@@ -180,7 +180,7 @@ def _emulated_link(cfg: TrainConfig, stages):
     run's link, sized by the parameters of this rank's stages (other stages: never issued)."""
     if cfg.emulation is None or cfg.emulation.link is None:
         return None
-    from ..core.dp_model import DPCostModel, Link
+    from ..core.cost.dp_model import DPCostModel, Link
     from ..runtime.emulated_link import EmulatedLink
 
     params = [0.0] * cfg.num_stages

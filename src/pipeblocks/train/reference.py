@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..core.precision import PrecisionPolicy
+from ..core.cost.precision import PrecisionPolicy
 
 __all__ = [
     "TOLERANCE",

@@ -48,13 +48,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..core.actions import Action, Kind
-from ..core.schedule import Schedule
-from ..core.costs import Costs
-from ..core.dp_units import DPUnits
-from ..core.simulate import simulate
-from ..core.timeline import Timeline
-from ..core.vocab import VocabCosts, VocabPass
+from ..core.ir.actions import Action, Kind
+from ..core.ir.schedule import Schedule
+from ..core.cost.costs import Costs
+from ..core.ir.dp_units import DPUnits
+from ..core.simulator.simulate import simulate
+from ..core.simulator.timeline import Timeline
+from ..core.ir.vocab import VocabCosts, VocabPass
 from ..sim.overhead import handover_gaps, local_gaps
 
 __all__ = ["RankResult", "format_bytes", "RunReport", "profiled_costs", "iteration_times", "build_report", "format_report",
@@ -88,7 +88,7 @@ class RankResult:
     static_bytes_measured: int = 0
     """The largest parameter + gradient + optimizer-state bytes held (sampled at the step's peak)."""
     static_bytes_predicted: int = 0
-    """What core.static_memory predicts for it."""
+    """What core.cost.static_memory predicts for it."""
     dp_wait_s: tuple[float, ...] = ()
     """Per step: time the rank waited on data-parallel communication (exposed)."""
     dp_link: tuple[float, float] | None = None
@@ -175,8 +175,8 @@ def _simulate_vocab(schedule: Schedule, costs: Costs, placed: Costs, timed: Sequ
                     recompute_at) -> Timeline:
     """The Program lowered as the runner lowers it (the passes placed by `placed`), simulated
     with the measured pass times."""
-    from ..core.lowering import lower_for
-    from ..core.simulate import simulate_program
+    from ..core.lowering.entry import lower_for
+    from ..core.simulator.simulate import simulate_program
 
     data_parallel = costs.data_parallel
     program = lower_for(schedule, policies=data_parallel.sharding, dp=data_parallel.dp, recompute=recompute,
@@ -223,7 +223,7 @@ def build_report(
 
     dp, sharding: the mesh's replicas and the per-chunk policies. Rows are per process
     (pipeline rank, replica); the static bytes (parameters, gradients, optimizer state)
-    are measured at the step's peak and predicted by `core.static_memory`;
+    are measured at the step's peak and predicted by `core.cost.static_memory`;
     `dp_comm_exposed_s_measured` is the median over the timed steps of the time the rank
     waited on data-parallel communication. With dp > 1 the simulator replays the step
     with its DP ops on the link the run measured (`dp_link`, a ring all-reduce fit) and
@@ -257,9 +257,9 @@ def build_report(
     costs = profiled_costs(schedule, timed, [x.m_b for x in memory], [x.m_w for x in memory], seq_mem)
     link = next((r.dp_link for r in by_rank if r.dp_link is not None), None)
     if dp > 1 and link is not None and stage_param_bytes is not None:
-        from ..core.costs import BlockCosts
-        from ..core.dp_model import DPCostModel, Link
-        from ..core.sharding import parse_sharding
+        from ..core.cost.costs import BlockCosts
+        from ..core.cost.dp_model import DPCostModel, Link
+        from ..core.ir.sharding import parse_sharding
 
         params = tuple(b / 4 for b in stage_param_bytes)
         blocks = None if dp_units is None else BlockCosts.even(

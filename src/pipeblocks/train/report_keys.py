@@ -8,7 +8,7 @@ meaning, so that a tool reads either without knowing which it has.
 A synchronous step is one flushed iteration: its figures are medians over the steps after
 the warm-up (`train.report`). An asynchronous run has no flush: its figures are the steady
 state's, per optimizer step over the middle steps of its longest asynchronous Program
-(`train.asynchronous.report`, `core.steady`), and are null when no such Program ran 3 steps
+(`train.asynchronous.report`, `core.simulator.steady`), and are null when no such Program ran 3 steps
 or more; the same figures stay under `steady_state` with their older names. In both, one
 "iteration" is one optimizer step of m microbatches (dp x m over the replicas).
 """

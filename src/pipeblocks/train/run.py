@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from ..core.jsontext import json_text
-from ..core.schedule import write_atomically
+from ..core.util.jsontext import json_text
+from ..core.ir.schedule import write_atomically
 from ..schedules import names
 from .config import TrainConfig
 from .describe import describe, describe_loop
@@ -56,7 +56,7 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None, 
     Activation bytes per stage are measured on this process's copy of the stage modules
     (one microbatch, the runtime's own forward and split backward, in the run's compute
     dtype); static bytes are what the precision and the sharding policies hold at the
-    step's peak (`core.static_memory.predict_static_peak`: parameters, gradients, AdamW's
+    step's peak (`core.cost.static_memory.predict_static_peak`: parameters, gradients, AdamW's
     two moments, bf16-mixed's compute copy), plus, without data parallelism, the
     optimistic step's spare parameter and moments unless `optimistic_step` is off. Pass
     times are those --emulate sleeps, or measured here on one microbatch otherwise, with
@@ -65,8 +65,8 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None, 
     with its link's hop time. The timeline is drawn at unit costs (as `show` draws it)
     unless the times are emulated.
     """
-    from ..core.costs import Costs
-    from ..core.simulate import simulate
+    from ..core.cost.costs import Costs
+    from ..core.simulator.simulate import simulate
     from ..sim.text_timeline import render_text_timeline
 
     out = out or sys.stdout
@@ -109,10 +109,10 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None, 
 def _static_predicted(cfg: TrainConfig, stages) -> list[int]:
     """Peak static bytes per pipeline rank (replica 0) in a steady-state step: parameters,
     gradients, AdamW state and bf16-mixed's compute copies as the precision and the mesh's
-    policies hold them (core.static_memory); without data parallelism also the
+    policies hold them (core.cost.static_memory); without data parallelism also the
     optimistic step's spare parameter and two moments (in the master dtype)."""
-    from ..core.lowering import lower_for
-    from ..core.static_memory import predict_static_peak
+    from ..core.lowering.entry import lower_for
+    from ..core.cost.static_memory import predict_static_peak
 
     s = cfg.schedule
     program = lower_for(s.schedule, policies=cfg.sharding, dp=cfg.dp, recompute=s.recompute,
@@ -196,7 +196,7 @@ def _threads_against_profile(cfg: TrainConfig, hardware: str | None) -> dict:
 
 def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = None):
     """All stage modules (this process) and the costs to simulate the run with: seconds and bytes."""
-    from ..core.costs import Costs
+    from ..core.cost.costs import Costs
     from ..runtime.profile import profile_chunk_memory, profile_stage_memory, profile_stage_times
     from .rank_setup import emulated_costs
     from .reference import torch_threads

@@ -20,8 +20,8 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-from ..core.schedule import Schedule
-from ..core.split import stage_layers
+from ..core.ir.schedule import Schedule
+from ..core.cost.split import stage_layers
 
 __all__ = ["build_copies", "copy_layers", "model_stages", "one_chain", "per_chain"]
 

@@ -52,9 +52,9 @@ def tp_stage_memory(cfg: Any, memory: Sequence[Any]) -> list[Any]:
 def tp_emulated_times(cfg: Any) -> tuple[float, float, float]:
     """--emulate's per-layer F, B, W milliseconds (a whole layer's) as one of tp ranks spends
     them: compute over tp, F and B plus the layer's collectives on the emulation's tp link
-    (`core.tp_model.TPCostModel`, the simulator's and the planner's)."""
-    from ..core.dp_model import Link
-    from ..core.tp_model import TPCostModel
+    (`core.cost.tp_model.TPCostModel`, the simulator's and the planner's)."""
+    from ..core.cost.dp_model import Link
+    from ..core.cost.tp_model import TPCostModel
 
     f, b, w = cfg.emulation.times_ms
     bandwidth, latency = cfg.emulation.tp_link

@@ -140,9 +140,9 @@ def vocab_costs(cfg):
     against one rank's share of the tables (forward 2·n·h·V/p multiply-adds per table, against
     about 24·n·h² per layer), as unit times; the placement needs their order, not seconds.
     With --dp the blocks (one DP unit each at block grain) are priced as equal shares."""
-    from ..core.costs import BlockCosts, Costs
-    from ..core.dp_model import DPCostModel
-    from ..core.vocab import VocabCosts
+    from ..core.cost.costs import BlockCosts, Costs
+    from ..core.cost.dp_model import DPCostModel
+    from ..core.ir.vocab import VocabCosts
 
     shape = cfg.model.spec().shape
     p = cfg.schedule.p
@@ -154,7 +154,7 @@ def vocab_costs(cfg):
     # data parallelism at block grain names each block's unit: the blocks as the stages hold them
     blocks = BlockCosts.even(tuple(layers), tuple(float(n) for n in layers))
     # one policy for all: the simulator prices the rows' own static bytes with the first
-    # (core.vocab_sim.vocab_static); the placement needs the DP ops' order, not their bytes
+    # (core.simulator.vocab_sim.vocab_static); the placement needs the DP ops' order, not their bytes
     dp = DPCostModel(dp=cfg.dp, sharding=(cfg.sharding[0],), unit=cfg.mesh.dp_unit) if cfg.data_parallel \
         else DPCostModel()
     return Costs(t_f=f, t_b=f, t_w=f, params=tuple(float(n) for n in layers), blocks=blocks, data_parallel=dp,

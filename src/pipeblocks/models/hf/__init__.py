@@ -7,7 +7,7 @@
     adapter    HF_LAYOUT, HFDecoderAdapter: the decoder layers called as their model calls them
     tp         hf_tp_plan: Megatron's tensor parallelism by transformers' module names
     weights    SafetensorsWeights: each rank reads only its stages' tensors (or its TP slices)
-    directory  hf_spec(DIR): the `ModelSpec` of a model directory (architectures: core.hf_config.SUPPORTED)
+    directory  hf_spec(DIR): the `ModelSpec` of a model directory (architectures: core.cost.hf_config.SUPPORTED)
     export     save_hf: config.json, safetensors (sharded above a size, with an index), tokenizer files
 
 Nothing in a model directory is executed: weights come from safetensors only (a directory
@@ -17,7 +17,7 @@ optional extra: `pip install -e .[hf]`; importing this package does not import i
 """
 from __future__ import annotations
 
-from ...core.lazy import lazy_exports
+from ...core.util.lazy import lazy_exports
 
 __all__ = ["HF_LAYOUT", "HFDecoderAdapter", "SafetensorsWeights", "hf_spec", "hf_tp_plan", "save_hf",
            "require_transformers"]

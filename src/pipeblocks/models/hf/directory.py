@@ -5,7 +5,7 @@
     (24, True, 'Qwen2ForCausalLM')
     >>> stages = build_stages(spec, num_stages=4, stages=(0, 3))   # reads only those stages' tensors
 
-The architecture and the sizes come from config.json (`core.hf_config.read_hf_config`,
+The architecture and the sizes come from config.json (`core.cost.hf_config.read_hf_config`,
 which names the supported architectures and refuses the others); the model is built by
 transformers' own class of that architecture from the directory's config (never remote
 code), with SDPA attention, no K/V cache and no dropout (pipeblocks verifies exact
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from functools import partial
 
-from ...core.hf_config import FLOAT32_NORMS, HFConfig, read_hf_config
+from ...core.cost.hf_config import FLOAT32_NORMS, HFConfig, read_hf_config
 from ..init import normal_init
 from ..spec import HFExport, ModelSpec
 from .adapter import HF_LAYOUT, HFDecoderAdapter, require_transformers

@@ -12,6 +12,6 @@
     compute.py     the runtime's compute object that hands OPTIMIZER_STEP ops to the stages
     reference.py   the one-process replay of the same delays: the specification
 
-What a mode is (no torch) lives in `pipeblocks.core.async_mode`, beside the weight versions
-(`core.versions`) that define every microbatch's delay.
+What a mode is (no torch) lives in `pipeblocks.core.lowering.async_mode`, beside the weight versions
+(`core.lowering.versions`) that define every microbatch's delay.
 """

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...core.actions import Action, Kind
-from ...core.program import OptimizerStep, Program
-from ...core.versions import WeightVersions
+from ...core.ir.actions import Action, Kind
+from ...core.ir.program import OptimizerStep, Program
+from ...core.lowering.versions import WeightVersions
 from ...runtime.compute import Unit
 from ...runtime.emulate import EmulatedCompute
 from .drain import Drain

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...core.program import Program
-from ...core.schedule import Schedule
-from ...core.versions import WeightVersions, weight_versions
+from ...core.ir.program import Program
+from ...core.ir.schedule import Schedule
+from ...core.lowering.versions import WeightVersions, weight_versions
 from ...schedules.asynchronous import ASYNC_FORMS
 
 __all__ = ["Segment", "nominal_delays", "plan_segments", "run_versions", "segment_program"]

@@ -20,8 +20,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ...core.actions import Action
-from ...core.program import OptimizerStep
+from ...core.ir.actions import Action
+from ...core.ir.program import OptimizerStep
 from ..config import TrainConfig
 from .plan import Segment, nominal_delays, plan_segments, run_versions, segment_program
 

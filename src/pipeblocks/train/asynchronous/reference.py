@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ...core.versions import WeightVersions
-from ...core.async_mode import AsyncMode
+from ...core.lowering.versions import WeightVersions
+from ...core.lowering.async_mode import AsyncMode
 from .stage import AsyncStage
 
 __all__ = ["Discrepancy", "ReplayResult", "replay"]

@@ -7,7 +7,7 @@ state beside the simulator's.
 
 The steady state is measured on the longest asynchronous Program of the run that took 3
 or more steps (a run with save points or a drain has several): every rank times its
-passes and optimizer steps, and `core.steady.steady_state` reads the same figures off the
+passes and optimizer steps, and `core.simulator.steady.steady_state` reads the same figures off the
 measured timeline as off a simulated one (per step over the middle steps, the first
 (fill) and the last (drain) left out: step time, busy time, bubble, microbatches/s). The
 simulator replays the same Program with costs profiled from those passes (per stage the
@@ -37,14 +37,14 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...core.actions import Action
-from ...core.costs import Costs
-from ...core.jsontext import json_text
-from ...core.program import OptimizerStep
-from ...core.schedule import write_atomically
-from ...core.simulate import simulate, simulate_program
-from ...core.steady import SteadyState, steady_state
-from ...core.timeline import Event, Timeline
+from ...core.ir.actions import Action
+from ...core.cost.costs import Costs
+from ...core.util.jsontext import json_text
+from ...core.ir.program import OptimizerStep
+from ...core.ir.schedule import write_atomically
+from ...core.simulator.simulate import simulate, simulate_program
+from ...core.simulator.steady import SteadyState, steady_state
+from ...core.simulator.timeline import Event, Timeline
 from ..config import TrainConfig
 from ..report import between_passes, profiled_costs
 from .plan import segment_program

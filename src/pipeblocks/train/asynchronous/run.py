@@ -159,8 +159,8 @@ def replay_run(cfg: TrainConfig, data):
     same run as synchronous training (every delay 0: a flush after every step)."""
     import torch
 
-    from ...core.async_mode import AsyncMode
-    from ...core.versions import WeightVersions
+    from ...core.lowering.async_mode import AsyncMode
+    from ...core.lowering.versions import WeightVersions
     from ...models.build import build_model, split_stages
     from ..reference import torch_threads
     from .reference import replay

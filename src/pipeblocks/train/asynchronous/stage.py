@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from ...core.async_mode import AsyncMode, lookahead, t1_multiplier
+from ...core.lowering.async_mode import AsyncMode, lookahead, t1_multiplier
 
 __all__ = ["STASHING", "AsyncStage"]
 
