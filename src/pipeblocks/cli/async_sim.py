@@ -9,8 +9,9 @@ rank in units of one stage's weights: the mode's stashes (pipedream) or T2's buf
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from ..core.simulator.simulate import simulate, simulate_program
+from ..core.simulator.simulate import simulate_program
 from ..core.simulator.steady import steady_state
 from ..core.lowering.versions import weight_versions
 from ..schedules.asynchronous import ASYNC_FORMS
@@ -85,7 +86,7 @@ def run_async(args: argparse.Namespace, built: Built) -> int:
         )
     program = ASYNC_FORMS[schedule.name](p=p, n=n, steps=steps)
     steady = steady_state(simulate_program(program, built.costs))
-    sync = simulate(schedule, built.costs)
+    sync = dataclasses.replace(built, recompute=frozenset(), recompute_at={}).simulate()  # the schedule's own pairs
     versions = weight_versions(program)
     mode = mode_from_args(args)
     summary = {

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from ..core.simulator.simulate import simulate
 from ..resolve.build import memory_budget
 from ..core.lowering.recompute import all_pairs, recompute_pairs
 from ..resolve.recompute_auto import fits_memory, memory_need
@@ -105,7 +105,8 @@ def _tp_comm(built) -> list[float]:
 def _what_fits(built, timeline, unit: float) -> str:
     """For a plan over --gpu-memory: what it needs, and what full recomputation would."""
     need = max(memory_need(timeline)) / unit
-    full = max(memory_need(simulate(built.schedule, built.costs, recompute=all_pairs(built.schedule)))) / unit
+    every = dataclasses.replace(built, recompute=all_pairs(built.schedule), recompute_at={})
+    full = max(memory_need(every.simulate())) / unit
     budget = built.request.gpu_memory
     if full <= budget:
         hint = f"with every forward recomputed it needs {full:.4g}: add --recompute auto (or all)"

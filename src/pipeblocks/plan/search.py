@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from ..core.ir.errors import ScheduleError
 from ..core.ir.placement import Placement
 from ..core.ir.sharding import ShardingPolicy
-from ..core.simulator.simulate import simulate
+from ..resolve.program import simulate_run
 from ..core.cost.vocab_partition import partition_vocab
 from ..schedules import get
 from ..schedules.sequence import split_sequence
@@ -368,7 +368,7 @@ def evaluate(
         if activation is not None and max(s + a for s, a in zip(static[pol], activation)) > capacity:
             continue
         try:
-            timelines = [simulate(schedule, costs[pol]) for schedule in schedules]
+            timelines = [simulate_run(schedule, costs[pol]) for schedule in schedules]
         except ScheduleError as err:
             if not vocab:
                 raise

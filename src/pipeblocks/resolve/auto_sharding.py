@@ -29,7 +29,7 @@ from ..core.ir.errors import ScheduleError
 from ..core.lowering.passes_dp import regather_stages
 from ..core.ir.schedule import Schedule
 from ..core.ir.sharding import ShardingPolicy
-from ..core.simulator.simulate import simulate
+from .program import simulate_run
 
 __all__ = ["choose_sharding", "descend_policies", "regathering"]
 
@@ -48,7 +48,7 @@ def choose_sharding(
     def score(policies: tuple[ShardingPolicy, ...]) -> tuple:
         if policies not in seen:
             dp = dataclasses.replace(costs.data_parallel, sharding=policies)
-            timeline = simulate(schedule, dataclasses.replace(costs, data_parallel=dp))
+            timeline = simulate_run(schedule, dataclasses.replace(costs, data_parallel=dp))
             need = max(timeline.memory_need)
             over = max(0.0, need - memory_budget) if memory_budget is not None else 0.0
             seen[policies] = (over, timeline.makespan, max(timeline.static_memory), need)

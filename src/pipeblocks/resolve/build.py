@@ -18,8 +18,7 @@ from ..core.cost.costs import Costs, parse_costs, repeat_stages
 from ..core.cost.dp_model import UNIT_LINK, DPCostModel, Link
 from ..core.ir.errors import ScheduleError
 from ..core.ir.actions import Action
-from ..core.lowering.entry import lower_for
-from ..core.simulator.simulate import simulate
+from ..core.simulator.simulate import simulate_lowered
 from ..core.simulator.timeline import Timeline
 from ..core.ir.program import Program
 from .request import CostSpec, ScheduleRequest
@@ -32,6 +31,7 @@ from ..sim.analytic import HF_SEQ, TransformerConfig, dp_link, model_from_hf, pa
 from ..sim.tp_costs import tensor_parallel_costs
 from ..core.lowering.recompute import all_pairs, recompute_pairs
 from .auto_sharding import choose_sharding
+from .program import Lowering
 from ..sim.blocks import transformer_blocks
 from .elastic_plan import choose_elastic_plan
 from ..sim.hardware_profile import resolve_hardware
@@ -71,15 +71,13 @@ class Built:
 
     def program(self) -> Program:
         """The Program the simulator and the runtime run for this request: its mesh's DP ops
-        and its recomputations, where they were placed (`core.lowering.entry.lower_for`)."""
-        dp = self.costs.data_parallel
-        return lower_for(self.schedule, policies=dp.sharding, dp=dp.dp, recompute=self.recompute,
-                         recompute_at=self.recompute_at, units=self.costs.dp_units(self.schedule.num_stages),
-                         vocab=self.costs if self.costs.vocab is not None else None)
+        and its recomputations, where they were placed (`program.Lowering`)."""
+        lowering = Lowering.of(self.schedule, self.costs, recompute=self.recompute, recompute_at=self.recompute_at)
+        return lowering.program(self.schedule)
 
     def simulate(self) -> Timeline:
-        """The request's schedule simulated with its costs and its recomputations in place."""
-        return simulate(self.schedule, self.costs, recompute=self.recompute, recompute_at=self.recompute_at)
+        """The request's Program (`program`) simulated with its costs."""
+        return simulate_lowered(self.schedule, self.program, self.costs)
 
 
 def build(request: ScheduleRequest) -> Built:
@@ -134,7 +132,7 @@ def choose_split_for(request: ScheduleRequest) -> SplitChosen:
             costs = resolve_costs(with_split(candidate).costs, stages, schedule.seq_chunks, tp=request.mesh.tp,
                                   p=request.p)
             costs = dataclasses.replace(costs, data_parallel=even.costs.data_parallel)
-            timeline = simulate(schedule, costs, recompute=even.recompute, recompute_at=even.recompute_at)
+            timeline = dataclasses.replace(even, costs=costs).simulate()
         return timeline.makespan, max(timeline.memory_need)
 
     budget = memory_budget(request)

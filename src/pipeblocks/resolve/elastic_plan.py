@@ -33,7 +33,7 @@ from ..core.ir.errors import ScheduleError
 from ..core.lowering.recompute import all_pairs
 from ..core.ir.schedule import Schedule
 from ..core.ir.sharding import ShardingPolicy
-from ..core.simulator.simulate import simulate
+from .program import simulate_run
 from ..schedules.elastic import elastic, group_candidates, rule_groups, rule_sequences
 from .auto_sharding import descend_policies, regathering
 from .recompute_auto import choose_recompute, memory_need
@@ -85,7 +85,7 @@ def choose_elastic_plan(
                     pairs = choose_recompute(schedule, trial, budget, unit=unit, minimal=False)
                 except ScheduleError:
                     pairs = all_pairs(schedule)  # does not fit even so: scored by how far over
-            timeline = simulate(schedule, trial, recompute=pairs)
+            timeline = simulate_run(schedule, trial, recompute=pairs)
             needs = memory_need(timeline)
             need = max(needs)
             over = max(0.0, need - budget) if budget is not None else 0.0

@@ -24,7 +24,7 @@ from ..core.cost.costs import Costs
 from ..core.ir.errors import ScheduleError
 from ..core.lowering.recompute import all_pairs
 from ..core.ir.schedule import Schedule
-from ..core.simulator.simulate import simulate
+from .program import simulate_run
 from ..core.simulator.timeline import Timeline
 
 __all__ = ["choose_recompute", "fits_memory", "memory_need", "minimal_recompute"]
@@ -37,7 +37,7 @@ def minimal_recompute(schedule: Schedule, costs: Costs, budget: float, chosen) -
     kept = list(chosen)
     for pair in reversed(chosen):
         trial = [q for q in kept if q != pair]
-        if all(need <= budget for need in memory_need(simulate(schedule, costs, recompute=trial))):
+        if all(need <= budget for need in memory_need(simulate_run(schedule, costs, recompute=trial))):
             kept = trial
     return frozenset(kept)
 
@@ -111,7 +111,7 @@ def choose_recompute(
     table = costs.for_schedule(schedule)
     waits: list | None = None
     for _ in range(rounds):
-        timeline = simulate(schedule, costs, recompute=chosen)
+        timeline = simulate_run(schedule, costs, recompute=chosen)
         need = memory_need(timeline)
         over = [r for r in range(schedule.p) if need[r] > budget]
         if not over:
@@ -129,7 +129,7 @@ def choose_recompute(
                 excess -= table.recomputed_share(pair[0])
         if not added:
             break
-    full = memory_need(simulate(schedule, costs, recompute=all_pairs(schedule)))
+    full = memory_need(simulate_run(schedule, costs, recompute=all_pairs(schedule)))
     if max(full) > budget:
         raise ScheduleError(
             f"--gpu-memory {budget / unit:.4g} is too small for {schedule.name!r}: even full recomputation needs "

@@ -23,7 +23,7 @@ backward, so this moves it into such a wait:
    whose memory went over, keeps its recomputations where they were.
 
 A unit with no such wait keeps its default place. The RECOMPUTE ops are then where the
-runtime runs them too: the placement is part of the lowered Program (`lower_for`'s
+runtime runs them too: the placement is part of the lowered Program (`Lowering`'s
 `recompute_at`), so `--verify` checks it like any other.
 """
 from __future__ import annotations
@@ -32,11 +32,11 @@ from collections.abc import Iterable
 
 from ..core.ir.actions import Action, Kind
 from ..core.cost.costs import Costs
-from ..core.lowering.entry import lower_for
 from ..core.ir.program import Program, Recompute
 from ..core.ir.schedule import Schedule
 from ..core.simulator.simulate import simulate_program
 from ..core.simulator.timeline import Timeline
+from .program import Lowering
 
 __all__ = ["Anchors", "place_recompute"]
 
@@ -80,9 +80,8 @@ def place_recompute(schedule: Schedule, costs: Costs, pairs: Iterable[tuple[int,
 
 
 def _lower(schedule: Schedule, costs: Costs, pairs, anchors) -> Program:
-    dp = costs.data_parallel
-    return lower_for(schedule, policies=dp.sharding, dp=dp.dp, recompute=pairs, recompute_at=anchors,
-                     units=costs.dp_units(schedule.num_stages))
+    lowering = Lowering.of(schedule, costs, recompute=pairs, recompute_at=anchors, vocab=False)
+    return lowering.program(schedule)
 
 
 def _place_rank(ops, plain_events, table, limit: float, policies) -> Anchors:

@@ -53,7 +53,6 @@ from .collector import collector_paused
 from ..ir.errors import DeadlockError
 from ..lowering.lower import check_deadlock
 from ..lowering.entry import lower_for
-from ..lowering.recompute import recompute_pairs
 from ..ir.ops import ACTION, DP, OVERLAP, P2P, RECOMPUTE, STEP, unsupported
 from ..ir.program import Comm, DPOp, OptimizerStep, Overlap, Program, Recompute
 from ..ir.schedule import Schedule
@@ -66,7 +65,7 @@ from ..ir.errors import ScheduleError
 from ..ir.vocab import VocabPass
 from .vocab_sim import vocab_keys, vocab_reduce, vocab_sends as _vocab_sends, vocab_static
 
-__all__ = ["simulate", "simulate_program"]
+__all__ = ["simulate", "simulate_lowered", "simulate_program"]
 
 
 def simulate(schedule: Schedule, costs: Costs | None = None, *, recompute=(), recompute_at=None) -> Timeline:
@@ -77,29 +76,39 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, recompute=(), re
     (`1f1b-r`) recomputes every pair (`lowering.lower_for` decides both). `recompute_at`:
     where a unit's recomputation runs when earlier than its backward (`resolve.recompute_place`).
     With recomputation the timeline also says which part of it lengthens the step
-    (`Timeline.recompute_exposed`): the Program is simulated a second time without it."""
+    (`Timeline.recompute_exposed`): the Program is simulated a second time without it.
+    A resolved run is simulated with its own Program (`resolve.program.simulate_run`)."""
     costs = costs or Costs()
     data_parallel = costs.data_parallel
+
+    def lowered() -> Program:
+        return lower_for(schedule, policies=data_parallel.sharding, dp=data_parallel.dp, recompute=recompute,
+                         recompute_at=recompute_at, units=costs.dp_units(schedule.num_stages),
+                         vocab=costs if costs.vocab is not None else None)
+
+    return simulate_lowered(schedule, lowered, costs)
+
+
+def simulate_lowered(schedule: Schedule, lowered: Callable[[], Program], costs: Costs | None = None) -> Timeline:
+    """Validate `schedule` and simulate the Program `lowered()` gives for it (`simulate_program`).
+    Without recomputation the compiled lists hold all the loop needs: the ops (a transfer
+    object per send and per receive) are freed before the events are made, and a deadlock
+    lowers again (`lowered()`) to name it."""
     with collector_paused():
         check_structure(schedule)
-
-        def lowered() -> Program:
-            return lower_for(schedule, policies=data_parallel.sharding, dp=data_parallel.dp, recompute=recompute,
-                             recompute_at=recompute_at, units=costs.dp_units(schedule.num_stages),
-                             vocab=costs if costs.vocab is not None else None)
-
-        if not recompute_pairs(schedule, recompute):
-            # the compiled lists hold all the loop needs: the ops (a transfer object per send and
-            # per receive) are freed before the events are made; a deadlock lowers again to name it
-            return _run(_compile_program(lowered(), costs), lowered)
-        return simulate_program(lowered(), costs)
+        program = lowered()
+        if _recomputes(program):
+            return simulate_program(program, costs)
+        compiled = _compile_program(program, costs)
+        del program
+        return _run(compiled, lowered)
 
 
 def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
     """Simulate a lowered Program; one that recomputes is also simulated without its RECOMPUTE
     ops, to tell the part of the recomputation that lengthens the step."""
     timeline = _run(_compile_program(program, costs), lambda: program)
-    if not any(type(op) is Recompute for ops in program.ranks for op in ops):
+    if not _recomputes(program):
         return timeline
     plain = Program(program.schedule, tuple(tuple(op for op in ops if type(op) is not Recompute)
                                              for ops in program.ranks))
@@ -112,6 +121,10 @@ def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
     exposed = tuple(later(timeline.rank_end(r), without.rank_end(r)) for r in range(len(timeline.events)))
     return dataclasses.replace(timeline, recompute_exposed=exposed,
                                recompute_step_cost=later(timeline.makespan, without.makespan))
+
+
+def _recomputes(program: Program) -> bool:
+    return any(type(op) is Recompute for ops in program.ranks for op in ops)
 
 
 def _compile_program(program: Program, costs: Costs | None):
@@ -132,6 +145,36 @@ def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
     """The event loop over `_compile_program`'s result; `program_of` gives the Program
     again, only to name a deadlock."""
     schedule, table, compiled, comm_plans, gathered, delays = compiled_program
+    p = len(compiled)
+    events: list[list[Event]] = [[] for _ in range(p)]
+    streams = [CommStream(plan, events[r]) for r, plan in enumerate(comm_plans)]
+    traces, peak, unfinished = _event_loop(compiled, table, streams, events, delays)
+    # the parameters a regathering chunk holds, beside the activations, before the lists go
+    crests = [_crest(compiled[r][3], compiled[r][4], gathered[r]) if gathered[r] else None for r in range(p)]
+    compiled.clear()  # seven lists per rank, no longer needed: not alive beside the Timeline's tuples
+    if unfinished:
+        check_deadlock(program_of())  # raises with the blocked ranks named
+        raise DeadlockError(f"schedule {schedule.name!r} did not finish in simulation")
+    placement = schedule.placement
+    static, static_peak = _static_memory(table, schedule, p)
+    parts = dict(
+        schedule=schedule, events=tuple(tuple(e) for e in events), memory=tuple(tuple(t) for t in traces),
+        peak_activation=tuple(peak), static_memory=static, static_memory_peak=static_peak,
+        memory_peak=_memory_peak(table, placement, static_peak, peak, crests),
+    )
+    if not any(comm_plans):
+        return Timeline(**parts)
+    step_end = tuple(
+        stream.finish(vocab_reduce(table) + after_step_gathers(table, placement.stages_of(r)))
+        for r, stream in enumerate(streams)
+    )
+    return Timeline(**parts, comm_events=tuple(tuple(stream.events) for stream in streams),
+                    exposed_comm=tuple(stream.exposed for stream in streams), step_end=step_end)
+
+
+def _event_loop(compiled, table, streams, events, delays):
+    """Run every rank's compiled lists until all finish or all wait: each rank's memory trace
+    and peak activation, and whether a rank was left unfinished (a deadlock)."""
     t_comm = table.t_comm
     p = len(compiled)
     lengths = [len(c[0]) for c in compiled]
@@ -139,13 +182,11 @@ def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
     clock = [0.0] * p
     mem = [0.0] * p
     peak = [0.0] * p
-    events: list[list[Event]] = [[] for _ in range(p)]
     traces: list[list[tuple[float, float]]] = [[(0.0, 0.0)] for _ in range(p)]
     # a transfer's arrival time, from its send until its one receive reads (and drops) it
     arrival: dict[int, float] = {}
     parked: dict[int, int] = {}
     ready = list(range(p))
-    streams = [CommStream(plan, events[r]) for r, plan in enumerate(comm_plans)]
     new_event = tuple.__new__  # Event(...) without the Python-level NamedTuple __new__: hot loop
     while ready:
         r = ready.pop()
@@ -161,17 +202,12 @@ def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
                     if t is None:
                         parked[key] = r
                         break
-                    if t > now:
-                        now = t
-                else:  # several receives before one action
-                    missing = next((k for k in key if k not in arrival), None)
-                    if missing is not None:
-                        parked[missing] = r
+                else:
+                    t = _all_received(key, arrival, parked, r)
+                    if t is None:
                         break
-                    for k in key:
-                        t = arrival.pop(k)
-                        if t > now:
-                            now = t
+                if t > now:
+                    now = t
             gate = gates[pos]
             if gate is None:
                 end = now + durations[pos]
@@ -182,12 +218,8 @@ def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
                 end = gate.run(streams[r], now)
                 now = end - durations[pos]
             act = actions[pos]
-            if type(act) is Overlap:  # two events, sharing the pair's time as their parts' durations
-                f_part = table.duration(Kind.F, act.forward.stage)
-                whole = f_part + table.duration(Kind.BW, act.backward.stage)
-                mid = now + (end - now) * (f_part / whole if whole > 0 else 0.5)
-                evs.append(new_event(Event, (act.forward, now, mid)))
-                evs.append(new_event(Event, (act.backward, mid, end)))
+            if type(act) is Overlap:
+                _overlap_events(evs, act, table, now, end)
             else:
                 evs.append(new_event(Event, (act, now, end)))
             alloc = allocs[pos]
@@ -210,59 +242,54 @@ def _run(compiled_program, program_of: Callable[[], Program]) -> Timeline:
                         ready.append(woken)
             pos += 1
         cursor[r], clock[r], mem[r], peak[r] = pos, now, held, top
-    # the parameters a regathering chunk holds, beside the activations, before the lists go
-    crests = [_crest(compiled[r][3], compiled[r][4], gathered[r]) if gathered[r] else None for r in range(p)]
-    compiled.clear()  # seven lists per rank, no longer needed: not alive beside the Timeline's tuples
-    if any(cursor[r] < lengths[r] for r in range(p)):
-        check_deadlock(program_of())  # raises with the blocked ranks named
-        raise DeadlockError(f"schedule {schedule.name!r} did not finish in simulation")
-    placement = schedule.placement
-    static = tuple(
-        table.data_parallel.static_memory(table.params, placement.stages_of(r)) for r in range(p)
-    )
-    split = table.data_parallel.bytes.gathered != table.data_parallel.bytes.grad and schedule.has_split_backward
+    return traces, peak, any(cursor[r] < lengths[r] for r in range(p))
+
+
+def _all_received(key: tuple[int, ...], arrival: dict[int, float], parked: dict[int, int], r: int) -> float | None:
+    """When the several receives `key` before rank `r`'s next action have all arrived (each
+    read and dropped), or None with the rank parked on the first still missing."""
+    missing = next((k for k in key if k not in arrival), None)
+    if missing is not None:
+        parked[missing] = r
+        return None
+    return max(arrival.pop(k) for k in key)
+
+
+def _overlap_events(evs: list, act: Overlap, table, now: float, end: float) -> None:
+    """An overlapped pair as two events, sharing the pair's time as their parts' durations."""
+    f_part = table.duration(Kind.F, act.forward.stage)
+    whole = f_part + table.duration(Kind.BW, act.backward.stage)
+    mid = now + (end - now) * (f_part / whole if whole > 0 else 0.5)
+    evs.append(Event(act.forward, now, mid))
+    evs.append(Event(act.backward, mid, end))
+
+
+def _static_memory(table, schedule: Schedule, p: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per rank, static memory between steps and at the step's peak (with the vocabulary rows)."""
+    dp, placement = table.data_parallel, schedule.placement
+    static = tuple(dp.static_memory(table.params, placement.stages_of(r)) for r in range(p))
+    split = dp.bytes.gathered != dp.bytes.grad and schedule.has_split_backward
     static_peak = tuple(
-        table.data_parallel.static_memory(table.params, placement.stages_of(r), peak=True, split_backward=split)
-        for r in range(p)
+        dp.static_memory(table.params, placement.stages_of(r), peak=True, split_backward=split) for r in range(p)
     )
     if table.vocab is not None:  # every rank holds V/p rows of the embedding and the head
         static, static_peak = (tuple(x + vocab_static(table, peak) for x in values)
                                for peak, values in ((False, static), (True, static_peak)))
-    memory_peak = ()
-    if any(c is not None for c in crests):
-        dp = table.data_parallel
-        policies = dp.policies(len(table.params))
-        memory_peak = tuple(
-            static_peak[r] + peak[r] if crests[r] is None
-            else static_peak[r] + crests[r]
-            - sum(gathered_bytes(table.params[s], policies[s], dp.bytes) for s in _regathered(table, placement.stages_of(r)))
-            for r in range(p)
-        )
-    if not any(comm_plans):
-        return Timeline(
-            schedule=schedule,
-            events=tuple(tuple(e) for e in events),
-            memory=tuple(tuple(t) for t in traces),
-            peak_activation=tuple(peak),
-            static_memory=static,
-            static_memory_peak=static_peak,
-            memory_peak=memory_peak,
-        )
-    step_end = tuple(
-        stream.finish(vocab_reduce(table) + after_step_gathers(table, placement.stages_of(r)))
-        for r, stream in enumerate(streams)
-    )
-    return Timeline(
-        schedule=schedule,
-        events=tuple(tuple(e) for e in events),
-        memory=tuple(tuple(t) for t in traces),
-        peak_activation=tuple(peak),
-        comm_events=tuple(tuple(stream.events) for stream in streams),
-        exposed_comm=tuple(stream.exposed for stream in streams),
-        step_end=step_end,
-        static_memory=static,
-        static_memory_peak=static_peak,
-        memory_peak=memory_peak,
+    return static, static_peak
+
+
+def _memory_peak(table, placement, static_peak, peak, crests) -> tuple[float, ...]:
+    """Per rank, the peak of static memory plus activations and regathered parameters, when a
+    rank has a regathering chunk (`_crest`); else empty."""
+    if all(c is None for c in crests):
+        return ()
+    dp = table.data_parallel
+    policies = dp.policies(len(table.params))
+    return tuple(
+        static_peak[r] + peak[r] if crests[r] is None
+        else static_peak[r] + crests[r]
+        - sum(gathered_bytes(table.params[s], policies[s], dp.bytes) for s in _regathered(table, placement.stages_of(r)))
+        for r in range(len(crests))
     )
 
 
@@ -308,139 +335,156 @@ def _compile(ops, table, schedule: Schedule, vocab=None) -> tuple[tuple[list, ..
     boundary) inside a pass where it is issued). Last, for a chunk that frees its parameters
     between visits (zero3-regather), its UNSHARDs and RESHARDs as memory: (index of the
     compute action it comes before, gathered bytes added or freed)."""
-    stages, chunks = schedule.num_stages, schedule.seq_chunks
-    receives: list = []
-    actions: list = []
-    durations: list = []
-    allocs: list = []
-    releases: list = []
-    sends: list = []
-    gates: list = []
-    cost_of: dict[tuple, tuple[float, float, float]] = {}
-    waiting = None  # receive key(s) for the next action
-    plan: list[tuple[int, str, float, tuple | None]] = []
-    pending: dict[int, int] = {}  # stage -> plan index of its UNSHARD, until its first pass
-    units = UnitPasses(table, schedule, gates) if table.units is not None else None
-    policies = None
-    held: list[tuple[int, float]] = []  # a regathering chunk's gathers (+) and frees (-)
-    # which forwards keep only their input: a set-of-types test first, so a program
-    # without recomputation pays no Python-level scan
-    recomputed = {op.unit for op in ops if type(op) is Recompute} if Recompute in set(map(type, ops)) else None
-    link_of, vkeys = vocab if vocab is not None else (None, None)
+    compiler = _RankCompiler(table, schedule, ops, vocab)
+    handlers = {Comm: compiler.comm, Action: compiler.action, VocabPass: compiler.vocab_pass,
+                Overlap: compiler.overlap, OptimizerStep: compiler.optimizer_step, Recompute: compiler.recompute,
+                DPOp: compiler.dp_op}
+    link_of = compiler.link_of
     for at, op in enumerate(ops):
-        kind = type(op)
         if link_of is not None and at in link_of:  # what a vocabulary pass, or an action it feeds, waits for
-            for k in link_of[at][0]:
-                waiting = vkeys[k] if waiting is None else (*((waiting,) if type(waiting) is int else waiting), vkeys[k])
-        if kind is Comm:
-            payload, send, stage, mb, chunk, _peer = op
-            grad = payload != "F"
-            producer = stage if send else (stage + 1 if grad else stage - 1)
-            key = ((mb * chunks + (chunk or 0)) * stages + producer) * 2 + grad
-            if send:
-                before = sends[-1]
-                sends[-1] = key if before is None else (*((before,) if type(before) is int else before), key)
-            else:
-                waiting = key if waiting is None else (*((waiting,) if type(waiting) is int else waiting), key)
-        elif kind is Action:
-            ckey = (op.kind, op.stage, op.seq_chunk or 0)
-            if recomputed and op.kind is Kind.F and op.unit in recomputed:
-                ckey = ("kept", op.stage, ckey[2])
-                cost = cost_of.get(ckey)
-                if cost is None:
-                    full = table.memory(Kind.F, op.stage, ckey[2])[0]
-                    cost = cost_of[ckey] = (
-                        table.duration(Kind.F, op.stage, ckey[2]), full - table.recomputed_share(op.stage, ckey[2]), 0.0
-                    )
-            else:
-                cost = cost_of.get(ckey)
-            if cost is None:
-                cost = cost_of[ckey] = (table.duration(*ckey), *table.memory(*ckey))
-            receives.append(waiting)
-            waiting = None
-            actions.append(op)
-            durations.append(cost[0])
-            allocs.append(cost[1])
-            releases.append(cost[2])
-            sends.append(None)
-            if link_of is not None and at in link_of:
-                _vocab_sends(sends, link_of[at][1], vkeys)
-            gates.append(pending.pop(op.stage, None) if pending else None)
-            if units is not None:
-                units.on_pass(op, len(actions) - 1, cost[0], plan)
-        elif kind is VocabPass:  # compute stream; its collectives are keys (`vocab_links`)
-            if table.vocab is None:
-                raise ScheduleError(f"the costs price no vocabulary pass ({op}): give Costs(vocab=VocabCosts(...))")
-            receives.append(waiting)
-            waiting = None
-            actions.append(op)
-            durations.append(table.vocab.duration(op.kind))
-            allocs.append(table.vocab.mem_st if op.kind == "S" else 0.0)
-            releases.append(-table.vocab.mem_st if op.kind == "T" else 0.0)
-            sends.append(None)
-            if at in link_of:
-                _vocab_sends(sends, link_of[at][1], vkeys)
-            gates.append(None)
-        elif kind is Overlap:  # one compute op: the forward allocates at its start, the backward frees at its end
-            f, bw = op
-            if units is not None and any(st in units.gathers or st in units.anchored for st in (f.stage, bw.stage)):
-                # a gather met inside the pair's time (block grain): not modelled
-                raise unsupported(op, "the simulator's per-unit gathers (--dp-unit block)",
-                                  (ACTION, P2P, DP, STEP, RECOMPUTE))
-            alloc = table.memory(Kind.F, f.stage)[0]
-            if recomputed and f.unit in recomputed:
-                alloc -= table.recomputed_share(f.stage)
-            receives.append(waiting)
-            waiting = None
-            actions.append(op)
-            durations.append(table.pair_duration(f.stage, bw.stage))
-            allocs.append(alloc)
-            releases.append(table.memory(Kind.BW, bw.stage)[1])
-            sends.append(None)
-            gate = None
-            if pending:
-                waits = [g for g in (pending.pop(f.stage, None), pending.pop(bw.stage, None)) if g is not None]
-                gate = max(waits) if waits else None
-            gates.append(gate)
-        elif kind is OptimizerStep:  # compute stream, no activation memory
-            receives.append(waiting)
-            waiting = None
-            actions.append(op)
-            durations.append(table.step[op.stage])
-            allocs.append(0.0)
-            releases.append(0.0)
-            sends.append(None)
-            gates.append(None)
-        elif kind is Recompute:  # compute stream: the forward's time, the rest of its activation
-            chunk = op.seq_chunk or 0
-            receives.append(waiting)
-            waiting = None
-            actions.append(op)
-            durations.append(table.duration(Kind.F, op.stage, chunk))
-            allocs.append(table.recomputed_share(op.stage, chunk))
-            releases.append(0.0)
-            sends.append(None)
-            gates.append(pending.pop(op.stage, None) if pending else None)
-            if units is not None:
-                units.on_pass(op, len(actions) - 1, durations[-1], plan)
-        elif kind is DPOp:
-            dp = table.data_parallel
-            if policies is None:
-                policies = dp.policies(len(table.params))
-            if op.kind != "REDUCE_GRAD" and policies[op.stage].regathers:
-                size = table.unit_params(op.stage, op.unit) * dp.bytes.gathered
-                held.append((len(actions), size if op.kind == "UNSHARD" else -size))
-            if op.kind == "RESHARD":
-                continue  # frees memory only: nothing on the link
-            duration = dp.op_time(op.kind, table.unit_params(op.stage, op.unit), policies[op.stage])
-            if op.unit is not None:
-                if units is None:
-                    table.unit_params(op.stage, op.unit)  # raises: the costs have no units
-                units.on_dp_op(op, len(actions), str(op), duration, plan)
-                continue
-            if op.kind == "UNSHARD":
-                pending[op.stage] = len(plan)
-            plan.append((len(actions), str(op), duration, None))
-        else:
+            compiler.wait_vocab(at)
+        handler = handlers.get(type(op))
+        if handler is None:
             raise unsupported(op, "the simulator", (ACTION, P2P, DP, STEP, RECOMPUTE, OVERLAP))
-    return (receives, actions, durations, allocs, releases, sends, gates), plan, held
+        handler(op, at)
+    c = compiler
+    return (c.receives, c.actions, c.durations, c.allocs, c.releases, c.sends, c.gates), c.plan, c.held
+
+
+def _joined(before, key: int):
+    """`key` added to None, one key, or a tuple of keys."""
+    return key if before is None else (*((before,) if type(before) is int else before), key)
+
+
+class _RankCompiler:
+    """`_compile`'s lists for one rank, filled op by op (one method per op type)."""
+
+    def __init__(self, table, schedule: Schedule, ops, vocab) -> None:
+        self.table, self.stages, self.chunks = table, schedule.num_stages, schedule.seq_chunks
+        self.receives: list = []
+        self.actions: list = []
+        self.durations: list = []
+        self.allocs: list = []
+        self.releases: list = []
+        self.sends: list = []
+        self.gates: list = []
+        self.cost_of: dict[tuple, tuple[float, float, float]] = {}
+        self.waiting = None  # receive key(s) for the next action
+        self.plan: list[tuple[int, str, float, tuple | None]] = []
+        self.pending: dict[int, int] = {}  # stage -> plan index of its UNSHARD, until its first pass
+        self.units = UnitPasses(table, schedule, self.gates) if table.units is not None else None
+        self.policies = None
+        self.held: list[tuple[int, float]] = []  # a regathering chunk's gathers (+) and frees (-)
+        # which forwards keep only their input: a set-of-types test first, so a program
+        # without recomputation pays no Python-level scan
+        self.recomputed = ({op.unit for op in ops if type(op) is Recompute} if Recompute in set(map(type, ops))
+                           else None)
+        self.link_of, self.vkeys = vocab if vocab is not None else (None, None)
+
+    def push(self, op, duration: float, alloc: float, release: float, gate=None) -> None:
+        """A compute op, with the receives before it."""
+        self.receives.append(self.waiting)
+        self.waiting = None
+        self.actions.append(op)
+        self.durations.append(duration)
+        self.allocs.append(alloc)
+        self.releases.append(release)
+        self.sends.append(None)
+        self.gates.append(gate)
+
+    def stage_gate(self, stage: int):
+        return self.pending.pop(stage, None) if self.pending else None
+
+    def wait_vocab(self, at: int) -> None:
+        for k in self.link_of[at][0]:
+            self.waiting = _joined(self.waiting, self.vkeys[k])
+
+    def comm(self, op: Comm, at: int) -> None:
+        payload, send, stage, mb, chunk, _peer = op
+        grad = payload != "F"
+        producer = stage if send else (stage + 1 if grad else stage - 1)
+        key = ((mb * self.chunks + (chunk or 0)) * self.stages + producer) * 2 + grad
+        if send:
+            before = self.sends[-1]
+            self.sends[-1] = key if before is None else _joined(before, key)
+        else:
+            self.waiting = key if self.waiting is None else _joined(self.waiting, key)
+
+    def action(self, op: Action, at: int) -> None:
+        table, cost_of = self.table, self.cost_of
+        ckey = (op.kind, op.stage, op.seq_chunk or 0)
+        if self.recomputed and op.kind is Kind.F and op.unit in self.recomputed:
+            ckey = ("kept", op.stage, ckey[2])
+            cost = cost_of.get(ckey)
+            if cost is None:
+                full = table.memory(Kind.F, op.stage, ckey[2])[0]
+                cost = cost_of[ckey] = (
+                    table.duration(Kind.F, op.stage, ckey[2]), full - table.recomputed_share(op.stage, ckey[2]), 0.0
+                )
+        else:
+            cost = cost_of.get(ckey)
+        if cost is None:
+            cost = cost_of[ckey] = (table.duration(*ckey), *table.memory(*ckey))
+        self.push(op, *cost, gate=self.stage_gate(op.stage))
+        if self.link_of is not None and at in self.link_of:
+            _vocab_sends(self.sends, self.link_of[at][1], self.vkeys)
+        if self.units is not None:
+            self.units.on_pass(op, len(self.actions) - 1, cost[0], self.plan)
+
+    def vocab_pass(self, op: VocabPass, at: int) -> None:  # compute stream; its collectives are keys (`vocab_links`)
+        vocab = self.table.vocab
+        if vocab is None:
+            raise ScheduleError(f"the costs price no vocabulary pass ({op}): give Costs(vocab=VocabCosts(...))")
+        self.push(op, vocab.duration(op.kind), vocab.mem_st if op.kind == "S" else 0.0,
+                  -vocab.mem_st if op.kind == "T" else 0.0)
+        if at in self.link_of:
+            _vocab_sends(self.sends, self.link_of[at][1], self.vkeys)
+
+    def overlap(self, op: Overlap, at: int) -> None:
+        """One compute op: the forward allocates at its start, the backward frees at its end."""
+        f, bw = op
+        table, units = self.table, self.units
+        if units is not None and any(st in units.gathers or st in units.anchored for st in (f.stage, bw.stage)):
+            # a gather met inside the pair's time (block grain): not modelled
+            raise unsupported(op, "the simulator's per-unit gathers (--dp-unit block)",
+                              (ACTION, P2P, DP, STEP, RECOMPUTE))
+        alloc = table.memory(Kind.F, f.stage)[0]
+        if self.recomputed and f.unit in self.recomputed:
+            alloc -= table.recomputed_share(f.stage)
+        gate = None
+        if self.pending:
+            waits = [g for g in (self.pending.pop(f.stage, None), self.pending.pop(bw.stage, None)) if g is not None]
+            gate = max(waits) if waits else None
+        self.push(op, table.pair_duration(f.stage, bw.stage), alloc, table.memory(Kind.BW, bw.stage)[1], gate)
+
+    def optimizer_step(self, op: OptimizerStep, at: int) -> None:  # compute stream, no activation memory
+        self.push(op, self.table.step[op.stage], 0.0, 0.0)
+
+    def recompute(self, op: Recompute, at: int) -> None:
+        """Compute stream: the forward's time, the rest of its activation."""
+        chunk = op.seq_chunk or 0
+        duration = self.table.duration(Kind.F, op.stage, chunk)
+        self.push(op, duration, self.table.recomputed_share(op.stage, chunk), 0.0, self.stage_gate(op.stage))
+        if self.units is not None:
+            self.units.on_pass(op, len(self.actions) - 1, duration, self.plan)
+
+    def dp_op(self, op: DPOp, at: int) -> None:
+        table = self.table
+        dp = table.data_parallel
+        if self.policies is None:
+            self.policies = dp.policies(len(table.params))
+        policy = self.policies[op.stage]
+        if op.kind != "REDUCE_GRAD" and policy.regathers:
+            size = table.unit_params(op.stage, op.unit) * dp.bytes.gathered
+            self.held.append((len(self.actions), size if op.kind == "UNSHARD" else -size))
+        if op.kind == "RESHARD":
+            return  # frees memory only: nothing on the link
+        duration = dp.op_time(op.kind, table.unit_params(op.stage, op.unit), policy)
+        if op.unit is not None:
+            if self.units is None:
+                table.unit_params(op.stage, op.unit)  # raises: the costs have no units
+            self.units.on_dp_op(op, len(self.actions), str(op), duration, self.plan)
+            return
+        if op.kind == "UNSHARD":
+            self.pending[op.stage] = len(self.plan)
+        self.plan.append((len(self.actions), str(op), duration, None))

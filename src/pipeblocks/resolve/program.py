@@ -1,0 +1,69 @@
+"""A resolved run's Program: the one place that says with which settings a run is lowered.
+
+    >>> program = Lowering.of(schedule, costs, recompute=pairs, recompute_at=at).program(schedule)
+    >>> timeline = simulate_run(schedule, costs, recompute=pairs, recompute_at=at)
+
+`Lowering` holds what decides the Program beside the schedule: the mesh (sharding per chunk,
+replicas, DP units), the recomputed pairs and where they run, and the costs the vocabulary
+passes are placed by. A run simulated from costs takes them from its costs (`Lowering.of`:
+`resolve.build.Built.program`, the choosers, `plan`); `train` fills them from its config
+(`train.prepare.run_lowering`) and hands the Program to the runtime, so what is simulated,
+shown, exported, predicted and run is lowered by `Lowering.program` alone.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from ..core.cost.costs import Costs
+from ..core.ir.actions import Action
+from ..core.ir.dp_units import DPUnits
+from ..core.ir.program import Program
+from ..core.ir.schedule import Schedule
+from ..core.ir.sharding import ShardingPolicy
+from ..core.lowering.entry import lower_for
+from ..core.simulator.simulate import simulate_lowered
+from ..core.simulator.timeline import Timeline
+
+__all__ = ["Lowering", "simulate_run"]
+
+Pair = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """The settings a run's Program is lowered with (`core.lowering.entry.lower_for`)."""
+
+    sharding: tuple[ShardingPolicy | str, ...] = ()
+    """the policy of every chunk (one, or one per stage); none: replicate"""
+    dp: int = 1
+    units: DPUnits | None = None
+    """the DP units of every stage (None: chunk grain)"""
+    recompute: Iterable[Pair] = frozenset()
+    """the pairs recomputed; none: the schedule's own (`1f1b-r`)"""
+    recompute_at: Mapping[tuple[int, int, int], Action] = field(default_factory=dict)
+    """where a recomputation runs when earlier than before its backward (`recompute_place`)"""
+    vocab: Costs | None = None
+    """costs whose `vocab` is set: the vocabulary passes, placed by these costs"""
+
+    @classmethod
+    def of(cls, schedule: Schedule, costs: Costs, *, recompute: Iterable[Pair] = (),
+           recompute_at: Mapping[tuple[int, int, int], Action] | None = None, vocab: bool = True) -> Lowering:
+        """A run simulated with `costs`: their mesh and DP units, and their vocabulary passes
+        when they price them (`vocab`: False leaves them out, as the recomputation placement does)."""
+        dp = costs.data_parallel
+        return cls(tuple(dp.sharding), dp.dp, costs.dp_units(schedule.num_stages), recompute, recompute_at or {},
+                   costs if vocab and costs.vocab is not None else None)
+
+    def program(self, schedule: Schedule, *, check: bool = False) -> Program:
+        """The Program of `schedule` under these settings; `check`: also prove the schedule's
+        structure and the Program free of deadlock, as before a launch."""
+        return lower_for(schedule, policies=self.sharding, dp=self.dp, recompute=self.recompute,
+                         recompute_at=self.recompute_at or None, units=self.units, check=check, vocab=self.vocab)
+
+
+def simulate_run(schedule: Schedule, costs: Costs, *, recompute: Iterable[Pair] = (),
+                 recompute_at: Mapping[tuple[int, int, int], Action] | None = None) -> Timeline:
+    """`schedule` validated and its Program (`Lowering.of` these costs) simulated with `costs`."""
+    lowering = Lowering.of(schedule, costs, recompute=recompute, recompute_at=recompute_at)
+    return simulate_lowered(schedule, lambda: lowering.program(schedule), costs)
