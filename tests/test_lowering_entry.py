@@ -146,3 +146,80 @@ def test_reduce_at_end_and_extra_passes_keep_their_order():
 
     assert lower_for(schedule, dp=2, extra_passes=(mark,)) == marked[0] == lower_for(schedule, dp=2)
     assert lowering.__all__ == ["lower_for"]
+
+
+# (schedule, options) of one run, as `simulate` and `train` both take them
+ONE_RUN = {
+    "1f1b": ("1f1b", ()),
+    "zb-v-dp2-zero3": ("zb-v", ("--dp", "2", "--sharding", "zero3")),
+    "v-half-recompute-all": ("v-half", ("--recompute", "all")),
+    "zb-v-recompute-auto": ("zb-v", ("--recompute", "auto", "--gpu-memory", "17.5")),  # v-half: unit costs need 18 either way
+}
+
+
+def _train_config(name: str, options: tuple[str, ...]):
+    from pipeblocks.cli.train import prepare_from_args
+
+    args = build_parser().parse_args(["train", "--dry-run", "--schedule", name, "-p", str(P), "-m", str(M),
+                                      "--layers", "4", "--hidden", "16", "--heads", "2", "--seq", "8",
+                                      "--emulate", "1,1,1", *options])
+    return prepare_from_args(args)
+
+
+@pytest.mark.parametrize("run", ONE_RUN)
+def test_simulate_train_and_the_runtime_run_one_program(run, monkeypatch, capsys):
+    """`simulate`, `train` (what it hands the runtime, and what its --dry-run prices) and the
+    runtime lowering on its own (a PipelineRunner given no program=) hold one Program."""
+    from pipeblocks.resolve import program as resolve_program
+    from pipeblocks.runtime.runner import _check_program, _lower
+    from pipeblocks.train.prepare import run_program
+    from pipeblocks.train.rank_setup import dp_units
+
+    name, options = ONE_RUN[run]
+    resolved = _recording(monkeypatch, resolve_program)
+    code, _, err = _cli(capsys, "simulate", name, "-p", str(P), "-m", str(M), *options)
+    assert code == 0, err
+    simulated = resolved[-1]
+
+    cfg, _ = _train_config(name, options)
+    trained = run_program(cfg)
+    assert trained.to_text() == simulated.to_text()
+    s = cfg.schedule
+    # the DataParallel that train.rank_setup builds, as the runner reads it
+    runtime_dp = types.SimpleNamespace(policies=cfg.sharding, d=cfg.dp, reduce_at_end=False,
+                                       units=dp_units(cfg)) if cfg.data_parallel else None
+    assert _lower(s.schedule, runtime_dp, s.recompute, s.recompute_anchors).to_text() == simulated.to_text()
+    _check_program(trained, s.schedule, runtime_dp, s.recompute, None)  # the runner takes it as given
+    if "recompute" in run:
+        assert s.recompute and any(type(op) is Recompute for ops in trained.ranks for op in ops)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("run", ["zb-v-dp2-zero3", "v-half-recompute-all"])
+def test_train_dry_run_prices_the_runs_program(run, monkeypatch, capsys):
+    """`train --dry-run`'s static memory walks the Program the ranks run (chunk grain here)."""
+    from pipeblocks.resolve import program as resolve_program
+    from pipeblocks.train import run as training
+    from pipeblocks.train.prepare import run_program
+
+    cfg, data = _train_config(*ONE_RUN[run])
+    resolved = _recording(monkeypatch, resolve_program)
+    training.dry_run(cfg, data)
+    capsys.readouterr()
+    assert run_program(cfg).to_text() in {program.to_text() for program in resolved}
+
+
+def test_the_runner_checks_a_given_program():
+    from pipeblocks.runtime.runner import _check_program
+
+    schedule = get("1f1b-r")(p=P, m=M)
+    zero3 = per_stage(parse_sharding("zero3"), 2)
+    runtime_dp = types.SimpleNamespace(policies=zero3, d=2, reduce_at_end=False, units=None)
+    program = lower_for(schedule, policies=zero3, dp=2)
+    _check_program(program, schedule, runtime_dp, recompute_pairs(schedule), None)
+    with pytest.raises(ValueError, match=r"recomputes .* but recompute= gives \[\(0, 1\)\]"):
+        _check_program(program, schedule, runtime_dp, frozenset({(0, 1)}), None)
+    with pytest.raises(ValueError, match="no DP ops but data_parallel= runs 2 replica"):
+        _check_program(lower_for(schedule), schedule, runtime_dp, None, None)
+    with pytest.raises(ValueError, match="must be lowered from the schedule given"):
+        _check_program(program, get("1f1b-r")(p=P, m=M), None, None, None)

@@ -30,7 +30,9 @@ import torch.distributed as dist
 
 from ..core.ir.actions import Action
 from ..core.lowering.entry import lower_for
-from ..core.ir.program import Program
+from ..core.ir.program import DPOp, Program, Recompute
+from ..core.ir.vocab import VocabPass
+from ..core.lowering.passes_dp import check_dp_ops, needs_dp_ops
 from ..core.lowering.recompute import recompute_pairs
 from ..core.ir.schedule import Schedule
 from ..core.simulator.timeline import Timeline
@@ -115,10 +117,12 @@ class PipelineRunner:
     recompute_at: where a unit's RECOMPUTE runs when the simulator moved it into idle time
         (`resolve.recompute_place`): the compute action it precedes; the others run just
         before their backward. The Program is then the one the simulator ran.
-    program: a lowered Program of `schedule` to run instead of `core.lowering.entry.lower_for`'s,
-        such as an asynchronous one (`pipeblocks.schedules.asynchronous`) whose OPTIMIZER_STEP
-        ops go to `compute.optimizer_step(stage, step)`; then one `step` call runs the
-        whole Program (all its optimizer steps, one flush at the end).
+    program: a lowered Program of `schedule` to run instead of `core.lowering.entry.lower_for`'s:
+        the one `pipeblocks train` resolved for the run (`resolve.program.Lowering`), checked
+        against `data_parallel`, `recompute` and `vocab` when they are given too; or an
+        asynchronous one (`pipeblocks.schedules.asynchronous`) whose OPTIMIZER_STEP ops go to
+        `compute.optimizer_step(stage, step)`; then one `step` call runs the whole Program
+        (all its optimizer steps, one flush at the end).
     precision: a `precision.ComputeCopies` whose `stages` (the `CastStage`s) are among
         `stages`: every step casts their parameters once (`begin_step`) before the first
         pass and drops the copies (`end_step`) when the step's work is done, before the
@@ -155,17 +159,7 @@ class PipelineRunner:
         vocab: VocabStep | None = None,
         vocab_costs: Costs | None = None,
     ) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialized: launch with pipeblocks.runtime.launch.spawn(...) or torchrun "
-                "and call init_from_env() first"
-            )
-        world = dist.get_world_size(group)
-        if world != schedule.p:
-            raise ValueError(
-                f"schedule {schedule.name!r} has p={schedule.p} ranks but the process group has {world}: "
-                f"launch {schedule.p} processes or build the schedule with p={world}"
-            )
+        _check_group(schedule, group)
         self.seq_lengths = check_seq_lengths(schedule, seq_lengths)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
@@ -173,30 +167,23 @@ class PipelineRunner:
         self.data_parallel = data_parallel
         self.precision = precision
         self.vocab = vocab
-        if vocab is not None and (vocab_costs is None or vocab_costs.vocab is None or program is not None):
-            raise ValueError("vocab= needs vocab_costs= (Costs whose vocab is set) to place the vocabulary passes, "
-                             "and no program=")
-        if program is not None:
-            if program.schedule is not schedule:
-                raise ValueError("program= must be lowered from the schedule given: pass program.schedule as schedule")
-            if data_parallel is not None or recompute:
-                raise ValueError("program= with data_parallel= or recompute= is not supported: their ops come from "
-                                 "the lowering; lower them into the program")
-            self.recompute = frozenset()
-            self.program = program
+        self.recompute = recompute_pairs(schedule, recompute) if program is None or recompute else frozenset()
+        if self.recompute and schedule.seq_chunks > 1:
+            raise ValueError(
+                f"schedule {schedule.name!r} cuts sequences into {schedule.seq_chunks} chunks: the runtime does not "
+                "recompute sequence chunks (a chunk's recomputation would append its K/V twice); drop the "
+                "recomputation (--recompute none, or a schedule without -r) or the sequence chunks"
+            )
+        if program is None:
+            if vocab is not None and (vocab_costs is None or vocab_costs.vocab is None):
+                raise ValueError("vocab= needs vocab_costs= (Costs whose vocab is set) to place the vocabulary "
+                                 "passes, or program= lowered with them")
+            program = _lower(schedule, data_parallel, self.recompute, recompute_at,
+                             vocab_costs if vocab is not None else None)
         else:
-            self.recompute = recompute_pairs(schedule, recompute)
-            if self.recompute and schedule.seq_chunks > 1:
-                raise ValueError(
-                    f"schedule {schedule.name!r} cuts sequences into {schedule.seq_chunks} chunks: the runtime does not "
-                    "recompute sequence chunks (a chunk's recomputation would append its K/V twice); drop the "
-                    "recomputation (--recompute none, or a schedule without -r) or the sequence chunks"
-                )
-            self.program = _lower(schedule, data_parallel, self.recompute, recompute_at,
-                                  vocab_costs if vocab is not None else None)
-        self.rank = dist.get_rank(group) if rank is None else rank
-        if self.rank != dist.get_rank(group):
-            raise ValueError(f"rank={rank} but this process is rank {dist.get_rank(group)} of the group")
+            _check_program(program, schedule, data_parallel, self.recompute if recompute else None, vocab)
+        self.program = program
+        self.rank = _check_rank(rank, group)
         mine = schedule.placement.stages_of(self.rank)
         if sorted(stages) != list(mine):
             raise ValueError(
@@ -213,27 +200,35 @@ class PipelineRunner:
         self.optimizer = optimizer
         self.record_timeline = record_timeline
         self.tracker = SavedTensorTracker(enabled=measure_memory)
-        self.compute = compute if compute is not None else ModuleCompute(
+        self.compute = compute if compute is not None else self._module_compute(loss_fn)
+        # DualPipe: the copies of a model stage (one per chain) sum their gradients each step
+        self.copies = StageCopies.of(schedule, self.rank, self.stages, group, data_parallel, self.timeout_s)
+        self.mailbox = Mailbox(group, self.timeout_s, self.rank)
+        if data_parallel is not None:
+            self._attach_data_parallel(data_parallel, emulated=compute is not None)
+        self._executor: RankExecutor | None = None
+        self._input_specs: list[ActivationSpec] | None = None
+        self._side_specs: list[dict[str, TensorSpec]] | None = None
+
+    def _module_compute(self, loss_fn) -> ModuleCompute:
+        """The stage modules' own compute (the loss on every chain's last stage, none under vocab=)."""
+        schedule, vocab = self.schedule, self.vocab
+        return ModuleCompute(
             self.stages, loss_fn, schedule.num_stages - 1, schedule.m, self.tracker,
             loss_stages=frozenset() if vocab is not None else frozenset(
                 s for s in range(schedule.num_stages) if schedule.ends_chain(s)),
             first_takes_grad=vocab is not None,
         )
-        # DualPipe: the copies of a model stage (one per chain) sum their gradients each step
-        self.copies = StageCopies.of(schedule, self.rank, self.stages, group, data_parallel, self.timeout_s)
-        self.mailbox = Mailbox(group, self.timeout_s, self.rank)
-        if data_parallel is not None:
-            if compute is not None and data_parallel.link is None:
-                raise ValueError(
-                    "data_parallel with emulated compute needs an emulated link: give DataParallel(..., link="
-                    "EmulatedLink(...)), or drop compute="
-                )
-            data_parallel.compute = self.compute
-            data_parallel.tracker = self.tracker
-            data_parallel.use_program(self.program.ranks[self.rank])
-        self._executor: RankExecutor | None = None
-        self._input_specs: list[ActivationSpec] | None = None
-        self._side_specs: list[dict[str, TensorSpec]] | None = None
+
+    def _attach_data_parallel(self, data_parallel: DataParallel, *, emulated: bool) -> None:
+        if emulated and data_parallel.link is None:
+            raise ValueError(
+                "data_parallel with emulated compute needs an emulated link: give DataParallel(..., link="
+                "EmulatedLink(...)), or drop compute="
+            )
+        data_parallel.compute = self.compute
+        data_parallel.tracker = self.tracker
+        data_parallel.use_program(self.program.ranks[self.rank])
 
     @property
     def measure_memory(self) -> bool:
@@ -276,6 +271,54 @@ class PipelineRunner:
             Their shapes, like those of the inputs, are fixed by the first step.
         """
         m = self.schedule.m
+        xs, ys, side = self._step_inputs(inputs, targets, side_inputs)
+        dp = self.data_parallel
+        copies = self.precision.begin_step() if self.precision is not None else []
+        if self._executor is None:
+            self._executor = self._build_executor(xs, side)
+            if dp is not None:
+                dp.after_shape_pass()
+            if ys is not None and self._executor.chunks is not None:
+                check_target_chunks(ys, self._executor.chunks, self.schedule, self.rank)
+        if self.tracker.enabled:
+            self.tracker.exclude([*(p for mod in self.stages.values() for p in mod.parameters()),
+                                  *(b for mod in self.stages.values() for b in mod.buffers())])
+            self.tracker.also_exclude(copies)  # the weights' compute copies are not activations
+        origin = time.perf_counter()
+        self.tracker.reset_peak()
+        if dp is not None:
+            dp.reset_step()
+        if self.vocab is not None:
+            self.vocab.begin_step(xs, ys)
+        record = self._executor.run(xs, ys, side)
+        losses = self._end_step(record)
+        duration = time.perf_counter() - origin
+        self._check_kv_cache()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            if dp is not None:
+                dp.sample_static()
+            self.optimizer.zero_grad(set_to_none=True)
+        measured = self.tracker.enabled
+        trace = tuple((t - origin, b) for t, b in self.tracker.trace) if measured else ()
+        timeline = None
+        if self.record_timeline:
+            timeline = gather_timeline(self.schedule, record, trace, self.tracker.peak if measured else 0, self.group,
+                                       origin)
+        return StepResult(
+            loss=sum(losses) / m if self.holds_last_stage else None,
+            losses=losses,
+            peak_saved_bytes=self.tracker.peak if measured else None,
+            wait_s=record.wait_s,
+            duration_s=duration,
+            timeline=timeline,
+            memory_trace=trace,
+        )
+
+    def _step_inputs(self, inputs, targets, side_inputs) -> tuple[list | None, list | None, list[dict] | None]:
+        """The step's microbatches (cut into sequence chunks) on this rank's device, checked
+        against the first step's shapes."""
+        m = self.schedule.m
         every = self.vocab is not None  # the vocabulary passes of every rank take both
         xs = microbatches(inputs, m, "inputs") if self.holds_first_stage or every else None
         ys = microbatches(targets, m, "targets") if self.holds_last_stage or every else None
@@ -300,26 +343,13 @@ class PipelineRunner:
             self._input_specs = specs
         if ys is not None:
             ys = cut_sequences([to_device(y, self.device) for y in ys], "targets", self.schedule, self.seq_lengths)
-        dp = self.data_parallel
-        copies = self.precision.begin_step() if self.precision is not None else []
-        if self._executor is None:
-            self._executor = self._build_executor(xs, side)
-            if dp is not None:
-                dp.after_shape_pass()
-            if ys is not None and self._executor.chunks is not None:
-                check_target_chunks(ys, self._executor.chunks, self.schedule, self.rank)
-        if self.tracker.enabled:
-            self.tracker.exclude([*(p for mod in self.stages.values() for p in mod.parameters()),
-                                  *(b for mod in self.stages.values() for b in mod.buffers())])
-            self.tracker.also_exclude(copies)  # the weights' compute copies are not activations
-        origin = time.perf_counter()
-        self.tracker.reset_peak()
-        if dp is not None:
-            dp.reset_step()
-        if self.vocab is not None:
-            self.vocab.begin_step(xs, ys)
-        record = self._executor.run(xs, ys, side)
+        return xs, ys, side
+
+    def _end_step(self, record) -> tuple[float, ...]:
+        """After the Program ran: the losses, every reduction done, the compute copies dropped,
+        DualPipe's copies' gradients summed."""
         losses = self.vocab.end_step() if self.vocab is not None else record.losses
+        dp = self.data_parallel
         if dp is not None:
             dp.finish()
             if self.vocab is not None:
@@ -328,34 +358,15 @@ class PipelineRunner:
             self.precision.end_step()
         if self.copies is not None:
             self.copies.sum_gradients()
-        duration = time.perf_counter() - origin
+        return losses
+
+    def _check_kv_cache(self) -> None:
         kv_cache = getattr(self.compute, "kv_cache", None)
         if kv_cache is not None and len(kv_cache):
             raise RuntimeError(
                 f"rank {self.rank}: the step ended with K/V caches of (stage, microbatch) {kv_cache.in_flight()} "
                 "still held: every chunk 0 must run its backward"
             )
-        if self.optimizer is not None:
-            self.optimizer.step()
-            if dp is not None:
-                dp.sample_static()
-            self.optimizer.zero_grad(set_to_none=True)
-        measured = self.tracker.enabled
-        trace = tuple((t - origin, b) for t, b in self.tracker.trace) if measured else ()
-        timeline = None
-        if self.record_timeline:
-            timeline = gather_timeline(self.schedule, record, trace, self.tracker.peak if measured else 0, self.group,
-                                       origin)
-        return StepResult(
-            loss=sum(losses) / m if self.holds_last_stage else None,
-            losses=losses,
-            peak_saved_bytes=self.tracker.peak if measured else None,
-            wait_s=record.wait_s,
-            duration_s=duration,
-            timeline=timeline,
-            memory_trace=trace,
-        )
-
 
     # ---- first step: shapes ---------------------------------------------------
     def _build_executor(self, xs: list | None, side: list[dict] | None) -> RankExecutor:
@@ -434,6 +445,51 @@ class PipelineRunner:
                     raise TypeError(f"stage {stage} (rank {self.rank}): {err}") from err
             out.append(cache[key])
         return out
+
+
+def _check_group(schedule: Schedule, group: dist.ProcessGroup | None) -> int:
+    """The group's size, which must be the schedule's p, in an initialized process group."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: launch with pipeblocks.runtime.launch.spawn(...) or torchrun "
+            "and call init_from_env() first"
+        )
+    world = dist.get_world_size(group)
+    if world != schedule.p:
+        raise ValueError(
+            f"schedule {schedule.name!r} has p={schedule.p} ranks but the process group has {world}: "
+            f"launch {schedule.p} processes or build the schedule with p={world}"
+        )
+    return world
+
+
+def _check_rank(rank: int | None, group: dist.ProcessGroup | None) -> int:
+    mine = dist.get_rank(group)
+    if rank is not None and rank != mine:
+        raise ValueError(f"rank={rank} but this process is rank {mine} of the group")
+    return mine
+
+
+def _check_program(program: Program, schedule: Schedule, dp: DataParallel | None,
+                   pairs: frozenset[tuple[int, int]] | None, vocab: VocabStep | None) -> None:
+    """A Program lowered elsewhere (`resolve.program.Lowering`, an asynchronous one) holds what
+    was given beside it: the recomputed `pairs` (None: not given), the DP ops `dp` runs, the
+    vocabulary passes."""
+    if program.schedule is not schedule and vocab is None:  # the vocabulary passes may hold one more microbatch
+        raise ValueError("program= must be lowered from the schedule given: pass program.schedule as schedule")
+    ops = [op for rank_ops in program.ranks for op in rank_ops]
+    if pairs is not None:
+        held = frozenset(op.unit[:2] for op in ops if type(op) is Recompute)
+        if held != pairs:
+            raise ValueError(f"program= recomputes {sorted(held)} but recompute= gives {sorted(pairs)}: lower the "
+                             "program with the same pairs, or give one of them")
+    if dp is not None:
+        if needs_dp_ops(dp.policies, dp.d) and not any(type(op) is DPOp for op in ops):
+            raise ValueError(f"program= has no DP ops but data_parallel= runs {dp.d} replica(s) of "
+                             f"{[str(p) for p in dp.policies]}: lower it with the mesh's sharding and replicas")
+        check_dp_ops(program, dp.policies, dp.units)
+    if vocab is not None and not any(type(op) is VocabPass for op in ops):
+        raise ValueError("vocab= needs the vocabulary passes in program=: lower it with costs whose vocab is set")
 
 
 def _lower(schedule: Schedule, dp: DataParallel | None, recompute: frozenset[tuple[int, int]],

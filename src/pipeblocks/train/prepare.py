@@ -14,20 +14,26 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.cost.precision import PrecisionPolicy, precision_policy
-from ..core.lowering.recompute import recompute_pairs
-from ..resolve.request import ScheduleRequest
+from ..core.cost.split import AUTO, check_split, layer_counts, rank_balanced
+from ..core.cost.vocab_partition import partition_vocab
+from ..core.ir.dp_units import units_for
+from ..core.ir.program import Program
 from ..core.ir.schedule import Schedule
-from ..resolve.request import CostSpec
-from ..core.cost.split import AUTO, check_split, layer_counts
+from ..core.lowering.recompute import recompute_pairs
 from ..core.lowering.validate import validate
 from ..models.config import GPTConfig
+from ..models.tp_plan import check_tp
+from ..resolve.build import build, choose_split_for
+from ..resolve.program import Lowering
+from ..resolve.request import CostSpec, ScheduleRequest
 from ..schedules.asynchronous import ASYNC_FORMS
-from ..resolve.build import build
 from .composition import Draft, check_composition
 from .config import CheckpointSpec, DataSpec, EmulationSpec, MeshSpec, ScheduleSpec, TrainConfig
+from .corpus import load_corpus
 from .loop_options import resolve_loop_options
 from .model_choice import ModelChoice
 from .prepare_checks import (
@@ -38,7 +44,7 @@ from .tp_checks import warn_tp_across_nodes
 if TYPE_CHECKING:
     from ..data import TokenWindows
 
-__all__ = ["prepare", "model_choice"]
+__all__ = ["prepare", "model_choice", "run_lowering", "run_program"]
 
 
 def prepare(
@@ -72,19 +78,15 @@ def prepare(
                              sizes=sizes, options=train_options,
                              vocab_parallel=vocab_parallel or request.costs.vocab_parallel))
     if vocab_parallel or request.costs.vocab_parallel:
-        from ..core.cost.vocab_partition import partition_vocab
-
         part = partition_vocab(choice.vocab, schedule.p)  # a rank without a real row: refused, named
         if part.note() is not None:
             print(f"note: {part.note()}", file=sys.stderr)
     validate(schedule)
     split = _check_fits(choice, schedule, request.mesh.tp, request.costs.split)
     if split is None and (vocab_parallel or request.costs.vocab_parallel):
-        from ..core.cost.split import rank_balanced
-
         # no vocabulary layer on the end stages: cut as simulate and plan do (equal layers per rank)
         split = rank_balanced(choice.layers, schedule.num_stages)
-    from ..models.build import check_weights
+    from ..models.build import check_weights  # torch: --dry-run and the CLI's parsing must not import it here
 
     check_weights(spec)  # a pretrained model's files hold every tensor, in its shape (headers only)
     dp, tp = request.mesh.dp, request.mesh.tp
@@ -144,8 +146,6 @@ def _resolve_split(request: ScheduleRequest, choice: ModelChoice, microbatch_siz
     --gpu-memory when given (`resolve.build.choose_split_for`); other requests as they are."""
     if request.costs.split != AUTO:
         return request
-    from ..resolve.build import choose_split_for
-
     priced = CostSpec(shape=choice.shape, seq=choice.sequence, microbatch_size=microbatch_size or 1,
                       hardware=request.costs.hardware, split=AUTO, seq_split=request.costs.seq_split)
     chosen = choose_split_for(dataclasses.replace(request, costs=priced)).choice.counts
@@ -156,8 +156,6 @@ def _check_fits(choice: ModelChoice, schedule: Schedule, tp: int,
                 split: tuple[int, ...] | str | None = None) -> tuple[int, ...] | None:
     """The model's blocks fill the stages (by --split's counts when given: returned, checked),
     tensor parallelism divides its sizes, its context holds a sequence."""
-    from ..models.tp_plan import check_tp
-
     shape = choice.shape
     counts = None if split is None else check_split(split, layers=shape.layers, num_stages=schedule.num_stages,
                                                      p=schedule.p)
@@ -171,16 +169,12 @@ def _check_fits(choice: ModelChoice, schedule: Schedule, tp: int,
 
 def _load_data(data: DataSpec, choice: ModelChoice) -> TokenWindows:
     """The corpus in windows of the run's sequence, its ids checked against the model's vocabulary."""
-    from .corpus import load_corpus
-
     return load_corpus(data, seq=choice.sequence, vocab=choice.vocab, model_tokenizer=model_tokenizer(choice))
 
 
 def model_tokenizer(choice: ModelChoice) -> str | None:
     """The model's own tokenizer: its --hf directory's (None for other models, and for a
     prediction of a config.json with no tokenizer beside it, which is priced on bytes)."""
-    from pathlib import Path
-
     directory = choice.hf_directory
     if directory is None or (not choice.weights and not (Path(directory) / "tokenizer.json").is_file()):
         return None
@@ -195,3 +189,26 @@ def _check_batch(cfg: TrainConfig, data: TokenWindows) -> None:
             f"{cfg.global_batch_size} sequences but the data ({data.source}) holds only {data.num_windows} windows "
             f"of {cfg.model.sequence + 1} tokens: lower --dp, -m or --microbatch-size, or give more data (--data)"
         )
+
+
+def run_lowering(cfg: TrainConfig) -> Lowering:
+    """The settings the run's Program is lowered with, as its ranks run it: with data
+    parallelism the mesh's policy per chunk, its replicas and a DP unit per block at block
+    grain; the recomputed pairs, where the simulator placed them; under --vocab-parallel the
+    vocabulary passes, placed by `vocab_setup.vocab_costs`."""
+    s = cfg.schedule
+    vocab = None
+    if s.vocab_parallel:
+        from .vocab_setup import vocab_costs  # torch: vocab_setup builds the rows' modules
+
+        vocab = vocab_costs(cfg)
+    if not cfg.data_parallel:
+        return Lowering(recompute=s.recompute, recompute_at=s.recompute_anchors, vocab=vocab)
+    return Lowering(tuple(cfg.sharding), cfg.dp, units_for(cfg.mesh.dp_unit, cfg.stage_layers), s.recompute,
+                    s.recompute_anchors, vocab)
+
+
+def run_program(cfg: TrainConfig) -> Program:
+    """The Program every rank of the run runs (`runtime.PipelineRunner(program=)`), proved free
+    of deadlock and well placed, as before a launch."""
+    return run_lowering(cfg).program(cfg.schedule.schedule, check=True)

@@ -10,18 +10,25 @@ The CLI (`pipeblocks.cli.train`) only parses options into these arguments.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from ..core.cost.costs import Costs
+from ..core.cost.static_memory import predict_static_peak
 from ..core.util.jsontext import json_text
 from ..core.ir.schedule import write_atomically
+from ..resolve.program import simulate_run
 from ..schedules import names
+from ..sim.hardware_profile import resolve_hardware
+from ..sim.text_timeline import render_text_timeline
 from .config import TrainConfig
 from .describe import describe, describe_loop
-from .prepare import prepare
+from .predict import predicted_times, profile_between_passes, profile_in_run_factor, with_runtime_time
+from .prepare import prepare, run_lowering
 from .stage_copies import one_chain, per_chain
 from .report import format_bytes
 from .tp_predict import tp_shapes, tp_stage_memory
@@ -65,17 +72,13 @@ def dry_run(cfg: TrainConfig, data: TokenWindows, *, out: TextIO | None = None, 
     with its link's hop time. The timeline is drawn at unit costs (as `show` draws it)
     unless the times are emulated.
     """
-    from ..core.cost.costs import Costs
-    from ..core.simulator.simulate import simulate
-    from ..sim.text_timeline import render_text_timeline
-
     out = out or sys.stdout
     s = cfg.schedule
     stages, costs = _stage_costs(cfg, data, hardware)
     pairs = s.recompute
-    timeline = simulate(s.schedule, costs, recompute=pairs, recompute_at=s.recompute_anchors)
+    timeline = simulate_run(s.schedule, costs, recompute=pairs, recompute_at=s.recompute_anchors)
     # shown as `show` shows it: measured times are not multiples of one cell, emulated ones are
-    shown = timeline if cfg.emulation is not None else simulate(s.schedule, Costs(), recompute=pairs)
+    shown = timeline if cfg.emulation is not None else simulate_run(s.schedule, Costs(), recompute=pairs)
     static = _static_predicted(cfg, stages)
     threads = _threads_against_profile(cfg, hardware)
     figures = {
@@ -111,12 +114,9 @@ def _static_predicted(cfg: TrainConfig, stages) -> list[int]:
     gradients, AdamW state and bf16-mixed's compute copies as the precision and the mesh's
     policies hold them (core.cost.static_memory); without data parallelism also the
     optimistic step's spare parameter and two moments (in the master dtype)."""
-    from ..core.lowering.entry import lower_for
-    from ..core.cost.static_memory import predict_static_peak
-
     s = cfg.schedule
-    program = lower_for(s.schedule, policies=cfg.sharding, dp=cfg.dp, recompute=s.recompute,
-                        recompute_at=s.recompute_anchors)
+    # the run's Program at chunk grain, without vocabulary passes: the static peak is priced per chunk
+    program = dataclasses.replace(run_lowering(cfg), units=None, vocab=None).program(s.schedule)
     # by global stage: the stages come in global order (DualPipe's copies: both, so 2x parameters per rank)
     shapes = {i: [tuple(p.shape) for p in st.parameters() if p.requires_grad] for i, st in enumerate(stages)}
     if cfg.tp > 1:  # one tensor-parallel rank's share
@@ -196,7 +196,7 @@ def _threads_against_profile(cfg: TrainConfig, hardware: str | None) -> dict:
 
 def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = None):
     """All stage modules (this process) and the costs to simulate the run with: seconds and bytes."""
-    from ..core.cost.costs import Costs
+    # torch: --dry-run profiles the stages, which `pipeblocks list` and the CLI's parsing must not import
     from ..runtime.profile import profile_chunk_memory, profile_stage_memory, profile_stage_times
     from .rank_setup import emulated_costs
     from .reference import torch_threads
@@ -214,9 +214,6 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = No
         ms = emulated_costs(cfg).sim_costs(s.schedule)
         f, b, w = (tuple(t * 1e-3 for t in times) for times in (ms.t_f, ms.t_b, ms.t_w))
     elif hardware is not None:
-        from ..sim.hardware_profile import resolve_hardware
-        from .predict import predicted_times, profile_between_passes, profile_in_run_factor, with_runtime_time
-
         f, b, w, t_comm = predicted_times(chain, x, loss_fn, y, resolve_hardware(hardware),
                                           split=s.schedule.has_split_backward)
         f, b, w = (per_chain(s.schedule, t) for t in (f, b, w))
@@ -237,11 +234,7 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = No
 
 def _vocab_placement(cfg: TrainConfig):
     """Under --vocab-parallel, the costs the runner placed the vocabulary passes by; else None."""
-    if not cfg.schedule.vocab_parallel:
-        return None
-    from .vocab_setup import vocab_costs
-
-    return vocab_costs(cfg)
+    return run_lowering(cfg).vocab
 
 
 # ---- launch --------------------------------------------------------------------------------
