@@ -152,7 +152,13 @@ def register(sub) -> None:
     )
     add_generator_options(parser, name="option", p=DEFAULT_P, m=4,
                           name_help=f"schedule name (default {DEFAULT_SCHEDULE}, or {FALLBACK_SCHEDULE} if absent)")
-    model = parser.add_argument_group("model and data")
+    _add_model_options(parser.add_argument_group("model and data"))
+    _add_training_options(parser.add_argument_group("training"))
+    _add_output_options(parser, parser.add_argument_group("checks and output"))
+    parser.set_defaults(run=run)
+
+
+def _add_model_options(model: argparse._ArgumentGroup) -> None:
     which = model.add_mutually_exclusive_group()
     which.add_argument("--model-family", default=None, choices=family_names(),
                        help="a built-in model: gpt (the reference GPT, default), llama (built-in Llama-style), hf-llama "
@@ -191,7 +197,9 @@ def register(sub) -> None:
                        help="the JSONL (or datasets) field holding each document (default text)")
     model.add_argument("--data-dtype", default="uint16", choices=("uint16", "uint32"),
                        help="the element type of a pre-tokenized token file (default uint16)")
-    train = parser.add_argument_group("training")
+
+
+def _add_training_options(train: argparse._ArgumentGroup) -> None:
     train.add_argument("--microbatch-size", type=positive_int, default=TrainConfig.microbatch_size,
                        help=f"sequences per microbatch (default {TrainConfig.microbatch_size})")
     train.add_argument("--steps", type=positive_int, default=TrainConfig.steps,
@@ -237,7 +245,10 @@ def register(sub) -> None:
                        "is never stopped (default 300). SIGTERM, SIGINT or SIGHUP stop every rank after one "
                        "common step, and any stop saves a checkpoint when --checkpoint is given")
     train.add_argument("--quiet", action="store_true", help="no per-step lines")
-    out = parser.add_argument_group("checks and output")
+
+
+def _add_output_options(parser: argparse.ArgumentParser, out: argparse._ArgumentGroup) -> None:
+    """The checks and outputs, and the asynchronous group (its own, before --plot in the help)."""
     out.add_argument("--verify", action="store_true",
                      help="run one step; compare loss and every gradient with one process; exit 1 beyond tolerance")
     out.add_argument("--dry-run", action="store_true",
@@ -257,7 +268,6 @@ def register(sub) -> None:
                      "its one-process replay")
     out.add_argument("--plot", default=None, type=plot_file, metavar="FILE",
                      help="timeline plot, .png or .svg (default: beside --report, same name, .png)")
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

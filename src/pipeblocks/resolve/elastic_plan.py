@@ -69,84 +69,21 @@ def choose_elastic_plan(
     `recompute`, pairs chosen by `choose_recompute` for each candidate. `start`: the
     policy (one, or one per chunk) the groups-only answer uses; without `search_sharding`
     it is kept and only the groups are searched (`groups_from` "search")."""
-    stages = p * v
-    start = start * stages if len(start) == 1 else tuple(start)
-    seen: dict[tuple[Groups, Policies], tuple] = {}
-
-    def evaluate(groups: Groups, policies: Policies) -> tuple:
-        key = (groups, policies)
-        if key not in seen:
-            dp = dataclasses.replace(costs.data_parallel, sharding=policies)
-            trial = dataclasses.replace(costs, data_parallel=dp)
-            schedule = elastic(p=p, m=m, v=v, forward_groups=groups[0], backward_groups=groups[1])
-            pairs: frozenset = frozenset()
-            if recompute and budget is not None:
-                try:
-                    pairs = choose_recompute(schedule, trial, budget, unit=unit, minimal=False)
-                except ScheduleError:
-                    pairs = all_pairs(schedule)  # does not fit even so: scored by how far over
-            timeline = simulate_run(schedule, trial, recompute=pairs)
-            needs = memory_need(timeline)
-            need = max(needs)
-            over = max(0.0, need - budget) if budget is not None else 0.0
-            seen[key] = (over, timeline.makespan, (need, sum(needs)), pairs)
-        return seen[key]
-
-    def better(a: tuple[Groups, Policies], b: tuple[Groups, Policies]) -> bool:
-        over_a, time_a, need_a, _ = evaluate(*a)
-        over_b, time_b, need_b, _ = evaluate(*b)
-        if over_a != over_b:
-            return over_a < over_b
-        if abs(time_a - time_b) > tolerance * min(time_a, time_b):
-            return time_a < time_b
-        if regathering(a[1]) != regathering(b[1]):
-            return regathering(a[1]) < regathering(b[1])
-        return need_a < need_b
-
-    def best_groups(policies: Policies, first: Groups) -> Groups:
-        best = first
-        for groups in group_candidates(p, m, first):
-            if better((groups, policies), (best, policies)):
-                best = groups
-        return best
-
-    # sharding moves: one chunk index on every rank at once (stages c*p .. c*p+p-1: the
-    # step's critical path crosses every rank, so one rank's change alone rarely shows),
-    # then one stage at a time
-    moves = [range(c * p, (c + 1) * p) for c in range(v)] + [range(s, s + 1) for s in range(stages)]
-
-    def best_sharding(groups: Groups, first: Policies) -> Policies:
-        # v > 1 keeps several chunks on every rank: each may regather (v = 1: none can)
-        regather = None if v > 1 else frozenset()
-        return descend_policies(lambda a, b: better((groups, a), (groups, b)), first, moves, regather=regather)
-
+    start = start * (p * v) if len(start) == 1 else tuple(start)
+    search = _Search(p, m, v, costs, budget, recompute, unit, tolerance)
     rule_costs = dataclasses.replace(costs, data_parallel=dataclasses.replace(costs.data_parallel, sharding=start))
     g, _, _ = rule_groups(p, m, v, rule_costs, budget)
     rule = rule_sequences(m, g)
-    groups_only = (best_groups(start, rule), start)
-    sharding_only = (rule, best_sharding(rule, start) if search_sharding else start)
+    groups_only = (search.best_groups(start, rule), start)
+    sharding_only = (rule, search.best_sharding(rule, start) if search_sharding else start)
     plans = [groups_only, sharding_only]
-    starts = [groups_only, sharding_only]
-    # a third start: the groups searched with start's zero3 chunks freed between visits.
-    # Larger groups may fit only so, and zero3-regather pays off only with larger groups,
-    # which a move of one coordinate at a time does not reach from the other two
-    released = tuple(ShardingPolicy.ZERO3_REGATHER if ShardingPolicy(x) is ShardingPolicy.ZERO3 else x for x in start)
-    if search_sharding and v > 1 and released != start:
-        starts.append((best_groups(released, rule), released))
-    for plan in starts if search_sharding else ():
-        groups, policies = plan
-        for _ in range(rounds):
-            policies = best_sharding(groups, policies)
-            new_groups = best_groups(policies, groups)
-            if new_groups == groups:
-                break
-            groups = new_groups
-        plans.append((groups, policies))
+    if search_sharding:
+        plans += [search.refined(plan, rounds) for plan in _starts(search, start, rule, groups_only, sharding_only)]
     chosen = plans[0]
     for plan in plans[1:]:
-        if better(plan, chosen):
+        if search.better(plan, chosen):
             chosen = plan
-    over, makespan, (need, _), pairs = evaluate(*chosen)
+    over, makespan, (need, _), pairs = search.evaluate(*chosen)
     if over > 0:
         how = " with --sharding auto" if search_sharding else ""
         raise ScheduleError(
@@ -164,5 +101,87 @@ def choose_elastic_plan(
         ),
     )
     return ElasticPlan(
-        schedule, policies, pairs, makespan, evaluate(*groups_only)[1], evaluate(*sharding_only)[1], len(seen),
+        schedule, policies, pairs, makespan, search.evaluate(*groups_only)[1], search.evaluate(*sharding_only)[1],
+        len(search.seen),
     )
+
+
+def _starts(search: _Search, start: Policies, rule: Groups, groups_only, sharding_only) -> list:
+    """Where the joint search starts: the two one-sided answers, and a third: the groups
+    searched with start's zero3 chunks freed between visits. Larger groups may fit only so,
+    and zero3-regather pays off only with larger groups, which a move of one coordinate at a
+    time does not reach from the other two."""
+    starts = [groups_only, sharding_only]
+    released = tuple(ShardingPolicy.ZERO3_REGATHER if ShardingPolicy(x) is ShardingPolicy.ZERO3 else x for x in start)
+    if search.v > 1 and released != start:
+        starts.append((search.best_groups(released, rule), released))
+    return starts
+
+
+class _Search:
+    """Candidates (groups, policies) scored once each: memory over the budget, step time,
+    then the fewest regathering chunks, then memory."""
+
+    def __init__(self, p: int, m: int, v: int, costs: Costs, budget: float | None, recompute: bool, unit: float,
+                 tolerance: float) -> None:
+        self.p, self.m, self.v, self.costs, self.budget = p, m, v, costs, budget
+        self.recompute, self.unit, self.tolerance = recompute, unit, tolerance
+        self.seen: dict[tuple[Groups, Policies], tuple] = {}
+        # sharding moves: one chunk index on every rank at once (stages c*p .. c*p+p-1: the
+        # step's critical path crosses every rank, so one rank's change alone rarely shows),
+        # then one stage at a time
+        self.moves = [range(c * p, (c + 1) * p) for c in range(v)] + [range(s, s + 1) for s in range(p * v)]
+
+    def evaluate(self, groups: Groups, policies: Policies) -> tuple:
+        key = (groups, policies)
+        if key not in self.seen:
+            dp = dataclasses.replace(self.costs.data_parallel, sharding=policies)
+            trial = dataclasses.replace(self.costs, data_parallel=dp)
+            schedule = elastic(p=self.p, m=self.m, v=self.v, forward_groups=groups[0], backward_groups=groups[1])
+            pairs: frozenset = frozenset()
+            if self.recompute and self.budget is not None:
+                try:
+                    pairs = choose_recompute(schedule, trial, self.budget, unit=self.unit, minimal=False)
+                except ScheduleError:
+                    pairs = all_pairs(schedule)  # does not fit even so: scored by how far over
+            timeline = simulate_run(schedule, trial, recompute=pairs)
+            needs = memory_need(timeline)
+            need = max(needs)
+            over = max(0.0, need - self.budget) if self.budget is not None else 0.0
+            self.seen[key] = (over, timeline.makespan, (need, sum(needs)), pairs)
+        return self.seen[key]
+
+    def better(self, a: tuple[Groups, Policies], b: tuple[Groups, Policies]) -> bool:
+        over_a, time_a, need_a, _ = self.evaluate(*a)
+        over_b, time_b, need_b, _ = self.evaluate(*b)
+        if over_a != over_b:
+            return over_a < over_b
+        if abs(time_a - time_b) > self.tolerance * min(time_a, time_b):
+            return time_a < time_b
+        if regathering(a[1]) != regathering(b[1]):
+            return regathering(a[1]) < regathering(b[1])
+        return need_a < need_b
+
+    def best_groups(self, policies: Policies, first: Groups) -> Groups:
+        best = first
+        for groups in group_candidates(self.p, self.m, first):
+            if self.better((groups, policies), (best, policies)):
+                best = groups
+        return best
+
+    def best_sharding(self, groups: Groups, first: Policies) -> Policies:
+        # v > 1 keeps several chunks on every rank: each may regather (v = 1: none can)
+        regather = None if self.v > 1 else frozenset()
+        return descend_policies(lambda a, b: self.better((groups, a), (groups, b)), first, self.moves,
+                                regather=regather)
+
+    def refined(self, plan: tuple[Groups, Policies], rounds: int) -> tuple[Groups, Policies]:
+        """`plan` with its sharding and its groups improved in turn, until the groups stay."""
+        groups, policies = plan
+        for _ in range(rounds):
+            policies = self.best_sharding(groups, policies)
+            new_groups = self.best_groups(policies, groups)
+            if new_groups == groups:
+                break
+            groups = new_groups
+        return groups, policies

@@ -180,6 +180,9 @@ class PipelineRunner:
                                  "passes, or program= lowered with them")
             program = _lower(schedule, data_parallel, self.recompute, recompute_at,
                              vocab_costs if vocab is not None else None)
+        elif recompute_at or vocab_costs is not None:
+            raise ValueError("program= with recompute_at= or vocab_costs=: where recomputations and vocabulary passes "
+                             "run is the lowering's; lower them into the program, or give no program=")
         else:
             _check_program(program, schedule, data_parallel, self.recompute if recompute else None, vocab)
         self.program = program
