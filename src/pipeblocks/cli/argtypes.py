@@ -11,6 +11,7 @@ import argparse
 import math
 
 from ..core.cost.costs import parse_costs
+from ..core.cost.split import parse_split
 from ..core.ir.errors import ScheduleError
 from ..sim.plots import check_plot_suffix
 
@@ -104,8 +105,6 @@ def setting_text(text: str) -> str:
 def split_arg(text: str) -> tuple[int, ...] | str:
     """--split N1,N2,...|auto, parsed at parse time (`core.cost.split.parse_split`); the counts are
     checked against the model and the stages when the request is built."""
-    from ..core.cost.split import parse_split
-
     try:
         return parse_split(text)
     except ValueError as err:

@@ -36,9 +36,15 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 from ..core.cost.precision import PRECISION_NAMES
+from ..core.ir.schedule import write_atomically
+from ..core.util.jsontext import json_text
+from ..sim.analytic import TransformerConfig, layer_activation_bytes
+from ..sim.hardware_profile import UNMEASURED_LINKS, build_profile, link_fields, profile_hardware
 from ..train.config import TrainConfig, threads_per_rank
+from ..train.predict import in_run_factors
 from ..train.run import DEFAULT_P
 from .argtypes import positive_int
 from .common import print_json, progress
@@ -66,7 +72,7 @@ def calibration_threads(*, ranks: int | None, threads: int | None, cores: int) -
 def parse_shapes(text: str) -> list:
     """'HxSxB[xA],...' -> Shapes (heads by default: hidden / 128 for a hidden of 1024 or more that
     128 divides, else 4)."""
-    from ..runtime.calibrate import Shape
+    from ..runtime.calibrate import Shape  # torch: the CLI's other commands must not import it
 
     shapes = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
@@ -116,11 +122,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from ..core.util.jsontext import json_text
-    from ..core.ir.schedule import write_atomically
-    from ..runtime.calibrate import resolve_device
+    from ..runtime.calibrate import resolve_device  # torch: the CLI's other commands must not import it
 
     device = resolve_device(args.device)
     shapes = parse_shapes(args.shapes or (DEFAULT_CUDA_SHAPES if device.type == "cuda" else DEFAULT_CPU_SHAPES))
@@ -140,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
 def calibrate(args: argparse.Namespace, device, shapes) -> dict:
     """Measure everything and build the profile document: on a CPU with the torch threads of
     `calibration_threads` (the caller's are restored after)."""
-    from ..train.reference import torch_threads
+    from ..train.reference import torch_threads  # torch: the CLI's other commands must not import it
 
     if device.type != "cpu":  # a GPU's passes do not depend on the host's threads
         return _measure(args, device, shapes, ranks=None)
@@ -153,10 +155,9 @@ def calibrate(args: argparse.Namespace, device, shapes) -> dict:
 
 
 def _measure(args: argparse.Namespace, device, shapes, *, ranks: int | None) -> dict:
-    import torch
+    import torch  # the CLI's other commands must not import it
 
     from ..runtime import calibrate as measure
-    from ..sim.hardware_profile import UNMEASURED_LINKS, build_profile, link_fields
 
     started = time.monotonic()
     peak, peak_how = measure.peak_flops(args.precision, device)
@@ -222,11 +223,9 @@ def _measure(args: argparse.Namespace, device, shapes, *, ranks: int | None) -> 
 def _in_run(args, shape, profile: dict) -> dict:
     """The passes of a few 1F1B and v-half steps on two local processes against the profile's
     prediction for them (`runtime.in_run`): the in-run factor per chunks per rank."""
-    import torch
+    import torch  # the CLI's other commands must not import it
 
     from ..runtime.in_run import IN_RUN_LAYERS, measure_in_run
-    from ..sim.hardware_profile import profile_hardware
-    from ..train.predict import in_run_factors
 
     progress(f"calibrate: passes inside a run (1f1b and v-half, p=2, {IN_RUN_LAYERS} blocks of {shape.text}) ...")
     measured = measure_in_run(args.model_family, shape, precision=args.precision, threads=torch.get_num_threads())
@@ -257,8 +256,6 @@ def _point_rows(args, point, element: int) -> list[dict]:
 
 
 def _analytic_saved(shape, vocab: int, element: int) -> float:
-    from ..sim.analytic import TransformerConfig, layer_activation_bytes
-
     dtype = {2: "bf16", 4: "fp32", 8: "float64"}[element]
     config = TransformerConfig(layers=1, hidden=shape.hidden, heads=shape.heads, seq=shape.seq, vocab=vocab,
                                microbatch_size=shape.microbatch, dtype=dtype, flash_attention=True, dropout=False)
@@ -266,7 +263,7 @@ def _analytic_saved(shape, vocab: int, element: int) -> float:
 
 
 def _device_about(device) -> dict:
-    import torch
+    import torch  # the CLI's other commands must not import it
 
     if device.type == "cuda":
         return {"type": "cuda", "name": torch.cuda.get_device_name(device), "count": torch.cuda.device_count()}

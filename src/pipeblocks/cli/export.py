@@ -16,12 +16,14 @@ and the tokenizer's files, which `transformers.AutoModelForCausalLM.from_pretrai
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from ..core.ir.errors import ScheduleError
 from ..core.ir.schedule import write_atomically
 from ..interop import program_to_torch_csv, to_torch_csv
+from ..train.export_hf import export_checkpoint
 from .common import add_schedule_options, build, request_from_args
 
 _FORMATS = ("torch-csv", "torch-comms-csv", "json", "text")
@@ -62,8 +64,6 @@ def run(args: argparse.Namespace) -> int:
     elif fmt == "torch-comms-csv":
         body = program_to_torch_csv(built.program())
     elif fmt == "json":
-        import json
-
         body = json.dumps(schedule.to_json(), indent=1) + "\n"
     else:
         body = schedule.to_text()
@@ -81,8 +81,6 @@ def _format_of(path: str | None) -> str:
 
 
 def _export_checkpoint(checkpoint: str, out: str, *, max_shard_gb: float) -> int:
-    from ..train.export_hf import export_checkpoint
-
     if not max_shard_gb > 0:
         raise ValueError(f"--max-shard-gb {max_shard_gb}: give a size > 0")
     files = export_checkpoint(checkpoint, out, max_shard_bytes=int(max_shard_gb * 1e9))

@@ -16,6 +16,7 @@ import sys
 import time
 
 from .. import __version__
+from ..schedules import load_schedules
 
 __all__ = ["main", "COMMANDS"]
 
@@ -100,8 +101,6 @@ def _schedules_from(argv: list[str]) -> tuple[list[str], list[str]]:
 def _load_schedules(sources: list[str]) -> None:
     """Register the generators of each module (the ranks `train` starts get the Schedule
     itself, built here; under torchrun every process reads the same command line)."""
-    from ..schedules import load_schedules
-
     for source in sources:
         added = load_schedules(source)
         logging.getLogger("pipeblocks.schedules").info("schedules from %s: %s", source, ", ".join(added))

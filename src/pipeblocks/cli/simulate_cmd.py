@@ -4,9 +4,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..resolve.build import memory_budget
+from ..core.ir.vocab import VocabPass
+from ..resolve.build import memory_budget, stage_model_config
 from ..core.lowering.recompute import all_pairs, recompute_pairs
 from ..resolve.recompute_auto import fits_memory, memory_need
+from ..sim.hardware_profile import resolve_hardware
+from ..sim.tp_costs import tp_comm_per_rank
 from .async_sim import add_async_options, mode_from_args, run_async
 from .common import add_schedule_options, analytic_costs, build_split, request_from_args, print_json, split_lines, split_of
 
@@ -80,8 +83,6 @@ def run(args: argparse.Namespace) -> int:
 def _vocab_line(built, timeline) -> str:
     """--vocab-parallel: the passes every rank runs, their time, and whether the schedule
     was given one more microbatch in flight (`core.lowering.vocab_place`)."""
-    from ..core.ir.vocab import VocabPass
-
     per_rank = [sum(e.end - e.start for e in evs if type(e.action) is VocabPass) for evs in timeline.events]
     barriers = "one barrier (C0)" if built.costs.vocab.barriers == 1 else "two barriers (C0, C1)"
     shifted = timeline.schedule.ranks != built.schedule.ranks
@@ -92,10 +93,6 @@ def _vocab_line(built, timeline) -> str:
 
 def _tp_comm(built) -> list[float]:
     """Seconds each rank spends in tensor-parallel collectives per step (--tp > 1, --model or --hf)."""
-    from ..resolve.build import stage_model_config
-    from ..sim.hardware_profile import resolve_hardware
-    from ..sim.tp_costs import tp_comm_per_rank
-
     spec = built.request.costs
     config = stage_model_config(spec, built.schedule.num_stages, p=built.request.p)
     return tp_comm_per_rank(built.schedule, config, resolve_hardware(spec.hardware), tp=built.request.mesh.tp,

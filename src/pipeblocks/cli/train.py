@@ -124,11 +124,15 @@ import argparse
 import math
 from pathlib import Path
 
-from ..core.cost.precision import PRECISION_NAMES
+from ..core.cost.hf_config import read_hf_config
+from ..core.cost.precision import PRECISION_NAMES, precision_policy
 from ..resolve.request import CostSpec
 from ..models.config import GPTConfig
 from ..models.family import FAMILIES, family_names
-from ..train.config import TrainConfig
+from ..models.spec import portable_reference
+from ..train import run as training
+from ..train.config import DataSpec, TrainConfig
+from ..train.model_choice import HF_PREFIX, ModelChoice
 from ..train.run import DEFAULT_P, DEFAULT_SCHEDULE, FALLBACK_SCHEDULE, default_schedule
 from .argtypes import nonneg_float, nonneg_int, plot_file, positive_float, positive_int
 from ..train.lr_schedule import DEFAULT_LR, DEFAULT_LR_WIDTH, DEFAULT_WARMUP_CAP, LR_SCHEDULES, default_lr
@@ -271,8 +275,6 @@ def _add_output_options(parser: argparse.ArgumentParser, out: argparse._Argument
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..train import run as training
-
     cfg, corpus = prepare_from_args(args)
     return training.execute(cfg, corpus, dry=args.dry_run, report=args.report, plot=args.plot, hardware=args.hardware)
 
@@ -280,9 +282,6 @@ def run(args: argparse.Namespace) -> int:
 def prepare_from_args(args: argparse.Namespace):
     """The run the options describe: (TrainConfig, training windows), every default resolved
     as `pipeblocks train` resolves it (benchmarks replay exactly what a user gets)."""
-    from ..train import run as training
-    from ..train.config import DataSpec
-
     # the runtime places the vocabulary passes by the run's own model (train.vocab_setup.vocab_costs);
     # the request's costs are unit costs, which know no vocabulary
     vocab_parallel = bool(getattr(args, "vocab_parallel", False))
@@ -322,8 +321,6 @@ def given_sizes(args: argparse.Namespace) -> tuple[str, ...]:
 
 def model_from_args(args: argparse.Namespace, precision: str):
     """The run's `ModelChoice`: a built-in family sized by the options, an --hf directory, or --model."""
-    from ..train.model_choice import HF_PREFIX, ModelChoice
-
     dtype = "float64" if precision == "fp64" else "float32"  # the weights' (bf16-mixed keeps float32 masters)
     if args.hf is not None or args.model is not None:
         if given_sizes(args):  # refused, with the fix, by the composition table: build nothing first
@@ -338,10 +335,6 @@ def model_from_args(args: argparse.Namespace, precision: str):
 
 
 def _other_model(args: argparse.Namespace, dtype: str):
-    from ..core.cost.hf_config import read_hf_config
-    from ..models.spec import portable_reference
-    from ..train.model_choice import HF_PREFIX, ModelChoice
-
     weights = True
     if args.hf is not None:
         config = read_hf_config(Path(args.hf).expanduser().resolve())  # a bad directory fails here, in one line
@@ -357,7 +350,7 @@ def _other_model(args: argparse.Namespace, dtype: str):
 
 
 def _has_weights(directory: str) -> bool:
-    from ..models.hf.weights import find_weights
+    from ..models.hf.weights import find_weights  # torch: the CLI's other commands must not import it
 
     try:
         find_weights(directory)
@@ -368,7 +361,7 @@ def _has_weights(directory: str) -> bool:
 
 def _tokenizer_vocab(tokenizer: str | None) -> int:
     """A built-in model's default vocabulary: the tokenizer's (256 for bytes)."""
-    if tokenizer is None:
+    if tokenizer is None:  # the data package imports torch: only `train` needs it
         from ..data import ByteTokenizer
 
         return ByteTokenizer.vocab_size
@@ -379,8 +372,6 @@ def _tokenizer_vocab(tokenizer: str | None) -> int:
 
 def _precision(precision: str | None, dtype: str | None) -> str:
     """--precision, or its older name --dtype (not both, unless they agree); default fp32."""
-    from ..core.cost.precision import precision_policy
-
     if dtype is not None and precision is not None and precision_policy(dtype).name != precision:
         raise ValueError(f"--dtype {dtype} and --precision {precision} disagree: give --precision alone")
     return precision or (precision_policy(dtype).name if dtype is not None else "fp32")

@@ -14,7 +14,7 @@ __all__ = ["plot_plan"]
 def plot_plan(result: PlanResult, path: str | os.PathLike) -> Path:
     path = check_plot_suffix(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    import matplotlib
+    import matplotlib  # optional and heavy: only --plot needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -4,10 +4,14 @@ torchrun world, the device, the sequence chunks' lengths, the emulated links, an
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING
 
 from ..resolve.request import ScheduleRequest
+from ..sim.analytic import TransformerConfig, dp_link
+from ..sim.hardware_profile import resolve_hardware
+from ..sim.sequence_split import SPLITS, split_lengths
 from .config import TrainConfig
 
 if TYPE_CHECKING:
@@ -21,9 +25,7 @@ __all__ = [
 
 def check_torchrun_world(world: int, tp: int = 1) -> None:
     """Under torchrun, the processes it started must be the run's p x dp (x tp)."""
-    import os
-
-    from ..runtime.launch import under_torchrun
+    from ..runtime.launch import under_torchrun  # torch: prepare and --dry-run's checks must not import it
 
     if under_torchrun() and int(os.environ["WORLD_SIZE"]) != world:
         started = int(os.environ["WORLD_SIZE"])
@@ -37,9 +39,7 @@ def check_torchrun_world(world: int, tp: int = 1) -> None:
 def run_device(requested: str, ranks: int, policy) -> str:
     """The device type for `ranks` processes (on this machine, or this node under torchrun),
     and a precision the device runs."""
-    import os
-
-    from ..runtime.launch import choose_device, under_torchrun
+    from ..runtime.launch import choose_device, under_torchrun  # torch, as above
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) if under_torchrun() else ranks
     kind = choose_device(requested, local, note=_progress)
@@ -58,9 +58,6 @@ def sequence_chunk_lengths(schedule, split: str, model) -> tuple[int, ...] | Non
     k = schedule.seq_chunks
     if k == 1:
         return None
-    from ..sim.analytic import TransformerConfig
-    from ..sim.sequence_split import SPLITS, split_lengths
-
     if split not in SPLITS:
         raise ValueError(f"seq_split must be one of {', '.join(SPLITS)}, got {split!r}")
     seq = model.sequence
@@ -81,9 +78,6 @@ def sequence_chunk_lengths(schedule, split: str, model) -> tuple[int, ...] | Non
 def emulated_link(request: ScheduleRequest) -> tuple[float, float]:
     """The DP link an emulated run's collectives take (bytes/s, s per ring step): --dp-bandwidth
     (GB/s) and --dp-latency (us), else the --hardware preset's link for d replicas."""
-    from ..sim.analytic import dp_link
-    from ..sim.hardware_profile import resolve_hardware
-
     spec = request.costs
     base = dp_link(resolve_hardware(spec.hardware), request.mesh.dp)
     bandwidth = base.bandwidth if spec.dp_bandwidth is None else spec.dp_bandwidth * 1e9
@@ -94,8 +88,6 @@ def emulated_link(request: ScheduleRequest) -> tuple[float, float]:
 def tp_link(request: ScheduleRequest) -> tuple[float, float]:
     """The intra-node link an emulated run's tensor-parallel collectives take (bytes/s, s per
     ring step): the --hardware preset's or profile's."""
-    from ..sim.hardware_profile import resolve_hardware
-
     hardware = resolve_hardware(request.costs.hardware)
     return hardware.intra_bandwidth, hardware.intra_latency
 
@@ -108,7 +100,7 @@ def check_checkpoint_directory(cfg: TrainConfig, data: TokenWindows) -> None:
     if ck.resume:
         check_resume(cfg, data)
         return
-    from . import checkpoint as ckpt
+    from . import checkpoint as ckpt  # torch (checkpoints are torch files): only with --checkpoint
     from . import sharded_checkpoint as sharded_ckpt
 
     ckpt.claim_directory(ck.directory, overwrite=ck.overwrite, dry_run=True)
@@ -116,7 +108,7 @@ def check_checkpoint_directory(cfg: TrainConfig, data: TokenWindows) -> None:
 
 
 def check_resume(cfg: TrainConfig, data: TokenWindows) -> None:
-    from . import checkpoint as ckpt
+    from . import checkpoint as ckpt  # torch (checkpoints are torch files): only with --resume
     from .loop import uses_sharded_checkpoints
 
     if uses_sharded_checkpoints(cfg):
@@ -140,7 +132,7 @@ def check_resume(cfg: TrainConfig, data: TokenWindows) -> None:
 
 
 def _check_sharded_resume(cfg: TrainConfig, data: TokenWindows) -> None:
-    from . import checkpoint as ckpt
+    from . import checkpoint as ckpt  # torch (checkpoints are torch files): only with --resume
     from . import sharded_checkpoint as sharded_ckpt
 
     directory = cfg.checkpoint.directory
