@@ -1,14 +1,13 @@
-"""A resolved run's Program: the one place that says with which settings a run is lowered.
+"""A resolved run's Program, lowered in one place: `Lowering` holds what decides it beside the
+schedule (sharding per chunk, replicas, DP units, the recomputed pairs and where they run,
+the costs the vocabulary passes are placed by).
 
     >>> program = Lowering.of(schedule, costs, recompute=pairs, recompute_at=at).program(schedule)
     >>> timeline = simulate_run(schedule, costs, recompute=pairs, recompute_at=at)
 
-`Lowering` holds what decides the Program beside the schedule: the mesh (sharding per chunk,
-replicas, DP units), the recomputed pairs and where they run, and the costs the vocabulary
-passes are placed by. A run simulated from costs takes them from its costs (`Lowering.of`:
-`resolve.build.Built.program`, the choosers, `plan`); `train` fills them from its config
-(`train.prepare.run_lowering`) and hands the Program to the runtime, so what is simulated,
-shown, exported, predicted and run is lowered by `Lowering.program` alone.
+A run simulated from costs takes them from its costs (`Lowering.of`: `build.Built`, the
+choosers, `plan`); `train` fills them from its config (`train.prepare.run_lowering`): the
+Program its ranks run (`runtime.PipelineRunner(program=)`) and its dry run prices.
 """
 from __future__ import annotations
 

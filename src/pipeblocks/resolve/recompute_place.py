@@ -35,7 +35,6 @@ from ..core.cost.costs import Costs
 from ..core.ir.program import Program, Recompute
 from ..core.ir.schedule import Schedule
 from ..core.simulator.simulate import simulate_program
-from ..core.simulator.timeline import Timeline
 from .program import Lowering
 
 __all__ = ["Anchors", "place_recompute"]
@@ -151,9 +150,3 @@ def _fits(level, allocs, extra, start: int, stop: int, share: float, limit: floa
         if level[k] + moved + allocs[k] + share > limit * (1 + 1e-9):
             return False
     return True
-
-
-def recompute_summary(timeline: Timeline) -> dict:
-    """The recomputation's figures of a timeline: total and exposed time per rank, and the step's cost."""
-    return {"recompute_time": list(timeline.recompute_time), "recompute_exposed": list(timeline.recompute_exposed),
-            "recompute_step_cost": timeline.recompute_step_cost}

@@ -327,22 +327,12 @@ class PipelineRunner:
         ys = microbatches(targets, m, "targets") if self.holds_last_stage or every else None
         side = side_microbatches(side_inputs, m, self.device)
         side_specs = [{name: TensorSpec.of(t) for name, t in mb.items()} for mb in side] if side else []
-        if self._side_specs is not None and side_specs != self._side_specs:
-            raise SpecMismatchError(
-                f"side inputs have specs {side_text(side_specs)} but the first step had "
-                f"{side_text(self._side_specs)}: shapes are fixed after the first step; pad the batch or build "
-                "a new PipelineRunner"
-            )
+        _check_fixed("side inputs", side_specs, self._side_specs, side_text)
         self._side_specs = side_specs
         if xs is not None:
             xs = cut_sequences([to_device(x, self.device) for x in xs], "inputs", self.schedule, self.seq_lengths)
             specs = [ActivationSpec.of(x, "the step inputs") for x in xs]
-            if self._input_specs is not None and specs != self._input_specs:
-                raise SpecMismatchError(
-                    f"step inputs have specs {[str(s) for s in specs]} but the first step had "
-                    f"{[str(s) for s in self._input_specs]}: shapes are fixed after the first step; pad the "
-                    "batch or build a new PipelineRunner"
-                )
+            _check_fixed("step inputs", specs, self._input_specs, lambda given: [str(s) for s in given])
             self._input_specs = specs
         if ys is not None:
             ys = cut_sequences([to_device(y, self.device) for y in ys], "targets", self.schedule, self.seq_lengths)
@@ -500,10 +490,18 @@ def _lower(schedule: Schedule, dp: DataParallel | None, recompute: frozenset[tup
     """The Program with the DP ops this rank's `dp` needs, the recomputations where they
     were placed and the vocabulary passes (`lowering.lower_for`), proved free of deadlock
     and well placed."""
-    if dp is None:
-        return lower_for(schedule, recompute=recompute, recompute_at=recompute_at, check=True, vocab=vocab)
-    return lower_for(schedule, policies=dp.policies, dp=dp.d, recompute=recompute, recompute_at=recompute_at,
-                     reduce_at_end=dp.reduce_at_end, units=dp.units, check=True, vocab=vocab)
+    mesh = {} if dp is None else {"policies": dp.policies, "dp": dp.d, "reduce_at_end": dp.reduce_at_end,
+                                   "units": dp.units}
+    return lower_for(schedule, recompute=recompute, recompute_at=recompute_at, check=True, vocab=vocab, **mesh)
+
+
+def _check_fixed(what: str, specs: list, first: list | None, text) -> None:
+    """The step's `specs` are the first step's (`text` writes them for the message)."""
+    if first is not None and specs != first:
+        raise SpecMismatchError(
+            f"{what} have specs {text(specs)} but the first step had {text(first)}: shapes are fixed after the "
+            "first step; pad the batch or build a new PipelineRunner"
+        )
 
 
 def _module_device(stages: Mapping[int, torch.nn.Module]) -> torch.device:

@@ -347,8 +347,7 @@ def _compile(ops, table, schedule: Schedule, vocab=None) -> tuple[tuple[list, ..
         if handler is None:
             raise unsupported(op, "the simulator", (ACTION, P2P, DP, STEP, RECOMPUTE, OVERLAP))
         handler(op, at)
-    c = compiler
-    return (c.receives, c.actions, c.durations, c.allocs, c.releases, c.sends, c.gates), c.plan, c.held
+    return compiler.lists, compiler.plan, compiler.held
 
 
 def _joined(before, key: int):
@@ -361,13 +360,8 @@ class _RankCompiler:
 
     def __init__(self, table, schedule: Schedule, ops, vocab) -> None:
         self.table, self.stages, self.chunks = table, schedule.num_stages, schedule.seq_chunks
-        self.receives: list = []
-        self.actions: list = []
-        self.durations: list = []
-        self.allocs: list = []
-        self.releases: list = []
-        self.sends: list = []
-        self.gates: list = []
+        self.lists: tuple[list, ...] = ([], [], [], [], [], [], [])  # `_compile`'s seven, in its order
+        self.receives, self.actions, self.durations, self.allocs, self.releases, self.sends, self.gates = self.lists
         self.cost_of: dict[tuple, tuple[float, float, float]] = {}
         self.waiting = None  # receive key(s) for the next action
         self.plan: list[tuple[int, str, float, tuple | None]] = []
