@@ -11,6 +11,7 @@ import torch
 
 from pipeblocks import schedules
 from pipeblocks.core.ir.sharding import parse_sharding, per_stage
+from pipeblocks.core.lowering.entry import lower_for
 from pipeblocks.models import GPTConfig, cross_entropy
 from pipeblocks.models import build_stages
 from pipeblocks.runtime import PipelineRunner
@@ -48,7 +49,8 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def matrix_worker(ctx, p: int, dp: int, cases: list[tuple[str, str]]) -> list[dict]:
+def matrix_worker(ctx, p: int, dp: int, cases: list[tuple[str, str]], given_program: bool = False) -> list[dict]:
+    """`given_program`: the runner is handed the Program, lowered here, beside its data_parallel."""
     mesh = init_mesh(p, dp, ctx.device)
     out = []
     for name, policy in cases:
@@ -60,8 +62,9 @@ def matrix_worker(ctx, p: int, dp: int, cases: list[tuple[str, str]]) -> list[di
         policies = per_stage(parse_sharding(policy), schedule.num_stages)
         data_parallel = DataParallel(stages, policies, mesh.dp_mesh, timeout_s=60)
         optimizer = data_parallel.optimizer(torch.optim.AdamW, lr=LR)
+        program = lower_for(schedule, policies=policies, dp=dp, check=True) if given_program else None
         runner = PipelineRunner(schedule, stages, cross_entropy, group=mesh.pp_group, timeout_s=60,
-                                data_parallel=data_parallel)
+                                data_parallel=data_parallel, program=program)
         case = {"case": (name, policy), "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank, "static": []}
         for step in range(2):
             x, y = global_batch(dp, step)

@@ -223,3 +223,23 @@ def test_the_runner_checks_a_given_program():
         _check_program(lower_for(schedule), schedule, runtime_dp, None, None)
     with pytest.raises(ValueError, match="must be lowered from the schedule given"):
         _check_program(program, get("1f1b-r")(p=P, m=M), None, None, None)
+
+
+@pytest.mark.spawn
+def test_the_runner_runs_a_given_program_beside_its_data_parallel():
+    """What `train` does: the runner handed the Program, with its DataParallel, trains as one process."""
+    from pipeblocks.runtime import spawn
+    from pipeblocks.train.reference import reference_update, relative_difference
+
+    import _mesh_cases as mesh
+
+    per_rank = spawn(mesh.matrix_worker, 4, args=(2, 2, [("zb-v", "zero3")], True), timeout_s=300,
+                     threads_per_rank=1)
+    x, y = mesh.global_batch(2, 0)
+    _, ref_grads, _, _ = reference_update(mesh.MODEL, seed=0, inputs=x, targets=y, microbatches=2 * mesh.M,
+                                          lr=mesh.LR, max_norm=None)
+    for replica in range(2):
+        grads = {n: g for r in per_rank for n, g in r[0]["grads"].items() if r[0]["dp_rank"] == replica}
+        assert grads.keys() == ref_grads.keys()
+        assert max(relative_difference(grads[n], ref_grads[n]) for n in grads) <= 1e-10
+    assert any("UNSHARD" in op for r in per_rank for op in r[0]["program"])
