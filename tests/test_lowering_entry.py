@@ -2,7 +2,9 @@
 
 For each schedule, mesh and recomputation, the Program `show --program` prints, the one
 `export --format torch-comms-csv` writes, the simulator's, the runtime's, the memory
-estimate's and the emulated-mesh prediction's are the same ops in the same order.
+estimate's and the emulated-mesh prediction's are the same ops in the same order; a
+resolved run is lowered in one place (`resolve.program.Lowering`), and `simulate`, `train`
+(its ranks and its --dry-run) and the runtime hold its one Program.
 """
 from __future__ import annotations
 
