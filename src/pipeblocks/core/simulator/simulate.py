@@ -124,7 +124,7 @@ def simulate_program(program: Program, costs: Costs | None = None) -> Timeline:
 
 
 def _recomputes(program: Program) -> bool:
-    return any(type(op) is Recompute for ops in program.ranks for op in ops)
+    return any(Recompute in set(map(type, ops)) for ops in program.ranks)  # C-level scans: no Python loop per op
 
 
 def _compile_program(program: Program, costs: Costs | None):
@@ -419,7 +419,7 @@ class _RankCompiler:
             cost = cost_of.get(ckey)
         if cost is None:
             cost = cost_of[ckey] = (table.duration(*ckey), *table.memory(*ckey))
-        self.push(op, *cost, gate=self.stage_gate(op.stage))
+        self.push(op, cost[0], cost[1], cost[2], self.pending.pop(op.stage, None) if self.pending else None)
         if self.link_of is not None and at in self.link_of:
             _vocab_sends(self.sends, self.link_of[at][1], self.vkeys)
         if self.units is not None:
