@@ -49,6 +49,7 @@ from ..core.cost.model_shape import ModelShape
 from ..core.util.user_module import import_user_file
 from .adapter import BlockAdapter
 from .layout import Layout
+from .loss import cross_entropy
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -62,12 +63,6 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "pipeblocks.models"
-
-
-def _cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
-    from .gpt import cross_entropy
-
-    return cross_entropy(logits, targets)
 
 
 def _same_name(name: str) -> str:
@@ -98,7 +93,7 @@ class ModelSpec:
     init: Callable[[int], ParamInit] | None = None
     weights: WeightSource | None = None
     adapter: BlockAdapter = field(default_factory=BlockAdapter)
-    loss: Callable[[Tensor, Tensor], Tensor] = _cross_entropy
+    loss: Callable[[Tensor, Tensor], Tensor] = cross_entropy
     tp_plan: Callable[[], TPPlan] | None = None
     export: HFExport | None = None
     title: str | None = None
