@@ -57,8 +57,8 @@ from typing import Callable
 import torch
 
 from ..core.ir.actions import Action, Kind
-from ..core.ir.ops import ACTION, DP, OVERLAP, P2P, RECOMPUTE, STEP, VOCAB, require_known
-from ..core.ir.program import Comm, DPOp, OptimizerStep, Overlap, Program, Recompute
+from ..core.ir.ops import ACTION, Comm, DP, DPOp, OVERLAP, OptimizerStep, Overlap, P2P, RECOMPUTE, Recompute, STEP, VOCAB, require_known
+from ..core.ir.program import Program
 from ..core.lowering.recompute import recompute_units
 from ..core.ir.vocab import VocabPass
 from .comm import Mailbox, Tags, leaf_key, receive_posts

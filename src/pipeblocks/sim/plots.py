@@ -19,7 +19,7 @@ from typing import Sequence
 
 from ..core.ir.actions import Kind
 from ..core.ir.errors import ScheduleError
-from ..core.ir.program import OptimizerStep, Recompute
+from ..core.ir.ops import OptimizerStep, Recompute
 from ..core.simulator.timeline import Timeline
 from ..core.ir.vocab import VocabPass
 

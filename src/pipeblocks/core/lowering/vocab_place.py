@@ -177,7 +177,7 @@ def _follows(program: Program, first_rank: int, last_rank: int) -> list[list[tup
     that the op comes after (on its rank, or through transfers) the last stage's backward of
     microbatch i, and the largest i such that it comes after stage 0's forward of i (-1: none),
     the op itself included."""
-    from ..ir.program import Comm
+    from ..ir.ops import Comm
 
     last = program.schedule.num_stages - 1
     ranks = program.ranks
@@ -218,7 +218,7 @@ def _follows(program: Program, first_rank: int, last_rank: int) -> list[list[tup
 
 def _before_receives(ops, pos: int) -> int:
     """The position of the receives just before the action at `pos` (a pass goes before them)."""
-    from ..ir.program import Comm
+    from ..ir.ops import Comm
 
     while pos > 0 and type(ops[pos - 1]) is Comm and not ops[pos - 1].send:
         pos -= 1
