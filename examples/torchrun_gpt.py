@@ -30,7 +30,7 @@ import torch
 
 from pipeblocks import schedules
 from pipeblocks.core.ir.sharding import parse_sharding, per_stage
-from pipeblocks.data.text import TokenWindows
+from pipeblocks.data import TokenWindows
 from pipeblocks.models.config import GPTConfig
 from pipeblocks.models.loss import cross_entropy
 from pipeblocks.models import build_stages
