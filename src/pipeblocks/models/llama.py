@@ -51,6 +51,7 @@ from .loss import cross_entropy
 from .shapes import llama_shape
 from .spec import HFExport, ModelSpec
 from .stage import Stage
+from .tp_plan import TPPlan
 
 __all__ = [
     "LlamaConfig", "Llama", "LlamaBlock", "Attention", "SwiGLU", "Rotary", "apply_rotary",
@@ -212,12 +213,10 @@ def llama_tp_plan():
     """The Llama-style model's tensor-parallel plan (`models.tp_plan`): q, k, v, gate and up
     split by columns (heads, KV heads, inner features), o_proj and down_proj by rows; the
     embedding by vocabulary rows, the head by vocabulary columns; RMSNorms on the token shard."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard  # DTensor takes 0.4 s to import: loaded only for a tensor-parallel run
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
     )
-
-    from .tp_plan import TPPlan
 
     block = {
         "attn_norm": SequenceParallel(),

@@ -40,6 +40,7 @@ NAME is a ModelSpec, or a function of no arguments that returns one.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,9 +214,7 @@ def _registered(name: str) -> ModelSpec:
 
 
 def _entry_points() -> list:
-    from importlib.metadata import entry_points
-
-    return list(entry_points(group=ENTRY_POINT_GROUP))
+    return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
 
 
 def _as_spec(value: Any, text: str) -> ModelSpec:
