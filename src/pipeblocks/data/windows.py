@@ -151,14 +151,8 @@ class TokenWindows:
 def load_tokens(path: str | os.PathLike | None, *, seq: int, tokenizer: str | os.PathLike | Tokenizer | None = None,
                 field: str = "text", dtype: str = "uint16", vocab: int | None = None,
                 log: TextIO | None = None) -> TokenWindows:
-    """Windows of `seq` over the tokens of `path` (`sources.read_tokens` says what it may be).
-
-    tokenizer: None (bytes), a model or tokenizer directory, a tokenizer.json, or a loaded
-    `Tokenizer`; it tokenizes text, JSONL and datasets, and gives a token file its EOS for
-    `split`. field: the JSONL or dataset field holding each document's text. dtype: the ids
-    of a token file, "uint16" or "uint32". vocab: the model's vocabulary, checked when given.
-    log: where progress and cache messages go (stderr).
-    """
+    """Windows of `seq` over the tokens of `path`, read by `sources.read_tokens` with the
+    other arguments (its doc says what each may be)."""
     stream = read_tokens(path, tokenizer=tokenizer, field=field, dtype=dtype, vocab=vocab, log=log)
     return TokenWindows(stream.tokens, seq, stream.source, stream.vocab_size, stream.eos_id)
 
