@@ -28,7 +28,7 @@ from .llama_config import LlamaConfig
 from .spec import ModelSpec
 from .splitter import allocate_stages, default_dtype, skeleton_stage, split_model
 from .stage import Stage
-from .tp_stage import parallelize_stage
+from .tp_plan import parallelize_stage
 
 __all__ = ["build_model", "build_stages", "check_weights", "spec_of", "split_stages", "stage_parameter_shapes"]
 

@@ -56,9 +56,8 @@ from .adapter import BlockAdapter
 from .config import GPTConfig
 from .init import seeded_normal_
 from .layout import Layout
-from .loss import cross_entropy
 from .shapes import gpt_shape
-from .spec import ModelSpec
+from .spec import ModelSpec, cross_entropy
 from .tp_plan import TPPlan
 
 __all__ = [

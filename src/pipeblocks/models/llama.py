@@ -47,9 +47,8 @@ from .hf_llama import llama_config_json, llama_hf_name
 from .init import seeded_normal_
 from .layout import Layout
 from .llama_config import LlamaConfig
-from .loss import cross_entropy
 from .shapes import llama_shape
-from .spec import HFExport, ModelSpec
+from .spec import HFExport, ModelSpec, cross_entropy
 from .stage import Stage
 from .tp_plan import TPPlan
 

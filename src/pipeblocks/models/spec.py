@@ -50,7 +50,6 @@ from ..core.cost.model_shape import ModelShape
 from ..core.util.user_module import import_user_file
 from .adapter import BlockAdapter
 from .layout import Layout
-from .loss import cross_entropy
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -59,11 +58,21 @@ if TYPE_CHECKING:
     from .tp_plan import TPPlan
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "HFExport", "ModelSpec", "load_spec", "model_logits", "portable_reference", "register_model",
-    "registered_models",
+    "ENTRY_POINT_GROUP", "HFExport", "ModelSpec", "cross_entropy", "load_spec", "model_logits", "portable_reference",
+    "register_model", "registered_models",
 ]
 
 ENTRY_POINT_GROUP = "pipeblocks.models"
+
+
+def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy, every spec's default loss: logits [b, s, V], targets
+    LongTensor [b, s]. Computed in float32 or wider: bfloat16 or float16 logits are upcast first."""
+    import torch  # torch is heavy: specs are read on the torch-free command-line paths
+
+    if logits.is_floating_point() and torch.finfo(logits.dtype).bits < 32:
+        logits = logits.float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def _same_name(name: str) -> str:

@@ -15,7 +15,7 @@ profiler, the one-process reference) sees the model's parameters and gradients.
 `allocate_stages` builds only the requested stages. It calls `make_model()` with every
 parameter created on the meta device (a global parameter-registration hook, held only
 during the call), keeps the requested parts, lets `prepare(stage)` change them while they
-are still on the meta device (tensor parallelism: `tp_stage.parallelize_stage`
+are still on the meta device (tensor parallelism: `tp_plan.parallelize_stage`
 makes each parameter a DTensor of this rank's shard), moves them to `device` (in `dtype`,
 when given) as uninitialised memory and fills every parameter from exactly one source:
 

@@ -2,7 +2,7 @@
 
     mesh = init_mesh(pp=2, dp=1, tp=2, device=ctx.device)
     for stage in my_stages:                                   # models.stage.Stage, built whole
-        parallelize_stage(stage, spec.tp_plan(), mesh.tp_mesh)     # models.tp_stage
+        parallelize_stage(stage, spec.tp_plan(), mesh.tp_mesh)     # models.tp_plan
     # then FSDP2 (runtime.data_parallel) and the optimizer, over the sharded parameters
 
 TP comes first, then sharding, as torchtitan composes them: `parallelize_stage` replaces
@@ -80,7 +80,7 @@ def full_tensor(tensor):
 
 def planned_shapes(stage: nn.Module, plan: Any, tp: int) -> list[tuple[int, ...]]:
     """The shapes of one tp rank's share of a whole (not yet split) stage's trainable
-    parameters, in `parameters()` order, as `models.tp_stage.parallelize_stage` would split them: a
+    parameters, in `parameters()` order, as `models.tp_plan.parallelize_stage` would split them: a
     column-wise Linear's weight and bias by rows, a row-wise Linear's weight by columns (its
     bias whole), a row-wise Embedding by rows; the rest (norms) whole. For predictions made
     in one process (`train --dry-run`)."""
