@@ -108,12 +108,6 @@ class _ListScheduler:
             timer.put(B_, stage, self.next_b[stage])
             self.next_b[stage] += 1
 
-    def reserve(self, rank: int) -> float:
-        held = 0.0
-        for done in self.open_mbs[rank].values():
-            held += sum(self.timer.delta(F_, s) for s in self.stages[rank][done:])
-        return held
-
     def f_allowed(self, rank: int, stage: int, mb: int) -> bool:
         if mb in self.open_mbs[rank]:
             return True  # reserved when the microbatch entered
@@ -121,7 +115,10 @@ class _ListScheduler:
         entry = self.stages[rank].index(stage)
         need = sum(timer.delta(F_, s) for s in self.stages[rank][entry:])
         freeable = sum(-timer.delta(W_, s) for s, _ in timer.pending[rank])
-        return timer.mem[rank] + self.reserve(rank) + need - freeable <= timer.limit
+        reserved = 0.0  # the later forwards of the microbatches already in
+        for done in self.open_mbs[rank].values():
+            reserved += sum(timer.delta(F_, s) for s in self.stages[rank][done:])
+        return timer.mem[rank] + reserved + need - freeable <= timer.limit
 
     def candidate(self, rank: int):
         """(start, is_w, kind, stage) of the pass this rank would place next, or None."""

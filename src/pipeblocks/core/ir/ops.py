@@ -187,12 +187,15 @@ def _parse_comm(match: re.Match[str], schedule: Schedule) -> Comm:
     return Comm(payload, send, s, int(mb), None if chunk is None else int(chunk), peer)
 
 
+def _require_stage(match: re.Match[str], schedule: Schedule, stage: int | str) -> None:
+    """ScheduleError unless `stage` (as the op's text writes it) is one of the schedule's."""
+    if int(stage) >= schedule.num_stages:
+        raise ScheduleError(f"op {match.group(0)!r}: stage {stage} does not exist (stages 0..{schedule.num_stages - 1})")
+
+
 def _parse_dp(match: re.Match[str], schedule: Schedule) -> DPOp:
     stage, kind, unit = int(match.group(1)), match.group(2), match.group(3)
-    if stage >= schedule.num_stages:
-        raise ScheduleError(
-            f"op {match.group(0)!r}: stage {stage} does not exist (stages 0..{schedule.num_stages - 1})"
-        )
+    _require_stage(match, schedule, stage)
     return DPOp(kind, stage, None if unit is None else int(unit))
 
 
@@ -213,10 +216,7 @@ DP = OpType(
 
 def _parse_step(match: re.Match[str], schedule: Schedule) -> OptimizerStep:
     stage, step = (int(x) for x in match.groups())
-    if stage >= schedule.num_stages:
-        raise ScheduleError(
-            f"op {match.group(0)!r}: stage {stage} does not exist (stages 0..{schedule.num_stages - 1})"
-        )
+    _require_stage(match, schedule, stage)
     return OptimizerStep(stage, step)
 
 
@@ -226,10 +226,7 @@ STEP = OpType("optimizer step", OptimizerStep, Stream.COMPUTE, re.compile(r"(\d+
 
 def _parse_recompute(match: re.Match[str], schedule: Schedule) -> Recompute:
     stage, mb, chunk = match.groups()
-    if int(stage) >= schedule.num_stages:
-        raise ScheduleError(
-            f"op {match.group(0)!r}: stage {stage} does not exist (stages 0..{schedule.num_stages - 1})"
-        )
+    _require_stage(match, schedule, stage)
     return Recompute(int(stage), int(mb), None if chunk is None else int(chunk))
 
 
@@ -241,10 +238,7 @@ RECOMPUTE = OpType(
 def _parse_overlap(match: re.Match[str], schedule: Schedule) -> Overlap:
     forward, backward = Action.parse(match.group(1)), Action.parse(match.group(2))
     for part in (forward, backward):
-        if part.stage >= schedule.num_stages:
-            raise ScheduleError(
-                f"op {match.group(0)!r}: stage {part.stage} does not exist (stages 0..{schedule.num_stages - 1})"
-            )
+        _require_stage(match, schedule, part.stage)
     return Overlap(forward, backward)
 
 
