@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeblocks.core import Costs, WeightVersions, simulate, simulate_program, steady_state, weight_versions
-from pipeblocks.data.text import TokenWindows
+from pipeblocks.data import TokenWindows
 from pipeblocks.models import GPTConfig, build_stages, cross_entropy
 from pipeblocks.schedules import get
 from pipeblocks.schedules.asynchronous import async_1f1b

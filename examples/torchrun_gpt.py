@@ -30,9 +30,9 @@ import torch
 
 from pipeblocks import schedules
 from pipeblocks.core.ir.sharding import parse_sharding, per_stage
-from pipeblocks.data.text import TokenWindows
+from pipeblocks.data import TokenWindows
 from pipeblocks.models.config import GPTConfig
-from pipeblocks.models.gpt import cross_entropy
+from pipeblocks.models.spec import cross_entropy
 from pipeblocks.models import build_stages
 from pipeblocks.runtime import PipelineRunner, init_from_env
 from pipeblocks.runtime.data_parallel import DataParallel

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pipeblocks import schedules
-from pipeblocks.core.ir.program import Recompute
+from pipeblocks.core.ir.ops import Recompute
 from pipeblocks.core.lowering.recompute import all_pairs
 from pipeblocks.models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
 from pipeblocks.core.cost.costs import Costs

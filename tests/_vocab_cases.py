@@ -14,7 +14,8 @@ from pipeblocks import schedules
 from pipeblocks.core.ir.actions import Action, Kind
 from pipeblocks.core.cost.costs import Costs
 from pipeblocks.core.lowering.entry import lower_for
-from pipeblocks.core.ir.program import Comm, Program
+from pipeblocks.core.ir.ops import Comm
+from pipeblocks.core.ir.program import Program
 from pipeblocks.core.ir.vocab import VocabCosts, VocabPass
 from pipeblocks.runtime.vocab_exec import VocabRank
 

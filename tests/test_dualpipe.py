@@ -7,8 +7,8 @@ import pytest
 
 from pipeblocks.core import Costs, ScheduleError, simulate
 from pipeblocks.core.lowering.entry import lower_for
-from pipeblocks.core.ir.ops import UnknownOpError
-from pipeblocks.core.ir.program import Overlap, Program
+from pipeblocks.core.ir.ops import Overlap, UnknownOpError
+from pipeblocks.core.ir.program import Program
 from pipeblocks.core.ir.schedule import Schedule
 from pipeblocks.core.lowering.validate import check_structure
 from pipeblocks.interop import from_torch_csv, to_torch_csv

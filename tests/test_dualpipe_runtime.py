@@ -9,7 +9,7 @@ import re
 import pytest
 
 from pipeblocks.core.lowering.entry import lower_for
-from pipeblocks.core.ir.program import Overlap
+from pipeblocks.core.ir.ops import Overlap
 from pipeblocks.runtime import spawn
 from pipeblocks.schedules import get
 

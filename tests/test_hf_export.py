@@ -32,7 +32,7 @@ def _held_out_loss(model_dir, data_dir, *, dtype) -> float:
     """The held-out loss of transformers' own model of `model_dir`, on the batch the ranks evaluate."""
     import torch
 
-    from pipeblocks.models.gpt import cross_entropy
+    from pipeblocks.models.spec import cross_entropy
     from pipeblocks.train.config import DataSpec
     from pipeblocks.train.corpus import load_corpus
 

@@ -18,7 +18,7 @@ from pipeblocks.cli.main import build_parser, main
 from pipeblocks.core.lowering import entry as lowering
 from pipeblocks.core.ir.errors import ScheduleError
 from pipeblocks.core.lowering.entry import lower_for
-from pipeblocks.core.ir.program import Recompute
+from pipeblocks.core.ir.ops import Recompute
 from pipeblocks.core.lowering.recompute import all_pairs, recompute_pairs
 from pipeblocks.core.ir.sharding import parse_sharding, per_stage
 from pipeblocks.core.simulator.simulate import simulate

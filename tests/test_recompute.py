@@ -10,8 +10,8 @@ from pipeblocks.cli.main import main
 from pipeblocks.core.cost.costs import Costs
 from pipeblocks.core.ir.errors import ScheduleError
 from pipeblocks.core.lowering.lower import PASSES, check_deadlock, lower
-from pipeblocks.core.ir.ops import parse_op
-from pipeblocks.core.ir.program import Program, Recompute
+from pipeblocks.core.ir.ops import Recompute, parse_op
+from pipeblocks.core.ir.program import Program
 from pipeblocks.core.lowering.recompute import add_recompute, all_pairs, check_recompute
 from pipeblocks.core.simulator.simulate import simulate
 from pipeblocks.resolve.recompute_auto import choose_recompute, memory_need

@@ -12,7 +12,7 @@ import pytest
 from pipeblocks import schedules
 from pipeblocks.core.cost.costs import Costs
 from pipeblocks.core.lowering.entry import lower_for
-from pipeblocks.core.ir.program import Recompute
+from pipeblocks.core.ir.ops import Recompute
 from pipeblocks.core.lowering.recompute import all_pairs, check_recompute
 from pipeblocks.core.simulator.simulate import simulate
 from pipeblocks.resolve.recompute_auto import choose_recompute, memory_need

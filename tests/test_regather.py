@@ -14,7 +14,8 @@ from pipeblocks.core.ir.dp_units import DPUnits
 from pipeblocks.core.ir.errors import ScheduleError
 from pipeblocks.core.lowering.entry import lower_for
 from pipeblocks.core.lowering.passes_dp import check_dp_ops
-from pipeblocks.core.ir.program import DPOp, Program
+from pipeblocks.core.ir.ops import DPOp
+from pipeblocks.core.ir.program import Program
 from pipeblocks.core.ir.sharding import ShardingPolicy, parse_sharding
 from pipeblocks.core.simulator.simulate import simulate
 from pipeblocks.schedules import get

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pipeblocks.core.lowering.entry import lower_for
-from pipeblocks.core.ir.program import DPOp
+from pipeblocks.core.ir.ops import DPOp
 from pipeblocks.resolve.request import CostSpec, Mesh, ScheduleRequest
 from pipeblocks.core.ir.sharding import parse_sharding
 from pipeblocks.models import GPTConfig

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from pipeblocks import ScheduleError, schedules, simulate, validate
-from pipeblocks.core.ir.program import Recompute
+from pipeblocks.core.ir.ops import Recompute
 
 NAMES = schedules.names()
 

@@ -8,7 +8,7 @@ import torch
 
 from pipeblocks import schedules
 from pipeblocks.core.ir.actions import Action
-from pipeblocks.core.ir.program import Comm
+from pipeblocks.core.ir.ops import Comm
 from pipeblocks.core.lowering.validate import validate
 from pipeblocks.runtime.backward import WeightGradWork
 from pipeblocks.runtime.comm import receive_posts

@@ -32,8 +32,7 @@ def _prepare(tp: int = 2, *, name: str = "1f1b", dp: int = 1, sharding: str = "r
 
 
 def test_tp_must_divide_heads_kv_heads_mlp_vocab_and_seq():
-    from pipeblocks.models.gpt import gpt_shape
-    from pipeblocks.models.llama import llama_shape
+    from pipeblocks.models.shapes import gpt_shape, llama_shape
 
     check_tp(llama_shape(LlamaConfig(heads=4, kv_heads=2, hidden=64, seq=64, vocab=256)), 2, seq=64)
     check_tp(gpt_shape(GPTConfig(heads=4, hidden=64, seq=64, vocab=256)), 4, seq=64)

@@ -12,10 +12,10 @@ from .cost.costs import Costs, StageCosts, parse_costs
 from .ir.errors import DeadlockError, ScheduleError
 from .lowering.lower import PASSES, add_p2p, check_deadlock, lower
 from .lowering.entry import lower_for
-from .ir.ops import OP_TYPES, OpType, Stream, UnknownOpError
+from .ir.ops import Comm, DPOp, OP_TYPES, Op, OpType, OptimizerStep, Stream, UnknownOpError
 from .lowering.passes_dp import add_grad_reduce, add_sharding, check_dp_ops, dp_passes
 from .ir.placement import Placement
-from .ir.program import Comm, DPOp, Op, OptimizerStep, Program
+from .ir.program import Program
 from .ir.schedule import Schedule
 from .ir.sharding import ShardingPolicy, parse_sharding, per_stage
 from .simulator.simulate import simulate, simulate_program

@@ -7,13 +7,13 @@
 
 text.py: bytes and the embedded corpus; tokenizer.py: tokenizers; token_file.py: token
 files and shards; tokenize.py: the tokenize-once cache; datasets_dir.py: saved Hugging Face
-datasets; windows.py: `TokenWindows`; sources.py: `load_tokens`, which picks among them.
+datasets; sources.py: `read_tokens`, which picks among them; windows.py: `TokenWindows` and `load_tokens`.
 """
-from .sources import load_tokens, source_kind
+from .sources import source_kind
 from .text import ByteTokenizer, default_corpus, read_corpus
 from .token_file import ShardedTokens
 from .tokenizer import Tokenizer, check_tokenizer_fits, load_tokenizer
-from .windows import TokenWindows
+from .windows import TokenWindows, load_tokens
 
 __all__ = [
     "ByteTokenizer", "ShardedTokens", "TokenWindows", "Tokenizer", "check_tokenizer_fits", "default_corpus",

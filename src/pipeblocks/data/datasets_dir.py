@@ -48,7 +48,7 @@ def _batches(dataset, source: Path, field: str, batch: int, rows: int) -> Iterat
 
 def _load(source: Path):
     try:
-        import datasets
+        import datasets  # optional (the datasets extra), and heavy
     except ImportError:
         raise ValueError(f"{str(source)!r} is a saved Hugging Face dataset; reading it needs the datasets library: "
                          f"pip install datasets") from None

@@ -1,12 +1,12 @@
-"""One entry for training data: any corpus a user brings, as memory-mapped token windows.
+"""Any corpus a user brings, read as one token stream (memory-mapped where it can be);
+`windows.load_tokens` cuts it into training windows.
 
-    >>> data = load_tokens(None, seq=256)                                # the embedded corpus, bytes
-    >>> data = load_tokens("notes.txt", seq=256)                         # its UTF-8 bytes, mapped
-    >>> data = load_tokens("notes.txt", seq=256, tokenizer="models/qwen2", vocab=151936)
-    >>> data = load_tokens("docs.jsonl", seq=256, tokenizer=tok, field="body", vocab=32000)
-    >>> data = load_tokens("train.bin", seq=1024, dtype="uint16", vocab=50304)   # nanoGPT's format
-    >>> data = load_tokens("shards/", seq=1024, dtype="uint32", vocab=151936)    # every *.bin in it
-    >>> train, held = data.split(0.05)
+    >>> stream = read_tokens(None)                                       # the embedded corpus, bytes
+    >>> stream = read_tokens("notes.txt")                                # its UTF-8 bytes, mapped
+    >>> stream = read_tokens("notes.txt", tokenizer="models/qwen2", vocab=151936)
+    >>> stream = read_tokens("docs.jsonl", tokenizer=tok, field="body", vocab=32000)
+    >>> stream = read_tokens("train.bin", dtype="uint16", vocab=50304)  # nanoGPT's format
+    >>> stream = read_tokens("shards/", dtype="uint32", vocab=151936)   # every *.bin in it
 
 What `--data PATH` is, by its form:
 
@@ -30,25 +30,34 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, NamedTuple, TextIO
 
 import numpy as np
 import torch
 
 from .datasets_dir import is_dataset_dir
-from .text import default_corpus
+from .text import DEFAULT_SOURCE, default_corpus
 from .token_file import SHARD_SUFFIX, TokenShard, first_token_at_least, open_tokens, scan_chunks, token_shards
 from .tokenize import tokenize_cached
 from .tokenizer import BYTES, Tokenizer, check_tokenizer_fits, load_tokenizer
-from .windows import DEFAULT_SOURCE, TokenWindows
 
-__all__ = ["load_tokens", "source_kind"]
+__all__ = ["TokenStream", "read_tokens", "source_kind"]
 
 
-def load_tokens(path: str | os.PathLike | None, *, seq: int, tokenizer: str | os.PathLike | Tokenizer | None = None,
+class TokenStream(NamedTuple):
+    """What a corpus holds: its tokens, a name for messages, its vocabulary and its EOS."""
+
+    tokens: Any
+    """a LongTensor [n] (the embedded corpus), or a 1-D integer numpy array, memmap or ShardedTokens"""
+    source: str
+    vocab_size: int = BYTES.vocab_size
+    eos_id: int | None = None
+
+
+def read_tokens(path: str | os.PathLike | None, *, tokenizer: str | os.PathLike | Tokenizer | None = None,
                 field: str = "text", dtype: str = "uint16", vocab: int | None = None,
-                log: TextIO | None = None) -> TokenWindows:
-    """Windows of `seq` over the tokens of `path` (see the module doc for what it may be).
+                log: TextIO | None = None) -> TokenStream:
+    """The tokens of `path` (see the module doc for what it may be).
 
     tokenizer: None (bytes), a model or tokenizer directory, a tokenizer.json, or a loaded
     `Tokenizer`; it tokenizes text, JSONL and datasets, and gives a token file its EOS for
@@ -62,20 +71,20 @@ def load_tokens(path: str | os.PathLike | None, *, seq: int, tokenizer: str | os
     if vocab is not None and not (kind == "tokens" and is_bytes):
         check_tokenizer_fits(tok, vocab)  # a token file without a tokenizer is checked by its ids alone
     if path is None:
-        return _embedded(tok, seq)
+        return _embedded(tok)
     file = Path(path)
     if kind == "tokens":
-        return _token_file(file, seq, None if is_bytes else tok, dtype, vocab)
+        return _token_file(file, None if is_bytes else tok, dtype, vocab)
     if kind == "text" and is_bytes:
-        return TokenWindows(_text_bytes(file), seq, str(path), BYTES.vocab_size)
+        return TokenStream(_text_bytes(file), str(path), BYTES.vocab_size)
     cached = tokenize_cached(file, tok, field=field, kind=kind, log=log if log is not None else sys.stderr)
     if vocab is not None and cached.max_id >= vocab:
         raise ValueError(_beyond(cached.max_id, None, str(path), vocab, cached.dtype))
-    return TokenWindows(cached.shard().memmap(), seq, str(path), tok.vocab_size, cached.eos_id)
+    return TokenStream(cached.shard().memmap(), str(path), tok.vocab_size, cached.eos_id)
 
 
 def source_kind(path: Path) -> str:
-    """"tokens", "datasets", "jsonl" or "text": how `load_tokens` reads `path`. Raises
+    """"tokens", "datasets", "jsonl" or "text": how `read_tokens` reads `path`. Raises
     ValueError for a path that is none of them."""
     if path.is_dir():
         if is_dataset_dir(path):
@@ -93,13 +102,13 @@ def source_kind(path: Path) -> str:
     return "tokens" if suffix == SHARD_SUFFIX else "jsonl" if suffix == ".jsonl" else "text"
 
 
-def _embedded(tok: Tokenizer, seq: int) -> TokenWindows:
+def _embedded(tok: Tokenizer) -> TokenStream:
     data = default_corpus()
     if tok.backend is None:  # as always: the bytes, in memory
-        return TokenWindows(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.long), seq, DEFAULT_SOURCE)
+        return TokenStream(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.long), DEFAULT_SOURCE)
     # about 460 kB: tokenized in memory, one document (nowhere to cache beside the interpreter's files)
     ids = tok.encode(data.decode("utf-8")) + ([] if tok.eos_id is None else [tok.eos_id])
-    return TokenWindows(np.asarray(ids, dtype=np.int64), seq, DEFAULT_SOURCE, tok.vocab_size, tok.eos_id)
+    return TokenStream(np.asarray(ids, dtype=np.int64), DEFAULT_SOURCE, tok.vocab_size, tok.eos_id)
 
 
 def _text_bytes(file: Path) -> np.memmap:
@@ -113,7 +122,7 @@ def _text_bytes(file: Path) -> np.memmap:
         raise ValueError(f"cannot read data file {str(file)!r}: {err.strerror}") from None
 
 
-def _token_file(path: Path, seq: int, tok: Tokenizer | None, dtype: str, vocab: int | None) -> TokenWindows:
+def _token_file(path: Path, tok: Tokenizer | None, dtype: str, vocab: int | None) -> TokenStream:
     shards = token_shards(path, dtype)
     if vocab is not None:
         bad = first_token_at_least(shards, vocab)
@@ -125,7 +134,7 @@ def _token_file(path: Path, seq: int, tok: Tokenizer | None, dtype: str, vocab: 
         vocab_size = tok.vocab_size
     else:  # nothing says how large the vocabulary is: the ids say
         vocab_size = max(int(view.max()) for _, _, view in scan_chunks(shards)) + 1
-    return TokenWindows(open_tokens(shards), seq, str(path), vocab_size, None if tok is None else tok.eos_id)
+    return TokenStream(open_tokens(shards), str(path), vocab_size, None if tok is None else tok.eos_id)
 
 
 def _beyond(token: int, at: int | None, where: str, vocab: int, dtype: str) -> str:

@@ -1,24 +1,13 @@
-"""Text as bytes: a byte tokenizer, the embedded corpus, and token windows over a text file.
+"""Text as bytes: a byte tokenizer and the embedded corpus.
 
-    >>> data = TokenWindows.load(None, seq=64)          # Python's own help topics, no download
-    >>> inputs, targets = data.batch(step=0, batch_size=8, seed=0)   # LongTensor [8, 64] each
-    >>> data = TokenWindows.load("notes.txt", seq=64)   # any text file (pipeblocks train --data FILE)
+    >>> ByteTokenizer.encode("hi")                 # tensor([104, 105])
+    >>> data, name = read_corpus(None)             # the embedded corpus, whole: (bytes, "pydoc_data.topics")
 
-Tokens are the file's UTF-8 bytes (vocab 256), so any file works and nothing is trained.
-The default corpus is `pydoc_data.topics`, the help text that ships with CPython (about
-460 kB), joined in sorted-key order. A text file is memory-mapped, not read: its bytes are
-the tokens. Tokenizers, JSONL, saved datasets and pre-tokenized files enter through
-`pipeblocks.data.load_tokens` (sources.py).
-
-A batch is `batch_size` windows of seq+1 consecutive tokens at offsets drawn from a
-generator seeded by (seed, step) alone: step 17 gets the same batch whether the run
-started at step 0 or resumed at step 10, so a checkpoint needs no data cursor.
-
-    >>> train, held = data.split(0.05)      # the last 5% of the tokens never train
-    >>> x, y = held.eval_batch(8)           # the same 8 evenly spaced windows every time
-
-`split` cuts the token stream once, at a token boundary: no training window reaches into
-the held-out tail, whose windows `eval_batch` takes for the held-out loss (windows.py).
+Tokens are UTF-8 bytes (vocab 256), so any file works and nothing is trained. The default
+corpus is `pydoc_data.topics`, the help text that ships with CPython (about 460 kB), joined
+in sorted-key order. Training windows over a text file (memory-mapped: its bytes are the
+tokens), and tokenizers, JSONL, saved datasets and pre-tokenized files, enter through
+`pipeblocks.data.load_tokens` (windows.py, reading through sources.py).
 """
 from __future__ import annotations
 
@@ -29,9 +18,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .windows import DEFAULT_SOURCE, MAX_HELD_OUT, TokenWindows
+__all__ = ["ByteTokenizer", "DEFAULT_SOURCE", "default_corpus", "read_corpus"]
 
-__all__ = ["ByteTokenizer", "MAX_HELD_OUT", "TokenWindows", "default_corpus", "read_corpus"]
+DEFAULT_SOURCE = "pydoc_data.topics"
+"""the embedded corpus's name, in messages and reports"""
 
 
 class ByteTokenizer:
@@ -52,7 +42,7 @@ class ByteTokenizer:
 
 def default_corpus() -> bytes:
     """The embedded corpus: CPython's pydoc topics, as UTF-8 bytes."""
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # about 460 kB of text: loaded when the corpus is used
 
     return "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
 

@@ -35,6 +35,7 @@ from typing import TextIO
 
 import numpy as np
 
+from .datasets_dir import dataset_documents
 from .token_file import TokenShard
 from .tokenizer import Tokenizer
 
@@ -108,8 +109,6 @@ def corpus_documents(source: Path, kind: str, field: str = "text") -> Iterator[t
         return _text_pieces(source)
     if kind == "jsonl":
         return _jsonl_documents(source, field)
-    from .datasets_dir import dataset_documents
-
     return dataset_documents(source, field, BATCH_DOCS)
 
 
@@ -339,7 +338,7 @@ class _Progress:
 def _exclusive(lock: Path):
     """Hold an advisory lock on `lock` (where the platform has one) for the block."""
     try:
-        import fcntl
+        import fcntl  # POSIX only: elsewhere the cache is written without a lock
     except ImportError:  # no advisory locks: concurrent builders each write a whole file and rename it
         yield
         return

@@ -86,7 +86,7 @@ def load_tokenizer(source: str | Path | None) -> Tokenizer:
     if path.is_dir() and not file.is_file():
         raise ValueError(_missing_file_message(path))
     try:
-        import tokenizers
+        import tokenizers  # optional (the hf extra)
     except ImportError:
         raise ValueError(f"--tokenizer {str(source)!r} needs the tokenizers library: pip install -e .[hf]") from None
     try:

@@ -1,6 +1,10 @@
-"""A token stream cut into training windows, drawn by (seed, step) alone.
+"""A token stream cut into training windows, drawn by (seed, step) alone; `load_tokens`,
+the one entry for training data: any corpus a user brings, as memory-mapped token windows.
 
-    >>> data = TokenWindows.load(None, seq=64)          # Python's own help topics, no download
+    >>> data = load_tokens(None, seq=256)                                # the embedded corpus, bytes
+    >>> data = load_tokens("notes.txt", seq=256, tokenizer="models/qwen2", vocab=151936)
+    >>> data = load_tokens("shards/", seq=1024, dtype="uint32", vocab=151936)    # every *.bin in it
+    >>> data = TokenWindows.load(None, seq=64)          # the same as load_tokens(None, seq=64)
     >>> inputs, targets = data.batch(step=0, batch_size=8, seed=0)   # LongTensor [8, 64] each
     >>> train, held = data.split(0.05)      # the last 5% of the tokens never train
     >>> x, y = held.eval_batch(8)           # the same 8 evenly spaced windows every time
@@ -23,16 +27,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TextIO
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from .sources import read_tokens
+from .text import DEFAULT_SOURCE
 from .token_file import release_pages
+from .tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_SOURCE", "MAX_HELD_OUT", "TokenWindows"]
+__all__ = ["MAX_HELD_OUT", "TokenWindows", "load_tokens"]
 
-DEFAULT_SOURCE = "pydoc_data.topics"
 MAX_HELD_OUT = 0.5
 """the largest share of the corpus `split` holds out"""
 _EOS_SEARCH_CHUNK = 1 << 20
@@ -66,9 +73,7 @@ class TokenWindows:
     @staticmethod
     def load(path: str | os.PathLike | None, *, seq: int) -> TokenWindows:
         """Byte tokens of a text file (None: the embedded corpus), in windows of `seq`; for
-        tokenizers, JSONL and token files see `pipeblocks.data.load_tokens`."""
-        from .sources import load_tokens
-
+        tokenizers, JSONL and token files see `load_tokens`."""
         return load_tokens(path, seq=seq)
 
     @property
@@ -141,6 +146,15 @@ class TokenWindows:
                 return lo + int(found[-1]) + 1
             hi = lo
         return cut
+
+
+def load_tokens(path: str | os.PathLike | None, *, seq: int, tokenizer: str | os.PathLike | Tokenizer | None = None,
+                field: str = "text", dtype: str = "uint16", vocab: int | None = None,
+                log: TextIO | None = None) -> TokenWindows:
+    """Windows of `seq` over the tokens of `path`, read by `sources.read_tokens` with the
+    other arguments (its doc says what each may be)."""
+    stream = read_tokens(path, tokenizer=tokenizer, field=field, dtype=dtype, vocab=vocab, log=log)
+    return TokenWindows(stream.tokens, seq, stream.source, stream.vocab_size, stream.eos_id)
 
 
 def _mix(seed: int, step: int) -> int:

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 
 from ..core.ir.actions import Action
 from ..core.ir.errors import ScheduleError
-from ..core.ir.ops import format_op, parse_op
+from ..core.ir.ops import Comm, DPOp, OptimizerStep, Overlap, Recompute, format_op, parse_op
 from ..core.ir.placement import Placement
-from ..core.ir.program import Comm, DPOp, OptimizerStep, Overlap, Program, Recompute
+from ..core.ir.program import Program
 from ..core.ir.schedule import Schedule
 from .torch_pipelining import _TO_TORCH, from_torch_rows, to_torch_rows
 

@@ -30,7 +30,7 @@ _HOME = {
     "ModelSpec": "spec", "register_model": "spec", "load_spec": "spec", "model_logits": "spec",
     "ModelShape": "..core.cost.model_shape",
     "build_stages": "build", "build_model": "build", "split_stages": "build", "spec_of": "build",
-    "GPTConfig": "config", "GPT": "gpt", "causal_attention": "gpt", "cross_entropy": "gpt", "gpt_spec": "gpt",
+    "GPTConfig": "config", "GPT": "gpt", "causal_attention": "gpt", "cross_entropy": "spec", "gpt_spec": "gpt",
     "layer_counts": "..core.cost.split", "layer_ranges": "layout",
     "LlamaConfig": "llama_config", "Llama": "llama", "llama_spec": "llama",
     "Layout": "layout", "Stage": "stage", "TiedPair": "stage", "BlockAdapter": "adapter", "split_model": "splitter",

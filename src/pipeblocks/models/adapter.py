@@ -29,9 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
-    from .stage import Stage
-
-__all__ = ["BlockAdapter", "KVExtenderLike", "SequenceChunkLike"]
+__all__ = ["BlockAdapter", "KVExtenderLike", "SequenceChunkLike", "StageLike"]
 
 
 class KVExtenderLike(Protocol):
@@ -48,6 +46,12 @@ class SequenceChunkLike(Protocol):
     def kv(self, layer: str) -> KVExtenderLike: ...
 
 
+class StageLike(Protocol):
+    """What an adapter reads of the `Stage` it runs (a protocol: the stage runs its adapter)."""
+
+    def part(self, path: str) -> nn.Module: ...
+
+
 class BlockAdapter:
     """The default convention; subclass and override what your model needs.
 
@@ -61,7 +65,7 @@ class BlockAdapter:
         """Stage 0, before the blocks: the input (token ids) to the hidden state."""
         return module(x)
 
-    def context(self, stage: Stage, h: Any, chunk: SequenceChunkLike | None) -> Any:
+    def context(self, stage: StageLike, h: Any, chunk: SequenceChunkLike | None) -> Any:
         """Once per forward, on the hidden state entering the blocks: what the blocks need beside it."""
         return chunk
 

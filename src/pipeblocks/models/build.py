@@ -20,9 +20,15 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from .config import GPTConfig
+from .gpt import gpt_spec
 from .layout import block_ranges
+from .llama import llama_spec
+from .llama_config import LlamaConfig
 from .spec import ModelSpec
+from .splitter import allocate_stages, default_dtype, skeleton_stage, split_model
 from .stage import Stage
+from .tp_plan import parallelize_stage
 
 __all__ = ["build_model", "build_stages", "check_weights", "spec_of", "split_stages", "stage_parameter_shapes"]
 
@@ -31,16 +37,9 @@ def spec_of(model: Any) -> ModelSpec:
     """The spec `model` stands for: a ModelSpec itself, or the built-in model of a GPTConfig / LlamaConfig."""
     if isinstance(model, ModelSpec):
         return model
-    from .config import GPTConfig
-    from .llama_config import LlamaConfig
-
     if isinstance(model, GPTConfig):
-        from .gpt import gpt_spec
-
         return gpt_spec(model)
     if isinstance(model, LlamaConfig):
-        from .llama import llama_spec
-
         return llama_spec(model)
     raise TypeError(f"expected a ModelSpec (or a GPTConfig / LlamaConfig of a built-in model), got {type(model).__name__}")
 
@@ -59,14 +58,10 @@ def build_stages(
     """Only the listed stages (global indices) of `model` (a spec or a built-in config), on
     `device`, in `dtype` (default: the model's own). tp_mesh: shard them over this
     tensor-parallel mesh by the spec's plan, each rank filling only its shards."""
-    from .splitter import allocate_stages
-
     spec = spec_of(model)
     block_ranges(spec.shape.layers, num_stages, counts)  # the sizes' errors before anything is built
     prepare = None
     if tp_mesh is not None:
-        from ..runtime.tensor_parallel import parallelize_stage
-
         plan = tp_plan_of(spec)
         prepare = lambda stage: parallelize_stage(stage, plan, tp_mesh)  # noqa: E731
     source = {"weights": spec.weights} if spec.weights is not None else {"init": spec.init(seed)}
@@ -85,8 +80,6 @@ def tp_plan_of(spec: ModelSpec):
 def build_model(model: Any, *, seed: int = 0, dtype: torch.dtype | None = None) -> nn.Module:
     """The whole model, with the weights its stages get (`spec.init(seed)`, or the pretrained
     weights): what one process trains as the reference of `--verify`."""
-    from .splitter import default_dtype
-
     spec = spec_of(model)
     with default_dtype(dtype):
         whole = spec.build()
@@ -104,8 +97,6 @@ def build_model(model: Any, *, seed: int = 0, dtype: torch.dtype | None = None) 
 
 def split_stages(model: Any, whole: nn.Module, num_stages: int, *, counts: Sequence[int] | None = None) -> list[Stage]:
     """Every stage of `whole` (from `build_model`), sharing its parameters."""
-    from .splitter import split_model
-
     spec = spec_of(model)
     return split_model(whole, spec.layout, num_stages, adapter=spec.adapter, counts=counts)
 
@@ -113,8 +104,6 @@ def split_stages(model: Any, whole: nn.Module, num_stages: int, *, counts: Seque
 def stage_parameter_shapes(model: Any, num_stages: int, stage: int) -> dict[str, tuple[int, ...]]:
     """{name: shape} of the parameters stage `stage` holds, a tied head's copy left out (it is
     the embedding's weight), read off a skeleton on the meta device: nothing is allocated."""
-    from .splitter import skeleton_stage
-
     built = skeleton_stage(spec_of(model), num_stages, stage)
     copies = {pair.last for pair in built.tied}
     return {name: tuple(p.shape) for name, p in built.named_parameters() if name not in copies}
@@ -124,8 +113,6 @@ def check_weights(model: Any) -> None:
     """A pretrained spec's weights hold every parameter the model has, in its shape (read off
     the files' headers and a meta skeleton: nothing is loaded); the first miss is a ValueError
     naming the tensor (and both shapes). A spec without weights checks nothing."""
-    from .splitter import skeleton_stage
-
     spec = spec_of(model)
     if spec.weights is None or not hasattr(spec.weights, "shape"):
         return

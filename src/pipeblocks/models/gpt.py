@@ -52,16 +52,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.cost.model_shape import ModelShape
 from .adapter import BlockAdapter
 from .config import GPTConfig
 from .init import seeded_normal_
 from .layout import Layout
+from .shapes import gpt_shape
+from .spec import ModelSpec, cross_entropy
+from .tp_plan import TPPlan
 
 __all__ = [
     "GPTConfig", "GPT", "Embedding", "Block", "Head", "CausalSelfAttention", "MLP", "KVExtender", "GPT_LAYOUT",
-    "GPTAdapter", "causal_attention", "bottom_right_mask", "init_parameters", "parameter_init", "cross_entropy",
-    "gpt_shape", "gpt_spec", "gpt_tp_plan",
+    "GPTAdapter", "causal_attention", "bottom_right_mask", "init_parameters", "parameter_init",
+    "gpt_spec", "gpt_tp_plan",
 ]
 
 GPT_LAYOUT = Layout(blocks="blocks", before=("embed",), after=("head",))
@@ -246,16 +248,6 @@ def parameter_init(cfg: GPTConfig, *, seed: int) -> Callable[[str, Tensor], None
     return init
 
 
-def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean next-token cross-entropy: logits [b, s, V], targets LongTensor [b, s].
-
-    Computed in float32 or wider: bfloat16 or float16 logits are upcast first.
-    """
-    if logits.is_floating_point() and torch.finfo(logits.dtype).bits < 32:
-        logits = logits.float()
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-
 class GPTAdapter(BlockAdapter):
     """The embedding takes the chunk's position offset; each block takes its K/V extender."""
 
@@ -268,16 +260,8 @@ class GPTAdapter(BlockAdapter):
         return block(h, ctx.kv(name) if ctx is not None else None)
 
 
-def gpt_shape(cfg: GPTConfig) -> ModelShape:
-    """The reference GPT's sizes as the simulator reads them."""
-    return ModelShape(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, vocab=cfg.vocab,
-                      ffn=cfg.mlp_ratio * cfg.hidden, context=cfg.seq)
-
-
 def gpt_spec(cfg: GPTConfig):
     """The reference GPT of `cfg` as a `ModelSpec` (weights from the run's seed)."""
-    from .spec import ModelSpec
-
     return ModelSpec(name="gpt", title="GPT", build=lambda: GPT(cfg, seed=0), layout=GPT_LAYOUT,
                      shape=gpt_shape(cfg), init=lambda seed: parameter_init(cfg, seed=seed), adapter=GPTAdapter(),
                      loss=cross_entropy, tp_plan=gpt_tp_plan)
@@ -288,12 +272,10 @@ def gpt_tp_plan():
     columns (heads, inner features), the attention and MLP outputs by rows; token and
     position tables split by rows, the LM head by vocabulary columns; LayerNorms run on the
     token shard (sequence parallelism)."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard  # DTensor takes 0.4 s to import: loaded only for a tensor-parallel run
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
     )
-
-    from .tp_plan import TPPlan
 
     block = {
         "ln1": SequenceParallel(),

@@ -25,8 +25,9 @@ from torch import Tensor, nn
 from .hf.adapter import HF_LAYOUT, MISSING_TRANSFORMERS, HFDecoderAdapter, require_transformers
 from .hf.tp import hf_tp_plan
 from .init import normal_init
-from .llama import llama_shape
 from .llama_config import LlamaConfig
+from .shapes import llama_shape
+from .spec import HFExport, ModelSpec
 
 __all__ = ["MISSING_TRANSFORMERS", "build_hf_llama", "hf_config", "hf_llama_spec", "llama_config_json", "llama_hf_name",
            "parameter_init"]
@@ -63,8 +64,6 @@ def parameter_init(cfg: LlamaConfig, *, seed: int) -> Callable[[str, Tensor], No
 
 def hf_llama_spec(cfg: LlamaConfig, *, attn_implementation: str = "sdpa"):
     """HF's Llama of `cfg` as a `ModelSpec` (weights from the run's seed)."""
-    from .spec import HFExport, ModelSpec
-
     require_transformers()
     return ModelSpec(name="hf-llama", title="Hugging Face Llama",
                      build=partial(build_hf_llama, cfg, attn_implementation=attn_implementation), layout=HF_LAYOUT,

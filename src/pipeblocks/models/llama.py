@@ -35,22 +35,26 @@ the keys and values of this and earlier chunks (kv_heads heads) and the causal m
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.cost.model_shape import ModelShape
 from .adapter import BlockAdapter, KVExtenderLike, SequenceChunkLike
+from .hf_llama import llama_config_json, llama_hf_name
 from .init import seeded_normal_
 from .layout import Layout
 from .llama_config import LlamaConfig
+from .shapes import llama_shape
+from .spec import HFExport, ModelSpec, cross_entropy
 from .stage import Stage
+from .tp_plan import TPPlan
 
 __all__ = [
     "LlamaConfig", "Llama", "LlamaBlock", "Attention", "SwiGLU", "Rotary", "apply_rotary",
-    "LLAMA_LAYOUT", "LlamaAdapter", "parameter_init", "llama_shape", "llama_spec", "llama_tp_plan",
+    "LLAMA_LAYOUT", "LlamaAdapter", "parameter_init", "llama_spec", "llama_tp_plan",
 ]
 
 LLAMA_LAYOUT = Layout(blocks="blocks", before=("embed",), after=("norm", "head"), shared=("rotary",))
@@ -196,22 +200,8 @@ class LlamaAdapter(BlockAdapter):
         return block(h, ctx.cos, ctx.sin, ctx.chunk.kv(name) if ctx.chunk is not None else None)
 
 
-def llama_shape(cfg: LlamaConfig) -> ModelShape:
-    """The Llama-style model's sizes as the simulator reads them (Hugging Face's Llama of the
-    same config has the same)."""
-    return ModelShape(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, vocab=cfg.vocab, kv_heads=cfg.kv_heads,
-                      ffn=cfg.intermediate_size, mlp="swiglu", norm="rmsnorm", positions="rotary", context=cfg.seq,
-                      linear_bias=False)
-
-
 def llama_spec(cfg: LlamaConfig):
     """The built-in Llama-style model of `cfg` as a `ModelSpec` (weights from the run's seed)."""
-    from functools import partial
-
-    from .gpt import cross_entropy
-    from .hf_llama import llama_config_json, llama_hf_name
-    from .spec import HFExport, ModelSpec
-
     return ModelSpec(name="llama", title="Llama", build=lambda: Llama(cfg, seed=0), layout=LLAMA_LAYOUT,
                      shape=llama_shape(cfg), init=lambda seed: parameter_init(cfg, seed=seed), adapter=LlamaAdapter(),
                      loss=cross_entropy, tp_plan=llama_tp_plan,
@@ -222,12 +212,10 @@ def llama_tp_plan():
     """The Llama-style model's tensor-parallel plan (`models.tp_plan`): q, k, v, gate and up
     split by columns (heads, KV heads, inner features), o_proj and down_proj by rows; the
     embedding by vocabulary rows, the head by vocabulary columns; RMSNorms on the token shard."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard  # DTensor takes 0.4 s to import: loaded only for a tensor-parallel run
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
     )
-
-    from .tp_plan import TPPlan
 
     block = {
         "attn_norm": SequenceParallel(),

@@ -40,6 +40,7 @@ NAME is a ModelSpec, or a function of no arguments that returns one.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,17 +58,21 @@ if TYPE_CHECKING:
     from .tp_plan import TPPlan
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "HFExport", "ModelSpec", "load_spec", "model_logits", "portable_reference", "register_model",
-    "registered_models",
+    "ENTRY_POINT_GROUP", "HFExport", "ModelSpec", "cross_entropy", "load_spec", "model_logits", "portable_reference",
+    "register_model", "registered_models",
 ]
 
 ENTRY_POINT_GROUP = "pipeblocks.models"
 
 
-def _cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
-    from .gpt import cross_entropy
+def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy, every spec's default loss: logits [b, s, V], targets
+    LongTensor [b, s]. Computed in float32 or wider: bfloat16 or float16 logits are upcast first."""
+    import torch  # torch is heavy: specs are read on the torch-free command-line paths
 
-    return cross_entropy(logits, targets)
+    if logits.is_floating_point() and torch.finfo(logits.dtype).bits < 32:
+        logits = logits.float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def _same_name(name: str) -> str:
@@ -98,7 +103,7 @@ class ModelSpec:
     init: Callable[[int], ParamInit] | None = None
     weights: WeightSource | None = None
     adapter: BlockAdapter = field(default_factory=BlockAdapter)
-    loss: Callable[[Tensor, Tensor], Tensor] = _cross_entropy
+    loss: Callable[[Tensor, Tensor], Tensor] = cross_entropy
     tp_plan: Callable[[], TPPlan] | None = None
     export: HFExport | None = None
     title: str | None = None
@@ -218,9 +223,7 @@ def _registered(name: str) -> ModelSpec:
 
 
 def _entry_points() -> list:
-    from importlib.metadata import entry_points
-
-    return list(entry_points(group=ENTRY_POINT_GROUP))
+    return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
 
 
 def _as_spec(value: Any, text: str) -> ModelSpec:

@@ -35,10 +35,18 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import schedules
+from ..models.build import build_model, split_stages
+from ..models.family import get_family
+from ..models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
+from ..sim.overhead import local_gaps
 from .backward import input_backward
+from .launch import spawn
 from .profile import profile_stage_memory, profile_stage_times
+from .runner import PipelineRunner
 
 __all__ = [
     "Shape", "PassMeasure", "ShapePoint", "PassCount", "GemmCounter", "count_stage_passes", "measure_shape",
@@ -234,9 +242,6 @@ def measure_shape(
     repeats: int = 5, seed: int = 0,
 ) -> ShapePoint:
     """Time and count one shape (see the module docstring); the weights of `seed`."""
-    from ..models.build import build_model, split_stages
-    from ..models.family import get_family
-
     device = torch.device(device)
     fam = get_family(family)
     dtype = COMPUTE_DTYPES[precision]
@@ -324,8 +329,6 @@ LINK_SIZES = (4, 4096, 65536, 1 << 20, 4 << 20)
 
 
 def _link_worker(ctx, sizes: Sequence[int], rounds: int) -> dict:
-    import torch.distributed as dist
-
     device = ctx.device
     p2p, reduce = [], []
     for size in sizes:
@@ -360,13 +363,6 @@ def _between_passes(ctx, steps: int = 6, warmup: int = 2) -> float | None:
     """The runtime's own time between two passes of a rank (`sim.overhead.local_gaps`, as the
     train report measures it), on a tiny model over the first two ranks with 1F1B: what a
     run adds to every pass beyond its compute. None on the other ranks."""
-    import torch.distributed as dist
-
-    from .. import schedules
-    from ..models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
-    from ..sim.overhead import local_gaps
-    from .runner import PipelineRunner
-
     if ctx.world_size != 2:
         return None
     schedule = schedules.get("1f1b")(p=2, m=8)
@@ -390,8 +386,6 @@ def measure_links(device: torch.device | str = "cpu", *, ranks: int = 2, sizes: 
     """Median one-way point-to-point time (ranks 0 and 1, ping-pong / 2) and all-reduce time
     over `ranks` local processes, per message size in bytes: {"p2p": [(bytes, s)],
     "all_reduce": [(bytes, s)], "ranks", "backend"} (gloo on CPU, NCCL on GPUs)."""
-    from .launch import spawn
-
     kind = torch.device(device).type
     results = spawn(_link_worker, ranks, args=(tuple(sizes), rounds), timeout_s=timeout_s, threads_per_rank=1,
                     device=kind)

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ..core.ir.actions import Action
-from ..core.ir.program import Comm, Overlap, Program
+from ..core.ir.ops import Comm, Overlap
+from ..core.ir.program import Program
 
 __all__ = ["PeerTimeoutError", "Tags", "leaf_key", "receive_posts", "Mailbox"]
 

@@ -58,11 +58,10 @@ import torch.distributed as dist
 
 from ..core.ir.actions import Action
 from ..core.ir.dp_units import DPUnits
-from ..core.ir.program import DPOp, Op, Recompute
-from ..core.ir.sharding import ShardingPolicy
+from ..core.ir.ops import DPOp, Op, Recompute
+from ..core.ir.sharding import FSDP_POLICIES as _FSDP, ShardingPolicy
 from .chunk_optimizers import ChunkOptimizers
 from .comm import PeerTimeoutError
-from ..core.ir.sharding import FSDP_POLICIES as _FSDP
 from .dp_chunks import ChunkState, UnitState, reduce_scatter_chunk, shard_chunk
 from .dp_measure import chunk_static_tensors, held_bytes, measure_link
 from .dp_overlap import DPEvent, GathersAhead, InPassReductions

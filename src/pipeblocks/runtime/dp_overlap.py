@@ -43,7 +43,7 @@ from collections import deque
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 from ..core.ir.actions import Action, Kind
-from ..core.ir.program import DPOp, Op, Recompute
+from ..core.ir.ops import DPOp, Op, Recompute
 from ..core.ir.sharding import FSDP_POLICIES
 from .dp_chunks import ChunkState, UnitState
 from .dp_units import GradReadiness, unsharded_leaves

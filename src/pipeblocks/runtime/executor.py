@@ -57,8 +57,8 @@ from typing import Callable
 import torch
 
 from ..core.ir.actions import Action, Kind
-from ..core.ir.ops import ACTION, DP, OVERLAP, P2P, RECOMPUTE, STEP, VOCAB, require_known
-from ..core.ir.program import Comm, DPOp, OptimizerStep, Overlap, Program, Recompute
+from ..core.ir.ops import ACTION, Comm, DP, DPOp, OVERLAP, OptimizerStep, Overlap, P2P, RECOMPUTE, Recompute, STEP, VOCAB, require_known
+from ..core.ir.program import Program
 from ..core.lowering.recompute import recompute_units
 from ..core.ir.vocab import VocabPass
 from .comm import Mailbox, Tags, leaf_key, receive_posts
@@ -221,29 +221,19 @@ class RankExecutor:
         losses: dict[int, float] = {}
         events: list[tuple[Action, float, float]] = []
         wait_s = 0.0
-        mailbox, clock, device, plan = self.mailbox, self.clock, self.device, self._plan
+        mailbox, clock, plan = self.mailbox, self.clock, self._plan
         posted = -1  # the receives of every op up to this index are posted
         limit_of, limit = self._limit_of, None
         for index, (posts, code, op, key, peer, tag, extra) in enumerate(plan):
             if limit_of is not None:
                 limit = limit_of()
             if index > posted:
-                for recv_key, spec, recv_peer, recv_tag in posts:
-                    if limit is None or recv_key[2] < limit:
-                        mailbox.recv(recv_key, spec.empty(device), recv_peer, recv_tag)
+                self._post(posts, limit)
                 posted = index
             if limit is not None and _microbatch_of(code, op, key) >= limit:
                 continue  # drained: this microbatch never entered the pipeline
             if code is _SEND:
-                value = ready.pop(key)
-                leaves = [value] if isinstance(value, torch.Tensor) else leaves_of(value)
-                if len(leaves) != len(extra):
-                    raise ActionError(
-                        f"rank {self.rank}: {op} has {len(leaves)} tensors to send, but the shape pass planned "
-                        f"{len(extra)}: a backward must return one gradient per floating leaf of its input"
-                    )
-                for tensor, (leaf_tag, label) in zip(leaves, extra):
-                    mailbox.send(tensor if tensor.is_contiguous() else tensor.contiguous(), peer, leaf_tag, label)
+                self._send(op, ready.pop(key), peer, extra)
                 continue
             if code is _RECV:
                 label, layout, keys = extra
@@ -251,9 +241,7 @@ class RankExecutor:
                     # Idle until the transfer lands: post the receives due before the next pass
                     # now, so that their cost is not paid between the hand-over and that pass.
                     for ahead in range(posted + 1, tag + 1):
-                        for recv_key, spec, recv_peer, recv_tag in plan[ahead][0]:
-                            if limit is None or recv_key[2] < limit:
-                                mailbox.recv(recv_key, spec.empty(device), recv_peer, recv_tag)
+                        self._post(plan[ahead][0], limit)
                     posted = max(posted, tag)
                 start = clock()
                 if layout is TENSOR:
@@ -281,21 +269,7 @@ class RankExecutor:
             if code is _PAIR:
                 self._pair(op, ready, units, losses, inputs, targets, side, events)
                 continue
-            if self.dp is not None:
-                self.dp.before_compute(op.stage, op)
-            start = clock()
-            try:
-                if code is _RECOMPUTE:
-                    self.compute.recompute(op.stage, units[key])
-                else:
-                    self._compute(op, ready, units, losses, inputs, targets, side)
-            except (SpecMismatchError, ActionError):
-                raise
-            except Exception as err:
-                raise ActionError(f"rank {self.rank}, action {op}: {type(err).__name__}: {err}") from err
-            events.append((op, start, clock()))
-            if self.dp is not None:
-                self.dp.after_compute()
+            self._timed_compute(code, op, key, ready, units, losses, inputs, targets, side, events)
         start = clock()
         mailbox.finish()
         wait_s += clock() - start
@@ -303,6 +277,42 @@ class RankExecutor:
         if leftover or ready:
             raise RuntimeError(f"rank {self.rank}: step ended with unconsumed state {leftover or list(ready)}")
         return RankRecord(tuple(events), tuple(losses[i] for i in sorted(losses)), wait_s)
+
+    def _post(self, posts, limit: int | None) -> None:
+        """Post the receives `posts` of one op (those of microbatches below `limit`)."""
+        for recv_key, spec, recv_peer, recv_tag in posts:
+            if limit is None or recv_key[2] < limit:
+                self.mailbox.recv(recv_key, spec.empty(self.device), recv_peer, recv_tag)
+
+    def _send(self, op, value, peer: int, leaf_tags) -> None:
+        """Send each floating leaf of `value` to `peer`, as the shape pass planned them."""
+        leaves = [value] if isinstance(value, torch.Tensor) else leaves_of(value)
+        if len(leaves) != len(leaf_tags):
+            raise ActionError(
+                f"rank {self.rank}: {op} has {len(leaves)} tensors to send, but the shape pass planned "
+                f"{len(leaf_tags)}: a backward must return one gradient per floating leaf of its input"
+            )
+        for tensor, (leaf_tag, label) in zip(leaves, leaf_tags):
+            self.mailbox.send(tensor if tensor.is_contiguous() else tensor.contiguous(), peer, leaf_tag, label)
+
+    def _timed_compute(self, code, op, key, ready, units, losses, inputs, targets, side, events) -> None:
+        """Run one compute action or recomputation between the DP hooks, its event recorded;
+        an error names the rank and the action."""
+        if self.dp is not None:
+            self.dp.before_compute(op.stage, op)
+        start = self.clock()
+        try:
+            if code is _RECOMPUTE:
+                self.compute.recompute(op.stage, units[key])
+            else:
+                self._compute(op, ready, units, losses, inputs, targets, side)
+        except (SpecMismatchError, ActionError):
+            raise
+        except Exception as err:
+            raise ActionError(f"rank {self.rank}, action {op}: {type(err).__name__}: {err}") from err
+        events.append((op, start, self.clock()))
+        if self.dp is not None:
+            self.dp.after_compute()
 
     def _pair(self, op: Overlap, ready, units, losses, inputs, targets, side, events) -> None:
         """An overlapped pair: the stage modules' hook runs both parts at once where it exists

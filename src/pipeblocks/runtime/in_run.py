@@ -19,8 +19,15 @@ from __future__ import annotations
 import statistics
 
 import torch
+import torch.distributed as dist
 
+from .. import schedules
+from ..core.ir.actions import Action
+from ..models.build import build_model, split_stages
+from ..models.family import get_family
 from .calibrate import COMPUTE_DTYPES, Shape
+from .launch import spawn
+from .runner import PipelineRunner
 
 __all__ = ["IN_RUN_SCHEDULES", "IN_RUN_LAYERS", "measure_in_run", "in_run_model"]
 
@@ -32,9 +39,6 @@ IN_RUN_LAYERS = 4
 
 def in_run_model(family: str, shape: Shape, precision: str, num_stages: int):
     """(the family's spec, its stages in the compute dtype) of the measured model, seed 0."""
-    from ..models.build import build_model, split_stages
-    from ..models.family import get_family
-
     fam = get_family(family)
     config = fam.config(layers=IN_RUN_LAYERS, hidden=shape.hidden, heads=shape.heads, seq=shape.seq, vocab=256,
                         dtype="float64" if precision == "fp64" else "float32")
@@ -44,11 +48,6 @@ def in_run_model(family: str, shape: Shape, precision: str, num_stages: int):
 
 
 def _worker(ctx, family: str, shape: Shape, precision: str, m: int, steps: int, warmup: int) -> dict | None:
-    import torch.distributed as dist
-
-    from .. import schedules
-    from ..core.ir.actions import Action
-    from .runner import PipelineRunner
 
     out = {}
     for name in IN_RUN_SCHEDULES:
@@ -79,8 +78,6 @@ def measure_in_run(family: str, shape: Shape, *, precision: str, threads: int, d
     """{schedule: {"chunks": chunks per rank, "passes": {"<stage><kind>": median seconds}}} of
     `steps` steps after `warmup` of each of IN_RUN_SCHEDULES, on two local processes with
     `threads` torch threads each."""
-    from .launch import spawn
-
     results = spawn(_worker, 2, args=(family, shape, precision, m, steps, warmup), timeout_s=timeout_s,
                     threads_per_rank=threads, device=torch.device(device).type)
     return results[0]

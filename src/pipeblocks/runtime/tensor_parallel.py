@@ -2,7 +2,7 @@
 
     mesh = init_mesh(pp=2, dp=1, tp=2, device=ctx.device)
     for stage in my_stages:                                   # models.stage.Stage, built whole
-        parallelize_stage(stage, spec.tp_plan(), mesh.tp_mesh)
+        parallelize_stage(stage, spec.tp_plan(), mesh.tp_mesh)     # models.tp_plan
     # then FSDP2 (runtime.data_parallel) and the optimizer, over the sharded parameters
 
 TP comes first, then sharding, as torchtitan composes them: `parallelize_stage` replaces
@@ -31,38 +31,14 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["full_tensor", "local_numel", "parallelize_stage", "planned_shapes", "settle_partial_grads", "tp_local_shape"]
-
-
-def parallelize_stage(stage: nn.Module, plan: Any, tp_mesh) -> nn.Module:
-    """Shard `stage` (a `models.stage.Stage`) over `tp_mesh` in place by `plan` (a
-    `models.tp_plan.TPPlan`), and make its input and output the local token shard; returns it."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
-
-    if getattr(stage, "tp_mesh", None) is not None:
-        raise ValueError(f"stage {stage.index} is already tensor-parallel: parallelize each stage once")
-    for _, block in stage.block_items():
-        parallelize_module(block, tp_mesh, dict(plan.block))
-    if stage.is_first:
-        parallelize_module(stage, tp_mesh, dict(plan.first))
-    else:  # the received token shard, as the DTensor the blocks take
-        parallelize_module(stage, tp_mesh, PrepareModuleInput(input_layouts=(Shard(1),),
-                                                              desired_input_layouts=(Shard(1),)))
-    if stage.is_last:
-        parallelize_module(stage, tp_mesh, dict(plan.last))
-    else:  # the local token shard is what is sent
-        parallelize_module(stage, tp_mesh, PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Shard(1),
-                                                               use_local_output=True))
-    stage.tp_mesh = tp_mesh
-    return stage
+__all__ = ["full_tensor", "local_numel", "planned_shapes", "settle_partial_grads", "tp_local_shape"]
 
 
 def settle_partial_grads(params) -> None:
     """Give every gradient its parameter's placement: the Partial gradients of replicated
     (norm) weights are summed over the tp group here, once, rather than inside every
     optimizer operation that reads them. FSDP2 does the same for the chunks it shards."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # DTensor takes 0.4 s to import: loaded only for a tensor-parallel run
 
     for param in params:
         grad = param.grad
@@ -74,7 +50,7 @@ def tp_local_shape(param) -> tuple[int, ...]:
     """The shape of the share of `param` one tensor-parallel rank holds: its full shape with
     each dimension the "tp" mesh dim shards divided by t (a parameter FSDP2 also shards over
     "dp" counts whole on that dim: the memory model applies the dp sharding itself)."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Shard  # DTensor takes 0.4 s to import: loaded only for a tensor-parallel run
 
     shape = list(param.shape)
     if not isinstance(param, DTensor):
@@ -104,11 +80,11 @@ def full_tensor(tensor):
 
 def planned_shapes(stage: nn.Module, plan: Any, tp: int) -> list[tuple[int, ...]]:
     """The shapes of one tp rank's share of a whole (not yet split) stage's trainable
-    parameters, in `parameters()` order, as `parallelize_stage` would split them: a
+    parameters, in `parameters()` order, as `models.tp_plan.parallelize_stage` would split them: a
     column-wise Linear's weight and bias by rows, a row-wise Linear's weight by columns (its
     bias whole), a row-wise Embedding by rows; the rest (norms) whole. For predictions made
     in one process (`train --dry-run`)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # DTensor takes 0.4 s to import: loaded only for a tensor-parallel run
 
     split: dict[int, int] = {}  # id(parameter) -> the dim split by tp
 

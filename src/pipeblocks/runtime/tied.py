@@ -21,6 +21,7 @@ The gradient norm of the run (clipping, the non-finite check) counts the tied we
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -62,8 +63,6 @@ class TiedWeights:
         if first_rank != last_rank and dist.is_available() and dist.is_initialized():
             group = _pair_group(first_rank, last_rank, mesh)
             source = mesh.global_rank(first_rank) if mesh is not None else first_rank
-        import datetime
-
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         return TiedWeights(first, last, group if (first or last) else None, timeout, source)
 

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..core.cost.vocab_partition import VocabPartition, partition_vocab
@@ -272,8 +273,6 @@ def embedding_weight_grad(tokens: Tensor, grad_output: Tensor, part: VocabPartit
 
 def process_group_all_reduce(group=None) -> AllReduce:
     """An `AllReduce` over a torch.distributed process group (None: the default group)."""
-    import torch.distributed as dist
-
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
     def all_reduce(tensor: Tensor, op: str) -> None:

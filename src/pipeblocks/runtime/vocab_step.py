@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..core.ir.vocab import VocabPass
@@ -88,8 +89,6 @@ class VocabStep:
     def reduce_gradients(self, group, replicas: int) -> None:
         """Data parallelism: the rows' gradients averaged over the `replicas` of the dp `group`
         (the same rows on every replica, as any replicated parameter's)."""
-        import torch.distributed as dist
-
         for table in self.parameters:
             if table.grad is None:
                 table.grad = torch.zeros_like(table)

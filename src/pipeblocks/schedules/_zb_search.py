@@ -44,43 +44,96 @@ _SEARCH_WORK = 2_000_000  # local search replays at most about this many actions
 def list_schedule(
     placement: Placement, m: int, table: StageCosts, limit: float, *, prefer: str = "B"
 ) -> tuple[tuple[Action, ...], ...]:
-    timer = Timer(placement, table, limit)
-    p = placement.num_ranks
-    stages = [placement.stages_of(r) for r in range(p)]
-    next_f = {s: 0 for s in range(placement.num_stages)}
-    next_b = dict(next_f)
-    remaining = 2 * m * placement.num_stages
-    # per rank: microbatches with some but not all of the rank's forwards placed
-    open_mbs: list[dict[int, int]] = [{} for _ in range(p)]
+    """The list scheduler's order of `m` microbatches (module docstring)."""
+    return _ListScheduler(placement, m, Timer(placement, table, limit), prefer).run()
 
-    def reserve(rank: int) -> float:
-        held = 0.0
-        for done in open_mbs[rank].values():
-            held += sum(timer.delta(F_, s) for s in stages[rank][done:])
-        return held
 
-    def f_allowed(rank: int, stage: int, mb: int) -> bool:
-        if mb in open_mbs[rank]:
+class _ListScheduler:
+    """One run of the list scheduler: the timer, and per stage the next F and B to place."""
+
+    def __init__(self, placement: Placement, m: int, timer: Timer, prefer: str) -> None:
+        self.placement, self.m, self.timer, self.prefer = placement, m, timer, prefer
+        self.stages = [placement.stages_of(r) for r in range(placement.num_ranks)]
+        self.next_f = {s: 0 for s in range(placement.num_stages)}
+        self.next_b = dict(self.next_f)
+        # per rank: microbatches with some but not all of the rank's forwards placed
+        self.open_mbs: list[dict[int, int]] = [{} for _ in range(placement.num_ranks)]
+
+    def run(self) -> tuple[tuple[Action, ...], ...]:
+        # A rank's candidate depends on its own state and on the arrival of its inputs, so
+        # only the placing rank and the rank consuming the placed pass need a new one.
+        timer, p = self.timer, self.placement.num_ranks
+        rank_of, last = self.placement.stage_to_rank, self.placement.num_stages - 1
+        remaining = 2 * self.m * self.placement.num_stages
+        cached = [self.candidate(rank) for rank in range(p)]
+        while remaining:
+            chosen = None
+            for rank in range(p):
+                c = cached[rank]
+                if c is not None and (chosen is None or (c[0], c[1]) < (chosen[1][0], chosen[1][1])):
+                    chosen = (rank, c)
+            if chosen is None:
+                raise Unplaceable("list scheduler stalled")
+            rank, (_, is_w, kind, stage) = chosen
+            if is_w:
+                timer.put_w(rank)
+                cached[rank] = self.candidate(rank)
+                continue
+            consumer = stage + 1 if kind is F_ else stage - 1
+            if 0 <= consumer <= last:
+                cached[rank_of[consumer]] = None  # recomputed below, after the placement
+            self.place(rank, kind, stage)
+            remaining -= 1
+            cached[rank] = self.candidate(rank)
+            if 0 <= consumer <= last:
+                cached[rank_of[consumer]] = self.candidate(rank_of[consumer])
+        timer.drain()
+        return timer.ranks()
+
+    def place(self, rank: int, kind: Kind, stage: int) -> None:
+        """Place the next F or B of `stage` on `rank` (Ws first while an F does not fit)."""
+        timer = self.timer
+        if kind is F_:
+            index = self.next_f[stage]
+            while not timer.fits(F_, stage):
+                timer.put_w(rank)
+            timer.put(F_, stage, index)
+            self.next_f[stage] += 1
+            done = self.open_mbs[rank].get(index, 0) + 1
+            if done == len(self.stages[rank]):
+                self.open_mbs[rank].pop(index, None)
+            else:
+                self.open_mbs[rank][index] = done
+        else:
+            timer.put(B_, stage, self.next_b[stage])
+            self.next_b[stage] += 1
+
+    def f_allowed(self, rank: int, stage: int, mb: int) -> bool:
+        if mb in self.open_mbs[rank]:
             return True  # reserved when the microbatch entered
-        entry = stages[rank].index(stage)
-        need = sum(timer.delta(F_, s) for s in stages[rank][entry:])
+        timer = self.timer
+        entry = self.stages[rank].index(stage)
+        need = sum(timer.delta(F_, s) for s in self.stages[rank][entry:])
         freeable = sum(-timer.delta(W_, s) for s, _ in timer.pending[rank])
-        return timer.mem[rank] + reserve(rank) + need - freeable <= timer.limit
+        reserved = 0.0  # the later forwards of the microbatches already in
+        for done in self.open_mbs[rank].values():
+            reserved += sum(timer.delta(F_, s) for s in self.stages[rank][done:])
+        return timer.mem[rank] + reserved + need - freeable <= timer.limit
 
-    def candidate(rank: int):
+    def candidate(self, rank: int):
         """(start, is_w, kind, stage) of the pass this rank would place next, or None."""
-        best = None
-        for s in stages[rank]:
-            for kind, index in ((B_, next_b[s]), (F_, next_f[s])):
-                if index >= m:
+        timer, best = self.timer, None
+        for s in self.stages[rank]:
+            for kind, index in ((B_, self.next_b[s]), (F_, self.next_f[s])):
+                if index >= self.m:
                     continue
-                if kind is B_ and index >= next_f[s]:
+                if kind is B_ and index >= self.next_f[s]:
                     continue
                 ready = timer.arrival(kind, s, index)
-                if ready is None or (kind is F_ and not f_allowed(rank, s, index)):
+                if ready is None or (kind is F_ and not self.f_allowed(rank, s, index)):
                     continue
                 start = max(timer.clock[rank], ready)
-                tie = (0 if kind.value == prefer else 1, -s)
+                tie = (0 if kind.value == self.prefer else 1, -s)
                 if best is None or (start, tie) < (best[0], best[3]):
                     best = (start, False, kind, tie, s)
         pending = timer.pending[rank]
@@ -89,47 +142,6 @@ def list_schedule(
             if best is None or w_end <= best[0] + _EPS:
                 return (timer.clock[rank], True, W_, None)
         return None if best is None else (best[0], False, best[2], best[4])
-
-    # A rank's candidate depends on its own state and on the arrival of its inputs, so
-    # only the placing rank and the rank consuming the placed pass need a new one.
-    rank_of, last = placement.stage_to_rank, placement.num_stages - 1
-    cached = [candidate(rank) for rank in range(p)]
-    while remaining:
-        chosen = None
-        for rank in range(p):
-            c = cached[rank]
-            if c is not None and (chosen is None or (c[0], c[1]) < (chosen[1][0], chosen[1][1])):
-                chosen = (rank, c)
-        if chosen is None:
-            raise Unplaceable("list scheduler stalled")
-        rank, (_, is_w, kind, stage) = chosen
-        if is_w:
-            timer.put_w(rank)
-            cached[rank] = candidate(rank)
-            continue
-        consumer = stage + 1 if kind is F_ else stage - 1
-        if 0 <= consumer <= last:
-            cached[rank_of[consumer]] = None  # recomputed below, after the placement
-        index = next_f[stage] if kind is F_ else next_b[stage]
-        if kind is F_:
-            while not timer.fits(F_, stage):
-                timer.put_w(rank)
-            timer.put(F_, stage, index)
-            next_f[stage] += 1
-            done = open_mbs[rank].get(index, 0) + 1
-            if done == len(stages[rank]):
-                open_mbs[rank].pop(index, None)
-            else:
-                open_mbs[rank][index] = done
-        else:
-            timer.put(B_, stage, index)
-            next_b[stage] += 1
-        remaining -= 1
-        cached[rank] = candidate(rank)
-        if 0 <= consumer <= last:
-            cached[rank_of[consumer]] = candidate(rank_of[consumer])
-    timer.drain()
-    return timer.ranks()
 
 
 def refill_weights(

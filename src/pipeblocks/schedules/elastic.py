@@ -26,6 +26,7 @@ from ..core.cost.costs import Costs
 from ..core.ir.errors import ScheduleError
 from ..core.ir.placement import Placement
 from ..core.ir.schedule import Schedule
+from ..core.simulator.simulate import simulate
 from ._build import BW, F, require
 from .registry import register
 
@@ -183,10 +184,6 @@ def search_groups(
     """The fastest simulated (forward, backward) groups that fit `gpu_memory`, among
     `group_candidates` around `start` (the rule). Score: (memory over the budget, step
     time); the start wins ties."""
-    from ..core.simulator.simulate import (
-        simulate,  # the simulator is core; imported here to keep the module light
-    )
-
     seen: dict[tuple, tuple] = {}
 
     def score(forward: tuple[int, ...], backward: tuple[int, ...]) -> tuple:

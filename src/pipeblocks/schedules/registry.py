@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import inspect
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from ..core.simulator.collector import collector_paused
 from ..core.ir.errors import ScheduleError
 from ..core.ir.schedule import Schedule
+from ..core.simulator.collector import collector_paused
 from ..core.util.user_module import import_user_module
 
 __all__ = ["ScheduleSpec", "register", "get", "names", "specs", "load_schedules", "FAMILIES", "ENTRY_POINT_GROUP"]
@@ -152,9 +153,7 @@ def _read_entry_points() -> None:
     if _ENTRY_POINTS_READ:
         return
     _ENTRY_POINTS_READ = True  # before loading: a module that reads the registry as it loads
-    from importlib.metadata import entry_points
-
-    for entry in entry_points(group=ENTRY_POINT_GROUP):
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         load_schedules(entry.value.partition(":")[0])
 
 

@@ -53,6 +53,7 @@ shape (the stage took less than its block) gets none: the embedding's W, which i
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -363,8 +364,6 @@ def resolve_hardware(text: str) -> Hardware:
 
 def check_hardware_text(text: str) -> str:
     """argparse type for --hardware: the text, once it names a preset or a readable profile."""
-    import argparse
-
     try:
         resolve_hardware(text)
     except (ScheduleError, ValueError, OSError) as err:

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from ..core.ir.actions import Kind
 from ..core.ir.errors import ScheduleError
-from ..core.ir.program import OptimizerStep, Recompute
+from ..core.ir.ops import OptimizerStep, Recompute
 from ..core.simulator.timeline import Timeline
 from ..core.ir.vocab import VocabPass
 
@@ -41,7 +41,7 @@ MEMORY_UNITS = ("units", "bytes")
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # optional: only plots need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -144,7 +144,7 @@ def rank_colours(n: int) -> list:
     """n colours that stay apart: matplotlib's ten-colour cycle, then tab20, then evenly
     spaced hues of a perceptual map (beyond 20 ranks no palette keeps every pair apart, but
     neighbours differ)."""
-    import matplotlib
+    import matplotlib  # optional: only plots need it
 
     if n <= 10:
         return [matplotlib.colormaps["tab10"](i) for i in range(n)]

@@ -20,7 +20,7 @@ from operator import itemgetter
 import numpy as np
 
 from ..core.ir.actions import Action
-from ..core.ir.program import OptimizerStep, Recompute
+from ..core.ir.ops import OptimizerStep, Recompute
 from ..core.simulator.timeline import Event, Timeline
 from ..core.ir.vocab import VocabPass
 

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from ..ir.actions import Action, Kind
 from .dp_model import Precision, w_gradients_wait
 from .precision import PrecisionPolicy, precision_policy
-from ..ir.program import DPOp, Program, expanded
+from ..ir.ops import DPOp, expanded
+from ..ir.program import Program
 from ..ir.sharding import ShardingPolicy
 
 __all__ = ["ChunkBytes", "chunk_bytes", "predict_static_peak", "zero1_partition"]

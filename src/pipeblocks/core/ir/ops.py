@@ -1,6 +1,7 @@
-"""The table of Program op types.
+"""The Program op types and their table.
 
-Every op a Program may hold has one entry here: its Python type, its name, the stream it
+Every op a Program may hold is defined here (but `Action` and `VocabPass`, which schedules
+hold too: actions.py, vocab.py) and has one entry in the table: its Python type, its name, the stream it
 occupies on its rank (compute, or communication beside it), and its text form (format and
 parse). The text form, validation, the simulator and the runtime all dispatch on this
 table; an op whose type is not in it, or that a consumer does not handle, is an
@@ -15,15 +16,128 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, NamedTuple
 
 from .actions import Action
 from .errors import ScheduleError
-from .program import Comm, DPOp, Op, OptimizerStep, Overlap, Recompute
 from .schedule import Schedule
 from .vocab import VOCAB_RE, VocabPass
 
-__all__ = ["Stream", "OpType", "OP_TYPES", "ACTION", "P2P", "DP", "STEP", "RECOMPUTE", "VOCAB", "OVERLAP", "UnknownOpError", "op_type", "format_op", "parse_op", "require_known"]
+__all__ = ["Comm", "DPOp", "DP_KINDS", "OptimizerStep", "Op", "Overlap", "Recompute", "expanded", "Stream", "OpType", "OP_TYPES", "ACTION", "P2P", "DP", "STEP", "RECOMPUTE", "VOCAB", "OVERLAP", "UnknownOpError", "op_type", "format_op", "parse_op", "require_known"]
+
+
+class Comm(NamedTuple):
+    """A point-to-point transfer seen from one rank.
+
+    payload: "F" (activation, travels to stage+1) or "B" (input gradient, travels to stage-1).
+    send: True on the producing rank, False on the consuming rank.
+    stage: this rank's stage.  peer: the other rank.
+    """
+
+    payload: str
+    send: bool
+    stage: int
+    microbatch: int
+    seq_chunk: int | None
+    peer: int
+
+    @property
+    def key(self) -> tuple[str, int, int, int]:
+        """Identifies the tensor: (payload, producing stage, microbatch, chunk); equal on both ends."""
+        if self.send:
+            producer = self.stage
+        else:
+            producer = self.stage - 1 if self.payload == "F" else self.stage + 1
+        return (self.payload, producer, self.microbatch, self.seq_chunk or 0)
+
+    def __str__(self) -> str:
+        text = f"{self.stage}{'SEND' if self.send else 'RECV'}_{self.payload}{self.microbatch}"
+        return text if self.seq_chunk is None else f"{text}.{self.seq_chunk}"
+
+
+DP_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+
+
+class DPOp(NamedTuple):
+    """A data-parallel op of one stage on its rank: `kind` is one of DP_KINDS; `unit` the
+    unit of the stage's parameters it moves (None: the whole stage).
+
+    It runs on the rank's communication stream; every pipeline replica runs the same
+    Program, so the collective is symmetric across the replicas and never waits on a
+    pipeline peer.
+    """
+
+    kind: str
+    stage: int
+    unit: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}" if self.unit is None else f"{self.stage}{self.kind}.{self.unit}"
+
+
+class OptimizerStep(NamedTuple):
+    """Stage `stage` applies optimizer step `step` (0, 1, ...) to its weights.
+
+    Step k consumes the gradients of microbatches k*N .. k*N+N-1 (N microbatches per step)
+    and makes the stage's weights version k+1; it runs on the compute stream and waits
+    for nothing but the stage's own backwards.
+    """
+
+    stage: int
+    step: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}STEP{self.step}"
+
+
+class Recompute(NamedTuple):
+    """Re-run `stage`'s forward for `microbatch` (and `seq_chunk`) on the compute stream,
+    rebuilding the activation its backward needs. Its forward then stores only the
+    stage's input; the recomputation adds the rest back until B/W frees it."""
+
+    stage: int
+    microbatch: int
+    seq_chunk: int | None = None
+
+    @property
+    def unit(self) -> tuple[int, int, int]:
+        """The (stage, microbatch, sequence chunk) it rebuilds, as `Action.unit`."""
+        return (self.stage, self.microbatch, self.seq_chunk or 0)
+
+    def __str__(self) -> str:
+        text = f"{self.stage}R{self.microbatch}"
+        return text if self.seq_chunk is None else f"{text}.{self.seq_chunk}"
+
+
+class Overlap(NamedTuple):
+    """A forward and a fused backward (BW) of another unit on one rank, run as one op: the
+    stage's `overlapped_forward_backward` hook may interleave them (DualPipe), else they run
+    one after the other. Both inputs are awaited before it, both outputs sent after it."""
+
+    forward: Action
+    backward: Action
+
+    @property
+    def parts(self) -> tuple[Action, Action]:
+        return (self.forward, self.backward)
+
+    def __str__(self) -> str:
+        return f"{self.forward}&{self.backward}"
+
+
+Op = Action | Comm | DPOp | OptimizerStep | Recompute | Overlap
+
+
+def expanded(ops: tuple[Op, ...]) -> list[Op]:
+    """`ops` with every overlapped pair written as its two parts, forward first: for the
+    checks and estimates that follow a rank's passes one by one."""
+    out: list[Op] = []
+    for op in ops:
+        if type(op) is Overlap:
+            out.extend(op)
+        else:
+            out.append(op)
+    return out
 
 
 class Stream(str, Enum):
@@ -73,12 +187,15 @@ def _parse_comm(match: re.Match[str], schedule: Schedule) -> Comm:
     return Comm(payload, send, s, int(mb), None if chunk is None else int(chunk), peer)
 
 
+def _require_stage(match: re.Match[str], schedule: Schedule, stage: int | str) -> None:
+    """ScheduleError unless `stage` (as the op's text writes it) is one of the schedule's."""
+    if int(stage) >= schedule.num_stages:
+        raise ScheduleError(f"op {match.group(0)!r}: stage {stage} does not exist (stages 0..{schedule.num_stages - 1})")
+
+
 def _parse_dp(match: re.Match[str], schedule: Schedule) -> DPOp:
     stage, kind, unit = int(match.group(1)), match.group(2), match.group(3)
-    if stage >= schedule.num_stages:
-        raise ScheduleError(
-            f"op {match.group(0)!r}: stage {stage} does not exist (stages 0..{schedule.num_stages - 1})"
-        )
+    _require_stage(match, schedule, stage)
     return DPOp(kind, stage, None if unit is None else int(unit))
 
 
@@ -99,10 +216,7 @@ DP = OpType(
 
 def _parse_step(match: re.Match[str], schedule: Schedule) -> OptimizerStep:
     stage, step = (int(x) for x in match.groups())
-    if stage >= schedule.num_stages:
-        raise ScheduleError(
-            f"op {match.group(0)!r}: stage {stage} does not exist (stages 0..{schedule.num_stages - 1})"
-        )
+    _require_stage(match, schedule, stage)
     return OptimizerStep(stage, step)
 
 
@@ -112,10 +226,7 @@ STEP = OpType("optimizer step", OptimizerStep, Stream.COMPUTE, re.compile(r"(\d+
 
 def _parse_recompute(match: re.Match[str], schedule: Schedule) -> Recompute:
     stage, mb, chunk = match.groups()
-    if int(stage) >= schedule.num_stages:
-        raise ScheduleError(
-            f"op {match.group(0)!r}: stage {stage} does not exist (stages 0..{schedule.num_stages - 1})"
-        )
+    _require_stage(match, schedule, stage)
     return Recompute(int(stage), int(mb), None if chunk is None else int(chunk))
 
 
@@ -127,10 +238,7 @@ RECOMPUTE = OpType(
 def _parse_overlap(match: re.Match[str], schedule: Schedule) -> Overlap:
     forward, backward = Action.parse(match.group(1)), Action.parse(match.group(2))
     for part in (forward, backward):
-        if part.stage >= schedule.num_stages:
-            raise ScheduleError(
-                f"op {match.group(0)!r}: stage {part.stage} does not exist (stages 0..{schedule.num_stages - 1})"
-            )
+        _require_stage(match, schedule, part.stage)
     return Overlap(forward, backward)
 
 

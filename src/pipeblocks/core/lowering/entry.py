@@ -30,7 +30,8 @@ leaves it off (it finds a deadlock itself, and stays fast).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from ..ir.actions import Action
 from ..ir.dp_units import DPUnits
@@ -44,6 +45,7 @@ from ..cost.costs import Costs
 from ..ir.schedule import Schedule
 from ..ir.sharding import ShardingPolicy, per_stage
 from .validate import check_structure
+from .vocab_place import add_vocab
 
 __all__ = ["lower_for"]
 
@@ -62,6 +64,7 @@ def lower_for(
     extra_passes: Sequence[Pass] = (),
     check: bool = False,
     vocab: Costs | None = None,
+    simulate: Callable[[Program, Costs], Any] | None = None,
 ) -> Program:
     """The Program of `schedule` on a mesh of `dp` replicas with sharding `policies` (one
     for every stage or one per stage; none: replicate), recomputing `recompute` (or the
@@ -79,9 +82,14 @@ def lower_for(
     vocab: costs whose `vocab` is set: vocabulary parallelism, the IF, S, T and IB passes
         inserted last (`vocab_place.add_vocab`, which times them with these costs and may
         hold one more microbatch in flight: the Program's schedule is then that one).
+    simulate: with `vocab`, the simulation that times the passes, `simulate(program, costs)`
+        -> its Timeline (`simulator.simulate.simulate_program`, also when none is given).
     """
     if vocab is not None and vocab.vocab is not None:
-        from .vocab_place import add_vocab
+        if simulate is None:
+            # the simulator lowers through lower_for: this import goes once its callers that set
+            # vocab (simulator.simulate.simulate, runtime.runner) pass `simulate` themselves
+            from ..simulator.simulate import simulate_program as simulate
 
         def relower(other: Schedule) -> Program:
             return lower_for(other, policies=policies, dp=dp, recompute=recompute, reduce_at_end=reduce_at_end,
@@ -89,7 +97,7 @@ def lower_for(
 
         return add_vocab(lower_for(schedule, policies=policies, dp=dp, recompute=recompute, recompute_at=recompute_at,
                                    reduce_at_end=reduce_at_end, units=units, extra_passes=extra_passes, check=check),
-                         vocab, relower=None if recompute_at else relower)
+                         vocab, simulate=simulate, relower=None if recompute_at else relower)
     if check:
         check_structure(schedule)
     stage_policies = per_stage(tuple(policies), schedule.num_stages) if policies else ()

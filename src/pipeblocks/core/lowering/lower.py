@@ -18,8 +18,8 @@ from typing import Callable, Sequence
 
 from ..ir.actions import Action, Kind
 from ..ir.errors import DeadlockError
-from ..ir.ops import ACTION, DP, OVERLAP, P2P, RECOMPUTE, STEP, unsupported
-from ..ir.program import Comm, DPOp, Op, OptimizerStep, Overlap, Program, Recompute
+from ..ir.ops import ACTION, Comm, DP, DPOp, OVERLAP, Op, OptimizerStep, Overlap, P2P, RECOMPUTE, Recompute, STEP, unsupported
+from ..ir.program import Program
 from ..ir.schedule import Schedule
 from ..ir.vocab import VocabPass
 from .vocab_links import barriers_of, key_name, links

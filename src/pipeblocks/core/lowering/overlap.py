@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from ..ir.actions import Action, Kind
 from ..ir.errors import ScheduleError
-from ..ir.program import Comm, Op, Overlap, Program
+from ..ir.ops import Comm, Op, Overlap
+from ..ir.program import Program
 from ..ir.schedule import Schedule
 
 __all__ = ["check_overlaps", "fuse_overlaps", "compute_parts"]

@@ -53,7 +53,8 @@ from collections.abc import Iterable
 from ..ir.actions import Action, Kind
 from ..ir.dp_units import DPUnits
 from ..ir.errors import ScheduleError
-from ..ir.program import Comm, DPOp, Op, Program, Recompute, expanded
+from ..ir.ops import Comm, DPOp, Op, Recompute, expanded
+from ..ir.program import Program
 from ..ir.sharding import ShardingPolicy, per_stage
 
 __all__ = [

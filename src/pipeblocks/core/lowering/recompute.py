@@ -27,7 +27,8 @@ from collections.abc import Iterable, Mapping
 
 from ..ir.actions import Action, Kind
 from ..ir.errors import ScheduleError
-from ..ir.program import Comm, Op, Program, Recompute, expanded
+from ..ir.ops import Comm, Op, Recompute, expanded
+from ..ir.program import Program
 from ..ir.schedule import Schedule
 
 __all__ = ["add_recompute", "all_pairs", "check_recompute", "recompute_pairs", "recompute_units"]

@@ -21,7 +21,8 @@ from collections import defaultdict
 from ..ir.actions import Action, Kind
 from ..ir.errors import ScheduleError
 from .lower import Pass
-from ..ir.program import Comm, Op, OptimizerStep, Program
+from ..ir.ops import Comm, Op, OptimizerStep
+from ..ir.program import Program
 
 __all__ = ["add_optimizer_steps", "check_optimizer_steps", "step_size"]
 

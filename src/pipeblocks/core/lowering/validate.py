@@ -16,6 +16,9 @@ from ..ir.actions import Action, Kind
 from ..ir.deps import phase_of, requirements
 from ..ir.errors import ScheduleError
 from ..ir.schedule import Schedule
+from .lower import PASSES, check_deadlock, lower
+from .overlap import check_overlaps, fuse_overlaps
+from .steps import check_optimizer_steps
 
 __all__ = ["check_structure", "check_program", "validate"]
 
@@ -29,16 +32,11 @@ def check_structure(schedule: Schedule) -> None:
     _check_completeness(schedule)
     _check_local_order(schedule)
     if schedule.overlapped:
-        from .overlap import check_overlaps
-
         check_overlaps(schedule)
 
 
 def validate(schedule: Schedule):
     """Check structure, lower, and prove the Program free of deadlock. Returns the Program."""
-    from .lower import PASSES, check_deadlock, lower
-    from .overlap import fuse_overlaps
-
     check_structure(schedule)
     program = lower(schedule, PASSES + ((fuse_overlaps,) if schedule.overlapped else ()))
     check_deadlock(program)
@@ -49,9 +47,6 @@ def check_program(program) -> None:
     """Raise ScheduleError unless the lowered `program` steps its optimizers where its
     microbatches' gradients are complete and runs without deadlock (its schedule is
     assumed to pass `check_structure`)."""
-    from .lower import check_deadlock
-    from .steps import check_optimizer_steps
-
     check_optimizer_steps(program)
     check_deadlock(program)
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from ..ir.actions import Action, Kind
 from ..ir.errors import ScheduleError
-from ..ir.program import OptimizerStep, Program
+from ..ir.ops import OptimizerStep
+from ..ir.program import Program
 from .steps import check_optimizer_steps
 
 __all__ = ["WeightVersions", "weight_versions", "stashed_versions"]

@@ -27,9 +27,12 @@ backward after the next forward of its rank, so each rank holds one more microba
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 from ..ir.actions import Action, Kind
 from ..ir.errors import DeadlockError, ScheduleError
+from ..ir.ops import Comm, Overlap
 from ..ir.program import Program
 from ..ir.schedule import Schedule
 from ..ir.vocab import VOCAB_KINDS, VocabPass, check_vocab, roots
@@ -73,9 +76,30 @@ def place(program: Program, events, vocab, barriers: int = 1) -> Program:
     """Insert IF, S, T and IB of every microbatch into `program` (which holds none) at the
     boundaries the timeline `events` (per rank, the compute ops' events of this Program
     or of the same Program with vocabulary passes) makes ready, in one order on every rank."""
-    schedule = program.schedule
+    ready = _ready_times(program.schedule, events, vocab)
+    order = sorted(ready, key=lambda k: (ready[k], k[1], _ORDER[k[0]]))
+    first_rank, last_rank = roots(program.schedule)
+    follows = _follows(program, first_rank, last_rank)
+    ranks = []
+    for rank, ops in enumerate(program.ranks):
+        at = _positions(rank, ops, events[rank], order, ready, vocab, (first_rank, last_rank))
+        _clamp(at, order, _floors(rank, ops, program.schedule.num_stages - 1, first_rank, last_rank),
+               _limits(ops, follows[rank], barriers), len(ops))
+        slots: dict[int, list[VocabPass]] = {}
+        for key in order:
+            slots.setdefault(at[key], []).append(VocabPass(*key))
+        out = []
+        for pos, op in enumerate(ops):
+            out.extend(slots.get(pos, ()))
+            out.append(op)
+        out.extend(slots.get(len(ops), ()))
+        ranks.append(tuple(out))
+    return Program(program.schedule, tuple(ranks))
+
+
+def _ready_times(schedule: Schedule, events, vocab) -> dict[tuple[str, int], float]:
+    """When each vocabulary pass (kind, microbatch) is ready, read off the timeline `events`."""
     m, last = schedule.m, schedule.num_stages - 1
-    first_rank, last_rank = roots(schedule)
     # times of the passes that make each vocabulary pass ready
     f_end: dict[tuple[int, int], float] = {}
     f_start: dict[tuple[int, int], float] = {}
@@ -108,68 +132,74 @@ def place(program: Program, events, vocab, barriers: int = 1) -> Program:
                             ready["S", i + 1] if i + 1 < m else 0.0)
         if i + 1 < m:
             ready["IB", i] = max(ready["IB", i], ready["IB", i + 1])
-    order = sorted(ready, key=lambda k: (ready[k], k[1], _ORDER[k[0]]))
-    follows = _follows(program, first_rank, last_rank)
-    ranks = []
-    for rank, ops in enumerate(program.ranks):
-        # compute ops of this rank and their start times, in program order
-        starts: list[tuple[int, float]] = []
-        compute = iter(e for e in events[rank] if type(e.action) is Action)
-        for pos, op in enumerate(ops):
-            if type(op) is Action:
-                starts.append((pos, next(compute).start))
-        at: dict[tuple[str, int], int] = {}
-        for key in order:
-            kind, i = key
-            t = ready[key]
-            if kind == "S" and rank == last_rank:
-                t -= vocab.t_bcast
-            if kind == "IB" and rank == first_rank:
-                t -= vocab.t_ib_bcast
-            pos = next((pos for pos, start in starts if start >= t - 1e-12 * max(1.0, abs(t))), len(ops))
-            at[key] = _before_receives(ops, pos)
-        # a pass goes before every op of its rank that (through any rank) comes after what
-        # waits for it: S(i) (and T(i) with two barriers) before whatever follows the last
-        # stage's backward of i, IF(i) before whatever follows stage 0's forward of i; it and
-        # every pass ordered before it are brought forward
-        limits: dict[tuple[str, int], int] = {}
-        seen_b = seen_f = -1
-        for pos, (after_b, after_f) in enumerate(follows[rank]):
-            for i in range(seen_b + 1, after_b + 1):
-                limits["S", i] = _before_receives(ops, pos)
-                if barriers == 2:
-                    limits["T", i] = limits["S", i]
-            for i in range(seen_f + 1, after_f + 1):
-                limits["IF", i] = _before_receives(ops, pos)
-            seen_b, seen_f = max(seen_b, after_b), max(seen_f, after_f)
-        floors: dict[tuple[str, int], int] = {}
-        for pos, op in enumerate(ops):
-            if type(op) is not Action:
-                continue
-            # a root runs S after its own last-stage forward, IB after its own stage-0 backward,
-            # even when that pass takes no time (stage 0's B, whose input needs no gradient)
-            if rank == last_rank and op.stage == last and op.kind is Kind.F:
-                floors["S", op.microbatch] = pos + 1
-            if rank == first_rank and op.stage == 0 and op.kind in (Kind.B, Kind.BW):
-                floors["IB", op.microbatch] = pos + 1
-        bound = 0
-        for key in order:
-            at[key] = bound = max(at[key], floors.get(key, 0), bound)
-        bound = len(ops)
-        for key in reversed(order):
-            bound = min(bound, limits.get(key, bound))
-            at[key] = min(at[key], bound)
-            bound = at[key]
-        out = []
-        slots: dict[int, list[VocabPass]] = {}
-        for key in order:
-            slots.setdefault(at[key], []).append(VocabPass(*key))
-        for pos, op in enumerate(ops):
-            out.extend(slots.get(pos, ()))
-            out.append(op)
-        out.extend(slots.get(len(ops), ()))
-        ranks.append(tuple(out))
-    return Program(schedule, tuple(ranks))
+    return ready
+
+
+def _positions(rank: int, ops, events, order, ready, vocab, roots_: tuple[int, int]) -> dict[tuple[str, int], int]:
+    """Per pass, the position in `ops` of rank `rank`'s first compute op that starts once
+    the pass is ready (the root's own broadcast taken off), before the receives it waits on."""
+    first_rank, last_rank = roots_
+    # compute ops of this rank and their start times, in program order
+    starts: list[tuple[int, float]] = []
+    compute = iter(e for e in events if type(e.action) is Action)
+    for pos, op in enumerate(ops):
+        if type(op) is Action:
+            starts.append((pos, next(compute).start))
+    at: dict[tuple[str, int], int] = {}
+    for key in order:
+        kind, i = key
+        t = ready[key]
+        if kind == "S" and rank == last_rank:
+            t -= vocab.t_bcast
+        if kind == "IB" and rank == first_rank:
+            t -= vocab.t_ib_bcast
+        pos = next((pos for pos, start in starts if start >= t - 1e-12 * max(1.0, abs(t))), len(ops))
+        at[key] = _before_receives(ops, pos)
+    return at
+
+
+def _limits(ops, follows: list[tuple[int, int]], barriers: int) -> dict[tuple[str, int], int]:
+    """A pass goes before every op of its rank that (through any rank) comes after what
+    waits for it: S(i) (and T(i) with two barriers) before whatever follows the last
+    stage's backward of i, IF(i) before whatever follows stage 0's forward of i."""
+    limits: dict[tuple[str, int], int] = {}
+    seen_b = seen_f = -1
+    for pos, (after_b, after_f) in enumerate(follows):
+        for i in range(seen_b + 1, after_b + 1):
+            limits["S", i] = _before_receives(ops, pos)
+            if barriers == 2:
+                limits["T", i] = limits["S", i]
+        for i in range(seen_f + 1, after_f + 1):
+            limits["IF", i] = _before_receives(ops, pos)
+        seen_b, seen_f = max(seen_b, after_b), max(seen_f, after_f)
+    return limits
+
+
+def _floors(rank: int, ops, last: int, first_rank: int, last_rank: int) -> dict[tuple[str, int], int]:
+    """A root runs S after its own last-stage forward, IB after its own stage-0 backward,
+    even when that pass takes no time (stage 0's B, whose input needs no gradient)."""
+    floors: dict[tuple[str, int], int] = {}
+    for pos, op in enumerate(ops):
+        if type(op) is not Action:
+            continue
+        if rank == last_rank and op.stage == last and op.kind is Kind.F:
+            floors["S", op.microbatch] = pos + 1
+        if rank == first_rank and op.stage == 0 and op.kind in (Kind.B, Kind.BW):
+            floors["IB", op.microbatch] = pos + 1
+    return floors
+
+
+def _clamp(at: dict[tuple[str, int], int], order, floors, limits, end: int) -> None:
+    """`at` raised to its floors and kept in `order`, then lowered to its limits: a pass
+    brought forward brings every pass ordered before it."""
+    bound = 0
+    for key in order:
+        at[key] = bound = max(at[key], floors.get(key, 0), bound)
+    bound = end
+    for key in reversed(order):
+        bound = min(bound, limits.get(key, bound))
+        at[key] = min(at[key], bound)
+        bound = at[key]
 
 
 def _follows(program: Program, first_rank: int, last_rank: int) -> list[list[tuple[int, int]]]:
@@ -177,8 +207,6 @@ def _follows(program: Program, first_rank: int, last_rank: int) -> list[list[tup
     that the op comes after (on its rank, or through transfers) the last stage's backward of
     microbatch i, and the largest i such that it comes after stage 0's forward of i (-1: none),
     the op itself included."""
-    from ..ir.program import Comm
-
     last = program.schedule.num_stages - 1
     ranks = program.ranks
     out: list[list[tuple[int, int]]] = [[] for _ in ranks]
@@ -218,21 +246,20 @@ def _follows(program: Program, first_rank: int, last_rank: int) -> list[list[tup
 
 def _before_receives(ops, pos: int) -> int:
     """The position of the receives just before the action at `pos` (a pass goes before them)."""
-    from ..ir.program import Comm
-
     while pos > 0 and type(ops[pos - 1]) is Comm and not ops[pos - 1].send:
         pos -= 1
     return pos
 
 
-def add_vocab(program: Program, costs, *, relower=None, rounds: int = ROUNDS) -> Program:
+def add_vocab(program: Program, costs, *, simulate: Callable[[Program, Any], Any], relower=None,
+              rounds: int = ROUNDS) -> Program:
     """The vocabulary passes inserted into `program` (lowered from its schedule, holding
     no vocabulary pass), for `costs` (a `Costs` with `vocab` set): placed on the plain
     schedule's timeline and on `one_more_in_flight`'s (lowered by `relower`, as `program`
     was, and checked; none given: the plain schedule only), each placed again `rounds`
-    times on the timeline of the result, and the Program that simulates fastest kept."""
-    from ..simulator.simulate import simulate_program
-
+    times on the timeline of the result, and the Program that simulates fastest kept.
+    `simulate(program, costs)` gives a Program's timeline (`simulator.simulate.simulate_program`:
+    lowering does not import the simulator, which lowers)."""
     vocab = costs.vocab
     if vocab is None:
         raise ScheduleError("add_vocab needs costs with vocab set (VocabCosts): the vocabulary passes' prices")
@@ -242,7 +269,7 @@ def add_vocab(program: Program, costs, *, relower=None, rounds: int = ROUNDS) ->
             f"--vocab-parallel runs whole microbatches, but schedule {schedule.name!r} splits each into "
             f"{schedule.seq_chunks} sequence chunks: pick a schedule without sequence chunks"
         )
-    paired = next((op for ops in program.ranks for op in ops if type(op).__name__ == "Overlap"), None)
+    paired = next((op for ops in program.ranks for op in ops if type(op) is Overlap), None)
     if paired is not None or schedule.option("bidirectional"):
         raise ScheduleError(
             f"--vocab-parallel: schedule {schedule.name!r} runs "
@@ -259,12 +286,12 @@ def add_vocab(program: Program, costs, *, relower=None, rounds: int = ROUNDS) ->
             pass  # the schedule cannot hold one more microbatch: keep it as it is
     best, best_time = None, float("inf")
     for base in map(lambda c: _tagged(c, vocab.barriers), candidates):
-        events = simulate_program(base, plain).events
+        events = simulate(base, plain).events
         for _ in range(rounds):
             placed = place(base, events, vocab, vocab.barriers)
             try:
                 check_vocab(placed, vocab.barriers)
-                timeline = simulate_program(placed, costs)
+                timeline = simulate(placed, costs)
             except (ScheduleError, DeadlockError):
                 break  # a placement on a timeline that no longer fits: the rounds before it stand
             if best is None or timeline.makespan < best_time - 1e-12 * max(1.0, best_time):

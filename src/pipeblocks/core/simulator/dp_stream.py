@@ -26,7 +26,7 @@ from __future__ import annotations
 from ..ir.actions import Action, Kind
 from ..cost.costs import StageCosts
 from ..ir.errors import ScheduleError
-from ..ir.program import DPOp, Recompute
+from ..ir.ops import DPOp, Recompute
 from ..ir.schedule import Schedule
 from .timeline import CommEvent, Event
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir.program import OptimizerStep
+from ..ir.ops import OptimizerStep
 from .timeline import Timeline
 
 __all__ = ["SteadyState", "steady_state"]

@@ -46,7 +46,7 @@ from operator import itemgetter, sub
 from typing import NamedTuple
 
 from ..ir.actions import Action
-from ..ir.program import OptimizerStep, Recompute
+from ..ir.ops import OptimizerStep, Recompute
 from ..ir.schedule import Schedule
 
 __all__ = ["CommEvent", "Event", "Timeline"]

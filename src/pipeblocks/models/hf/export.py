@@ -38,7 +38,7 @@ _CHUNK = 16 * 2**20
 
 def write_part(directory: str | os.PathLike, name: str, tensors: Mapping[str, Any]) -> Path:
     """Write `tensors` (name -> tensor) as the safetensors part `name` in `directory`, atomically."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # optional (the hf extra)
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -10,17 +10,17 @@ replicated, and their gradients, partial on each rank, are summed over the group
 """
 from __future__ import annotations
 
+from ..tp_plan import TPPlan
+
 __all__ = ["hf_tp_plan"]
 
 
 def hf_tp_plan(qk_norm: bool = False):
     """The `models.tp_plan.TPPlan` of a supported Hugging Face decoder; qk_norm: Qwen3's q/k norms."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard  # DTensor takes 0.4 s to import: loaded only for a tensor-parallel run
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
     )
-
-    from ..tp_plan import TPPlan
 
     block = {
         "input_layernorm": SequenceParallel(),

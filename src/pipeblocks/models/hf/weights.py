@@ -44,7 +44,7 @@ def find_weights(directory: str | Path) -> dict[str, str]:
         return {name: str(directory / f) for name, f in weight_map.items()}
     single = directory / SINGLE
     if single.is_file():
-        from safetensors import safe_open
+        from safetensors import safe_open  # optional (the hf extra)
 
         with safe_open(str(single), framework="pt") as handle:
             return {name: str(single) for name in handle.keys()}
@@ -95,7 +95,7 @@ class SafetensorsWeights:
                              "the weights and config.json do not belong together")
         handle = self._handles.get(file)
         if handle is None:
-            from safetensors import safe_open
+            from safetensors import safe_open  # optional (the hf extra)
 
             handle = self._handles[file] = safe_open(file, framework="pt", device="cpu")
         return handle.get_slice(name)
