@@ -14,6 +14,7 @@ from pipeblocks import schedules
 from pipeblocks.core.ir.actions import Action, Kind
 from pipeblocks.core.cost.costs import Costs
 from pipeblocks.core.lowering.entry import lower_for
+from pipeblocks.core.simulator.simulate import simulate_program
 from pipeblocks.core.ir.ops import Comm
 from pipeblocks.core.ir.program import Program
 from pipeblocks.core.ir.vocab import VocabCosts, VocabPass
@@ -37,7 +38,7 @@ class Case:
 
 def make_case(name: str, p: int, m: int, tied: bool) -> Case:
     """The same on every process: the Program and data drawn from fixed seeds."""
-    program = lower_for(schedules.get(name)(p=p, m=m), vocab=COSTS, check=True)
+    program = lower_for(schedules.get(name)(p=p, m=m), vocab=COSTS, check=True, simulate=simulate_program)
     torch.manual_seed(0)
     embedding = torch.randn(V, H, dtype=torch.float64)
     head = embedding if tied else torch.randn(V, H, dtype=torch.float64)

@@ -24,7 +24,7 @@ COSTS = Costs(t_f=1.0, t_b=1.0, t_w=1.0, vocab=VOCAB)
 
 
 def _lowered(name: str, p: int, m: int, costs: Costs = COSTS) -> Program:
-    return lower_for(schedules.get(name)(p=p, m=m), vocab=costs, check=True)
+    return lower_for(schedules.get(name)(p=p, m=m), vocab=costs, check=True, simulate=simulate_program)
 
 
 def test_text_form_round_trips():

@@ -21,7 +21,7 @@ from ..core.ir.program import Program
 from ..core.ir.schedule import Schedule
 from ..core.ir.sharding import ShardingPolicy
 from ..core.lowering.entry import lower_for
-from ..core.simulator.simulate import simulate_lowered
+from ..core.simulator.simulate import simulate_lowered, simulate_program
 from ..core.simulator.timeline import Timeline
 
 __all__ = ["Lowering", "simulate_run"]
@@ -58,7 +58,8 @@ class Lowering:
         """The Program of `schedule` under these settings; `check`: also prove the schedule's
         structure and the Program free of deadlock, as before a launch."""
         return lower_for(schedule, policies=self.sharding, dp=self.dp, recompute=self.recompute,
-                         recompute_at=self.recompute_at or None, units=self.units, check=check, vocab=self.vocab)
+                         recompute_at=self.recompute_at or None, units=self.units, check=check, vocab=self.vocab,
+                         simulate=simulate_program)
 
 
 def simulate_run(schedule: Schedule, costs: Costs, *, recompute: Iterable[Pair] = (),

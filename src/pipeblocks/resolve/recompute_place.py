@@ -32,7 +32,8 @@ from collections.abc import Iterable
 
 from ..core.ir.actions import Action, Kind
 from ..core.cost.costs import Costs
-from ..core.ir.program import Program, Recompute
+from ..core.ir.ops import Recompute
+from ..core.ir.program import Program
 from ..core.ir.schedule import Schedule
 from ..core.simulator.simulate import simulate_program
 from .program import Lowering

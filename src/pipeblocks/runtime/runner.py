@@ -30,11 +30,13 @@ import torch.distributed as dist
 
 from ..core.ir.actions import Action
 from ..core.lowering.entry import lower_for
-from ..core.ir.program import DPOp, Program, Recompute
+from ..core.ir.ops import DPOp, Recompute
+from ..core.ir.program import Program
 from ..core.ir.vocab import VocabPass
 from ..core.lowering.passes_dp import check_dp_ops, needs_dp_ops
 from ..core.lowering.recompute import recompute_pairs
 from ..core.ir.schedule import Schedule
+from ..core.simulator.simulate import simulate_program
 from ..core.simulator.timeline import Timeline
 from .comm import Mailbox, Tags
 from .compute import ModuleCompute
@@ -492,7 +494,8 @@ def _lower(schedule: Schedule, dp: DataParallel | None, recompute: frozenset[tup
     and well placed."""
     mesh = {} if dp is None else {"policies": dp.policies, "dp": dp.d, "reduce_at_end": dp.reduce_at_end,
                                    "units": dp.units}
-    return lower_for(schedule, recompute=recompute, recompute_at=recompute_at, check=True, vocab=vocab, **mesh)
+    return lower_for(schedule, recompute=recompute, recompute_at=recompute_at, check=True, vocab=vocab,
+                     simulate=simulate_program, **mesh)
 
 
 def _check_fixed(what: str, specs: list, first: list | None, text) -> None:

@@ -83,13 +83,13 @@ def lower_for(
         inserted last (`vocab_place.add_vocab`, which times them with these costs and may
         hold one more microbatch in flight: the Program's schedule is then that one).
     simulate: with `vocab`, the simulation that times the passes, `simulate(program, costs)`
-        -> its Timeline (`simulator.simulate.simulate_program`, also when none is given).
+        -> its Timeline (`simulator.simulate.simulate_program`); the caller passes it, as the
+        simulator sits above lowering.
     """
     if vocab is not None and vocab.vocab is not None:
         if simulate is None:
-            # the simulator lowers through lower_for: this import goes once its callers that set
-            # vocab (simulator.simulate.simulate, runtime.runner) pass `simulate` themselves
-            from ..simulator.simulate import simulate_program as simulate
+            raise TypeError("lower_for(vocab=...) places the vocabulary passes on a simulated timeline: "
+                            "pass simulate=simulate_program (pipeblocks.core.simulator.simulate)")
 
         def relower(other: Schedule) -> Program:
             return lower_for(other, policies=policies, dp=dp, recompute=recompute, reduce_at_end=reduce_at_end,

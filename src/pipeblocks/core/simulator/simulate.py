@@ -53,8 +53,8 @@ from .collector import collector_paused
 from ..ir.errors import DeadlockError
 from ..lowering.lower import check_deadlock
 from ..lowering.entry import lower_for
-from ..ir.ops import ACTION, DP, OVERLAP, P2P, RECOMPUTE, STEP, unsupported
-from ..ir.program import Comm, DPOp, OptimizerStep, Overlap, Program, Recompute
+from ..ir.ops import ACTION, DP, OVERLAP, P2P, RECOMPUTE, STEP, Comm, DPOp, OptimizerStep, Overlap, Recompute, unsupported
+from ..ir.program import Program
 from ..ir.schedule import Schedule
 from ..lowering.validate import check_structure
 from ..cost.costs import Costs, StageCosts
@@ -84,7 +84,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, *, recompute=(), re
     def lowered() -> Program:
         return lower_for(schedule, policies=data_parallel.sharding, dp=data_parallel.dp, recompute=recompute,
                          recompute_at=recompute_at, units=costs.dp_units(schedule.num_stages),
-                         vocab=costs if costs.vocab is not None else None)
+                         vocab=costs if costs.vocab is not None else None, simulate=simulate_program)
 
     return simulate_lowered(schedule, lowered, costs)
 
