@@ -40,6 +40,7 @@ from ..data import TokenWindows
 from . import checkpoint as ckpt
 from . import sharded_checkpoint as sharded
 from .config import TrainConfig
+from .observers import evaluate_if_due, metrics_writer, writes_progress
 from .post_validation import PostValidator
 from .report import RankResult
 
@@ -127,7 +128,7 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
     last = start + 1 if cfg.verify else cfg.steps
     losses, spans, peak, skipped, static, dp_waits = [], [], 0, [], 0, []
     evals: list[tuple[int, float]] = []
-    metrics = _metrics_writer(cfg, setup)
+    metrics = metrics_writer(cfg, setup)
     timelines: deque = deque(maxlen=KEEP_TIMELINES)
     for step in range(start, last):
         inputs, targets = _replica_batch(cfg, data, step, replica)
@@ -182,7 +183,7 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
             losses.append((step, loss))
             if not cfg.quiet and replica == 0 and setup.tp_rank == 0:
                 _progress_line(cfg, step, loss, t1 - t0, check)
-        held = _evaluate_if_due(cfg, ctx, setup, step + 1, last)
+        held = evaluate_if_due(cfg, ctx, setup, step + 1, last)
         if held is not None:
             evals.append((step, held))
         if metrics is not None and loss is not None:
@@ -226,44 +227,6 @@ def set_lr(optimizer, lr: float) -> None:
     for inner in getattr(optimizer, "by_stage", {0: optimizer}).values():
         for group in inner.param_groups:
             group["lr"] = lr
-
-
-def _writes_progress(cfg: TrainConfig, setup) -> bool:
-    """Whether this rank prints the progress lines and writes the metrics: the one holding the
-    last stage, of replica 0 (and tensor-parallel rank 0)."""
-    from .stage_copies import model_stages
-
-    last = model_stages(cfg.schedule.schedule) - 1  # DualPipe: the first direction's last stage
-    return last in setup.modules and setup.replica == 0 and getattr(setup, "tp_rank", 0) == 0
-
-
-def _metrics_writer(cfg: TrainConfig, setup):
-    if cfg.metrics is None or cfg.verify or not _writes_progress(cfg, setup):
-        return None
-    from .metrics import MetricsWriter
-
-    return MetricsWriter(cfg.metrics, resume=cfg.checkpoint is not None and cfg.checkpoint.resume)
-
-
-def _evaluate_if_due(cfg: TrainConfig, ctx, setup, done: int, last: int) -> float | None:
-    """After every `eval_every`-th step and the last: the held-out loss (on the rank holding
-    the last stage; None elsewhere and between evaluations). Every rank takes part."""
-    if not cfg.eval_every or cfg.verify or not (done % cfg.eval_every == 0 or done == last):
-        return None
-    import contextlib
-
-    from .evaluate import held_out_loss
-    from .stage_copies import model_stages
-
-    batch = setup.held_out.eval_batch(cfg.batch_size)
-    with setup.copies if setup.copies is not None else contextlib.nullcontext():
-        loss = held_out_loss(setup.runner_stages, setup.loss_fn, cfg.schedule.placement, rank=setup.rank, batch=batch,
-                             microbatches=cfg.schedule.m, group=setup.pp_group, device=ctx.device,
-                             num_stages=model_stages(cfg.schedule.schedule))  # DualPipe: the first direction
-    ctx.control.beat()
-    if loss is not None and not cfg.quiet and _writes_progress(cfg, setup):
-        print(f"eval {done:>5}/{cfg.steps}  held-out loss {loss:.4f}", flush=True)
-    return loss
 
 
 def _device_max_bytes(device) -> int | None:
@@ -362,7 +325,7 @@ def _chains_total(loss: float | None, cfg: TrainConfig, setup) -> float | None:
 
     total = torch.tensor([loss or 0.0, float(loss is not None)], dtype=torch.float64)
     dist.all_reduce(total, group=setup.pp_group)
-    if not _writes_progress(cfg, setup) or total[1].item() == 0:
+    if not writes_progress(cfg, setup) or total[1].item() == 0:
         return None
     return float(total[0].item())
 

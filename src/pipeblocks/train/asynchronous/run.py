@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 
 from ..config import TrainConfig
-from .plan import nominal_delays, plan_segments, run_versions
+from .plan import nominal_delays, run_segments, run_versions
 from .rank import AsyncRankResult, async_rank, microbatches
 
 __all__ = [
@@ -165,14 +165,12 @@ def replay_run(cfg: TrainConfig, data):
     from ..reference import torch_threads
     from .reference import replay
 
-    schedule, mode, ck = cfg.schedule.schedule, cfg.async_mode, cfg.checkpoint
+    schedule, mode = cfg.schedule.schedule, cfg.async_mode
     if mode is None:  # any schedule: with every delay 0 each mode is synchronous training
         mode, nominal = AsyncMode("naive"), None
         versions = WeightVersions.synchronous(schedule.num_stages, schedule.m, cfg.steps)
     else:  # the replay runs the W synchronous steps itself, then these
-        segments = plan_segments(steps=cfg.steps, warmup=mode.sync_warmup_steps,
-                                 save_every=ck.save_every if ck else 0)
-        versions = run_versions(schedule, tuple(s for s in segments if not s.synchronous), prefix=False)
+        versions = run_versions(schedule, tuple(s for s in run_segments(cfg) if not s.synchronous), prefix=False)
         nominal = nominal_delays(schedule)
     xs, ys = microbatches(cfg, data, range(cfg.steps))
     spec = cfg.model.spec()
@@ -192,10 +190,7 @@ def check_against_replay(cfg: TrainConfig, data, results: list[AsyncRankResult])
     and compare the ranks' `results` with it."""
     from ..reference import TOLERANCE, relative_difference
 
-    ck = cfg.checkpoint
-    segments = plan_segments(steps=cfg.steps, warmup=cfg.async_mode.sync_warmup_steps,
-                             save_every=ck.save_every if ck else 0)
-    versions = run_versions(cfg.schedule.schedule, segments)
+    versions = run_versions(cfg.schedule.schedule, run_segments(cfg))
     expected, stages = replay_run(cfg, data)
     losses = next(r.losses for r in results if r.losses)
     loss_diff = max(relative_difference(a, b) for a, b in zip(losses, expected.losses, strict=True))
