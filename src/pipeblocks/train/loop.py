@@ -32,6 +32,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -40,8 +41,11 @@ from ..data import TokenWindows
 from . import checkpoint as ckpt
 from . import sharded_checkpoint as sharded
 from .config import TrainConfig
-from .observers import evaluate_if_due, metrics_writer, writes_progress
+from .observers import claim_checkpoints, evaluate_if_due, metrics_writer, progress_line, save_when_due, writes_progress
+from ..runtime.tensor_parallel import settle_partial_grads, tp_local_shape
+from .export_hf import save_rank_part
 from .post_validation import PostValidator
+from .rank_setup import setup_rank
 from .report import RankResult
 
 __all__ = ["TrainConfig", "checkpoint_note", "launch", "launch_or_report", "train_rank"]
@@ -63,13 +67,8 @@ def launch(cfg: TrainConfig) -> list[RankResult] | None:
     from ..runtime.mesh import check_world_size
 
     torchrun = under_torchrun()
-    ck = cfg.checkpoint
-    if ck is not None and not ck.resume and not cfg.verify and (not torchrun or reporting_process()):
-        removed = ckpt.claim_directory(ck.directory, overwrite=ck.overwrite)
-        removed += sharded.claim_sharded(ck.directory, overwrite=ck.overwrite)
-        if removed:
-            print(f"--overwrite: removed {len(removed)} checkpoint file(s) of an earlier run from "
-                  f"{ck.directory!r}", file=sys.stderr, flush=True)
+    if not torchrun or reporting_process():
+        claim_checkpoints(cfg, lambda directory: sharded.claim_sharded(directory, overwrite=cfg.checkpoint.overwrite))
     world = cfg.world_size
     check_world_size(cfg.schedule.p, cfg.dp, world, cfg.tp)
     if torchrun:
@@ -101,40 +100,49 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
         raise
 
 
-def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
-    from ..runtime.tensor_parallel import settle_partial_grads, tp_local_shape
-    from .rank_setup import setup_rank
+@dataclass(frozen=True)
+class _StepDone:
+    """What one synchronous step left: the runner's result, the step's loss (on the rank that
+    reports it), the optimizer's check, the gradients --verify compares, its wall span."""
 
-    setup = setup_rank(ctx, cfg)
-    rank, replica, dp, data = setup.rank, setup.replica, setup.data_parallel, setup.data
-    built, stages = setup.stages, setup.modules
-    optimizer = dp.optimizer(torch.optim.AdamW, lr=cfg.lr) if dp is not None else torch.optim.AdamW(setup.params,
-                                                                                                    lr=cfg.lr)
-    if dp is not None and setup.vocab is not None:
-        _add_vocab_optimizer(optimizer, setup.vocab, lr=cfg.lr)
-    start = _restore(cfg, ctx, setup, optimizer)
-    # with data or tensor parallelism the optimizer steps directly (prepare refuses --clip-grad there)
-    validator = None if dp is not None or cfg.tp > 1 else PostValidator(
-        optimizer, max_norm=cfg.clip_grad, optimistic=cfg.optimistic_step, timeout_s=cfg.timeout_s,
-        counted_twice=setup.tied.counted_twice if setup.tied is not None else ())
-    runner = _runner(cfg, ctx, setup)
-    shapes = {s: [tp_local_shape(p) for p in m.parameters() if p.requires_grad] for s, m in stages.items()}
-    static_predicted = _predict_static(cfg, runner.program, rank, replica, shapes)
-    link = _dp_link(cfg, setup)
-    control = ctx.control
-    # a DCP save is a collective: a failing rank cannot take part, so none is saved on the way out
-    last_good.track(rank, None if uses_sharded_checkpoints(cfg) else stages, optimizer, cfg.meta(data.source), start)
-    control.step_done(start)
-    last = start + 1 if cfg.verify else cfg.steps
-    losses, spans, peak, skipped, static, dp_waits = [], [], 0, [], 0, []
-    evals: list[tuple[int, float]] = []
-    metrics = metrics_writer(cfg, setup)
-    timelines: deque = deque(maxlen=KEEP_TIMELINES)
-    for step in range(start, last):
-        inputs, targets = _replica_batch(cfg, data, step, replica)
+    result: object
+    loss: float | None
+    check: object
+    grads: dict | None
+    t0: float
+    t1: float
+
+
+class _SyncSteps:
+    """The synchronous step strategy: this rank's stages, optimizer (through a PostValidator
+    without data or tensor parallelism) and runner; `run(step)` takes one whole step."""
+
+    def __init__(self, ctx, cfg: TrainConfig, last_good: _LastGood) -> None:
+        self.ctx, self.cfg, self.last_good = ctx, cfg, last_good
+        self.setup = setup = setup_rank(ctx, cfg)
+        dp = setup.data_parallel
+        self.optimizer = optimizer = (dp.optimizer(torch.optim.AdamW, lr=cfg.lr) if dp is not None
+                                      else torch.optim.AdamW(setup.params, lr=cfg.lr))
+        if dp is not None and setup.vocab is not None:
+            _add_vocab_optimizer(optimizer, setup.vocab, lr=cfg.lr)
+        self.start = _restore(cfg, ctx, setup, optimizer)
+        # with data or tensor parallelism the optimizer steps directly (prepare refuses --clip-grad there)
+        self.validator = None if dp is not None or cfg.tp > 1 else PostValidator(
+            optimizer, max_norm=cfg.clip_grad, optimistic=cfg.optimistic_step, timeout_s=cfg.timeout_s,
+            counted_twice=setup.tied.counted_twice if setup.tied is not None else ())
+        self.runner = _runner(cfg, ctx, setup)
+        shapes = {s: [tp_local_shape(p) for p in m.parameters() if p.requires_grad] for s, m in setup.modules.items()}
+        self.static_predicted = _predict_static(cfg, self.runner.program, setup.rank, setup.replica, shapes)
+        self.static = 0
+        """the most parameter, gradient and optimizer-state bytes held so far"""
+
+    def run(self, step: int) -> _StepDone:
+        """Feed step `step`'s batch through the pipeline and step the optimizer."""
+        cfg, setup, optimizer, runner = self.cfg, self.setup, self.optimizer, self.runner
+        dp, built = setup.data_parallel, setup.stages
+        inputs, targets = _replica_batch(cfg, setup.data, step, setup.replica)
         optimizer.zero_grad(set_to_none=True)
         set_lr(optimizer, cfg.lr_at(step))
-        runner.measure_memory = step < start + MEMORY_STEPS or step == last - 1
         t0 = time.perf_counter()
         every = setup.vocab is not None  # every rank's vocabulary passes take the tokens and the labels
         result = runner.step(inputs if runner.holds_first_stage or every else None,
@@ -143,71 +151,98 @@ def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
             settle_partial_grads(setup.params)
         if setup.tied is not None:  # the two copies of a tied embedding take the sum of their gradients
             setup.tied.sum_gradients()
-        if cfg.inject_nonfinite == step + 1 and rank == cfg.schedule.p - 1:
+        if cfg.inject_nonfinite == step + 1 and setup.rank == cfg.schedule.p - 1:
             next(p.grad for p in setup.params if p.grad is not None).view(-1)[0] = float("inf")
         if dp is None:
             # the step's peak: full gradients, the state of the previous step, the compute copies
-            static = max(static, _static_now(built, optimizer) + (setup.copies.step_bytes if setup.copies else 0))
+            self.static = max(self.static, _static_now(built, optimizer) + (setup.copies.step_bytes if setup.copies
+                                                                            else 0))
         grads = _full_grads(built) if cfg.verify and cfg.clip_grad is None else None
         if grads is not None and setup.vocab is not None:  # the tables gathered whole, by the model's names
             grads = {**grads, **_vocab_tables(cfg, setup)[0]}
-        with control.critical():  # an interrupt must not leave half the parameters stepped
-            check = validator.step() if validator is not None else optimizer.step()
-            last_good.stepped(step + 1)
+        with self.ctx.control.critical():  # an interrupt must not leave half the parameters stepped
+            check = self.validator.step() if self.validator is not None else optimizer.step()
+            self.last_good.stepped(step + 1)
         if dp is not None:
             dp.sample_static()  # after the optimizer step: its state is there, gradients not yet freed
-            static = max(static, dp.peak_static)
+            self.static = max(self.static, dp.peak_static)
         else:
-            static = max(static, _static_now(built, optimizer))
+            self.static = max(self.static, _static_now(built, optimizer))
         loss = _replica_mean(result.loss, setup.mesh) if result.loss is not None else None
         if cfg.schedule.schedule.chains > 1:  # DualPipe: each direction's last stage holds its share of the mean
             loss = _chains_total(result.loss, cfg, setup)
+        return _StepDone(result, loss, check, grads, t0, time.perf_counter())
+
+    def verify_result(self, step: int, done: _StepDone) -> RankResult:
+        """--verify: the step is taken; with clipping, the gradients it used (clipped) are compared."""
+        cfg, setup, built = self.cfg, self.setup, self.setup.stages
+        grads = done.grads if done.grads is not None else {**_full_grads(built), **_vocab_tables(cfg, setup)[0]}
+        return RankResult(setup.rank, tuple(setup.modules), ((step, done.loss),) if done.loss is not None else (),
+                          grads=grads, params={**_full_params(built), **_vocab_tables(cfg, setup)[1]},
+                          checks=() if done.check is None or cfg.clip_grad is None else ((step, done.check),),
+                          dp_rank=setup.replica, static_bytes_measured=self.static,
+                          static_bytes_predicted=self.static_predicted[0], tp_rank=setup.tp_rank)
+
+
+def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
+    """The synchronous loop: one `_SyncSteps.run` per step, then the observers (progress line,
+    evaluation, metrics, checkpoint) in that order."""
+    steps = _SyncSteps(ctx, cfg, last_good)
+    setup, start, control, runner = steps.setup, steps.start, ctx.control, steps.runner
+    rank, replica, dp = setup.rank, setup.replica, setup.data_parallel
+    link = _dp_link(cfg, setup)
+    # a DCP save is a collective: a failing rank cannot take part, so none is saved on the way out
+    last_good.track(rank, None if uses_sharded_checkpoints(cfg) else setup.modules, steps.optimizer,
+                    cfg.meta(setup.data.source), start)
+    control.step_done(start)
+    last = start + 1 if cfg.verify else cfg.steps
+    losses, spans, peak, skipped, dp_waits, evals = [], [], 0, [], [], []
+    metrics = metrics_writer(cfg, setup)
+    timelines: deque = deque(maxlen=KEEP_TIMELINES)
+    for step in range(start, last):
+        runner.measure_memory = step < start + MEMORY_STEPS or step == last - 1
+        done = steps.run(step)
+        result, loss, check = done.result, done.loss, done.check
         if cfg.verify:
-            # the step is taken; with clipping, the gradients it used (clipped) are compared
-            return RankResult(rank, tuple(stages), ((step, loss),) if loss is not None else (),
-                              grads=grads if grads is not None else {**_full_grads(built), **_vocab_tables(cfg, setup)[0]},
-                              params={**_full_params(built), **_vocab_tables(cfg, setup)[1]},
-                              checks=() if check is None or cfg.clip_grad is None else ((step, check),),
-                              dp_rank=replica, static_bytes_measured=static, static_bytes_predicted=static_predicted[0],
-                              tp_rank=setup.tp_rank)
+            return steps.verify_result(step, done)
         if check is not None and check.outcome == "skipped":
             skipped.append(step)
         if dp is not None:
             dp_waits.append(dp.wait_s)
-        t1 = time.perf_counter()
-        spans.append((step, t0, t1))
+        spans.append((step, done.t0, done.t1))
         peak = max(peak, result.peak_saved_bytes or 0)
         if result.timeline is not None:
             timelines.append((step, result.timeline))
         if loss is not None:
             losses.append((step, loss))
             if not cfg.quiet and replica == 0 and setup.tp_rank == 0:
-                _progress_line(cfg, step, loss, t1 - t0, check)
+                progress_line(cfg, step, "emulated" if cfg.emulation else f"{loss:.4f}", done.t1 - done.t0,
+                              "" if check is None else _check_note(check, cfg.clip_grad))
         held = evaluate_if_due(cfg, ctx, setup, step + 1, last)
         if held is not None:
             evals.append((step, held))
         if metrics is not None and loss is not None:
-            metrics.write(step=step + 1, loss=loss, lr=cfg.lr_at(step), step_time_s=t1 - t0, tokens=cfg.tokens_per_step,
-                          rank=rank, eval_loss=held, activation_bytes=result.peak_saved_bytes or None,
-                          static_bytes=static, device_max_bytes=_device_max_bytes(ctx.device))
+            metrics.write(step=step + 1, loss=loss, lr=cfg.lr_at(step), step_time_s=done.t1 - done.t0,
+                          tokens=cfg.tokens_per_step, rank=rank, eval_loss=held,
+                          activation_bytes=result.peak_saved_bytes or None, static_bytes=steps.static,
+                          device_max_bytes=_device_max_bytes(ctx.device))
         stop = control.step_done(step + 1)  # True on every rank after the same step
-        if _save_if_due(cfg, control, setup, optimizer, step + 1, final=stop or step + 1 == last):
+        if save_when_due(cfg, control, step + 1, lambda k: _save(cfg, setup, steps.optimizer, k),
+                         final=stop or step + 1 == last):
             last_good.saved = step + 1
         if stop:
             break
     if cfg.save_hf is not None and spans and spans[-1][0] + 1 == cfg.steps:
-        from .export_hf import save_rank_part
-
         with control.critical():
             save_rank_part(cfg, setup)  # every rank: the gathers of sharded stages are collectives
         control.beat()
     sys.stdout.flush()
     # the optimizer state exists from the second step on: the steady-state peak
-    predicted = static_predicted[1] if len(spans) > 1 else static_predicted[0]
-    return RankResult(rank, tuple(stages), tuple(losses), tuple(spans), peak, tuple(timelines),
-                      skipped_steps=tuple(skipped), dp_rank=replica, static_bytes_measured=static,
-                      static_bytes_predicted=predicted, dp_wait_s=tuple(dp_waits), dp_link=link, eval_losses=tuple(evals),
-                      tp_rank=setup.tp_rank)
+    predicted = steps.static_predicted[1] if len(spans) > 1 else steps.static_predicted[0]
+    return RankResult(rank, tuple(setup.modules), tuple(losses), tuple(spans), peak, tuple(timelines),
+                      skipped_steps=tuple(skipped), dp_rank=replica, static_bytes_measured=steps.static,
+                      static_bytes_predicted=predicted, dp_wait_s=tuple(dp_waits), dp_link=link,
+                      eval_losses=tuple(evals), tp_rank=setup.tp_rank)
 
 
 VOCAB_ROWS = -1
@@ -284,28 +319,14 @@ def _dp_link(cfg: TrainConfig, setup) -> tuple[float, float] | None:
     return None
 
 
-def _progress_line(cfg: TrainConfig, step: int, loss: float, seconds: float, check) -> None:
-    shown = "emulated" if cfg.emulation else f"{loss:.4f}"
-    print(f"step {step + 1:>5}/{cfg.steps}  loss {shown}  {cfg.tokens_per_step / seconds:>9,.0f} tokens/s  "
-          f"{seconds * 1e3:7.1f} ms" + ("" if check is None else _check_note(check, cfg.clip_grad)), flush=True)
-
-
-def _save_if_due(cfg: TrainConfig, control, setup, optimizer, done: int, *, final: bool) -> bool:
-    """Save step `done` at the run's last step, at a stop, and every `save_every` steps;
-    whether it saved."""
-    ck = cfg.checkpoint
-    if ck is None or not (final or (ck.save_every and done % ck.save_every == 0)):
-        return False
-    meta = cfg.meta(setup.data.source)
-    with control.critical():
-        if uses_sharded_checkpoints(cfg):
-            sharded.save_sharded(ck.directory, step=done, stages=setup.modules,
-                                 optimizers=_chunk_optimizers(optimizer), meta=meta)
-        else:
-            ckpt.save_rank(ck.directory, rank=setup.rank, step=done, stages=setup.modules, optimizer=optimizer,
-                           meta=meta)
-    control.beat()
-    return True
+def _save(cfg: TrainConfig, setup, optimizer, done: int) -> None:
+    """Save step `done` of this rank (through torch.distributed.checkpoint when sharded)."""
+    directory, meta = cfg.checkpoint.directory, cfg.meta(setup.data.source)
+    if uses_sharded_checkpoints(cfg):
+        sharded.save_sharded(directory, step=done, stages=setup.modules, optimizers=_chunk_optimizers(optimizer),
+                             meta=meta)
+    else:
+        ckpt.save_rank(directory, rank=setup.rank, step=done, stages=setup.modules, optimizer=optimizer, meta=meta)
 
 
 def _replica_batch(cfg: TrainConfig, data: TokenWindows, step: int, replica: int):

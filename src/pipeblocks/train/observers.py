@@ -1,5 +1,6 @@
 """What both training loops (synchronous and asynchronous) do beside the steps: who writes
-the progress lines and `--metrics`, and the held-out evaluation of `--eval-every`.
+the progress lines and `--metrics`, the progress line itself, the held-out evaluation of
+`--eval-every`, and when a checkpoint is due.
 
     >>> metrics = metrics_writer(cfg, setup)              # None on the ranks that do not write
     >>> held = evaluate_if_due(cfg, ctx, setup, done=k + 1, last=cfg.steps)   # every rank takes part
@@ -11,13 +12,17 @@ step and after the last; it runs on the weights the stages hold at that moment.
 from __future__ import annotations
 
 import contextlib
+import sys
+from collections.abc import Callable
 
 from .config import TrainConfig
+from . import checkpoint as ckpt
 from .evaluate import held_out_loss
 from .metrics import MetricsWriter
 from .stage_copies import model_stages
 
-__all__ = ["evaluation_due", "evaluate_if_due", "metrics_writer", "writes_progress"]
+__all__ = ["claim_checkpoints", "evaluation_due", "evaluate_if_due", "metrics_writer", "progress_line", "save_when_due",
+           "writes_progress"]
 
 
 def writes_progress(cfg: TrainConfig, setup) -> bool:
@@ -54,3 +59,33 @@ def evaluate_if_due(cfg: TrainConfig, ctx, setup, done: int, last: int) -> float
     if loss is not None and not cfg.quiet and writes_progress(cfg, setup):
         print(f"eval {done:>5}/{cfg.steps}  held-out loss {loss:.4f}", flush=True)
     return loss
+
+
+def progress_line(cfg: TrainConfig, step: int, shown: str, seconds: float, note: str = "") -> None:
+    """The line printed after step `step` (0-based): its loss as `shown`, throughput, wall time."""
+    print(f"step {step + 1:>5}/{cfg.steps}  loss {shown}  {cfg.tokens_per_step / seconds:>9,.0f} tokens/s  "
+          f"{seconds * 1e3:7.1f} ms{note}", flush=True)
+
+
+def claim_checkpoints(cfg: TrainConfig, claim: Callable[[str], list] = lambda directory: []) -> None:
+    """Before a fresh run: take `--checkpoint DIR` (refused if it holds another run's files
+    unless --overwrite); `claim` removes the files of another format too."""
+    ck = cfg.checkpoint
+    if ck is None or ck.resume or cfg.verify:
+        return
+    removed = ckpt.claim_directory(ck.directory, overwrite=ck.overwrite) + claim(ck.directory)
+    if removed:
+        print(f"--overwrite: removed {len(removed)} checkpoint file(s) of an earlier run from {ck.directory!r}",
+              file=sys.stderr, flush=True)
+
+
+def save_when_due(cfg: TrainConfig, control, done: int, save: Callable[[int], None], *, final: bool) -> bool:
+    """Run `save(done)` (uninterruptible) at the run's last step, at a stop (`final`), and every
+    `save_every` steps; whether it saved."""
+    ck = cfg.checkpoint
+    if ck is None or not (final or (ck.save_every and done % ck.save_every == 0)):
+        return False
+    with control.critical():
+        save(done)
+    control.beat()
+    return True

@@ -28,7 +28,7 @@ from ...core.ir.program import OptimizerStep
 from ...runtime import PipelineRunner
 from .. import checkpoint as ckpt
 from ..config import TrainConfig
-from ..observers import evaluate_if_due, evaluation_due, metrics_writer
+from ..observers import evaluate_if_due, evaluation_due, metrics_writer, progress_line, save_when_due
 from ..rank_setup import emulated_costs, setup_rank
 from .checkpoint import resume_async, save_async
 from .compute import AsyncCompute, EmulatedAsyncCompute
@@ -80,6 +80,9 @@ class AsyncRankResult:
     saved: tuple[int, ...] = ()
     """the steps this rank checkpointed"""
     segments: tuple[SegmentRecord, ...] = field(default=(), repr=False)
+    eval_losses: tuple[tuple[int, float], ...] = ()
+    """(step, held-out loss) after the steps --eval-every evaluated (0-based, as the
+    synchronous RankResult's); the last stage's rank only"""
 
 
 def microbatches(cfg: TrainConfig, data, steps: range) -> tuple[list, list]:
@@ -109,6 +112,10 @@ def async_rank(ctx, cfg: TrainConfig, shared=None) -> AsyncRankResult:
         if ck.resume:
             start = resume_async(cfg, ctx, stages, data.source)
     segments = run_segments(cfg, start=start)
+
+    def save(step: int) -> None:
+        save_async(cfg, rank=ctx.rank, step=step, stages=stages, meta=cfg.meta(data.source))
+
     drain = Drain(shared, step_size=n, stop_requested=lambda: ctx.control.stop_reason is not None)
     progress = _Progress(cfg, ctx.rank, metrics_writer(cfg, setup), last in mine)
     step_times: list[float] = []
@@ -124,7 +131,7 @@ def async_rank(ctx, cfg: TrainConfig, shared=None) -> AsyncRankResult:
     first, has_last = 0 in mine, last in mine
     xs, ys = microbatches(cfg, data, range(start, cfg.steps))
     runners: dict[tuple[int, bool], tuple] = {}
-    records, saved, done, drained_at = [], [], start, None
+    records, saved, evals, done, drained_at = [], [], [], start, None
     warm_s = async_s = 0.0
     torch.distributed.barrier()  # the ranks start the clock together, after building their stages
     progress.last_time = time.perf_counter()
@@ -145,22 +152,23 @@ def async_rank(ctx, cfg: TrainConfig, shared=None) -> AsyncRankResult:
         boundary = drain.boundary
         done = boundary // n if boundary is not None else segment.end
         records.append(SegmentRecord(segment, done - segment.first, tuple(compute.events)))
-        progress.evaluated(done, evaluate_if_due(cfg, ctx, setup, done, cfg.steps))
+        held = evaluate_if_due(cfg, ctx, setup, done, cfg.steps)
+        progress.evaluated(done, held)
+        if held is not None:
+            evals.append((done - 1, held))
         stop = _agree_stop(ctx)
         if boundary is not None:
             drained_at = done
             progress.note(f"drained at step {done} ({ctx.control.stop_reason}): the microbatches in flight finished, "
                           "none entered after")
-        if ck is not None and (stop or done == cfg.steps or (ck.save_every and done % ck.save_every == 0)):
-            with ctx.control.critical():
-                save_async(cfg, rank=ctx.rank, step=done, stages=stages, meta=cfg.meta(data.source))
-            ctx.control.beat()
+        if save_when_due(cfg, ctx.control, done, save, final=stop or done == cfg.steps):
             saved.append(done)
         if stop:
             break
     progress.close()
     sys.stdout.flush()
-    ran = _Ran(start, done, drained_at, tuple(saved), tuple(records), warm_s, async_s, tuple(step_times))
+    ran = _Ran(start, done, drained_at, tuple(saved), tuple(records), warm_s, async_s, tuple(step_times),
+               tuple(evals))
     return _result(cfg, ctx, mine, stages, compute, ran, modules)
 
 
@@ -176,6 +184,7 @@ class _Ran:
     warmup_s: float
     async_s: float
     step_times: tuple[float, ...]
+    eval_losses: tuple[tuple[int, float], ...]
 
 
 def _compute(cfg: TrainConfig, ctx, setup, stages, versions, drain, on_step):
@@ -204,7 +213,7 @@ def _runner_for(segment: Segment, runners: dict, cfg: TrainConfig, ctx, setup, c
 def _result(cfg: TrainConfig, ctx, mine, stages, compute, ran: _Ran, modules) -> AsyncRankResult:
     """This rank's AsyncRankResult (losses, delays and rates only with real compute)."""
     common = {"first_step": ran.start, "done": ran.done, "drained_at": ran.drained_at, "saved": ran.saved,
-              "segments": ran.records}
+              "segments": ran.records, "eval_losses": ran.eval_losses}
     if cfg.emulation is not None:
         return AsyncRankResult(ctx.rank, mine, (), {}, {}, ran.warmup_s, ran.async_s, ran.step_times, **common)
     n, last = cfg.schedule.m, cfg.schedule.schedule.num_stages - 1
@@ -250,10 +259,8 @@ class _Progress:
                 self._flush()
         if cfg.quiet or cfg.verify:
             return
-        shown = "emulated" if loss is None else f"{loss:.4f}"
-        sync = "  (synchronous)" if step < cfg.async_mode.sync_warmup_steps else ""
-        print(f"step {step + 1:>5}/{cfg.steps}  loss {shown}  {cfg.tokens_per_step / seconds:>9,.0f} tokens/s  "
-              f"{seconds * 1e3:7.1f} ms{sync}", flush=True)
+        progress_line(cfg, step, "emulated" if loss is None else f"{loss:.4f}", seconds,
+                      "  (synchronous)" if step < cfg.async_mode.sync_warmup_steps else "")
 
     def evaluated(self, done: int, loss: float | None) -> None:
         """The held-out loss after step `done` (None: none was evaluated) joins that step's metrics line."""

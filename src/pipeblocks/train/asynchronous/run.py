@@ -46,15 +46,10 @@ __all__ = [
 def launch_async(cfg: TrainConfig) -> list[AsyncRankResult]:
     """Run `cfg` on p local processes, sharing the drain boundary (drain.py) with them."""
     from ...runtime.launch import spawn
-    from .. import checkpoint as ckpt
+    from ..observers import claim_checkpoints
     from .drain import shared_boundary
 
-    ck = cfg.checkpoint
-    if ck is not None and not ck.resume and not cfg.verify:
-        removed = ckpt.claim_directory(ck.directory, overwrite=ck.overwrite)
-        if removed:
-            print(f"--overwrite: removed {len(removed)} checkpoint file(s) of an earlier run from {ck.directory!r}",
-                  file=sys.stderr, flush=True)
+    claim_checkpoints(cfg)
     p = cfg.schedule.p
     return spawn(async_rank, p, args=(cfg, shared_boundary()), timeout_s=cfg.timeout_s,
                  threads_per_rank=cfg.threads_for(p), device=cfg.mesh.device)
