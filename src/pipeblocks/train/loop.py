@@ -3,6 +3,10 @@
     >>> cfg, data = prepare(ScheduleRequest(name="1f1b", m=4, mesh=Mesh(pp=2)), model=GPTConfig(layers=4), steps=20)
     >>> results = launch(cfg)       # p local processes (or this one, under torchrun); one RankResult per rank
 
+The loop is `_train_rank`: one `_SyncSteps.run` per step (the synchronous step strategy;
+the asynchronous one is asynchronous/rank.py), then the observers both loops share
+(observers.py: progress line, evaluation, metrics, checkpoint when due).
+
 Each rank builds what `rank_setup.setup_rank` builds (only its own stages, with the weights
 of the whole model of the same seed; the precision; the data-parallel wrapper), an AdamW
 over their parameters, and a `PipelineRunner`. Step k feeds the batch `TokenWindows.batch(k, m*b, seed)` (the runner

@@ -8,7 +8,9 @@ Programs from there (plan.py: warm-up steps, then asynchronous segments ending a
 points); then each Program in turn, one `PipelineRunner.step` each. After a Program the
 rank saves when the step is a save point, the last step, or a stop: a stop request drains
 the running Program early (drain.py), the ranks agree on it (one all-reduce after each
-Program), save the drained step, and the run ends.
+Program), save the drained step, and the run ends. With `--eval-every` the Programs also
+end at the evaluation points, where every rank takes part in the held-out loss
+(train/observers.py, as the synchronous loop does).
 
 The rank holding the last stage prints one progress line per optimizer step of that stage
 (and writes `--metrics`); every rank returns its losses, delays, rates, step times and
