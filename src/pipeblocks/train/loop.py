@@ -506,9 +506,12 @@ def launch_or_report(start: Callable[[], T], note: Callable[[], str] | None = No
 
 
 def checkpoint_note(cfg: TrainConfig) -> str:
-    """One line for a run that ended early: what its checkpoint directory now resumes from."""
+    """One line for a run that ended early: what its checkpoint directory now resumes from (an
+    asynchronous run's checkpoints are drained steps)."""
+    drained = cfg.async_mode is not None
     if cfg.checkpoint is None:
-        return "no checkpoint was written: give --checkpoint DIR to save when a run stops"
+        return ("no checkpoint was written: give --checkpoint DIR to drain and save when an asynchronous run stops"
+                if drained else "no checkpoint was written: give --checkpoint DIR to save when a run stops")
     directory = cfg.checkpoint.directory
     if uses_sharded_checkpoints(cfg):
         step = sharded.latest_sharded_step(directory)
@@ -518,7 +521,7 @@ def checkpoint_note(cfg: TrainConfig) -> str:
     step = ckpt.latest_step(directory, cfg.schedule.p)
     if step is None:
         return f"no step was saved by every rank in {directory}"
-    return f"checkpoint: every rank has step {step} in {directory}: continue with --resume"
+    return f"checkpoint: every rank has {'drained ' if drained else ''}step {step} in {directory}: continue with --resume"
 
 
 def _emulated_compute(cfg: TrainConfig, stages, device):

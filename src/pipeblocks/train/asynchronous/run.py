@@ -56,23 +56,9 @@ def launch_async(cfg: TrainConfig) -> list[AsyncRankResult]:
 
 
 def _launch(cfg: TrainConfig) -> list[AsyncRankResult] | None:
-    from ..loop import launch_or_report
+    from ..loop import checkpoint_note, launch_or_report
 
     return launch_or_report(lambda: launch_async(cfg), note=lambda: checkpoint_note(cfg))
-
-
-def checkpoint_note(cfg: TrainConfig) -> str:
-    """One line for a run that ended early: the step its checkpoints resume from."""
-    from .. import checkpoint as ckpt
-
-    if cfg.checkpoint is None:
-        return ("no checkpoint was written: give --checkpoint DIR to drain and save when an asynchronous run "
-                "stops")
-    step = ckpt.latest_step(cfg.checkpoint.directory, cfg.schedule.p)
-    if step is None:
-        return f"no step was saved by every rank in {cfg.checkpoint.directory}"
-    return (f"checkpoint: every rank has drained step {step} in {cfg.checkpoint.directory}: continue with "
-            "--resume")
 
 
 def steady_step_s(results: list[AsyncRankResult], warmup_steps: int) -> float | None:
