@@ -31,7 +31,6 @@ from pipeblocks.train.config import ModelChoice, ScheduleSpec, TrainConfig
         (["--async", "naive", "--lr-warmup-steps", "3"], "mode 'naive' takes no lr_warmup_steps"),
         (["--lr-warmup-steps", "3"], "--lr-warmup-steps set(s) an asynchronous mode: add --async MODE"),
         (["--async", "fast"], "argument --async: invalid choice: 'fast'"),
-        (["--async", "naive", "--eval-every", "5"], "--async with --eval-every is not supported yet"),
         (["--async", "naive", "--clip-grad", "1"], "--async with --clip-grad is not supported yet"),
         (["--async", "naive", "--dry-run"], "--async with --dry-run is not supported yet"),
         (["--async", "naive", "--verify", "--emulate", "1,1,1"], "drop --emulate"),

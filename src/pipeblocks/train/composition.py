@@ -212,7 +212,6 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda d: "--async with --recompute: the asynchronous backward recomputes its forward already (at the "
             "mode's weights); drop --recompute"),
     Refusal(("async", "clip"), lambda d: "--async with --clip-grad is not supported yet: drop --clip-grad"),
-    Refusal(("async", "eval"), lambda d: "--async with --eval-every is not supported yet: drop --eval-every"),
     Refusal(("async", "tied"),
             lambda d: "--async with a model whose head is tied to its embedding is not supported yet (each stage "
             "steps on its own, and the two copies of the tied weight would drift apart): train it synchronously"),

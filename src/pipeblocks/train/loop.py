@@ -3,11 +3,12 @@
     >>> cfg, data = prepare(ScheduleRequest(name="1f1b", m=4, mesh=Mesh(pp=2)), model=GPTConfig(layers=4), steps=20)
     >>> results = launch(cfg)       # p local processes (or this one, under torchrun); one RankResult per rank
 
-Each rank builds what `rank_setup.setup_rank` builds (only its own stages, with the weights
-of the whole model of the same seed; the precision; the data-parallel wrapper), an AdamW
-over their parameters, and a `PipelineRunner`. Step k feeds the batch `TokenWindows.batch(k, m*b, seed)` (the runner
-cuts it into m microbatches), then steps the optimizer. The rank that holds the last
-stage prints one progress line per step. The optimizer steps through a `PostValidator`
+The loop is `_train_rank`: one `SyncSteps.run` per step (the synchronous step strategy,
+steps_sync.py: the rank's own stages, with the weights of the whole model of the same seed,
+an AdamW and a `PipelineRunner`; step k feeds the batch `TokenWindows.batch(k, m*b, seed)`),
+then the observers both loops share (observers.py: progress line, evaluation, metrics,
+checkpoint when due; the asynchronous loop is asynchronous/rank.py). The rank that holds
+the last stage prints one progress line per step. The optimizer steps through a `PostValidator`
 (post_validation.py): `clip_grad` clips by the global gradient norm, and a step whose
 gradient is non-finite on any rank is skipped on every rank, with no barrier before the
 step. Checkpoints go to `cfg.checkpoint.directory` every `save_every` steps and after the last one
@@ -29,21 +30,21 @@ returns the latest ones, from which the launcher profiles pass times and the bub
 from __future__ import annotations
 
 import sys
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 
-from ..data import TokenWindows
 from . import checkpoint as ckpt
 from . import sharded_checkpoint as sharded
 from .config import TrainConfig
-from .post_validation import PostValidator
+from .export_hf import save_rank_part
+from .observers import claim_checkpoints, evaluate_if_due, metrics_writer, progress_line, save_when_due
 from .report import RankResult
+from .steps_sync import SyncSteps, chunk_optimizers, uses_sharded_checkpoints
 
-__all__ = ["TrainConfig", "checkpoint_note", "launch", "launch_or_report", "train_rank"]
+__all__ = ["TrainConfig", "checkpoint_note", "launch", "launch_or_report", "train_rank", "uses_sharded_checkpoints"]
 
 T = TypeVar("T")
 
@@ -62,13 +63,8 @@ def launch(cfg: TrainConfig) -> list[RankResult] | None:
     from ..runtime.mesh import check_world_size
 
     torchrun = under_torchrun()
-    ck = cfg.checkpoint
-    if ck is not None and not ck.resume and not cfg.verify and (not torchrun or reporting_process()):
-        removed = ckpt.claim_directory(ck.directory, overwrite=ck.overwrite)
-        removed += sharded.claim_sharded(ck.directory, overwrite=ck.overwrite)
-        if removed:
-            print(f"--overwrite: removed {len(removed)} checkpoint file(s) of an earlier run from "
-                  f"{ck.directory!r}", file=sys.stderr, flush=True)
+    if not torchrun or reporting_process():
+        claim_checkpoints(cfg, lambda directory: sharded.claim_sharded(directory, overwrite=cfg.checkpoint.overwrite))
     world = cfg.world_size
     check_world_size(cfg.schedule.p, cfg.dp, world, cfg.tp)
     if torchrun:
@@ -101,212 +97,68 @@ def train_rank(ctx, cfg: TrainConfig) -> RankResult:
 
 
 def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
-    from ..runtime.tensor_parallel import settle_partial_grads, tp_local_shape
-    from .rank_setup import setup_rank
-
-    setup = setup_rank(ctx, cfg)
-    rank, replica, dp, data = setup.rank, setup.replica, setup.data_parallel, setup.data
-    built, stages = setup.stages, setup.modules
-    optimizer = dp.optimizer(torch.optim.AdamW, lr=cfg.lr) if dp is not None else torch.optim.AdamW(setup.params,
-                                                                                                    lr=cfg.lr)
-    if dp is not None and setup.vocab is not None:
-        _add_vocab_optimizer(optimizer, setup.vocab, lr=cfg.lr)
-    start = _restore(cfg, ctx, setup, optimizer)
-    # with data or tensor parallelism the optimizer steps directly (prepare refuses --clip-grad there)
-    validator = None if dp is not None or cfg.tp > 1 else PostValidator(
-        optimizer, max_norm=cfg.clip_grad, optimistic=cfg.optimistic_step, timeout_s=cfg.timeout_s,
-        counted_twice=setup.tied.counted_twice if setup.tied is not None else ())
-    runner = _runner(cfg, ctx, setup)
-    shapes = {s: [tp_local_shape(p) for p in m.parameters() if p.requires_grad] for s, m in stages.items()}
-    static_predicted = _predict_static(cfg, runner.program, rank, replica, shapes)
+    """The synchronous loop: one `SyncSteps.run` per step, then the observers (progress line,
+    evaluation, metrics, checkpoint) in that order."""
+    steps = SyncSteps(ctx, cfg, last_good)
+    setup, start, control, runner = steps.setup, steps.start, ctx.control, steps.runner
+    rank, replica, dp = setup.rank, setup.replica, setup.data_parallel
     link = _dp_link(cfg, setup)
-    control = ctx.control
     # a DCP save is a collective: a failing rank cannot take part, so none is saved on the way out
-    last_good.track(rank, None if uses_sharded_checkpoints(cfg) else stages, optimizer, cfg.meta(data.source), start)
+    last_good.track(rank, None if uses_sharded_checkpoints(cfg) else setup.modules, steps.optimizer,
+                    cfg.meta(setup.data.source), start)
     control.step_done(start)
     last = start + 1 if cfg.verify else cfg.steps
-    losses, spans, peak, skipped, static, dp_waits = [], [], 0, [], 0, []
-    evals: list[tuple[int, float]] = []
-    metrics = _metrics_writer(cfg, setup)
+    losses, spans, peak, skipped, dp_waits, evals = [], [], 0, [], [], []
+    metrics = metrics_writer(cfg, setup)
     timelines: deque = deque(maxlen=KEEP_TIMELINES)
     for step in range(start, last):
-        inputs, targets = _replica_batch(cfg, data, step, replica)
-        optimizer.zero_grad(set_to_none=True)
-        set_lr(optimizer, cfg.lr_at(step))
         runner.measure_memory = step < start + MEMORY_STEPS or step == last - 1
-        t0 = time.perf_counter()
-        every = setup.vocab is not None  # every rank's vocabulary passes take the tokens and the labels
-        result = runner.step(inputs if runner.holds_first_stage or every else None,
-                             targets if runner.holds_last_stage or every else None)
-        if cfg.tp > 1:
-            settle_partial_grads(setup.params)
-        if setup.tied is not None:  # the two copies of a tied embedding take the sum of their gradients
-            setup.tied.sum_gradients()
-        if cfg.inject_nonfinite == step + 1 and rank == cfg.schedule.p - 1:
-            next(p.grad for p in setup.params if p.grad is not None).view(-1)[0] = float("inf")
-        if dp is None:
-            # the step's peak: full gradients, the state of the previous step, the compute copies
-            static = max(static, _static_now(built, optimizer) + (setup.copies.step_bytes if setup.copies else 0))
-        grads = _full_grads(built) if cfg.verify and cfg.clip_grad is None else None
-        if grads is not None and setup.vocab is not None:  # the tables gathered whole, by the model's names
-            grads = {**grads, **_vocab_tables(cfg, setup)[0]}
-        with control.critical():  # an interrupt must not leave half the parameters stepped
-            check = validator.step() if validator is not None else optimizer.step()
-            last_good.stepped(step + 1)
-        if dp is not None:
-            dp.sample_static()  # after the optimizer step: its state is there, gradients not yet freed
-            static = max(static, dp.peak_static)
-        else:
-            static = max(static, _static_now(built, optimizer))
-        loss = _replica_mean(result.loss, setup.mesh) if result.loss is not None else None
-        if cfg.schedule.schedule.chains > 1:  # DualPipe: each direction's last stage holds its share of the mean
-            loss = _chains_total(result.loss, cfg, setup)
+        done = steps.run(step)
+        result, loss, check = done.result, done.loss, done.check
         if cfg.verify:
-            # the step is taken; with clipping, the gradients it used (clipped) are compared
-            return RankResult(rank, tuple(stages), ((step, loss),) if loss is not None else (),
-                              grads=grads if grads is not None else {**_full_grads(built), **_vocab_tables(cfg, setup)[0]},
-                              params={**_full_params(built), **_vocab_tables(cfg, setup)[1]},
-                              checks=() if check is None or cfg.clip_grad is None else ((step, check),),
-                              dp_rank=replica, static_bytes_measured=static, static_bytes_predicted=static_predicted[0],
-                              tp_rank=setup.tp_rank)
+            return steps.verify_result(step, done)
         if check is not None and check.outcome == "skipped":
             skipped.append(step)
         if dp is not None:
             dp_waits.append(dp.wait_s)
-        t1 = time.perf_counter()
-        spans.append((step, t0, t1))
+        spans.append((step, done.t0, done.t1))
         peak = max(peak, result.peak_saved_bytes or 0)
         if result.timeline is not None:
             timelines.append((step, result.timeline))
         if loss is not None:
             losses.append((step, loss))
             if not cfg.quiet and replica == 0 and setup.tp_rank == 0:
-                _progress_line(cfg, step, loss, t1 - t0, check)
-        held = _evaluate_if_due(cfg, ctx, setup, step + 1, last)
+                progress_line(cfg, step, "emulated" if cfg.emulation else f"{loss:.4f}", done.t1 - done.t0,
+                              "" if check is None else _check_note(check, cfg.clip_grad))
+        held = evaluate_if_due(cfg, ctx, setup, step + 1, last)
         if held is not None:
             evals.append((step, held))
         if metrics is not None and loss is not None:
-            metrics.write(step=step + 1, loss=loss, lr=cfg.lr_at(step), step_time_s=t1 - t0, tokens=cfg.tokens_per_step,
-                          rank=rank, eval_loss=held, activation_bytes=result.peak_saved_bytes or None,
-                          static_bytes=static, device_max_bytes=_device_max_bytes(ctx.device))
+            metrics.write(step=step + 1, loss=loss, lr=cfg.lr_at(step), step_time_s=done.t1 - done.t0,
+                          tokens=cfg.tokens_per_step, rank=rank, eval_loss=held,
+                          activation_bytes=result.peak_saved_bytes or None, static_bytes=steps.static,
+                          device_max_bytes=_device_max_bytes(ctx.device))
         stop = control.step_done(step + 1)  # True on every rank after the same step
-        if _save_if_due(cfg, control, setup, optimizer, step + 1, final=stop or step + 1 == last):
+        if save_when_due(cfg, control, step + 1, lambda k: _save(cfg, setup, steps.optimizer, k),
+                         final=stop or step + 1 == last):
             last_good.saved = step + 1
         if stop:
             break
     if cfg.save_hf is not None and spans and spans[-1][0] + 1 == cfg.steps:
-        from .export_hf import save_rank_part
-
         with control.critical():
             save_rank_part(cfg, setup)  # every rank: the gathers of sharded stages are collectives
         control.beat()
     sys.stdout.flush()
     # the optimizer state exists from the second step on: the steady-state peak
-    predicted = static_predicted[1] if len(spans) > 1 else static_predicted[0]
-    return RankResult(rank, tuple(stages), tuple(losses), tuple(spans), peak, tuple(timelines),
-                      skipped_steps=tuple(skipped), dp_rank=replica, static_bytes_measured=static,
-                      static_bytes_predicted=predicted, dp_wait_s=tuple(dp_waits), dp_link=link, eval_losses=tuple(evals),
-                      tp_rank=setup.tp_rank)
-
-
-VOCAB_ROWS = -1
-"""The key of the vocabulary rows' optimizer among a data-parallel rank's chunk optimizers."""
-
-
-def _add_vocab_optimizer(optimizer, vocab, *, lr: float) -> None:
-    """--vocab-parallel with --dp: the rows (replicated over dp, their gradients averaged by the
-    runner) get an AdamW of their own, stepped with the chunks' (no gathers to issue after it)."""
-    optimizer.by_stage[VOCAB_ROWS] = torch.optim.AdamW(vocab.parameters, lr=lr)
-    after = optimizer.after_step
-    optimizer.after_step = None if after is None else (lambda stage: None if stage == VOCAB_ROWS else after(stage))
-
-
-def set_lr(optimizer, lr: float) -> None:
-    """Give every parameter group the step's learning rate (one optimizer, or one per chunk)."""
-    for inner in getattr(optimizer, "by_stage", {0: optimizer}).values():
-        for group in inner.param_groups:
-            group["lr"] = lr
-
-
-def _writes_progress(cfg: TrainConfig, setup) -> bool:
-    """Whether this rank prints the progress lines and writes the metrics: the one holding the
-    last stage, of replica 0 (and tensor-parallel rank 0)."""
-    from .stage_copies import model_stages
-
-    last = model_stages(cfg.schedule.schedule) - 1  # DualPipe: the first direction's last stage
-    return last in setup.modules and setup.replica == 0 and getattr(setup, "tp_rank", 0) == 0
-
-
-def _metrics_writer(cfg: TrainConfig, setup):
-    if cfg.metrics is None or cfg.verify or not _writes_progress(cfg, setup):
-        return None
-    from .metrics import MetricsWriter
-
-    return MetricsWriter(cfg.metrics, resume=cfg.checkpoint is not None and cfg.checkpoint.resume)
-
-
-def _evaluate_if_due(cfg: TrainConfig, ctx, setup, done: int, last: int) -> float | None:
-    """After every `eval_every`-th step and the last: the held-out loss (on the rank holding
-    the last stage; None elsewhere and between evaluations). Every rank takes part."""
-    if not cfg.eval_every or cfg.verify or not (done % cfg.eval_every == 0 or done == last):
-        return None
-    import contextlib
-
-    from .evaluate import held_out_loss
-    from .stage_copies import model_stages
-
-    batch = setup.held_out.eval_batch(cfg.batch_size)
-    with setup.copies if setup.copies is not None else contextlib.nullcontext():
-        loss = held_out_loss(setup.runner_stages, setup.loss_fn, cfg.schedule.placement, rank=setup.rank, batch=batch,
-                             microbatches=cfg.schedule.m, group=setup.pp_group, device=ctx.device,
-                             num_stages=model_stages(cfg.schedule.schedule))  # DualPipe: the first direction
-    ctx.control.beat()
-    if loss is not None and not cfg.quiet and _writes_progress(cfg, setup):
-        print(f"eval {done:>5}/{cfg.steps}  held-out loss {loss:.4f}", flush=True)
-    return loss
+    predicted = steps.static_predicted[1] if len(spans) > 1 else steps.static_predicted[0]
+    return RankResult(rank, tuple(setup.modules), tuple(losses), tuple(spans), peak, tuple(timelines),
+                      skipped_steps=tuple(skipped), dp_rank=replica, static_bytes_measured=steps.static,
+                      static_bytes_predicted=predicted, dp_wait_s=tuple(dp_waits), dp_link=link,
+                      eval_losses=tuple(evals), tp_rank=setup.tp_rank)
 
 
 def _device_max_bytes(device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if torch.device(device).type == "cuda" else None
-
-
-def _restore(cfg: TrainConfig, ctx, setup, optimizer) -> int:
-    """The step to start from: 0, or the resumed checkpoint's (after clearing this rank's
-    temporaries of an interrupted save)."""
-    ck = cfg.checkpoint
-    if ck is None:
-        return 0
-    if not uses_sharded_checkpoints(cfg):
-        ckpt.remove_temporaries(ck.directory, ranks=[setup.rank])  # no save of this rank is under way yet
-    if not ck.resume:
-        return 0
-    if uses_sharded_checkpoints(cfg):
-        step = _resume_sharded(cfg, setup.modules, optimizer)
-    else:
-        step = _resume(cfg, ctx, setup.modules, optimizer, setup.data.source)
-    if setup.tied is not None:  # the checkpoint holds a tied weight once, on the first stage
-        setup.tied.copy_first_to_last()
-    return step
-
-
-def _runner(cfg: TrainConfig, ctx, setup):
-    """This rank's PipelineRunner over its stages (emulated compute under `cfg.emulation`)."""
-    from ..runtime import PipelineRunner
-
-    compute = _emulated_compute(cfg, setup.modules, ctx.device) if cfg.emulation is not None else None
-    vocab = {}
-    if setup.vocab is not None:
-        from .vocab_setup import vocab_costs
-
-        vocab = {"vocab": setup.vocab, "vocab_costs": vocab_costs(cfg)}
-    return PipelineRunner(
-        cfg.schedule.schedule, setup.runner_stages, setup.loss_fn, rank=setup.rank, device=ctx.device,
-        timeout_s=cfg.timeout_s, record_timeline=not cfg.verify and setup.replica == 0 and setup.tp_rank == 0,
-        compute=compute,
-        seq_lengths=cfg.schedule.seq_lengths, group=setup.pp_group, data_parallel=setup.data_parallel,
-        recompute=cfg.schedule.recompute, recompute_at=cfg.schedule.recompute_anchors,
-        precision=setup.copies if compute is None else None, **vocab,
-    )
 
 
 def _dp_link(cfg: TrainConfig, setup) -> tuple[float, float] | None:
@@ -321,142 +173,14 @@ def _dp_link(cfg: TrainConfig, setup) -> tuple[float, float] | None:
     return None
 
 
-def _progress_line(cfg: TrainConfig, step: int, loss: float, seconds: float, check) -> None:
-    shown = "emulated" if cfg.emulation else f"{loss:.4f}"
-    print(f"step {step + 1:>5}/{cfg.steps}  loss {shown}  {cfg.tokens_per_step / seconds:>9,.0f} tokens/s  "
-          f"{seconds * 1e3:7.1f} ms" + ("" if check is None else _check_note(check, cfg.clip_grad)), flush=True)
-
-
-def _save_if_due(cfg: TrainConfig, control, setup, optimizer, done: int, *, final: bool) -> bool:
-    """Save step `done` at the run's last step, at a stop, and every `save_every` steps;
-    whether it saved."""
-    ck = cfg.checkpoint
-    if ck is None or not (final or (ck.save_every and done % ck.save_every == 0)):
-        return False
-    meta = cfg.meta(setup.data.source)
-    with control.critical():
-        if uses_sharded_checkpoints(cfg):
-            sharded.save_sharded(ck.directory, step=done, stages=setup.modules,
-                                 optimizers=_chunk_optimizers(optimizer), meta=meta)
-        else:
-            ckpt.save_rank(ck.directory, rank=setup.rank, step=done, stages=setup.modules, optimizer=optimizer,
-                           meta=meta)
-    control.beat()
-    return True
-
-
-def _replica_batch(cfg: TrainConfig, data: TokenWindows, step: int, replica: int):
-    """This replica's slice of the step's global batch (dp x m microbatches)."""
-    inputs, targets = data.batch(step, cfg.global_batch_size, seed=cfg.seed)
-    if cfg.dp == 1:
-        return inputs, targets
-    n = cfg.batch_size
-    return inputs[replica * n:(replica + 1) * n], targets[replica * n:(replica + 1) * n]
-
-
-def _chains_total(loss: float | None, cfg: TrainConfig, setup) -> float | None:
-    """DualPipe's step loss: the sum of the two directions' shares (each the sum of its own
-    microbatches' losses over m), on the rank that reports progress (None elsewhere); every
-    pipeline rank takes part."""
-    import torch.distributed as dist
-
-    total = torch.tensor([loss or 0.0, float(loss is not None)], dtype=torch.float64)
-    dist.all_reduce(total, group=setup.pp_group)
-    if not _writes_progress(cfg, setup) or total[1].item() == 0:
-        return None
-    return float(total[0].item())
-
-
-def _replica_mean(loss: float, mesh) -> float:
-    """The step's loss over all replicas (the mean of their means: equal microbatches)."""
-    if mesh is None or mesh.dp == 1:
-        return loss
-    import torch.distributed as dist
-
-    total = torch.tensor([loss], dtype=torch.float64)
-    dist.all_reduce(total, group=mesh.dp_group)
-    return float(total.item()) / mesh.dp
-
-
-def _full(tensor):
-    """A DTensor (an FSDP2 or tensor-parallel shard) gathered whole; a plain tensor as is."""
-    from ..runtime.tensor_parallel import full_tensor
-
-    return full_tensor(tensor)
-
-
-def _full_grads(built) -> dict:
-    return {n: None if p.grad is None else _full(p.grad).detach().cpu().clone()
-            for s in built for n, p in s.named_parameters()}
-
-
-def _vocab_tables(cfg: TrainConfig, setup) -> tuple[dict, dict]:
-    """--vocab-parallel: the tables' (gradients, weights) now, gathered whole by their names
-    (every pipeline rank takes part); ({}, {}) without it."""
-    if setup.vocab is None:
-        return {}, {}
-    from .vocab_setup import full_tables
-
-    return full_tables(cfg.model.spec(), setup.vocab, setup.pp_group)
-
-
-def _full_params(built) -> dict:
-    return {n: _full(p).detach().cpu().clone() for s in built for n, p in s.named_parameters()}
-
-
-def _static_now(built, optimizer) -> int:
-    """Parameter, gradient and optimizer-state bytes this rank holds now (after the step)."""
-    from ..runtime.data_parallel import held_bytes
-
-    tensors = [t for s in built for p in s.parameters() for t in (p, p.grad)]
-    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return held_bytes(tensors)
-
-
-def _predict_static(cfg: TrainConfig, program, rank: int, replica: int, shapes) -> tuple[int, int]:
-    """(first step, later steps) predicted peak static bytes of this rank."""
-    from ..core.cost.static_memory import predict_static_peak
-
-    return tuple(
-        predict_static_peak(program, rank, shapes, cfg.sharding, dp=cfg.dp, dp_rank=replica,
-                            precision=cfg.precision, optimizer_state=held)
-        for held in (False, True)
-    )
-
-
-def _resume(cfg: TrainConfig, ctx, stages, optimizer, data_source: str) -> int:
-    """Verify this rank's checkpoints, agree with the other ranks on a step, restore it."""
-    state = ckpt.load_agreed(cfg.checkpoint.directory, rank=ctx.rank, world_size=ctx.world_size,
-                             meta=cfg.meta(data_source))
-    return ckpt.restore_rank(state, stages, optimizer)
-
-
-def uses_sharded_checkpoints(cfg: TrainConfig) -> bool:
-    """Whether the run's checkpoints go through torch.distributed.checkpoint: always with data
-    or tensor parallelism or sharding, and when resuming such a checkpoint (at any dp or tp size)."""
-    ck = cfg.checkpoint
-    if ck is None:
-        return False
-    return cfg.data_parallel or cfg.tp > 1 or (ck.resume and sharded.has_sharded(ck.directory))
-
-
-def _chunk_optimizers(optimizer) -> list[torch.optim.Optimizer]:
-    """The optimizers whose state is saved: one per chunk (ZeRO-1: its local partition's)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    found = getattr(optimizer, "by_stage", None)
-    if found is None:
-        return [optimizer]
-    return [o.optim if isinstance(o, ZeroRedundancyOptimizer) else o for o in found.values()]
-
-
-def _resume_sharded(cfg: TrainConfig, stages, optimizer) -> int:
-    """Restore the newest complete DCP checkpoint (prepare checked it and its run description)."""
-    directory = cfg.checkpoint.directory
-    step = sharded.latest_sharded_step(directory)
-    if step is None:
-        raise ValueError(f"--resume: no complete checkpoint in {directory!r}: drop --resume to start from step 0")
-    return sharded.load_sharded(directory, step=step, stages=stages, optimizers=_chunk_optimizers(optimizer))
+def _save(cfg: TrainConfig, setup, optimizer, done: int) -> None:
+    """Save step `done` of this rank (through torch.distributed.checkpoint when sharded)."""
+    directory, meta = cfg.checkpoint.directory, cfg.meta(setup.data.source)
+    if uses_sharded_checkpoints(cfg):
+        sharded.save_sharded(directory, step=done, stages=setup.modules, optimizers=chunk_optimizers(optimizer),
+                             meta=meta)
+    else:
+        ckpt.save_rank(directory, rank=setup.rank, step=done, stages=setup.modules, optimizer=optimizer, meta=meta)
 
 
 def _check_note(check, clip_grad: float | None) -> str:
@@ -518,9 +242,12 @@ def launch_or_report(start: Callable[[], T], note: Callable[[], str] | None = No
 
 
 def checkpoint_note(cfg: TrainConfig) -> str:
-    """One line for a run that ended early: what its checkpoint directory now resumes from."""
+    """One line for a run that ended early: what its checkpoint directory now resumes from (an
+    asynchronous run's checkpoints are drained steps)."""
+    drained = cfg.async_mode is not None
     if cfg.checkpoint is None:
-        return "no checkpoint was written: give --checkpoint DIR to save when a run stops"
+        return ("no checkpoint was written: give --checkpoint DIR to drain and save when an asynchronous run stops"
+                if drained else "no checkpoint was written: give --checkpoint DIR to save when a run stops")
     directory = cfg.checkpoint.directory
     if uses_sharded_checkpoints(cfg):
         step = sharded.latest_sharded_step(directory)
@@ -530,12 +257,6 @@ def checkpoint_note(cfg: TrainConfig) -> str:
     step = ckpt.latest_step(directory, cfg.schedule.p)
     if step is None:
         return f"no step was saved by every rank in {directory}"
-    return f"checkpoint: every rank has step {step} in {directory}: continue with --resume"
+    return f"checkpoint: every rank has {'drained ' if drained else ''}step {step} in {directory}: continue with --resume"
 
 
-def _emulated_compute(cfg: TrainConfig, stages, device):
-    from ..runtime.emulate import EmulatedCompute
-    from .rank_setup import emulated_costs
-
-    return EmulatedCompute(emulated_costs(cfg), stages, cfg.num_stages, device,
-                           vocab_parallel=cfg.schedule.vocab_parallel)

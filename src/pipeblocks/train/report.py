@@ -1,6 +1,6 @@
 """After a run: measured against predicted, per rank, and the timelines side by side.
 
-    >>> report = build_report(schedule, results, memory, warmup=2)  # report.data: the --report JSON
+    >>> report = report_of(RunRecord(schedule, results, memory, warmup=2))  # report.data: the --report JSON
     >>> print(format_report(report.data))
     >>> write_timeline_plot(report.measured, report.simulated, "run.png")
 
@@ -50,15 +50,17 @@ from typing import Iterable, Sequence
 
 from ..core.ir.actions import Action, Kind
 from ..core.ir.schedule import Schedule
-from ..core.cost.costs import Costs
+from ..core.cost.costs import BlockCosts, Costs
+from ..core.cost.dp_model import DPCostModel, Link
 from ..core.ir.dp_units import DPUnits
+from ..core.ir.sharding import parse_sharding
 from ..core.simulator.simulate import simulate
 from ..core.simulator.timeline import Timeline
 from ..core.ir.vocab import VocabCosts, VocabPass
 from ..sim.overhead import handover_gaps, local_gaps
 
-__all__ = ["RankResult", "format_bytes", "RunReport", "profiled_costs", "iteration_times", "build_report", "format_report",
-           "machine_load", "write_timeline_plot"]
+__all__ = ["RankResult", "RunRecord", "format_bytes", "RunReport", "profiled_costs", "iteration_times", "build_report",
+           "report_of", "format_report", "machine_load", "write_timeline_plot"]
 
 
 @dataclass(frozen=True)
@@ -205,93 +207,86 @@ def iteration_times(results: Sequence[RankResult]) -> list[tuple[int, float]]:
     return [(step, hi - lo) for step, (lo, hi) in sorted(spans.items())]
 
 
-def build_report(
-    schedule: Schedule, results: Sequence[RankResult], memory: Sequence, *, warmup: int, emulated: bool = False,
-    seq_mem: Sequence[float] | None = None, dp: int = 1, sharding: Sequence[str] = ("replicate",),
-    stage_param_bytes: Sequence[float] | None = None, recompute: Iterable[tuple[int, int]] = (),
-    dp_units: DPUnits | None = None, tokens_per_step: int | None = None, recompute_at=None,
-    vocab: Costs | None = None,
-) -> RunReport:
-    """Compare the run with the simulator's replay of it; `memory[s]` has .m_b and .m_w of stage s.
+@dataclass(frozen=True)
+class RunRecord:
+    """One synchronous run as its report reads it: the schedule run, every rank's result, the
+    profiled memory (`memory[s]` has .m_b and .m_w of stage s), and how the run was set up."""
 
-    seq_mem: with sequence chunks, each chunk's saved bytes as a fraction of a whole
-    microbatch's (`runtime.profile.profile_chunk_memory`); None: even shares.
-
-    emulated: the run slept instead of computing, so it saved no activations, made no
-    gradients and learned nothing: measured peaks (activations and static bytes) and
-    losses are reported as null / empty.
-
-    dp, sharding: the mesh's replicas and the per-chunk policies. Rows are per process
-    (pipeline rank, replica); the static bytes (parameters, gradients, optimizer state)
-    are measured at the step's peak and predicted by `core.cost.static_memory`;
-    `dp_comm_exposed_s_measured` is the median over the timed steps of the time the rank
-    waited on data-parallel communication. With dp > 1 the simulator replays the step
-    with its DP ops on the link the run measured (`dp_link`, a ring all-reduce fit) and
-    the stages' parameter bytes (`stage_param_bytes`, in fp32-parameter units of 4 bytes),
-    which gives `dp_comm_exposed_s_simulated` and the simulated iteration time; at block
-    grain (`dp_units`, as the run's DP units) per unit of equal blocks, as the emulated link
-    times them.
-
-    recompute: the (stage, microbatch) pairs the run recomputed; the simulator replays
-    them, a recomputed forward keeping the stage input (`memory[s].input_ratio` of M_B,
-    when the memory comes from `profile_stage_memory`), where the run ran them
-    (`recompute_at`: those moved into idle time). Per rank the report then gives the
-    recomputation's time measured and simulated, and the simulated part of it that
-    lengthens the rank's step (`recompute_exposed_s_simulated`); the step's is
-    `recompute_step_cost_s_simulated`.
-
-    vocab: under --vocab-parallel, the costs the runner placed the IF, S, T and IB passes by
+    schedule: Schedule
+    results: Sequence[RankResult]
+    memory: Sequence
+    warmup: int
+    """steps left out of the timed medians at the start"""
+    emulated: bool = False
+    """the run slept instead of computing, so it saved no activations, made no gradients and
+    learned nothing: measured peaks (activations and static bytes) and losses are null / empty"""
+    seq_mem: Sequence[float] | None = None
+    """with sequence chunks, each chunk's saved bytes as a fraction of a whole microbatch's
+    (`runtime.profile.profile_chunk_memory`); None: even shares"""
+    dp: int = 1
+    """the mesh's replicas: rows are per process (pipeline rank, replica)"""
+    sharding: Sequence[str] = ("replicate",)
+    """the per-chunk policies"""
+    stage_param_bytes: Sequence[float] | None = None
+    """with dp > 1, the stages' parameter bytes (fp32-parameter units of 4 bytes): the
+    simulator replays the step's DP ops on the link the run measured (`dp_link`, a ring
+    all-reduce fit), which gives `dp_comm_exposed_s_simulated`"""
+    recompute: Iterable[tuple[int, int]] = ()
+    """the (stage, microbatch) pairs the run recomputed; the simulator replays them, a
+    recomputed forward keeping the stage input (`memory[s].input_ratio` of M_B, when the
+    memory comes from `profile_stage_memory`); per rank the report then gives the
+    recomputation's time measured and simulated and the simulated part that lengthens the
+    rank's step (`recompute_exposed_s_simulated`); the step's is `recompute_step_cost_s_simulated`"""
+    dp_units: DPUnits | None = None
+    """at block grain, the run's DP units (per unit of equal blocks, as the emulated link times them)"""
+    tokens_per_step: int | None = None
+    """the tokens of one step over all replicas, for `tokens_per_s_measured` (null without it)"""
+    recompute_at: object = None
+    """where the run ran the recomputations (those moved into idle time)"""
+    vocab: Costs | None = None
+    """under --vocab-parallel, the costs the runner placed the IF, S, T and IB passes by
     (`vocab_setup.vocab_costs`): the simulator replays the Program so placed, each pass at its
-    mean measured duration (`vocab_pass_costs`).
+    mean measured duration (`vocab_pass_costs`)"""
 
-    tokens_per_step: the tokens of one step over all replicas, for `tokens_per_s_measured`
-    (over `step_time_s`; null without it). The keys the asynchronous report shares are
-    `train.report_keys.SHARED_KEYS`.
-    """
-    by_rank = sorted(results, key=lambda r: (r.dp_rank, r.rank))
+
+def build_report(schedule: Schedule, results: Sequence[RankResult], memory: Sequence, **run) -> RunReport:
+    """`report_of` the run; `run`: the other fields of `RunRecord` (`warmup` at least)."""
+    return report_of(RunRecord(schedule, results, memory, **run))
+
+
+def report_of(run: RunRecord) -> RunReport:
+    """Compare the run with the simulator's replay of it (see `RunRecord` for what each field
+    adds). The static bytes (parameters, gradients, optimizer state) are measured at the
+    step's peak and predicted by `core.cost.static_memory`; `dp_comm_exposed_s_measured` is the
+    median over the timed steps of the time the rank waited on data-parallel communication.
+    The keys the asynchronous report shares are `train.report_keys.SHARED_KEYS`."""
+    schedule, memory, emulated = run.schedule, run.memory, run.emulated
+    by_rank = sorted(run.results, key=lambda r: (r.dp_rank, r.rank))
     timelines = next((r.timelines for r in by_rank if r.timelines), ())
     if not timelines:
         raise ValueError("no measured timeline came back: rank 0 records one per step")
-    first = min(step for r in by_rank for step, _, _ in r.step_spans) + warmup
+    first = min(step for r in by_rank for step, _, _ in r.step_spans) + run.warmup
     timed = [t for step, t in timelines if step >= first] or [timelines[-1][1]]
-    costs = profiled_costs(schedule, timed, [x.m_b for x in memory], [x.m_w for x in memory], seq_mem)
     link = next((r.dp_link for r in by_rank if r.dp_link is not None), None)
-    if dp > 1 and link is not None and stage_param_bytes is not None:
-        from ..core.cost.costs import BlockCosts
-        from ..core.cost.dp_model import DPCostModel, Link
-        from ..core.ir.sharding import parse_sharding
-
-        params = tuple(b / 4 for b in stage_param_bytes)
-        blocks = None if dp_units is None else BlockCosts.even(
-            tuple(max(1, sum(sizes)) for sizes in dp_units.sizes), params)
-        costs = dataclasses.replace(
-            costs, params=params, blocks=blocks,
-            data_parallel=DPCostModel(dp=dp, sharding=parse_sharding(list(sharding)),
-                                       link=Link(bandwidth=link[0], latency=link[1]),
-                                       unit="chunk" if dp_units is None else "block",
-                                       prefetch=None if dp_units is None else dp_units.prefetch),
-        )
-    if all(hasattr(x, "input_ratio") for x in memory):  # profiled: what a recomputed forward keeps
-        costs = dataclasses.replace(costs, recompute_input_ratio=tuple(x.input_ratio for x in memory))
-    if vocab is None:
-        simulated = simulate(schedule, costs, recompute=frozenset(recompute), recompute_at=recompute_at)
+    costs = _replayed_costs(run, timed, link)
+    if run.vocab is None:
+        simulated = simulate(schedule, costs, recompute=frozenset(run.recompute), recompute_at=run.recompute_at)
     else:
-        simulated = _simulate_vocab(schedule, costs, vocab, timed, frozenset(recompute), recompute_at)
+        simulated = _simulate_vocab(schedule, costs, run.vocab, timed, frozenset(run.recompute), run.recompute_at)
     recomputed = bool(simulated.recompute_exposed)
-    measured_recompute = [statistics.median(t.recompute_time[r] for t in timed) for r in range(schedule.p)]
-    exposed = list(simulated.exposed_comm) or [0.0] * schedule.p
-    walls = [t for _, t in iteration_times(results)]
-    walls = walls[warmup:] or walls[-1:]
+    walls = [t for _, t in iteration_times(run.results)]
+    walls = walls[run.warmup:] or walls[-1:]
     losses = () if emulated else next((r.losses for r in by_rank if r.losses), ())
     step_time = statistics.median(walls)
+    tokens = run.tokens_per_step
     data = {
         "schedule": schedule.name,
         "p": schedule.p,
         "m": schedule.m,
         "v": schedule.v,
         "seq_chunks": schedule.seq_chunks,
-        "dp": dp,
-        "sharding": list(sharding),
+        "dp": run.dp,
+        "sharding": list(run.sharding),
         "seq_mem": list(costs.seq_mem) if costs.seq_mem is not None else None,
         "emulated": emulated,
         "steps_timed": len(timed),
@@ -300,7 +295,7 @@ def build_report(
         "bubble_ratio_measured": statistics.median(t.bubble_ratio for t in timed),
         "bubble_ratio_simulated": passes_bubble(simulated, between_passes(timed)),
         "step_time_s": step_time,
-        "tokens_per_s_measured": tokens_per_step / step_time if tokens_per_step and step_time > 0 else None,
+        "tokens_per_s_measured": tokens / step_time if tokens and step_time > 0 else None,
         "t_comm_s": costs.t_comm,
         "between_passes_s": between_passes(timed),
         **({"recompute_step_cost_s_simulated": simulated.recompute_step_cost} if recomputed else {}),
@@ -312,27 +307,59 @@ def build_report(
              "activation_bytes": memory[s].m_b, "kept_for_w_bytes": memory[s].m_w}
             for s in range(schedule.num_stages)
         ],
-        "ranks": [
-            {
-                "rank": r.rank,
-                "dp_rank": r.dp_rank,
-                "stages": list(r.stages),
-                "peak_activation_bytes_measured": None if emulated else r.peak_activation_bytes,
-                "peak_activation_bytes_predicted": simulated.peak_activation[r.rank],
-                # emulated passes make no gradients: what the rank held is not the run's static memory
-                "static_bytes_measured": None if emulated else r.static_bytes_measured,
-                "static_bytes_predicted": r.static_bytes_predicted,
-                "dp_comm_exposed_s_measured": statistics.median(r.dp_wait_s[warmup:] or r.dp_wait_s)
-                if r.dp_wait_s else (0.0 if dp == 1 else None),
-                "dp_comm_exposed_s_simulated": exposed[r.rank] if dp == 1 or link is not None else None,
-                **({"recompute_s_measured": measured_recompute[r.rank],
-                    "recompute_s_simulated": simulated.recompute_time[r.rank],
-                    "recompute_exposed_s_simulated": simulated.recompute_exposed[r.rank]} if recomputed else {}),
-            }
-            for r in by_rank
-        ],
+        "ranks": _rank_rows(run, by_rank, simulated, timed, link),
     }
     return RunReport(data, timed[-1], simulated)
+
+
+def _replayed_costs(run: RunRecord, timed: Sequence[Timeline], link) -> Costs:
+    """The costs the simulator replays the run with: profiled from its timed steps, with the
+    dp link and parameter bytes (dp > 1) and what a recomputed forward keeps (profiled memory)."""
+    memory = run.memory
+    costs = profiled_costs(run.schedule, timed, [x.m_b for x in memory], [x.m_w for x in memory], run.seq_mem)
+    if run.dp > 1 and link is not None and run.stage_param_bytes is not None:
+        params = tuple(b / 4 for b in run.stage_param_bytes)
+        units = run.dp_units
+        blocks = None if units is None else BlockCosts.even(tuple(max(1, sum(sizes)) for sizes in units.sizes), params)
+        costs = dataclasses.replace(
+            costs, params=params, blocks=blocks,
+            data_parallel=DPCostModel(dp=run.dp, sharding=parse_sharding(list(run.sharding)),
+                                       link=Link(bandwidth=link[0], latency=link[1]),
+                                       unit="chunk" if units is None else "block",
+                                       prefetch=None if units is None else units.prefetch),
+        )
+    if all(hasattr(x, "input_ratio") for x in memory):  # profiled: what a recomputed forward keeps
+        costs = dataclasses.replace(costs, recompute_input_ratio=tuple(x.input_ratio for x in memory))
+    return costs
+
+
+def _rank_rows(run: RunRecord, by_rank: Sequence[RankResult], simulated: Timeline, timed: Sequence[Timeline],
+               link) -> list[dict]:
+    """One row per process (pipeline rank, replica): memory and exposed communication and
+    recomputation, measured beside simulated."""
+    emulated, dp, p = run.emulated, run.dp, run.schedule.p
+    recomputed = bool(simulated.recompute_exposed)
+    measured_recompute = [statistics.median(t.recompute_time[r] for t in timed) for r in range(p)]
+    exposed = list(simulated.exposed_comm) or [0.0] * p
+    return [
+        {
+            "rank": r.rank,
+            "dp_rank": r.dp_rank,
+            "stages": list(r.stages),
+            "peak_activation_bytes_measured": None if emulated else r.peak_activation_bytes,
+            "peak_activation_bytes_predicted": simulated.peak_activation[r.rank],
+            # emulated passes make no gradients: what the rank held is not the run's static memory
+            "static_bytes_measured": None if emulated else r.static_bytes_measured,
+            "static_bytes_predicted": r.static_bytes_predicted,
+            "dp_comm_exposed_s_measured": statistics.median(r.dp_wait_s[run.warmup:] or r.dp_wait_s)
+            if r.dp_wait_s else (0.0 if dp == 1 else None),
+            "dp_comm_exposed_s_simulated": exposed[r.rank] if dp == 1 or link is not None else None,
+            **({"recompute_s_measured": measured_recompute[r.rank],
+                "recompute_s_simulated": simulated.recompute_time[r.rank],
+                "recompute_exposed_s_simulated": simulated.recompute_exposed[r.rank]} if recomputed else {}),
+        }
+        for r in by_rank
+    ]
 
 
 def machine_load(local_ranks: int, device: str) -> dict:

@@ -11,8 +11,8 @@ one-step Program each: a flush after every step), then the schedule's asynchrono
 (no flush) over the rest. A **drain** at step k cuts the asynchronous part there: the
 Program of the steps before k (which ends by finishing every microbatch in flight, its
 drain), then the Program of the steps from k on (which fills the pipeline again). The
-drains a run plans are its save points (every `save_every` steps, counted from step 0);
-a stop request (a signal) drains at the next step boundary the first stage has not
+drains a run plans are its save points (every `save_every` steps, counted from step 0) and
+its evaluation points (every `eval_every`: the held-out loss sees that step's weights); a stop request (a signal) drains at the next step boundary the first stage has not
 started (asynchronous/drain.py), which is where a resumed run begins its next segment.
 
 So a run that drained at k and continued, and a run stopped at k and resumed, train
@@ -33,7 +33,7 @@ from ...core.ir.schedule import Schedule
 from ...core.lowering.versions import WeightVersions, weight_versions
 from ...schedules.asynchronous import ASYNC_FORMS
 
-__all__ = ["Segment", "nominal_delays", "plan_segments", "run_versions", "segment_program"]
+__all__ = ["Segment", "nominal_delays", "plan_segments", "run_segments", "run_versions", "segment_program"]
 
 
 @dataclass(frozen=True)
@@ -50,19 +50,27 @@ class Segment:
         return self.first + self.steps
 
 
-def plan_segments(*, steps: int, warmup: int, start: int = 0, save_every: int = 0) -> tuple[Segment, ...]:
-    """The Programs of a run from step `start` to `steps` (see the module doc)."""
+def plan_segments(*, steps: int, warmup: int, start: int = 0, save_every: int = 0,
+                  eval_every: int = 0) -> tuple[Segment, ...]:
+    """The Programs of a run from step `start` to `steps` (see the module doc); the run also
+    drains where `--eval-every` evaluates, so the held-out loss sees the weights of that step."""
     if not 0 <= start < steps:
         raise ValueError(f"start step {start} must be in 0 .. {steps - 1}")
     out = [Segment(k, 1, True) for k in range(start, min(warmup, steps))]
     k = max(start, warmup)
     while k < steps:
-        end = steps
-        if save_every:
-            end = min(steps, (k // save_every + 1) * save_every)
+        end = min([steps] + [(k // every + 1) * every for every in (save_every, eval_every) if every])
         out.append(Segment(k, end - k, False))
         k = end
     return tuple(out)
+
+
+def run_segments(cfg, *, start: int = 0) -> tuple[Segment, ...]:
+    """The Programs of the run `cfg` (a TrainConfig with --async) from step `start`: drained
+    at its save points and, outside --verify (which evaluates nothing), its evaluation points."""
+    ck = cfg.checkpoint
+    return plan_segments(steps=cfg.steps, warmup=cfg.async_mode.sync_warmup_steps, start=start,
+                         save_every=ck.save_every if ck else 0, eval_every=0 if cfg.verify else cfg.eval_every or 0)
 
 
 def segment_program(schedule: Schedule, segment: Segment) -> Program:

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 
 from ..config import TrainConfig
-from .plan import nominal_delays, plan_segments, run_versions
+from .plan import nominal_delays, run_segments, run_versions
 from .rank import AsyncRankResult, async_rank, microbatches
 
 __all__ = [
@@ -46,38 +46,19 @@ __all__ = [
 def launch_async(cfg: TrainConfig) -> list[AsyncRankResult]:
     """Run `cfg` on p local processes, sharing the drain boundary (drain.py) with them."""
     from ...runtime.launch import spawn
-    from .. import checkpoint as ckpt
+    from ..observers import claim_checkpoints
     from .drain import shared_boundary
 
-    ck = cfg.checkpoint
-    if ck is not None and not ck.resume and not cfg.verify:
-        removed = ckpt.claim_directory(ck.directory, overwrite=ck.overwrite)
-        if removed:
-            print(f"--overwrite: removed {len(removed)} checkpoint file(s) of an earlier run from {ck.directory!r}",
-                  file=sys.stderr, flush=True)
+    claim_checkpoints(cfg)
     p = cfg.schedule.p
     return spawn(async_rank, p, args=(cfg, shared_boundary()), timeout_s=cfg.timeout_s,
                  threads_per_rank=cfg.threads_for(p), device=cfg.mesh.device)
 
 
 def _launch(cfg: TrainConfig) -> list[AsyncRankResult] | None:
-    from ..loop import launch_or_report
+    from ..loop import checkpoint_note, launch_or_report
 
     return launch_or_report(lambda: launch_async(cfg), note=lambda: checkpoint_note(cfg))
-
-
-def checkpoint_note(cfg: TrainConfig) -> str:
-    """One line for a run that ended early: the step its checkpoints resume from."""
-    from .. import checkpoint as ckpt
-
-    if cfg.checkpoint is None:
-        return ("no checkpoint was written: give --checkpoint DIR to drain and save when an asynchronous run "
-                "stops")
-    step = ckpt.latest_step(cfg.checkpoint.directory, cfg.schedule.p)
-    if step is None:
-        return f"no step was saved by every rank in {cfg.checkpoint.directory}"
-    return (f"checkpoint: every rank has drained step {step} in {cfg.checkpoint.directory}: continue with "
-            "--resume")
 
 
 def steady_step_s(results: list[AsyncRankResult], warmup_steps: int) -> float | None:
@@ -165,14 +146,12 @@ def replay_run(cfg: TrainConfig, data):
     from ..reference import torch_threads
     from .reference import replay
 
-    schedule, mode, ck = cfg.schedule.schedule, cfg.async_mode, cfg.checkpoint
+    schedule, mode = cfg.schedule.schedule, cfg.async_mode
     if mode is None:  # any schedule: with every delay 0 each mode is synchronous training
         mode, nominal = AsyncMode("naive"), None
         versions = WeightVersions.synchronous(schedule.num_stages, schedule.m, cfg.steps)
     else:  # the replay runs the W synchronous steps itself, then these
-        segments = plan_segments(steps=cfg.steps, warmup=mode.sync_warmup_steps,
-                                 save_every=ck.save_every if ck else 0)
-        versions = run_versions(schedule, tuple(s for s in segments if not s.synchronous), prefix=False)
+        versions = run_versions(schedule, tuple(s for s in run_segments(cfg) if not s.synchronous), prefix=False)
         nominal = nominal_delays(schedule)
     xs, ys = microbatches(cfg, data, range(cfg.steps))
     spec = cfg.model.spec()
@@ -192,10 +171,7 @@ def check_against_replay(cfg: TrainConfig, data, results: list[AsyncRankResult])
     and compare the ranks' `results` with it."""
     from ..reference import TOLERANCE, relative_difference
 
-    ck = cfg.checkpoint
-    segments = plan_segments(steps=cfg.steps, warmup=cfg.async_mode.sync_warmup_steps,
-                             save_every=ck.save_every if ck else 0)
-    versions = run_versions(cfg.schedule.schedule, segments)
+    versions = run_versions(cfg.schedule.schedule, run_segments(cfg))
     expected, stages = replay_run(cfg, data)
     losses = next(r.losses for r in results if r.losses)
     loss_diff = max(relative_difference(a, b) for a, b in zip(losses, expected.losses, strict=True))

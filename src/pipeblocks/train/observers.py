@@ -1,0 +1,91 @@
+"""What both training loops (synchronous and asynchronous) do beside the steps: who writes
+the progress lines and `--metrics`, the progress line itself, the held-out evaluation of
+`--eval-every`, and when a checkpoint is due.
+
+    >>> metrics = metrics_writer(cfg, setup)              # None on the ranks that do not write
+    >>> held = evaluate_if_due(cfg, ctx, setup, done=k + 1, last=cfg.steps)   # every rank takes part
+
+The rank that writes is the one holding the last stage (DualPipe: of its first direction),
+of replica 0 and tensor-parallel rank 0. An evaluation is due after every `eval_every`-th
+step and after the last; it runs on the weights the stages hold at that moment.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable
+
+from .config import TrainConfig
+from . import checkpoint as ckpt
+from .evaluate import held_out_loss
+from .metrics import MetricsWriter
+from .stage_copies import model_stages
+
+__all__ = ["claim_checkpoints", "evaluation_due", "evaluate_if_due", "metrics_writer", "progress_line", "save_when_due",
+           "writes_progress"]
+
+
+def writes_progress(cfg: TrainConfig, setup) -> bool:
+    """Whether this rank prints the progress lines and writes the metrics: the one holding the
+    last stage, of replica 0 (and tensor-parallel rank 0)."""
+    last = model_stages(cfg.schedule.schedule) - 1  # DualPipe: the first direction's last stage
+    return last in setup.modules and setup.replica == 0 and getattr(setup, "tp_rank", 0) == 0
+
+
+def metrics_writer(cfg: TrainConfig, setup):
+    """The `--metrics` writer of this rank (None without --metrics, under --verify, or on a
+    rank that does not write)."""
+    if cfg.metrics is None or cfg.verify or not writes_progress(cfg, setup):
+        return None
+    return MetricsWriter(cfg.metrics, resume=cfg.checkpoint is not None and cfg.checkpoint.resume)
+
+
+def evaluation_due(cfg: TrainConfig, done: int, last: int) -> bool:
+    """Whether the held-out loss is evaluated after step `done` (1-based) of a run ending at `last`."""
+    return bool(cfg.eval_every) and not cfg.verify and (done % cfg.eval_every == 0 or done == last)
+
+
+def evaluate_if_due(cfg: TrainConfig, ctx, setup, done: int, last: int) -> float | None:
+    """After every `eval_every`-th step and the last: the held-out loss (on the rank holding
+    the last stage; None elsewhere and between evaluations). Every rank takes part."""
+    if not evaluation_due(cfg, done, last):
+        return None
+    batch = setup.held_out.eval_batch(cfg.batch_size)
+    with setup.copies if setup.copies is not None else contextlib.nullcontext():
+        loss = held_out_loss(setup.runner_stages, setup.loss_fn, cfg.schedule.placement, rank=setup.rank, batch=batch,
+                             microbatches=cfg.schedule.m, group=setup.pp_group, device=ctx.device,
+                             num_stages=model_stages(cfg.schedule.schedule))  # DualPipe: the first direction
+    ctx.control.beat()
+    if loss is not None and not cfg.quiet and writes_progress(cfg, setup):
+        print(f"eval {done:>5}/{cfg.steps}  held-out loss {loss:.4f}", flush=True)
+    return loss
+
+
+def progress_line(cfg: TrainConfig, step: int, shown: str, seconds: float, note: str = "") -> None:
+    """The line printed after step `step` (0-based): its loss as `shown`, throughput, wall time."""
+    print(f"step {step + 1:>5}/{cfg.steps}  loss {shown}  {cfg.tokens_per_step / seconds:>9,.0f} tokens/s  "
+          f"{seconds * 1e3:7.1f} ms{note}", flush=True)
+
+
+def claim_checkpoints(cfg: TrainConfig, claim: Callable[[str], list] = lambda directory: []) -> None:
+    """Before a fresh run: take `--checkpoint DIR` (refused if it holds another run's files
+    unless --overwrite); `claim` removes the files of another format too."""
+    ck = cfg.checkpoint
+    if ck is None or ck.resume or cfg.verify:
+        return
+    removed = ckpt.claim_directory(ck.directory, overwrite=ck.overwrite) + claim(ck.directory)
+    if removed:
+        print(f"--overwrite: removed {len(removed)} checkpoint file(s) of an earlier run from {ck.directory!r}",
+              file=sys.stderr, flush=True)
+
+
+def save_when_due(cfg: TrainConfig, control, done: int, save: Callable[[int], None], *, final: bool) -> bool:
+    """Run `save(done)` (uninterruptible) at the run's last step, at a stop (`final`), and every
+    `save_every` steps; whether it saved."""
+    ck = cfg.checkpoint
+    if ck is None or not (final or (ck.save_every and done % ck.save_every == 0)):
+        return False
+    with control.critical():
+        save(done)
+    control.beat()
+    return True
