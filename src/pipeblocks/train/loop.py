@@ -42,7 +42,8 @@ from .config import TrainConfig
 from .export_hf import save_rank_part
 from .observers import claim_checkpoints, evaluate_if_due, metrics_writer, progress_line, save_when_due
 from .report import RankResult
-from .steps_sync import SyncSteps, chunk_optimizers, uses_sharded_checkpoints
+from .sharded_checkpoint import uses_sharded_checkpoints
+from .steps_sync import SyncSteps, chunk_optimizers
 
 __all__ = ["TrainConfig", "checkpoint_note", "launch", "launch_or_report", "train_rank", "uses_sharded_checkpoints"]
 

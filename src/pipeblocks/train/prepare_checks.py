@@ -109,7 +109,7 @@ def check_checkpoint_directory(cfg: TrainConfig, data: TokenWindows) -> None:
 
 def check_resume(cfg: TrainConfig, data: TokenWindows) -> None:
     from . import checkpoint as ckpt  # torch (checkpoints are torch files): only with --resume
-    from .loop import uses_sharded_checkpoints
+    from .sharded_checkpoint import uses_sharded_checkpoints
 
     if uses_sharded_checkpoints(cfg):
         _check_sharded_resume(cfg, data)

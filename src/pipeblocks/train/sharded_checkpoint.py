@@ -40,6 +40,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from .config import TrainConfig
+
 __all__ = [
     "MARKER",
     "claim_sharded",
@@ -177,6 +179,15 @@ def has_sharded(directory: str | os.PathLike) -> bool:
     """Whether `directory` holds any step directory or temporary of this format."""
     directory = Path(directory)
     return directory.is_dir() and any(_STEP.match(e.name) or _TEMPORARY.match(e.name) for e in directory.iterdir())
+
+
+def uses_sharded_checkpoints(cfg: TrainConfig) -> bool:
+    """Whether the run's checkpoints go through torch.distributed.checkpoint: always with data
+    or tensor parallelism or sharding, and when resuming such a checkpoint (at any dp or tp size)."""
+    ck = cfg.checkpoint
+    if ck is None:
+        return False
+    return cfg.data_parallel or cfg.tp > 1 or (ck.resume and has_sharded(ck.directory))
 
 
 def claim_sharded(directory: str | os.PathLike, *, overwrite: bool, dry_run: bool = False) -> list[Path]:

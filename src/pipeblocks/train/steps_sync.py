@@ -21,13 +21,15 @@ from ..data import TokenWindows
 from ..runtime.tensor_parallel import settle_partial_grads, tp_local_shape
 from . import checkpoint as ckpt
 from . import sharded_checkpoint as sharded
+from .sharded_checkpoint import uses_sharded_checkpoints
 from .config import TrainConfig
 from .observers import writes_progress
 from .post_validation import PostValidator
+from .prepare import run_program
 from .rank_setup import setup_rank
 from .report import RankResult
 
-__all__ = ["StepDone", "SyncSteps", "chunk_optimizers", "set_lr", "uses_sharded_checkpoints"]
+__all__ = ["StepDone", "SyncSteps", "chunk_optimizers", "set_lr"]
 
 
 @dataclass(frozen=True)
@@ -157,17 +159,13 @@ def _runner(cfg: TrainConfig, ctx, setup):
     from ..runtime import PipelineRunner
 
     compute = _emulated_compute(cfg, setup.modules, ctx.device) if cfg.emulation is not None else None
-    vocab = {}
-    if setup.vocab is not None:
-        from .vocab_setup import vocab_costs
-
-        vocab = {"vocab": setup.vocab, "vocab_costs": vocab_costs(cfg)}
+    vocab = {"vocab": setup.vocab} if setup.vocab is not None else {}
     return PipelineRunner(
         cfg.schedule.schedule, setup.runner_stages, setup.loss_fn, rank=setup.rank, device=ctx.device,
         timeout_s=cfg.timeout_s, record_timeline=not cfg.verify and setup.replica == 0 and setup.tp_rank == 0,
         compute=compute,
         seq_lengths=cfg.schedule.seq_lengths, group=setup.pp_group, data_parallel=setup.data_parallel,
-        recompute=cfg.schedule.recompute, recompute_at=cfg.schedule.recompute_anchors,
+        recompute=cfg.schedule.recompute, program=run_program(cfg),  # the Program the dry run resolved
         precision=setup.copies if compute is None else None, **vocab,
     )
 
@@ -258,13 +256,6 @@ def _resume(cfg: TrainConfig, ctx, stages, optimizer, data_source: str) -> int:
     return ckpt.restore_rank(state, stages, optimizer)
 
 
-def uses_sharded_checkpoints(cfg: TrainConfig) -> bool:
-    """Whether the run's checkpoints go through torch.distributed.checkpoint: always with data
-    or tensor parallelism or sharding, and when resuming such a checkpoint (at any dp or tp size)."""
-    ck = cfg.checkpoint
-    if ck is None:
-        return False
-    return cfg.data_parallel or cfg.tp > 1 or (ck.resume and sharded.has_sharded(ck.directory))
 
 
 def chunk_optimizers(optimizer) -> list[torch.optim.Optimizer]:
