@@ -27,6 +27,17 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ..models.build import stage_parameter_shapes
+from ..models.config import GPTConfig
+from ..models.llama_config import LlamaConfig
+from . import checkpoint as ckpt
+from . import sharded_checkpoint as sharded
+from .corpus import tokenizer_source
+from .model_choice import ModelChoice
+
 __all__ = ["checkpoint_choice", "export_checkpoint", "finish_save", "hf_export_of", "save_rank_part"]
 
 
@@ -40,8 +51,8 @@ def hf_export_of(spec):
 
 def save_rank_part(cfg, setup) -> None:
     """This rank's stages to `cfg.save_hf`'s parts (every rank calls it: the gathers are collectives)."""
-    from ..models.hf.export import PARTS, write_part
-    from ..runtime.tensor_parallel import full_tensor
+    from ..models.hf.export import PARTS, write_part  # safetensors is optional: only with --save-hf
+    from ..runtime.tensor_parallel import full_tensor  # DTensor is heavy: only with --save-hf
 
     export = hf_export_of(cfg.model.spec())
     tensors = {}
@@ -57,8 +68,6 @@ def save_rank_part(cfg, setup) -> None:
 
 def finish_save(cfg, *, max_shard_bytes: int | None = None) -> list[Path]:
     """The launcher's half of `--save-hf`: the final files, config.json and the tokenizer's files."""
-    from .corpus import tokenizer_source
-
     spec = cfg.model.spec()
     return _finish(spec, cfg.save_hf, dtype=cfg.model.weights_dtype,
                    tokenizer=tokenizer_source(cfg.data, cfg.model.hf_directory), max_shard_bytes=max_shard_bytes)
@@ -80,10 +89,6 @@ def _finish(spec, out: str, *, dtype: str, tokenizer: str | None, max_shard_byte
 # ---- from a checkpoint ----------------------------------------------------------------
 def checkpoint_choice(meta: Mapping[str, Any]):
     """The `ModelChoice` a checkpoint's run description names."""
-    from ..models.config import GPTConfig
-    from ..models.llama_config import LlamaConfig
-    from .model_choice import ModelChoice
-
     model = dict(meta["model"])
     if "source" in model:
         return ModelChoice(model["source"], None, seq=model["seq"], dtype=model["dtype"])
@@ -96,8 +101,6 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
                       max_shard_bytes: int | None = None, progress=None) -> list[Path]:
     """Write the newest complete checkpoint in `checkpoint` as a Hugging Face directory `out`."""
     from ..models.hf.export import PARTS, write_part
-    from . import checkpoint as ckpt
-    from . import sharded_checkpoint as sharded
 
     say = progress or (lambda message: print(message, file=sys.stderr, flush=True))
     directory = Path(checkpoint)
@@ -141,8 +144,6 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
 
 
 def _per_rank_meta(directory: Path) -> dict:
-    from . import checkpoint as ckpt
-
     check = ckpt.verify_rank(directory, 0)
     if not check.intact:
         raise ValueError(f"{str(directory)!r} holds no intact checkpoint of rank 0: give the --checkpoint directory of "
@@ -157,19 +158,11 @@ def _renamed(export, tensors: Mapping[str, Any]) -> dict:
 def _weight_names(spec, num_stages: int) -> set[str]:
     """Every parameter an export writes: the stages' parameters, without the tied copies (and
     without buffers a stage's state also holds)."""
-    from ..models.build import stage_parameter_shapes
-
     return {name for s in range(num_stages) for name in stage_parameter_shapes(spec, num_stages, s)}
 
 
 def _sharded_stage(spec, choice, directory: Path, step: int, stage: int, num_stages: int) -> dict:
     """Stage `stage`'s parameters whole, read from a torch.distributed.checkpoint step (tied copies left out)."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    from ..models.build import stage_parameter_shapes
-    from . import sharded_checkpoint as sharded
-
     dtype = getattr(torch, choice.weights_dtype)
     shapes = stage_parameter_shapes(spec, num_stages, stage)
     model = {f"stage{stage}.{name}": torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}

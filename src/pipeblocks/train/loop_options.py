@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .config import TrainConfig
 from .lr_schedule import default_lr, resolve_schedule
 
 if TYPE_CHECKING:  # torch enters when a run starts (data), not when the command line is parsed
-    from ..data.text import TokenWindows
+    from ..data import TokenWindows
 
 __all__ = ["DEFAULT_HELD_OUT", "resolve_loop_options", "resumed_meta"]
 
@@ -32,8 +33,6 @@ def resolve_loop_options(options: dict, data: TokenWindows, *, checkpoint: str |
                          emulate: object | None, p: int, hidden: int, async_mode=None) -> tuple[dict, TokenWindows]:
     """(the TrainConfig options with the rate, the schedule and the split resolved, the
     training windows). `hidden`: the model's width, for the default rate."""
-    from .config import TrainConfig
-
     options = dict(options)
     kind, warmup, min_lr, decay = (options.pop(k, None) for k in ("lr_schedule", "warmup_steps", "min_lr",
                                                                    "lr_decay_steps"))
@@ -76,7 +75,7 @@ def resumed_meta(directory: str) -> dict | None:
     """The run description of the newest checkpoint in `directory` (rank 0's per-rank file,
     or a data-parallel checkpoint's marker); None when there is none to read (the resume's
     own checks then say why)."""
-    from . import checkpoint as ckpt
+    from . import checkpoint as ckpt  # torch (checkpoints are torch files): only on --resume
     from . import sharded_checkpoint as sharded
 
     try:

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..core.cost.model_shape import ModelShape
 from ..models.config import GPTConfig
+from ..models.family import get_family
 
 __all__ = ["HF_PREFIX", "ModelChoice"]
 
@@ -50,7 +51,6 @@ class ModelChoice:
         if self.builtin:
             if self.config is None:
                 raise ValueError(f"model family {self.source!r} needs its config (sizes)")
-            from ..models.family import get_family
 
             family = get_family(self.source)
             if not isinstance(self.config, family.config_type):
@@ -100,11 +100,9 @@ class ModelChoice:
 
     def _resolve(self):
         if self.builtin:
-            from ..models.family import get_family
-
             return get_family(self.source).spec(self.config)
         if self.hf_directory is not None:
-            from ..models.hf import hf_spec
+            from ..models.hf import hf_spec  # torch: the command line and --dry-run never import it
 
             return hf_spec(self.hf_directory, weights=self.weights)
         from ..models.spec import load_spec

@@ -43,6 +43,9 @@ import json
 from pathlib import Path
 from typing import Callable, Sequence
 
+from .. import schedules
+from .config import threads_per_rank
+
 __all__ = ["in_run_factors", "predicted_times", "profile_between_passes", "profile_in_run_factor", "profile_threads",
            "threads_mismatch", "with_runtime_time"]
 
@@ -51,7 +54,7 @@ def predicted_times(stages: Sequence, inputs, loss_fn: Callable, target, hardwar
         tuple[float, ...], tuple[float, ...], tuple[float, ...], float]:
     """(t_f, t_b, t_w per stage, t_comm) in seconds for one microbatch (module docstring);
     `split`: the schedule runs B and W apart (else the simulator's BW takes t_b + t_w)."""
-    import torch
+    import torch  # torch is heavy: this module serves --dry-run, which profiles only when asked
 
     from ..runtime.calibrate import count_stage_passes
 
@@ -106,8 +109,7 @@ def with_runtime_time(f: tuple[float, ...], b: tuple[float, ...], w: tuple[float
 def in_run_factors(hardware, family: str, shape, precision: str, measured: dict) -> dict[str, float]:
     """{chunks per rank: the passes' measured time in a run over what `hardware` predicts for
     them} of `runtime.in_run.measure_in_run`'s result, summed over every pass of the step."""
-    from .. import schedules
-    from ..runtime.in_run import in_run_model
+    from ..runtime.in_run import in_run_model  # torch (the runtime): only with a calibrated profile
 
     factors = {}
     for name, run in measured.items():
@@ -183,8 +185,6 @@ def threads_mismatch(hardware: str, *, threads: int, local_ranks: int, cores: in
     """The warning when profile `hardware` was measured with other torch threads than the
     `threads` a rank of a run with `local_ranks` ranks on `cores` cores has (None: they agree,
     or the profile does not say)."""
-    from .config import threads_per_rank
-
     measured = profile_threads(hardware)
     if measured is None or measured == threads:
         return None

@@ -26,8 +26,24 @@ from typing import Any
 
 import torch
 
+from ..core.cost.dp_model import DPCostModel, Link
+from ..core.ir.dp_units import units_for
+from ..core.ir.sharding import ShardingPolicy
 from ..data import TokenWindows
+from ..models.build import build_stages
+from ..runtime.data_parallel import DataParallel
+from ..runtime.dp_units import unit_modules
+from ..runtime.emulate import EmulatedCosts
+from ..runtime.emulated_link import EmulatedLink
+from ..runtime.mesh import init_mesh
+from ..runtime.precision import ComputeCopies, fsdp_policy, torch_dtype
+from ..runtime.tied import TiedWeights
 from .config import TrainConfig
+from .corpus import load_corpus
+from .prepare import model_tokenizer
+from .stage_copies import build_copies
+from .tp_predict import tp_emulated_times
+from .vocab_setup import emulated_pass_times, strip_vocab, vocab_rank
 
 __all__ = ["RankSetup", "emulated_costs", "setup_rank"]
 
@@ -83,23 +99,14 @@ class RankSetup:
 
 def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
     """Build this rank's stages, precision, data parallelism and data (see the module doc)."""
-    from ..core.ir.sharding import ShardingPolicy
-    from ..runtime.precision import ComputeCopies, fsdp_policy, torch_dtype
-
-    from ..models.build import build_stages
-
     spec = cfg.model.spec()
     mesh = None
     if cfg.data_parallel or cfg.tp > 1:
-        from ..runtime.mesh import init_mesh
-
         mesh = init_mesh(cfg.schedule.p, cfg.dp, ctx.device, tp=cfg.tp)
     rank, replica = (mesh.pp_rank, mesh.dp_rank) if mesh is not None else (ctx.rank, 0)
     mine = cfg.schedule.placement.stages_of(rank)
     # TP first (on the meta device), then FSDP2 over the DTensor shards: torchtitan's order
     if cfg.schedule.schedule.chains > 1:  # DualPipe: model stage s mod L for global stage s, one copy per chain
-        from .stage_copies import build_copies
-
         modules = build_copies(spec, cfg.schedule.schedule, mine, seed=cfg.seed, device=ctx.device,
                                dtype=getattr(torch, cfg.precision.master))
     else:
@@ -117,8 +124,6 @@ def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
     runner_stages = {s: copies.stages[s] if s in cast else m for s, m in modules.items()}
     data_parallel = None
     if cfg.data_parallel:
-        from ..runtime.data_parallel import DataParallel
-
         # FSDP2 replaces the parameters by their shards: build the optimizer after this
         data_parallel = DataParallel(
             modules, cfg.sharding, mesh.dp_mesh, timeout_s=cfg.timeout_s, link=_emulated_link(cfg, modules),
@@ -126,9 +131,6 @@ def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
             if precision.mixed else None,
             extra_static=copies.held if copies is not None else None, units=dp_units(cfg),
         )
-    from ..runtime.tied import TiedWeights
-    from .corpus import load_corpus
-    from .prepare import model_tokenizer
 
     tied = TiedWeights.build(modules, cfg.schedule.placement, mesh=mesh, timeout_s=cfg.timeout_s)
     corpus = load_corpus(cfg.data, seq=cfg.model.sequence, vocab=cfg.model.vocab,
@@ -142,9 +144,6 @@ def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
 def _vocab_parallel(cfg: TrainConfig, ctx, spec, modules: dict, rank: int, replica: int):
     """(the stages without embedding and head, this rank's `VocabStep`) on its pipeline
     (global rank = pp_rank * dp + replica, runtime.mesh)."""
-    from ..runtime.precision import torch_dtype
-    from .vocab_setup import emulated_pass_times, strip_vocab, vocab_rank
-
     p, dp, placement = cfg.schedule.p, cfg.dp, cfg.schedule.placement
     pipelines = [[r * dp + d for r in range(p)] for d in range(dp)]
     vocab = vocab_rank(spec, rank=rank, ranks=pipelines[replica], first=placement.rank_of(0),
@@ -158,20 +157,14 @@ def _vocab_parallel(cfg: TrainConfig, ctx, spec, modules: dict, rank: int, repli
 def emulated_costs(cfg: TrainConfig):
     """The emulated pass times of `cfg.emulation`: per-layer milliseconds, times the blocks
     of each stage."""
-    from ..runtime.emulate import EmulatedCosts
-
     f, b, w = cfg.emulation.times_ms
     if cfg.tp > 1:  # a tp rank computes 1/tp of a layer and waits on its collectives
-        from .tp_predict import tp_emulated_times
-
         f, b, w = tp_emulated_times(cfg)
     return EmulatedCosts(f_ms=f, b_ms=b, w_ms=w, layers=cfg.stage_layers)
 
 
 def dp_units(cfg: TrainConfig):
     """The DP units of every stage at the run's grain (None at chunk grain): one per block."""
-    from ..core.ir.dp_units import units_for
-
     return units_for(cfg.mesh.dp_unit, cfg.stage_layers)
 
 
@@ -180,8 +173,6 @@ def _emulated_link(cfg: TrainConfig, stages):
     run's link, sized by the parameters of this rank's stages (other stages: never issued)."""
     if cfg.emulation is None or cfg.emulation.link is None:
         return None
-    from ..core.cost.dp_model import DPCostModel, Link
-    from ..runtime.emulated_link import EmulatedLink
 
     params = [0.0] * cfg.num_stages
     for index, module in stages.items():
@@ -190,7 +181,6 @@ def _emulated_link(cfg: TrainConfig, stages):
     units = dp_units(cfg)
     if units is None:
         return EmulatedLink(model, params)
-    from ..runtime.dp_units import unit_modules
 
     # each unit's own parameters (the embedding and head with their blocks); other ranks' stages: never issued
     unit_params = [[0.0] * units.count(s) for s in range(cfg.num_stages)]

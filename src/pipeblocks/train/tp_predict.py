@@ -16,14 +16,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+from ..core.cost.dp_model import Link
+from ..core.cost.tp_model import TPCostModel
+from ..sim.analytic import TransformerConfig, stage_activation_bytes
+from ..sim.tp_memory import tp_stage_activation_bytes
+
 __all__ = ["tp_emulated_times", "tp_shapes", "tp_stage_memory"]
 
 
 def tp_shapes(cfg: Any, stages: Sequence[Any]) -> dict[int, list[tuple[int, ...]]]:
     """Global stage -> the shapes of one tp rank's share of its trainable parameters."""
+    from ..models.build import tp_plan_of  # torch: the dry run imports this module without it
     from ..runtime.tensor_parallel import planned_shapes
-
-    from ..models.build import tp_plan_of
 
     plan = tp_plan_of(cfg.model.spec())
     return {st.index: planned_shapes(st, plan, cfg.tp) for st in stages}
@@ -31,9 +35,6 @@ def tp_shapes(cfg: Any, stages: Sequence[Any]) -> dict[int, list[tuple[int, ...]
 
 def tp_stage_memory(cfg: Any, memory: Sequence[Any]) -> list[Any]:
     """Per stage, the profiled saved-activation bytes (`runtime.memory.StageMemory`) of one tp rank."""
-    from ..sim.analytic import TransformerConfig, stage_activation_bytes
-    from ..sim.tp_memory import tp_stage_activation_bytes
-
     shape = cfg.model.shape
     analytic = TransformerConfig(layers=shape.layers, hidden=shape.hidden, heads=shape.heads, seq=cfg.model.sequence,
                                  vocab=shape.vocab, microbatch_size=cfg.microbatch_size,
@@ -53,9 +54,6 @@ def tp_emulated_times(cfg: Any) -> tuple[float, float, float]:
     """--emulate's per-layer F, B, W milliseconds (a whole layer's) as one of tp ranks spends
     them: compute over tp, F and B plus the layer's collectives on the emulation's tp link
     (`core.cost.tp_model.TPCostModel`, the simulator's and the planner's)."""
-    from ..core.cost.dp_model import Link
-    from ..core.cost.tp_model import TPCostModel
-
     f, b, w = cfg.emulation.times_ms
     bandwidth, latency = cfg.emulation.tp_link
     activation = cfg.microbatch_size * cfg.model.sequence * cfg.model.hidden * cfg.precision.compute_bytes

@@ -21,7 +21,17 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from ..core.cost.costs import BlockCosts, Costs
+from ..core.cost.dp_model import DPCostModel
+from ..core.ir.vocab import VocabCosts
+from ..models.stage import Stage
+from ..runtime.vocab_emulate import VocabPassTimes
+from ..runtime.vocab_link import DistVocabLink
+from ..runtime.vocab_parallel import gather_rows, partition_vocab, shard_rows
+from ..runtime.vocab_step import VocabStep
 
 __all__ = ["emulated_pass_times", "full_tables", "strip_vocab", "vocab_costs", "vocab_paths", "vocab_rank"]
 
@@ -43,8 +53,6 @@ def vocab_paths(spec) -> tuple[str, str]:
 def strip_vocab(modules: Mapping[int, nn.Module], spec) -> dict[int, nn.Module]:
     """The stages of `modules` (global index -> Stage) rebuilt without the embedding and the
     head: the same block and norm modules (so the same parameters and names), no tie."""
-    from ..models.stage import Stage
-
     embed, head = vocab_paths(spec)
     out = {}
     for index, stage in modules.items():
@@ -82,10 +90,6 @@ def vocab_rank(spec, *, rank: int, ranks: list[int], first: int, last: int, seed
     `pipelines`: every pipeline of the job, in one order on every process (the link's
     groups are made by all of them; default: this one only). `before_pass`: under --emulate,
     the `runtime.vocab_emulate.VocabPassTimes` each pass sleeps (`emulated_pass_times`)."""
-    from ..runtime.vocab_link import DistVocabLink
-    from ..runtime.vocab_parallel import partition_vocab, shard_rows
-    from ..runtime.vocab_step import VocabStep
-
     embed, head = vocab_paths(spec)
     p = len(ranks)
     part = partition_vocab(spec.shape.vocab, p)
@@ -107,18 +111,12 @@ def emulated_pass_times(cfg):
     """Under --emulate F,B,W: what each vocabulary pass sleeps. `vocab_costs` prices the passes
     in layer forwards (one rank's share of a table against a layer's multiply-adds), so each
     unit lasts the F milliseconds of one layer."""
-    from ..runtime.vocab_emulate import VocabPassTimes
-
     return VocabPassTimes.from_costs(vocab_costs(cfg).vocab, ms_per_unit=cfg.emulation.times_ms[0])
 
 
 def full_tables(spec, vocab, group) -> tuple[dict, dict]:
     """({name: whole gradient}, {name: whole weight}) of the vocabulary tables, gathered
     over the pipeline `group` from every rank's shard (every rank takes part)."""
-    import torch.distributed as dist
-
-    from ..runtime.vocab_parallel import gather_rows
-
     embed, head = vocab_paths(spec)
     names = [f"{embed}.weight"] if vocab.tables.tied else [f"{embed}.weight", f"{head}.weight"]
     grads, params = {}, {}
@@ -140,10 +138,6 @@ def vocab_costs(cfg):
     against one rank's share of the tables (forward 2·n·h·V/p multiply-adds per table, against
     about 24·n·h² per layer), as unit times; the placement needs their order, not seconds.
     With --dp the blocks (one DP unit each at block grain) are priced as equal shares."""
-    from ..core.cost.costs import BlockCosts, Costs
-    from ..core.cost.dp_model import DPCostModel
-    from ..core.ir.vocab import VocabCosts
-
     shape = cfg.model.spec().shape
     p = cfg.schedule.p
     layer = 24.0 * shape.hidden * shape.hidden
