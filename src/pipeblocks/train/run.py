@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,18 +20,25 @@ from typing import TYPE_CHECKING, TextIO
 
 from ..core.cost.costs import Costs
 from ..core.cost.static_memory import predict_static_peak
-from ..core.util.jsontext import json_text
 from ..core.ir.schedule import write_atomically
+from ..core.util.jsontext import json_text
 from ..resolve.program import simulate_run
 from ..schedules import names
 from ..sim.hardware_profile import resolve_hardware
 from ..sim.text_timeline import render_text_timeline
 from .config import TrainConfig
 from .describe import describe, describe_loop
-from .predict import predicted_times, profile_between_passes, profile_in_run_factor, with_runtime_time
+from .predict import (
+    predicted_times,
+    profile_between_passes,
+    profile_in_run_factor,
+    profile_threads,
+    threads_mismatch,
+    with_runtime_time,
+)
 from .prepare import prepare, run_lowering
-from .stage_copies import one_chain, per_chain
 from .report import format_bytes
+from .stage_copies import one_chain, per_chain
 from .tp_predict import tp_shapes, tp_stage_memory
 
 if TYPE_CHECKING:  # torch enters only when a run starts, so `pipeblocks list` stays fast
@@ -136,7 +144,7 @@ def profiled_stages(cfg: TrainConfig):
     bfloat16 weights, which save what the ranks' compute copies save), and the loss function.
     A pretrained model is profiled with weights drawn from the seed instead of its own: what
     a pass saves and how long it takes do not depend on the values, and nothing is read."""
-    from ..models.build import build_stages
+    from ..models.build import build_stages  # torch: the command line imports this module without it
     from ..runtime.precision import torch_dtype
 
     spec = profiling_spec(cfg.model.spec())
@@ -155,9 +163,8 @@ def profiling_spec(spec):
     """`spec` with weights drawn from the seed where it has pretrained ones (see `profiled_stages`)."""
     if spec.weights is None:
         return spec
-    import dataclasses
 
-    from ..models.init import normal_init
+    from ..models.init import normal_init  # torch, as above
 
     return dataclasses.replace(spec, weights=None, init=normal_init)
 
@@ -165,7 +172,6 @@ def profiling_spec(spec):
 def _times_from(cfg: TrainConfig, hardware: str | None) -> str:
     if hardware is None:
         return "profiled in this process"
-    from .predict import profile_in_run_factor, profile_threads
 
     threads, mine = profile_threads(hardware), cfg.threads_for(_local_ranks(cfg))
     other = (f"; measured with {threads} torch threads, a rank here has {mine}"
@@ -182,9 +188,6 @@ def _threads_against_profile(cfg: TrainConfig, hardware: str | None) -> dict:
     another speed; `predict.threads_mismatch` names the fix)."""
     if hardware is None or cfg.emulation is not None or cfg.mesh.device != "cpu":
         return {}
-    import os
-
-    from .predict import profile_threads, threads_mismatch
 
     ranks = _local_ranks(cfg)
     mine = cfg.threads_for(ranks)
@@ -323,8 +326,6 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
 
 def _local_ranks(cfg: TrainConfig) -> int:
     """The run's processes on this machine (torchrun: this node's)."""
-    import os
-
     return int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
 
 
@@ -360,11 +361,18 @@ def judge(cfg: TrainConfig, data: TokenWindows, results) -> tuple[float, float, 
     so comparing it with the reference's own step would compare rounding noise on
     near-zero gradients). With clipping the ranks' step is post-validated, and the one
     process clips synchronously."""
-    from .reference import ROUNDING_NOISE_FACTOR, ExcessError, GradDiff, compare_grads, excess_error
-    from .reference import in_float64, reference_apply
-    from .reference import reference_update
-    from .reference import relative_difference
-    from .reference import torch_threads
+    from .reference import (
+        ROUNDING_NOISE_FACTOR,
+        ExcessError,
+        GradDiff,
+        compare_grads,
+        excess_error,
+        in_float64,
+        reference_apply,
+        reference_update,
+        relative_difference,
+        torch_threads,
+    )
 
     loss = next(value for r in results for _, value in r.losses)
     inputs, targets = data.batch(0, cfg.global_batch_size, seed=cfg.seed)  # the step the ranks ran
