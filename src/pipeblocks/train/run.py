@@ -361,18 +361,9 @@ def judge(cfg: TrainConfig, data: TokenWindows, results) -> tuple[float, float, 
     so comparing it with the reference's own step would compare rounding noise on
     near-zero gradients). With clipping the ranks' step is post-validated, and the one
     process clips synchronously."""
-    from .reference import (
-        ROUNDING_NOISE_FACTOR,
-        ExcessError,
-        GradDiff,
-        compare_grads,
-        excess_error,
-        in_float64,
-        reference_apply,
-        reference_update,
-        relative_difference,
-        torch_threads,
-    )
+    # torch: the reference steps run in this process only under --verify
+    from .reference import ROUNDING_NOISE_FACTOR, ExcessError, GradDiff, compare_grads, excess_error, in_float64
+    from .reference import reference_apply, reference_update, relative_difference, torch_threads
 
     loss = next(value for r in results for _, value in r.losses)
     inputs, targets = data.batch(0, cfg.global_batch_size, seed=cfg.seed)  # the step the ranks ran
