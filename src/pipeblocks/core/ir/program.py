@@ -41,12 +41,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# the op types a Program holds are defined with their table entries (ops.py); the modules
-# that take them from here with Program keep doing so
-from .ops import Comm, DPOp, Op, OptimizerStep, Overlap, Recompute, format_op, parse_op
+from .ops import Op, format_op, parse_op  # the op types a Program holds live with their table
 from .schedule import Schedule
 
-__all__ = ["Comm", "DPOp", "OptimizerStep", "Overlap", "Program", "Recompute"]
+__all__ = ["Program"]
 
 
 @dataclass(frozen=True)

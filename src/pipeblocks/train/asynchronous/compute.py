@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 from ...core.ir.actions import Action, Kind
-from ...core.ir.program import OptimizerStep, Program
+from ...core.ir.ops import OptimizerStep
+from ...core.ir.program import Program
 from ...core.lowering.versions import WeightVersions
 from ...runtime.compute import Unit
 from ...runtime.emulate import EmulatedCompute

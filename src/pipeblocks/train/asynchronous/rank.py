@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ...core.ir.actions import Action
-from ...core.ir.program import OptimizerStep
+from ...core.ir.ops import OptimizerStep
 from ...runtime import PipelineRunner
 from .. import checkpoint as ckpt
 from ..config import TrainConfig

@@ -40,7 +40,7 @@ from pathlib import Path
 from ...core.ir.actions import Action
 from ...core.cost.costs import Costs
 from ...core.util.jsontext import json_text
-from ...core.ir.program import OptimizerStep
+from ...core.ir.ops import OptimizerStep
 from ...core.ir.schedule import write_atomically
 from ...core.simulator.simulate import simulate, simulate_program
 from ...core.simulator.steady import SteadyState, steady_state
