@@ -54,9 +54,10 @@ from ..core.cost.costs import BlockCosts, Costs
 from ..core.cost.dp_model import DPCostModel, Link
 from ..core.ir.dp_units import DPUnits
 from ..core.ir.sharding import parse_sharding
-from ..core.simulator.simulate import simulate
+from ..core.simulator.simulate import simulate, simulate_program
 from ..core.simulator.timeline import Timeline
 from ..core.ir.vocab import VocabCosts, VocabPass
+from ..resolve.program import Lowering
 from ..sim.overhead import handover_gaps, local_gaps
 
 __all__ = ["RankResult", "RunRecord", "format_bytes", "RunReport", "profiled_costs", "iteration_times", "build_report",
@@ -177,12 +178,10 @@ def _simulate_vocab(schedule: Schedule, costs: Costs, placed: Costs, timed: Sequ
                     recompute_at) -> Timeline:
     """The Program lowered as the runner lowers it (the passes placed by `placed`), simulated
     with the measured pass times."""
-    from ..core.lowering.entry import lower_for
-    from ..core.simulator.simulate import simulate_program
-
-    data_parallel = costs.data_parallel
-    program = lower_for(schedule, policies=data_parallel.sharding, dp=data_parallel.dp, recompute=recompute,
-                        recompute_at=recompute_at, units=costs.dp_units(schedule.num_stages), vocab=placed)
+    dp = costs.data_parallel
+    lowering = Lowering(tuple(dp.sharding), dp.dp, costs.dp_units(schedule.num_stages), recompute,
+                        recompute_at or {}, placed)
+    program = lowering.program(schedule)
     return simulate_program(program, dataclasses.replace(costs, vocab=vocab_pass_costs(timed, costs.t_comm)))
 
 
