@@ -192,6 +192,11 @@ class TransformerConfig:
         return _DTYPE_BYTES[self.dtype]
 
     @property
+    def hidden_bytes(self) -> int:
+        """Bytes of one microbatch's hidden states, s*b*h*dtype_bytes (what a hop carries)."""
+        return self.seq * self.microbatch_size * self.hidden * self.dtype_bytes
+
+    @property
     def fused_qkv(self) -> bool:
         """The reference GPT's module layout (`pipeblocks train --model-family gpt`): one fused q/k/v
         projection and a GELU MLP, LayerNorms, learned positions, multi-head attention. Every other
