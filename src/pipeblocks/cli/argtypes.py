@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
 from ..core.cost.costs import parse_costs
 from ..core.cost.split import parse_split
@@ -32,30 +33,6 @@ def finite_float(text: str) -> float:
     return value
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0."""
-    value = finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
-
-
-def nonneg_float(text: str) -> float:
-    """A finite number >= 0."""
-    value = finite_float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
-def unit_float(text: str) -> float:
-    """A finite number in [0, 1] (a share)."""
-    value = finite_float(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
-    return value
-
-
 def _integer(text: str) -> int:
     try:
         return int(text)
@@ -63,20 +40,24 @@ def _integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
 
 
-def positive_int(text: str) -> int:
-    """A whole number >= 1."""
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
+def _bounded(name: str, parse: Callable[[str], float], within: Callable[[float], bool], wanted: str):
+    """A checker `name`: `parse(text)`, which must be `within` bounds ('expected {wanted}')."""
+
+    def check(text: str):
+        value = parse(text)
+        if not within(value):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
+        return value
+
+    check.__name__ = check.__qualname__ = name
+    return check
 
 
-def nonneg_int(text: str) -> int:
-    """A whole number >= 0."""
-    value = _integer(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
+positive_float = _bounded("positive_float", finite_float, lambda v: v > 0, "a number > 0")
+nonneg_float = _bounded("nonneg_float", finite_float, lambda v: v >= 0, "a number >= 0")
+unit_float = _bounded("unit_float", finite_float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+positive_int = _bounded("positive_int", _integer, lambda v: v >= 1, "a whole number >= 1")
+nonneg_int = _bounded("nonneg_int", _integer, lambda v: v >= 0, "a whole number >= 0")
 
 
 def costs_text(text: str) -> str:

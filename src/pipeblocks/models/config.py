@@ -7,16 +7,43 @@ Kept apart from gpt.py so the command line can read the defaults without importi
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 __all__ = ["GPTConfig", "DTypeName"]
 
 DTypeName = Literal["float32", "float64"]
-_DTYPES = ("float32", "float64")
+DTYPES = ("float32", "float64")
+_Config = TypeVar("_Config", bound="FamilyConfig")
+
+
+class FamilyConfig:
+    """What the built-in families' configs share: the torch dtype, the head width and JSON."""
+
+    dtype: DTypeName
+    hidden: int
+    heads: int
+
+    @property
+    def torch_dtype(self):
+        """The torch dtype (torch is imported here, so the config itself stays torch-free)."""
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls: type[_Config], data: dict) -> _Config:
+        return cls(**data)
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(FamilyConfig):
     """Shape of the reference GPT. Defaults train in seconds on a laptop CPU."""
 
     layers: int = 8
@@ -44,23 +71,5 @@ class GPTConfig:
                 f"hidden ({self.hidden}) must be a multiple of heads ({self.heads}): "
                 f"change --hidden to e.g. {self.heads * max(1, round(self.hidden / self.heads))} or --heads"
             )
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-
-    @property
-    def torch_dtype(self):
-        """The torch dtype (torch is imported here, so the config itself stays torch-free)."""
-        import torch
-
-        return getattr(torch, self.dtype)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @staticmethod
-    def from_json(data: dict) -> GPTConfig:
-        return GPTConfig(**data)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")

@@ -9,17 +9,14 @@ same size options. Kept apart from the models so the command line reads it witho
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from .config import DTypeName
+from .config import DTYPES, FamilyConfig, DTypeName
 
 __all__ = ["LlamaConfig"]
 
-_DTYPES = ("float32", "float64")
-
-
 @dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(FamilyConfig):
     """Shape of a Llama-style decoder (RMSNorm, rotary positions, SwiGLU, grouped-query attention)."""
 
     layers: int = 8
@@ -65,23 +62,12 @@ class LlamaConfig:
                 f"kv_heads ({self.num_kv_heads}) must divide heads ({self.heads}) for grouped-query attention: "
                 f"use --kv-heads {' or '.join(map(str, divisors))}"
             )
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"LlamaConfig.{name} must be a finite number > 0, got {value!r}")
-
-    @property
-    def torch_dtype(self):
-        """The torch dtype (torch is imported here, so the config itself stays torch-free)."""
-        import torch
-
-        return getattr(torch, self.dtype)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
 
     @property
     def num_kv_heads(self) -> int:
@@ -92,13 +78,6 @@ class LlamaConfig:
         if self.intermediate is not None:
             return self.intermediate
         return 8 * math.ceil(8 * self.hidden / 3 / 8)
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @staticmethod
-    def from_json(data: dict) -> LlamaConfig:
-        return LlamaConfig(**data)
 
 
 def _positive_int(name: str, value: object) -> None:

@@ -133,10 +133,6 @@ class ModelSpec:
     def supports_sequence_chunks(self) -> bool:
         return bool(self.adapter.supports_sequence_chunks)
 
-    @property
-    def pretrained(self) -> bool:
-        return self.weights is not None
-
     def describe(self) -> str:
         """'8-layer Llama (hidden 64, 4 heads, 2 KV heads)'."""
         s = self.shape

@@ -43,10 +43,6 @@ def tp_cost_model(hardware: Hardware, tp: int) -> TPCostModel:
     return TPCostModel(tp=tp, link=Link(hardware.intra_bandwidth, hardware.intra_latency))
 
 
-def _activation_bytes(config: TransformerConfig) -> float:
-    return config.seq * config.microbatch_size * config.hidden * config.dtype_bytes
-
-
 def replica_costs(
     config: TransformerConfig, hardware: Hardware, *, num_stages: int, dp: int, tp: int,
     sharding: ShardingPolicy = ShardingPolicy.REPLICATE, precision: str = "bf16-mixed", intensity: bool = False,
@@ -75,7 +71,7 @@ def replica_costs(
     base = dataclasses.replace(base, blocks=transformer_blocks(config, num_stages=num_stages))
     if tp == 1:
         return dataclasses.replace(base, data_parallel=data_parallel)
-    activation = _activation_bytes(config)
+    activation = config.hidden_bytes
     split = tp_cost_model(hardware, tp).split(base, layers=config.stage_layers(num_stages),
                                               activation_bytes=activation)
     hop = hardware.latency + activation / tp / hardware.bandwidth  # each rank sends its token shard

@@ -147,9 +147,6 @@ class Mailbox:
         self.flush()
         return self._pending_recv[key][0].is_completed()
 
-    def is_posted(self, key: tuple) -> bool:
-        return key in self._pending_recv
-
     def wait(self, key: tuple, label: str) -> torch.Tensor:
         self.flush()
         work, buffer = self._pending_recv.pop(key)

@@ -139,7 +139,7 @@ class EmulatedCompute:
         # it sleeps the pass unit by unit, meeting the units' gathers and reductions
         self.pass_timer: Callable[[int, str, float], None] | None = None
 
-    def _sleep(self, ms_per_layer: float, stage: int, kind: str) -> None:
+    def _sleep(self, stage: int, kind: str) -> None:
         seconds = self.costs.pass_ms(kind, stage, self.num_stages) / 1000.0
         if self.pass_timer is None:
             precise_sleep(seconds)
@@ -148,7 +148,7 @@ class EmulatedCompute:
 
     def forward(self, stage: int, x: Any, target: torch.Tensor | None, *, keep: bool = True,
                 side: Mapping[str, Any] | None = None) -> tuple[Any, Unit]:
-        self._sleep(self.costs.f_ms, stage, "F")
+        self._sleep(stage, "F")
         if stage == self._loss_stage:
             return None, Unit(x, x, loss=torch.zeros(()))
         spec = ActivationSpec.of(x)
@@ -163,21 +163,21 @@ class EmulatedCompute:
 
     def recompute(self, stage: int, unit: Unit) -> None:
         """A recomputation takes the forward's time again."""
-        self._sleep(self.costs.f_ms, stage, "R")
+        self._sleep(stage, "R")
 
     def input_grad(self, stage: int, unit: Unit, grad: Any) -> Any:
-        self._sleep(self.costs.b_ms, stage, "B")
+        self._sleep(stage, "B")
         dx = zero_gradient(unit.inp) if stage >= self._first_grad else None
         unit.root = unit.inp = None
         unit.work = WeightGradWork([])
         return dx
 
     def weight_grad(self, stage: int, unit: Unit) -> None:
-        self._sleep(self.costs.w_ms, stage, "W")
+        self._sleep(stage, "W")
         unit.work = None
 
     def full_backward(self, stage: int, unit: Unit, grad: Any) -> Any:
-        self._sleep(self.costs.b_ms + self.costs.w_ms, stage, "BW")
+        self._sleep(stage, "BW")
         dx = zero_gradient(unit.inp) if stage >= self._first_grad else None
         unit.root = unit.inp = None
         return dx

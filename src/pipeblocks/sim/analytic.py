@@ -99,19 +99,9 @@ class TransformerConfig:
         attention probabilities unless flash attention). Megatron's accounting has it; the
         reference GPT of `pipeblocks train` and the Llama-style models have no dropout.
 
-    The block's shape (as `ModelShape`, whose docstring lists what each fixes):
-    kv_heads: key/value heads k of grouped-query attention (None: as many as heads).
-    head_dim: one head's width d (None: hidden / heads); q is a*d wide, k and v k*d.
-    ffn: the MLP's inner width f (None: 4h for gelu, Llama's 8h/3 rule for swiglu).
-    mlp: "gelu" (up and down) or "swiglu" (gate, up and down).
-    norm: "layernorm" (weight and bias; mean and deviation saved) or "rmsnorm" (weight; one
-        statistic saved).
-    positions: "learned" (a position table on the first stage) or "rotary" (no parameters).
-    context: a learned position table's rows (None: seq, the reference GPT's rule); with
-        rotary positions the model's context, which nothing here prices.
-    tied: the head shares the embedding's weight (the end stages each hold a copy).
-    linear_bias: every projection of a block has a bias; qkv_bias: only q, k and v do.
-    qk_norm: an RMSNorm of d on every query and key head (Qwen3).
+    kv_heads, head_dim, ffn, mlp, norm, positions, context, tied, linear_bias, qkv_bias,
+        qk_norm: the block's shape, as `ModelShape` (whose docstring says what each fixes),
+        except that context None is seq here (the reference GPT's rule).
     split: transformer layers per global stage, in stage order (`--split 3,4,4,3`), or None
         for `core.cost.split.layer_counts`'s even rule; `stage_layers` answers either way.
     """
@@ -200,6 +190,11 @@ class TransformerConfig:
     @property
     def dtype_bytes(self) -> int:
         return _DTYPE_BYTES[self.dtype]
+
+    @property
+    def hidden_bytes(self) -> int:
+        """Bytes of one microbatch's hidden states, s*b*h*dtype_bytes (what a hop carries)."""
+        return self.seq * self.microbatch_size * self.hidden * self.dtype_bytes
 
     @property
     def fused_qkv(self) -> bool:

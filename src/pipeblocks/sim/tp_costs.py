@@ -33,16 +33,12 @@ def tp_model(hardware: Hardware, tp: int) -> TPCostModel:
     return TPCostModel(tp=tp, link=Link(hardware.intra_bandwidth, hardware.intra_latency))
 
 
-def _activation_bytes(config: TransformerConfig) -> float:
-    return config.seq * config.microbatch_size * config.hidden * config.dtype_bytes
-
-
 def tensor_parallel_costs(costs: Costs, config: TransformerConfig, hardware: Hardware, *, num_stages: int,
                           tp: int) -> Costs:
     """`costs` of whole stages (`analytic.transformer_costs`) as one of `tp` ranks runs them."""
     if tp == 1:
         return costs
-    activation = _activation_bytes(config)
+    activation = config.hidden_bytes
     split = tp_model(hardware, tp).split(costs, layers=config.stage_layers(num_stages),
                                          activation_bytes=activation)
     blocks = costs.blocks
@@ -60,7 +56,7 @@ def tp_comm_per_rank(schedule: Schedule, config: TransformerConfig, hardware: Ha
     """Seconds each pipeline rank spends in tensor-parallel collectives in one step: its
     stages' F and B of every microbatch, and each recomputed forward again."""
     per_stage = tp_model(hardware, tp).stage_comm(config.stage_layers(schedule.num_stages),
-                                                  _activation_bytes(config))
+                                                  config.hidden_bytes)
     placement = schedule.placement
     out = []
     for r in range(schedule.p):

@@ -91,7 +91,7 @@ def head_activation_bytes(config: TransformerConfig) -> float:
     """What the last stage stops saving per microbatch when the head leaves it: the final
     norm's output (the head product's input, s*b*h*e) and the loss's log-probabilities,
     targets and scalar (`analytic.loss_activation_bytes`). The norm's input and statistic stay."""
-    return config.seq * config.microbatch_size * config.hidden * config.dtype_bytes + loss_activation_bytes(config)
+    return config.hidden_bytes + loss_activation_bytes(config)
 
 
 def vocab_costs(config: TransformerConfig, hardware: Hardware, *, ranks: int,
