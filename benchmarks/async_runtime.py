@@ -47,7 +47,7 @@ def measure(p: int, n: int, steps: int, emulate: tuple[float, float, float]) -> 
     sync_s = statistics.median(spans)
     async_cfg, _ = prepare(request, model=model, emulate=emulate, steps=steps, quiet=True,
                            async_mode=AsyncMode("naive"))
-    async_s = async_run.steady_step_s(async_run.launch_async(async_cfg), 0)
+    async_s = async_run.steady_step_s(loop.launch(async_cfg), 0)
     sim_costs = EmulatedCosts(*emulate, layers=1).sim_costs(get("1f1b")(p=p, m=n))
     sim_sync = simulate(get("1f1b")(p=p, m=n), sim_costs).makespan * 1e-3
     sim_async = steady_state(simulate_program(async_1f1b(p=p, n=n, steps=steps), sim_costs)).step_time * 1e-3

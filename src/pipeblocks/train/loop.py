@@ -3,71 +3,69 @@
     >>> cfg, data = prepare(ScheduleRequest(name="1f1b", m=4, mesh=Mesh(pp=2)), model=GPTConfig(layers=4), steps=20)
     >>> results = launch(cfg)       # p local processes (or this one, under torchrun); one RankResult per rank
 
-The loop is `_train_rank`: one `SyncSteps.run` per step (the synchronous step strategy,
-steps_sync.py: the rank's own stages, with the weights of the whole model of the same seed,
-an AdamW and a `PipelineRunner`; step k feeds the batch `TokenWindows.batch(k, m*b, seed)`),
-then the observers both loops share (observers.py: progress line, evaluation, metrics,
-checkpoint when due; the asynchronous loop is asynchronous/rank.py). The rank that holds
-the last stage prints one progress line per step. The optimizer steps through a `PostValidator`
-(post_validation.py): `clip_grad` clips by the global gradient norm, and a step whose
-gradient is non-finite on any rank is skipped on every rank, with no barrier before the
-step. Checkpoints go to `cfg.checkpoint.directory` every `save_every` steps and after the last one
+The loop is `run_loop`, over one of two step strategies: `SyncSteps` (steps_sync.py: the
+rank's own stages, with the weights of the whole model of the same seed, an AdamW and a
+`PipelineRunner`; one flushed step per unit, step k feeding the batch
+`TokenWindows.batch(k, m*b, seed)`) or, with `--async`, `AsyncSteps` (asynchronous/steps.py:
+one Program per unit, several steps without a flush). After each unit come the observers
+(observers.py): the progress line of each step and `--metrics` (printed by the rank holding
+the last stage), the held-out evaluation when due, the ranks' agreement on a stop, the
+checkpoint when due; the strategy then builds the rank's result.
+
+Checkpoints go to `cfg.checkpoint.directory` every `save_every` steps and after the last one
 (see checkpoint.py); `resume` continues from the newest step intact on every rank (each
 rank verifies its own files, then the ranks agree). With data parallelism or sharding
 they go through torch.distributed.checkpoint instead (sharded_checkpoint.py), loadable at
-another dp size. `launch` refuses a directory holding another run's checkpoints unless
-`overwrite`.
+another dp size; an asynchronous run saves drained steps (asynchronous/checkpoint.py).
+`launch` refuses a directory holding another run's checkpoints unless `overwrite`.
 
 A run that stops early saves too: on a stop request (SIGTERM, SIGINT or SIGHUP, see
 pipeblocks.runtime.lifecycle) every rank stops after the same step and saves it; a rank
-that fails or is interrupted saves its last completed step on the way out (its weights,
-optimizer and RNG as they were after that step), when it still can.
-
-Rank 0 also collects the measured Timeline of every step (one gather per step) and
-returns the latest ones, from which the launcher profiles pass times and the bubble
-(report.py).
+of a synchronous run that fails or is interrupted saves its last completed step on the way
+out (its weights, optimizer and RNG as they were after that step), when it still can.
 """
 from __future__ import annotations
 
+import os
 import sys
-from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
+from ..runtime import RankFailedError, RunStoppedError
+from ..runtime.launch import run_here, spawn, under_torchrun
+from ..runtime.mesh import check_world_size
 from . import checkpoint as ckpt
 from . import sharded_checkpoint as sharded
+from .asynchronous.drain import shared_boundary
+from .asynchronous.steps import AsyncRankResult, AsyncSteps
 from .config import TrainConfig
-from .export_hf import save_rank_part
-from .observers import claim_checkpoints, evaluate_if_due, metrics_writer, progress_line, save_when_due
+from .observers import Progress, claim_checkpoints, evaluate_if_due, save_when_due
 from .report import RankResult
 from .sharded_checkpoint import uses_sharded_checkpoints
-from .steps_sync import SyncSteps, chunk_optimizers
+from .steps_sync import SyncSteps
 
-__all__ = ["TrainConfig", "checkpoint_note", "launch", "launch_or_report", "train_rank", "uses_sharded_checkpoints"]
+__all__ = ["Ran", "TrainConfig", "checkpoint_note", "launch", "launch_or_report", "launch_reported", "run_loop",
+           "train_rank", "uses_sharded_checkpoints"]
 
 T = TypeVar("T")
 
-KEEP_TIMELINES = 32
-"""Rank 0 returns the measured timelines of at most this many of the latest steps."""
-MEMORY_STEPS = 3
-"""Saved-activation bytes are counted on this many first steps and on the last (whose
-timeline the report draws); the hooks cost 10-30% of a small CPU step."""
 
-
-def launch(cfg: TrainConfig) -> list[RankResult] | None:
+def launch(cfg: TrainConfig) -> list[RankResult] | list[AsyncRankResult] | None:
     """Run `cfg` in p x dp x tp processes: local ones (gloo on CPU, NCCL on CUDA), or, under
     torchrun, this process as its rank. A failure on any rank raises here. Returns every
-    rank's result, on the launching process (rank 0 under torchrun; None on the others)."""
-    from ..runtime.launch import run_here, spawn, under_torchrun
-    from ..runtime.mesh import check_world_size
-
+    rank's result, on the launching process (rank 0 under torchrun; None on the others). An
+    asynchronous run spawns its p ranks here and shares the drain boundary with them."""
     torchrun = under_torchrun()
     if not torchrun or reporting_process():
         claim_checkpoints(cfg, lambda directory: sharded.claim_sharded(directory, overwrite=cfg.checkpoint.overwrite))
     world = cfg.world_size
     check_world_size(cfg.schedule.p, cfg.dp, world, cfg.tp)
+    if cfg.async_mode is not None:
+        return spawn(train_rank, world, args=(cfg, shared_boundary()), timeout_s=cfg.timeout_s,
+                     threads_per_rank=cfg.threads_for(world), device=cfg.mesh.device)
     if torchrun:
         return run_here(train_rank, args=(cfg,), world_size=world, timeout_s=cfg.timeout_s, device=cfg.mesh.device,
                         threads_per_rank=cfg.mesh.threads_per_rank)
@@ -77,119 +75,65 @@ def launch(cfg: TrainConfig) -> list[RankResult] | None:
     )
 
 
+def launch_reported(cfg: TrainConfig) -> list[RankResult] | list[AsyncRankResult] | None:
+    """`launch(cfg)`; a failed, stalled or stopped run is reported as `launch_or_report` does,
+    with what its checkpoint directory now resumes from."""
+    return launch_or_report(lambda: launch(cfg), note=lambda: checkpoint_note(cfg))
+
+
 def reporting_process() -> bool:
     """Whether this process prints the run's header and report: the launcher, or global rank
     0 under torchrun."""
-    import os
-
-    from ..runtime.launch import under_torchrun
-
     return not under_torchrun() or os.environ.get("RANK") == "0"
 
 
-def train_rank(ctx, cfg: TrainConfig) -> RankResult:
-    """The body of one rank (`ctx` is the runtime's DistContext)."""
+def train_rank(ctx, cfg: TrainConfig, shared=None) -> RankResult | AsyncRankResult:
+    """The body of one rank (`ctx` is the runtime's DistContext): the loop over the step
+    strategy of `cfg`, asynchronous (`shared`: the drain boundary its launcher shares) or
+    synchronous; `--verify` of a synchronous run takes its one step without the observers."""
     last_good = _LastGood()
     try:
-        return _train_rank(ctx, cfg, last_good)
+        if cfg.async_mode is not None:
+            return run_loop(ctx, cfg, AsyncSteps(ctx, cfg, shared))
+        steps = SyncSteps(ctx, cfg, last_good)
+        return steps.verify() if cfg.verify else run_loop(ctx, cfg, steps)
     except BaseException:
         last_good.save_on_the_way_out(cfg, ctx.control)
         raise
 
 
-def _train_rank(ctx, cfg: TrainConfig, last_good: _LastGood) -> RankResult:
-    """The synchronous loop: one `SyncSteps.run` per step, then the observers (progress line,
-    evaluation, metrics, checkpoint) in that order."""
-    steps = SyncSteps(ctx, cfg, last_good)
-    setup, start, control, runner = steps.setup, steps.start, ctx.control, steps.runner
-    rank, replica, dp = setup.rank, setup.replica, setup.data_parallel
-    link = _dp_link(cfg, setup)
-    # a DCP save is a collective: a failing rank cannot take part, so none is saved on the way out
-    last_good.track(rank, None if uses_sharded_checkpoints(cfg) else setup.modules, steps.optimizer,
-                    cfg.meta(setup.data.source), start)
-    control.step_done(start)
-    last = start + 1 if cfg.verify else cfg.steps
-    losses, spans, peak, skipped, dp_waits, evals = [], [], 0, [], [], []
-    metrics = metrics_writer(cfg, setup)
-    timelines: deque = deque(maxlen=KEEP_TIMELINES)
-    for step in range(start, last):
-        runner.measure_memory = step < start + MEMORY_STEPS or step == last - 1
-        done = steps.run(step)
-        result, loss, check = done.result, done.loss, done.check
-        if cfg.verify:
-            return steps.verify_result(step, done)
-        if check is not None and check.outcome == "skipped":
-            skipped.append(step)
-        if dp is not None:
-            dp_waits.append(dp.wait_s)
-        spans.append((step, done.t0, done.t1))
-        peak = max(peak, result.peak_saved_bytes or 0)
-        if result.timeline is not None:
-            timelines.append((step, result.timeline))
-        if loss is not None:
-            losses.append((step, loss))
-            if not cfg.quiet and replica == 0 and setup.tp_rank == 0:
-                progress_line(cfg, step, "emulated" if cfg.emulation else f"{loss:.4f}", done.t1 - done.t0,
-                              "" if check is None else _check_note(check, cfg.clip_grad))
-        held = evaluate_if_due(cfg, ctx, setup, step + 1, last)
+@dataclass(frozen=True)
+class Ran:
+    """What the loop did, for the step strategy's result: the steps complete when it ended,
+    the steps it saved, and the held-out losses (0-based step, loss) it evaluated."""
+
+    done: int
+    saved: tuple[int, ...]
+    eval_losses: tuple[tuple[int, float], ...]
+
+
+def run_loop(ctx, cfg: TrainConfig, steps):
+    """The one training loop: each unit of work of the step strategy (`steps.units()`: one
+    step, or one asynchronous Program), then the observers in that order: the held-out
+    evaluation when due, the agreement on a stop, the checkpoint when due. The strategy
+    reports each step to `Progress` as it completes."""
+    control, setup = ctx.control, steps.setup
+    progress = Progress(cfg, setup)
+    saved, evals, done = [], [], steps.start
+    for unit in steps.units():
+        done = steps.run(unit, progress)
+        held = evaluate_if_due(cfg, ctx, setup, done, cfg.steps)
+        progress.evaluated(done, held)
         if held is not None:
-            evals.append((step, held))
-        if metrics is not None and loss is not None:
-            metrics.write(step=step + 1, loss=loss, lr=cfg.lr_at(step), step_time_s=done.t1 - done.t0,
-                          tokens=cfg.tokens_per_step, rank=rank, eval_loss=held,
-                          activation_bytes=result.peak_saved_bytes or None, static_bytes=steps.static,
-                          device_max_bytes=_device_max_bytes(ctx.device))
-        stop = control.step_done(step + 1)  # True on every rank after the same step
-        if save_when_due(cfg, control, step + 1, lambda k: _save(cfg, setup, steps.optimizer, k),
-                         final=stop or step + 1 == last):
-            last_good.saved = step + 1
+            evals.append((done - 1, held))
+        stop = steps.agree_stop(done)  # True on every rank after the same step
+        if save_when_due(cfg, control, done, steps.save, final=stop or done == cfg.steps):
+            saved.append(done)
         if stop:
             break
-    if cfg.save_hf is not None and spans and spans[-1][0] + 1 == cfg.steps:
-        with control.critical():
-            save_rank_part(cfg, setup)  # every rank: the gathers of sharded stages are collectives
-        control.beat()
+    progress.close()
     sys.stdout.flush()
-    # the optimizer state exists from the second step on: the steady-state peak
-    predicted = steps.static_predicted[1] if len(spans) > 1 else steps.static_predicted[0]
-    return RankResult(rank, tuple(setup.modules), tuple(losses), tuple(spans), peak, tuple(timelines),
-                      skipped_steps=tuple(skipped), dp_rank=replica, static_bytes_measured=steps.static,
-                      static_bytes_predicted=predicted, dp_wait_s=tuple(dp_waits), dp_link=link,
-                      eval_losses=tuple(evals), tp_rank=setup.tp_rank)
-
-
-def _device_max_bytes(device) -> int | None:
-    return torch.cuda.max_memory_allocated(device) if torch.device(device).type == "cuda" else None
-
-
-def _dp_link(cfg: TrainConfig, setup) -> tuple[float, float] | None:
-    """The DP link the report's simulated column models: the emulated one, or one measured
-    on the dp group (with replicas, outside --verify)."""
-    if cfg.emulation is not None and cfg.emulation.link is not None:
-        return cfg.emulation.link
-    if setup.mesh is not None and cfg.dp > 1 and not cfg.verify:
-        from ..runtime.data_parallel import measure_link
-
-        return measure_link(setup.mesh.dp_group)
-    return None
-
-
-def _save(cfg: TrainConfig, setup, optimizer, done: int) -> None:
-    """Save step `done` of this rank (through torch.distributed.checkpoint when sharded)."""
-    directory, meta = cfg.checkpoint.directory, cfg.meta(setup.data.source)
-    if uses_sharded_checkpoints(cfg):
-        sharded.save_sharded(directory, step=done, stages=setup.modules, optimizers=chunk_optimizers(optimizer),
-                             meta=meta)
-    else:
-        ckpt.save_rank(directory, rank=setup.rank, step=done, stages=setup.modules, optimizer=optimizer, meta=meta)
-
-
-def _check_note(check, clip_grad: float | None) -> str:
-    if check.outcome == "skipped":
-        return "  skipped (non-finite gradient)"
-    if clip_grad is None:
-        return ""
-    return f"  norm {check.norm:.3g}" + (" clipped" if check.outcome == "clipped" else "")
+    return steps.result(Ran(done, tuple(saved), tuple(evals)))
 
 
 class _LastGood:
@@ -231,8 +175,6 @@ def launch_or_report(start: Callable[[], T], note: Callable[[], str] | None = No
     reported on stderr, followed by `note()` (asked after the failure, so it can say what the
     run left behind), and gives None; a run stopped by a signal exits with 128 + the signal,
     the shell's convention for a signalled process."""
-    from ..runtime import RankFailedError, RunStoppedError
-
     try:
         return start()
     except (RankFailedError, TimeoutError, RunStoppedError) as err:

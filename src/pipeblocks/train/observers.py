@@ -1,9 +1,11 @@
-"""What both training loops (synchronous and asynchronous) do beside the steps: who writes
-the progress lines and `--metrics`, the progress line itself, the held-out evaluation of
+"""What the training loop does beside the steps, for either step strategy (synchronous or
+asynchronous): the progress lines and `--metrics` (`Progress`), the held-out evaluation of
 `--eval-every`, and when a checkpoint is due.
 
-    >>> metrics = metrics_writer(cfg, setup)              # None on the ranks that do not write
+    >>> progress = Progress(cfg, setup)                   # prints and writes on one rank only
+    >>> progress.step(k, loss, seconds, lr=cfg.lr_at(k))  # after step k (0-based)
     >>> held = evaluate_if_due(cfg, ctx, setup, done=k + 1, last=cfg.steps)   # every rank takes part
+    >>> progress.evaluated(k + 1, held)                   # the step's metrics line carries eval_loss
 
 The rank that writes is the one holding the last stage (DualPipe: of its first direction),
 of replica 0 and tensor-parallel rank 0. An evaluation is due after every `eval_every`-th
@@ -21,8 +23,8 @@ from .evaluate import held_out_loss
 from .metrics import MetricsWriter
 from .stage_copies import model_stages
 
-__all__ = ["claim_checkpoints", "evaluation_due", "evaluate_if_due", "metrics_writer", "progress_line", "save_when_due",
-           "writes_progress"]
+__all__ = ["Progress", "claim_checkpoints", "evaluation_due", "evaluate_if_due", "metrics_writer", "progress_line",
+           "save_when_due", "writes_progress"]
 
 
 def writes_progress(cfg: TrainConfig, setup) -> bool:
@@ -65,6 +67,53 @@ def progress_line(cfg: TrainConfig, step: int, shown: str, seconds: float, note:
     """The line printed after step `step` (0-based): its loss as `shown`, throughput, wall time."""
     print(f"step {step + 1:>5}/{cfg.steps}  loss {shown}  {cfg.tokens_per_step / seconds:>9,.0f} tokens/s  "
           f"{seconds * 1e3:7.1f} ms{note}", flush=True)
+
+
+class Progress:
+    """The progress lines and `--metrics` of the rank that writes them (`writes_progress`), one
+    per optimizer step. The metrics line of a step the held-out loss is evaluated after waits
+    for it (`evaluated`), so it carries `eval_loss`."""
+
+    def __init__(self, cfg: TrainConfig, setup) -> None:
+        self.cfg, self.rank, self.on = cfg, setup.rank, writes_progress(cfg, setup)
+        self.metrics = metrics_writer(cfg, setup)
+        self.pending: dict | None = None
+
+    def step(self, step: int, loss: float | None, seconds: float, note: str = "", **measured) -> None:
+        """Step `step` (0-based) took `seconds`: its line and its metrics (`measured`: the
+        learning rate, and what else `MetricsWriter.write` takes)."""
+        if not self.on:
+            return
+        cfg = self.cfg
+        if self.metrics is not None:
+            self._flush()
+            self.pending = {"step": step + 1, "loss": loss, "step_time_s": seconds, "tokens": cfg.tokens_per_step,
+                            "rank": self.rank, **measured}
+            if not evaluation_due(cfg, step + 1, cfg.steps):
+                self._flush()
+        if not (cfg.quiet or cfg.verify):
+            shown = "emulated" if cfg.emulation is not None or loss is None else f"{loss:.4f}"
+            progress_line(cfg, step, shown, seconds, note)
+
+    def evaluated(self, done: int, loss: float | None) -> None:
+        """The held-out loss after step `done` (None: none was evaluated) joins that step's metrics line."""
+        if self.pending is not None and self.pending["step"] == done:
+            self._flush(eval_loss=loss)
+
+    def _flush(self, eval_loss: float | None = None) -> None:
+        if self.pending is not None:
+            self.metrics.write(**self.pending, eval_loss=eval_loss)
+            self.pending = None
+
+    def note(self, text: str) -> None:
+        """A line on stderr, from the rank that writes the progress."""
+        if self.on:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self._flush()
+            self.metrics.close()
 
 
 def claim_checkpoints(cfg: TrainConfig, claim: Callable[[str], list] = lambda directory: []) -> None:

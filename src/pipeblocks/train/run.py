@@ -241,12 +241,6 @@ def _vocab_placement(cfg: TrainConfig):
 
 
 # ---- launch --------------------------------------------------------------------------------
-def _launch(cfg: TrainConfig):
-    from .loop import checkpoint_note, launch, launch_or_report
-
-    return launch_or_report(lambda: launch(cfg), note=lambda: checkpoint_note(cfg))
-
-
 def execute(cfg: TrainConfig, data: TokenWindows, *, dry: bool = False, report: str | None = None,
             plot: str | None = None, hardware: str | None = None) -> int:
     """Run what the command line asked for: the one place where synchronous and asynchronous
@@ -269,14 +263,14 @@ def execute(cfg: TrainConfig, data: TokenWindows, *, dry: bool = False, report: 
 def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, plot: str | None = None) -> int:
     """Train, then print measured against simulated (and write --report / --plot)."""
     from ..runtime.profile import profile_chunk_memory, profile_stage_memory
-    from .loop import reporting_process
+    from .loop import launch_reported, reporting_process
     from .rank_setup import dp_units
     from .report import RunRecord, format_report, machine_load, report_of, write_timeline_plot
 
     s = cfg.schedule
     if reporting_process():
         print(f"training {describe(cfg)} on {describe_loop(cfg, data)}", flush=True)
-    results = _launch(cfg)
+    results = launch_reported(cfg)
     if not reporting_process():
         return 0  # under torchrun, global rank 0 reports
     if results is None:
@@ -332,14 +326,14 @@ def _local_ranks(cfg: TrainConfig) -> int:
 def verify(cfg: TrainConfig, data: TokenWindows) -> int:
     """One step on the ranks against one process on the whole model and the whole (global)
     batch; 0 within tolerance (`judge` says how the two are compared)."""
-    from .loop import reporting_process
+    from .loop import launch_reported, reporting_process
 
     # Starting p processes that each import torch takes seconds to a minute on a small
     # machine: say what is happening (on stderr, so stdout keeps only the verdict).
     started = time.monotonic()
     if reporting_process():
         _progress(f"verify: starting {cfg.world_size} processes for one {cfg.schedule.name} step ...")
-    results = _launch(cfg)
+    results = launch_reported(cfg)
     if not reporting_process():
         return 0
     if results is None:

@@ -1,7 +1,7 @@
-"""The synchronous step strategy of `pipeblocks train`: one whole flushed step per call.
+"""The synchronous step strategy of the training loop (train/loop.py): one whole flushed step per call.
 
     >>> steps = SyncSteps(ctx, cfg, last_good)     # this rank's stages, optimizer, runner; resumed if asked
-    >>> done = steps.run(step)                     # the step's batch through the pipeline, then the optimizer step
+    >>> done = steps.run(step, progress)           # the step's batch through the pipeline, the optimizer step
 
 `SyncSteps` builds what `rank_setup.setup_rank` builds, an AdamW over the rank's parameters
 (one per chunk with data parallelism; through a `PostValidator` otherwise, which clips and
@@ -12,7 +12,9 @@ parallel and tied gradients, steps the optimizer uninterruptibly and returns a `
 """
 from __future__ import annotations
 
+import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,7 @@ from . import checkpoint as ckpt
 from . import sharded_checkpoint as sharded
 from .sharded_checkpoint import uses_sharded_checkpoints
 from .config import TrainConfig
+from .export_hf import save_rank_part
 from .observers import writes_progress
 from .post_validation import PostValidator
 from .prepare import run_program
@@ -30,6 +33,12 @@ from .rank_setup import setup_rank
 from .report import RankResult
 
 __all__ = ["StepDone", "SyncSteps", "chunk_optimizers", "set_lr"]
+
+KEEP_TIMELINES = 32
+"""Rank 0 returns the measured timelines of at most this many of the latest steps."""
+MEMORY_STEPS = 3
+"""Saved-activation bytes are counted on this many first steps and on the last (whose
+timeline the report draws); the hooks cost 10-30% of a small CPU step."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +76,84 @@ class SyncSteps:
         self.static_predicted = _predict_static(cfg, self.runner.program, setup.rank, setup.replica, shapes)
         self.static = 0
         """the most parameter, gradient and optimizer-state bytes held so far"""
+        self.link = _dp_link(cfg, setup)
+        # a DCP save is a collective: a failing rank cannot take part, so none is saved on the way out
+        last_good.track(setup.rank, None if uses_sharded_checkpoints(cfg) else setup.modules, optimizer,
+                        cfg.meta(setup.data.source), self.start)
+        self.losses, self.spans, self.skipped, self.dp_waits = [], [], [], []
+        self.peak = 0
+        self.timelines: deque = deque(maxlen=KEEP_TIMELINES)
+        ctx.control.step_done(self.start)
 
-    def run(self, step: int) -> StepDone:
+    def units(self) -> range:
+        return range(self.start, self.cfg.steps)
+
+    def run(self, step: int, progress) -> int:
+        """Take step `step`, report it to `progress`, keep what the report needs; the steps complete after it."""
+        cfg, setup = self.cfg, self.setup
+        self.runner.measure_memory = step < self.start + MEMORY_STEPS or step == cfg.steps - 1
+        done = self._take(step)
+        result, loss, check = done.result, done.loss, done.check
+        if check is not None and check.outcome == "skipped":
+            self.skipped.append(step)
+        if setup.data_parallel is not None:
+            self.dp_waits.append(setup.data_parallel.wait_s)
+        self.spans.append((step, done.t0, done.t1))
+        self.peak = max(self.peak, result.peak_saved_bytes or 0)
+        if result.timeline is not None:
+            self.timelines.append((step, result.timeline))
+        if loss is not None:
+            self.losses.append((step, loss))
+            progress.step(step, loss, done.t1 - done.t0, "" if check is None else _check_note(check, cfg.clip_grad),
+                          lr=cfg.lr_at(step), activation_bytes=result.peak_saved_bytes or None,
+                          static_bytes=self.static, device_max_bytes=_device_max_bytes(self.ctx.device))
+        return step + 1
+
+    def agree_stop(self, done: int) -> bool:
+        return self.ctx.control.step_done(done)  # True on every rank after the same step
+
+    def save(self, done: int) -> None:
+        """Save step `done` of this rank (through torch.distributed.checkpoint when sharded)."""
+        cfg, setup = self.cfg, self.setup
+        directory, meta = cfg.checkpoint.directory, cfg.meta(setup.data.source)
+        if uses_sharded_checkpoints(cfg):
+            sharded.save_sharded(directory, step=done, stages=setup.modules, optimizers=chunk_optimizers(self.optimizer),
+                                 meta=meta)
+        else:
+            ckpt.save_rank(directory, rank=setup.rank, step=done, stages=setup.modules, optimizer=self.optimizer,
+                           meta=meta)
+        self.last_good.saved = done
+
+    def result(self, ran) -> RankResult:
+        """This rank's RankResult, after writing its part of `--save-hf` when the run reached its last step."""
+        cfg, setup, spans = self.cfg, self.setup, self.spans
+        if cfg.save_hf is not None and spans and spans[-1][0] + 1 == cfg.steps:
+            with self.ctx.control.critical():
+                save_rank_part(cfg, setup)  # every rank: the gathers of sharded stages are collectives
+            self.ctx.control.beat()
+        sys.stdout.flush()
+        # the optimizer state exists from the second step on: the steady-state peak
+        predicted = self.static_predicted[1] if len(spans) > 1 else self.static_predicted[0]
+        return RankResult(setup.rank, tuple(setup.modules), tuple(self.losses), tuple(spans), self.peak,
+                          tuple(self.timelines), skipped_steps=tuple(self.skipped), dp_rank=setup.replica,
+                          static_bytes_measured=self.static, static_bytes_predicted=predicted,
+                          dp_wait_s=tuple(self.dp_waits), dp_link=self.link, eval_losses=ran.eval_losses,
+                          tp_rank=setup.tp_rank)
+
+    def verify(self) -> RankResult:
+        """--verify: the first step is taken; with clipping, the gradients it used (clipped) are compared."""
+        self.runner.measure_memory = True
+        step = self.start
+        done = self._take(step)
+        cfg, setup, built = self.cfg, self.setup, self.setup.stages
+        grads = done.grads if done.grads is not None else {**_full_grads(built), **_vocab_tables(cfg, setup)[0]}
+        return RankResult(setup.rank, tuple(setup.modules), ((step, done.loss),) if done.loss is not None else (),
+                          grads=grads, params={**_full_params(built), **_vocab_tables(cfg, setup)[1]},
+                          checks=() if done.check is None or cfg.clip_grad is None else ((step, done.check),),
+                          dp_rank=setup.replica, static_bytes_measured=self.static,
+                          static_bytes_predicted=self.static_predicted[0], tp_rank=setup.tp_rank)
+
+    def _take(self, step: int) -> StepDone:
         """Feed step `step`'s batch through the pipeline and step the optimizer."""
         cfg, setup, optimizer, runner = self.cfg, self.setup, self.optimizer, self.runner
         dp, built = setup.data_parallel, setup.stages
@@ -104,16 +189,6 @@ class SyncSteps:
         if cfg.schedule.schedule.chains > 1:  # DualPipe: each direction's last stage holds its share of the mean
             loss = _chains_total(result.loss, cfg, setup)
         return StepDone(result, loss, check, grads, t0, time.perf_counter())
-
-    def verify_result(self, step: int, done: StepDone) -> RankResult:
-        """--verify: the step is taken; with clipping, the gradients it used (clipped) are compared."""
-        cfg, setup, built = self.cfg, self.setup, self.setup.stages
-        grads = done.grads if done.grads is not None else {**_full_grads(built), **_vocab_tables(cfg, setup)[0]}
-        return RankResult(setup.rank, tuple(setup.modules), ((step, done.loss),) if done.loss is not None else (),
-                          grads=grads, params={**_full_params(built), **_vocab_tables(cfg, setup)[1]},
-                          checks=() if done.check is None or cfg.clip_grad is None else ((step, done.check),),
-                          dp_rank=setup.replica, static_bytes_measured=self.static,
-                          static_bytes_predicted=self.static_predicted[0], tp_rank=setup.tp_rank)
 
 
 VOCAB_ROWS = -1
@@ -275,6 +350,30 @@ def _resume_sharded(cfg: TrainConfig, stages, optimizer) -> int:
     if step is None:
         raise ValueError(f"--resume: no complete checkpoint in {directory!r}: drop --resume to start from step 0")
     return sharded.load_sharded(directory, step=step, stages=stages, optimizers=chunk_optimizers(optimizer))
+
+
+def _device_max_bytes(device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if torch.device(device).type == "cuda" else None
+
+
+def _dp_link(cfg: TrainConfig, setup) -> tuple[float, float] | None:
+    """The DP link the report's simulated column models: the emulated one, or one measured
+    on the dp group (with replicas, outside --verify)."""
+    if cfg.emulation is not None and cfg.emulation.link is not None:
+        return cfg.emulation.link
+    if setup.mesh is not None and cfg.dp > 1 and not cfg.verify:
+        from ..runtime.data_parallel import measure_link
+
+        return measure_link(setup.mesh.dp_group)
+    return None
+
+
+def _check_note(check, clip_grad: float | None) -> str:
+    if check.outcome == "skipped":
+        return "  skipped (non-finite gradient)"
+    if clip_grad is None:
+        return ""
+    return f"  norm {check.norm:.3g}" + (" clipped" if check.outcome == "clipped" else "")
 
 
 def _emulated_compute(cfg: TrainConfig, stages, device):

@@ -2,7 +2,8 @@
 
     run.py         the launch, the checks before it, the printed summary and `--verify`
                    against the replay
-    rank.py        the body of one rank: resume, run the Programs, save at drains
+    steps.py       the asynchronous step strategy of the training loop (train/loop.py):
+                   resume, one Program per unit of the loop
     plan.py        the run as Programs: warm-up steps, asynchronous segments cut at drains
     drain.py       draining a running Program early on a stop request
     checkpoint.py  saving and resuming a drained run (weights, optimizers, the mode's state)

@@ -56,10 +56,6 @@ class Drain:
         boundary = self.boundary
         return None if boundary is None else boundary - offset
 
-    def reset(self) -> None:
-        if self.shared is not None:
-            self.shared.value = NONE
-
 
 def shared_boundary():
     """The value a launcher shares with its ranks (created before they start)."""

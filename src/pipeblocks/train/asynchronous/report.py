@@ -48,7 +48,7 @@ from ...core.simulator.timeline import Event, Timeline
 from ..config import TrainConfig
 from ..report import between_passes, profiled_costs
 from .plan import segment_program
-from .rank import AsyncRankResult, SegmentRecord
+from .steps import AsyncRankResult, SegmentRecord
 
 __all__ = ["AsyncReport", "build_async_report", "format_async_report", "write_async_report"]
 

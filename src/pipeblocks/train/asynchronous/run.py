@@ -9,8 +9,9 @@ A run of `cfg.steps` optimizer steps of m microbatches each is the mode's W sync
 warm-up steps (one-step Programs: a flush after each), then the schedule's asynchronous
 form (`pipeblocks.schedules.asynchronous.ASYNC_FORMS`) over the remaining steps, cut where
 the run drains (at `--save-every` points, or early on a stop request: plan.py, drain.py).
-Each Program is run by one `PipelineRunner.step` per rank (rank.py), whose OPTIMIZER_STEP
-ops the rank's `AsyncCompute` takes. Step k trains on `TokenWindows.batch(k, m*b, seed)`,
+Each Program is one unit of the training loop (train/loop.py) with the asynchronous step
+strategy (steps.py): one `PipelineRunner.step` per rank, whose OPTIMIZER_STEP ops the
+rank's `AsyncCompute` takes. Step k trains on `TokenWindows.batch(k, m*b, seed)`,
 cut into m microbatches, as synchronous training does.
 
 Every rank measures the delay of every microbatch at its stages (the versions its
@@ -26,12 +27,14 @@ import sys
 from dataclasses import dataclass
 
 from ..config import TrainConfig
+from ..loop import launch_reported
+from ..loop import train_rank as async_rank  # one rank of the run: the one loop, asynchronous steps for --async
 from .plan import nominal_delays, run_segments, run_versions
-from .rank import AsyncRankResult, async_rank, microbatches
+from .steps import AsyncRankResult, microbatches
 
 __all__ = [
     "AsyncRankResult", "ReplayCheck", "async_rank", "check_against_replay",
-    "launch_async", "replay_run", "steady_step_s", "train_async", "verify_async",
+    "replay_run", "steady_step_s", "train_async", "verify_async",
 ]
 
 # `--verify` accepts what synchronous training's does (reference.TOLERANCE). The runtime and
@@ -41,24 +44,6 @@ __all__ = [
 # several steps: AdamW divides by the root of tiny second moments, so a rounding difference
 # in a gradient near zero moves its weight by up to 2 lr (2.4e-4 relative measured over 8
 # steps at p=4 with 1 thread against 2); float64 stays within 1e-12 there.
-
-
-def launch_async(cfg: TrainConfig) -> list[AsyncRankResult]:
-    """Run `cfg` on p local processes, sharing the drain boundary (drain.py) with them."""
-    from ...runtime.launch import spawn
-    from ..observers import claim_checkpoints
-    from .drain import shared_boundary
-
-    claim_checkpoints(cfg)
-    p = cfg.schedule.p
-    return spawn(async_rank, p, args=(cfg, shared_boundary()), timeout_s=cfg.timeout_s,
-                 threads_per_rank=cfg.threads_for(p), device=cfg.mesh.device)
-
-
-def _launch(cfg: TrainConfig) -> list[AsyncRankResult] | None:
-    from ..loop import checkpoint_note, launch_or_report
-
-    return launch_or_report(lambda: launch_async(cfg), note=lambda: checkpoint_note(cfg))
 
 
 def steady_step_s(results: list[AsyncRankResult], warmup_steps: int) -> float | None:
@@ -100,7 +85,7 @@ def train_async(cfg: TrainConfig, data, *, report: str | None = None, plot: str 
     from .report import build_async_report, format_async_report, write_async_report
 
     print(f"training {describe_async(cfg)} on {describe_loop(cfg, data)}", flush=True)
-    results = _launch(cfg)
+    results = launch_reported(cfg)
     if results is None:
         return 1
     built = build_async_report(cfg, results)
@@ -190,7 +175,7 @@ def check_against_replay(cfg: TrainConfig, data, results: list[AsyncRankResult])
 def verify_async(cfg: TrainConfig, data) -> int:
     """The run on the ranks against the one-process replay; 0 within the tolerance of `--verify`."""
     print(f"verify: {describe_async(cfg)}", file=sys.stderr, flush=True)
-    results = _launch(cfg)
+    results = launch_reported(cfg)
     if results is None:
         return 1
     check = check_against_replay(cfg, data, results)
