@@ -201,11 +201,6 @@ class EmulationSpec:
         if len(self.times_ms) != 3 or any(not math.isfinite(t) or t < 0 for t in self.times_ms):
             raise ValueError(f"emulated times {self.times_ms!r}: give three finite milliseconds F,B,W >= 0")
 
-    def stage_seconds(self, layers: tuple[int, ...]) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
-        """(F, B, W) seconds of one microbatch on each stage, for `layers` blocks per stage: the
-        one rule by which an emulated pass lasts its per-layer time times the stage's blocks."""
-        return tuple(tuple(ms * 1e-3 * n for n in layers) for ms in self.times_ms)  # type: ignore[return-value]
-
 
 @dataclass(frozen=True)
 class DataSpec:
