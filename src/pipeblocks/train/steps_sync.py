@@ -18,19 +18,26 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from ..core.cost.static_memory import predict_static_peak
 from ..data import TokenWindows
-from ..runtime.tensor_parallel import settle_partial_grads, tp_local_shape
+from ..runtime import PipelineRunner
+from ..runtime.data_parallel import held_bytes, measure_link
+from ..runtime.emulate import EmulatedCompute
+from ..runtime.tensor_parallel import full_tensor, settle_partial_grads, tp_local_shape
 from . import checkpoint as ckpt
 from . import sharded_checkpoint as sharded
-from .sharded_checkpoint import uses_sharded_checkpoints
 from .config import TrainConfig
 from .export_hf import save_rank_part
 from .observers import writes_progress
 from .post_validation import PostValidator
 from .prepare import run_program
-from .rank_setup import setup_rank
+from .rank_setup import emulated_costs, setup_rank
 from .report import RankResult
+from .sharded_checkpoint import uses_sharded_checkpoints
+from .vocab_setup import full_tables
 
 __all__ = ["StepDone", "SyncSteps", "chunk_optimizers", "set_lr"]
 
@@ -231,8 +238,6 @@ def _restore(cfg: TrainConfig, ctx, setup, optimizer) -> int:
 
 def _runner(cfg: TrainConfig, ctx, setup):
     """This rank's PipelineRunner over its stages (emulated compute under `cfg.emulation`)."""
-    from ..runtime import PipelineRunner
-
     compute = _emulated_compute(cfg, setup.modules, ctx.device) if cfg.emulation is not None else None
     vocab = {"vocab": setup.vocab} if setup.vocab is not None else {}
     return PipelineRunner(
@@ -258,8 +263,6 @@ def _chains_total(loss: float | None, cfg: TrainConfig, setup) -> float | None:
     """DualPipe's step loss: the sum of the two directions' shares (each the sum of its own
     microbatches' losses over m), on the rank that reports progress (None elsewhere); every
     pipeline rank takes part."""
-    import torch.distributed as dist
-
     total = torch.tensor([loss or 0.0, float(loss is not None)], dtype=torch.float64)
     dist.all_reduce(total, group=setup.pp_group)
     if not writes_progress(cfg, setup) or total[1].item() == 0:
@@ -271,7 +274,6 @@ def _replica_mean(loss: float, mesh) -> float:
     """The step's loss over all replicas (the mean of their means: equal microbatches)."""
     if mesh is None or mesh.dp == 1:
         return loss
-    import torch.distributed as dist
 
     total = torch.tensor([loss], dtype=torch.float64)
     dist.all_reduce(total, group=mesh.dp_group)
@@ -280,8 +282,6 @@ def _replica_mean(loss: float, mesh) -> float:
 
 def _full(tensor):
     """A DTensor (an FSDP2 or tensor-parallel shard) gathered whole; a plain tensor as is."""
-    from ..runtime.tensor_parallel import full_tensor
-
     return full_tensor(tensor)
 
 
@@ -295,7 +295,6 @@ def _vocab_tables(cfg: TrainConfig, setup) -> tuple[dict, dict]:
     (every pipeline rank takes part); ({}, {}) without it."""
     if setup.vocab is None:
         return {}, {}
-    from .vocab_setup import full_tables
 
     return full_tables(cfg.model.spec(), setup.vocab, setup.pp_group)
 
@@ -306,8 +305,6 @@ def _full_params(built) -> dict:
 
 def _static_now(built, optimizer) -> int:
     """Parameter, gradient and optimizer-state bytes this rank holds now (after the step)."""
-    from ..runtime.data_parallel import held_bytes
-
     tensors = [t for s in built for p in s.parameters() for t in (p, p.grad)]
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     return held_bytes(tensors)
@@ -315,8 +312,6 @@ def _static_now(built, optimizer) -> int:
 
 def _predict_static(cfg: TrainConfig, program, rank: int, replica: int, shapes) -> tuple[int, int]:
     """(first step, later steps) predicted peak static bytes of this rank."""
-    from ..core.cost.static_memory import predict_static_peak
-
     return tuple(
         predict_static_peak(program, rank, shapes, cfg.sharding, dp=cfg.dp, dp_rank=replica,
                             precision=cfg.precision, optimizer_state=held)
@@ -335,8 +330,6 @@ def _resume(cfg: TrainConfig, ctx, stages, optimizer, data_source: str) -> int:
 
 def chunk_optimizers(optimizer) -> list[torch.optim.Optimizer]:
     """The optimizers whose state is saved: one per chunk (ZeRO-1: its local partition's)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     found = getattr(optimizer, "by_stage", None)
     if found is None:
         return [optimizer]
@@ -362,8 +355,6 @@ def _dp_link(cfg: TrainConfig, setup) -> tuple[float, float] | None:
     if cfg.emulation is not None and cfg.emulation.link is not None:
         return cfg.emulation.link
     if setup.mesh is not None and cfg.dp > 1 and not cfg.verify:
-        from ..runtime.data_parallel import measure_link
-
         return measure_link(setup.mesh.dp_group)
     return None
 
@@ -377,8 +368,5 @@ def _check_note(check, clip_grad: float | None) -> str:
 
 
 def _emulated_compute(cfg: TrainConfig, stages, device):
-    from ..runtime.emulate import EmulatedCompute
-    from .rank_setup import emulated_costs
-
     return EmulatedCompute(emulated_costs(cfg), stages, cfg.num_stages, device,
                            vocab_parallel=cfg.schedule.vocab_parallel)

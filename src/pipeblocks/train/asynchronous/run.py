@@ -26,10 +26,19 @@ import statistics
 import sys
 from dataclasses import dataclass
 
+import torch
+
+from ...core.lowering.async_mode import AsyncMode
+from ...core.lowering.versions import WeightVersions
+from ...models.build import build_model, split_stages
 from ..config import TrainConfig
+from ..describe import describe_loop
 from ..loop import launch_reported
 from ..loop import train_rank as async_rank  # one rank of the run: the one loop, asynchronous steps for --async
+from ..reference import TOLERANCE, relative_difference, torch_threads
 from .plan import nominal_delays, run_segments, run_versions
+from .reference import replay
+from .report import build_async_report, format_async_report, write_async_report
 from .steps import AsyncRankResult, microbatches
 
 __all__ = [
@@ -81,9 +90,6 @@ def delay_lines(results: list[AsyncRankResult], w: int, n: int) -> list[str]:
 def train_async(cfg: TrainConfig, data, *, report: str | None = None, plot: str | None = None) -> int:
     """Train asynchronously; print loss per step (as the run goes), delays per stage and
     throughput; with `report`, the measured steady state beside the simulator's (report.py)."""
-    from ..describe import describe_loop
-    from .report import build_async_report, format_async_report, write_async_report
-
     print(f"training {describe_async(cfg)} on {describe_loop(cfg, data)}", flush=True)
     results = launch_reported(cfg)
     if results is None:
@@ -123,14 +129,6 @@ def replay_run(cfg: TrainConfig, data):
     """The one-process replay of `cfg`'s run from step 0, with its drains at the save
     points: (ReplayResult, the trained stage modules). Without an asynchronous mode, the
     same run as synchronous training (every delay 0: a flush after every step)."""
-    import torch
-
-    from ...core.lowering.async_mode import AsyncMode
-    from ...core.lowering.versions import WeightVersions
-    from ...models.build import build_model, split_stages
-    from ..reference import torch_threads
-    from .reference import replay
-
     schedule, mode = cfg.schedule.schedule, cfg.async_mode
     if mode is None:  # any schedule: with every delay 0 each mode is synchronous training
         mode, nominal = AsyncMode("naive"), None
@@ -154,8 +152,6 @@ def replay_run(cfg: TrainConfig, data):
 def check_against_replay(cfg: TrainConfig, data, results: list[AsyncRankResult]) -> ReplayCheck:
     """Replay `cfg`'s run (from step 0, with its drains at the save points) in this process
     and compare the ranks' `results` with it."""
-    from ..reference import TOLERANCE, relative_difference
-
     versions = run_versions(cfg.schedule.schedule, run_segments(cfg))
     expected, stages = replay_run(cfg, data)
     losses = next(r.losses for r in results if r.losses)
