@@ -12,7 +12,6 @@ parallel and tied gradients, steps the optimizer uninterruptibly and returns a `
 """
 from __future__ import annotations
 
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -138,7 +137,6 @@ class SyncSteps:
             with self.ctx.control.critical():
                 save_rank_part(cfg, setup)  # every rank: the gathers of sharded stages are collectives
             self.ctx.control.beat()
-        sys.stdout.flush()
         # the optimizer state exists from the second step on: the steady-state peak
         predicted = self.static_predicted[1] if len(spans) > 1 else self.static_predicted[0]
         return RankResult(setup.rank, tuple(setup.modules), tuple(self.losses), tuple(spans), self.peak,
