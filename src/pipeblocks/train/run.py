@@ -247,7 +247,7 @@ def execute(cfg: TrainConfig, data: TokenWindows, *, dry: bool = False, report: 
     training part ways (`--dry-run`, `--verify`, or training with its report). `hardware`:
     the dry run's pass times from this profile instead of profiled here."""
     if cfg.async_mode is not None:
-        from .asynchronous import run as asynchronous
+        from .asynchronous import run as asynchronous  # torch, as in train
 
         if cfg.verify:
             return asynchronous.verify_async(cfg, data)
@@ -262,7 +262,7 @@ def execute(cfg: TrainConfig, data: TokenWindows, *, dry: bool = False, report: 
 
 def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, plot: str | None = None) -> int:
     """Train, then print measured against simulated (and write --report / --plot)."""
-    from ..runtime.profile import profile_chunk_memory, profile_stage_memory
+    from ..runtime.profile import profile_chunk_memory, profile_stage_memory  # torch: only a run that trains
     from .loop import launch_reported, reporting_process
     from .rank_setup import dp_units
     from .report import RunRecord, format_report, machine_load, report_of, write_timeline_plot
@@ -302,7 +302,7 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
         else:
             print(f"skipped steps per rank {skipped} (non-finite gradient): the ranks disagree")
     if cfg.save_hf is not None:
-        from .export_hf import finish_save
+        from .export_hf import finish_save  # torch, as in train
 
         files = finish_save(cfg)
         print(f"saved    {cfg.save_hf} (Hugging Face: config.json, {len(files)} safetensors file(s)"
@@ -326,7 +326,7 @@ def _local_ranks(cfg: TrainConfig) -> int:
 def verify(cfg: TrainConfig, data: TokenWindows) -> int:
     """One step on the ranks against one process on the whole model and the whole (global)
     batch; 0 within tolerance (`judge` says how the two are compared)."""
-    from .loop import launch_reported, reporting_process
+    from .loop import launch_reported, reporting_process  # torch, as in train
 
     # Starting p processes that each import torch takes seconds to a minute on a small
     # machine: say what is happening (on stderr, so stdout keeps only the verdict).
@@ -428,7 +428,7 @@ def verify_tolerance(cfg: TrainConfig) -> float:
     the tp ranks: under bf16-mixed that rounds more often (TP_BF16_TOLERANCE), and a model whose
     norms compute in float32 whatever its dtype (`ModelSpec.float32_norms`: Gemma's) then
     agrees with one process in float64 to float32's rounding, not float64's."""
-    from .reference import TOLERANCE, TP_BF16_TOLERANCE
+    from .reference import TOLERANCE, TP_BF16_TOLERANCE  # torch, as in judge
 
     if cfg.tp > 1 and cfg.precision.mixed:
         return TP_BF16_TOLERANCE
