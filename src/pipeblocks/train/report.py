@@ -196,6 +196,11 @@ def passes_bubble(simulated: Timeline, between: float) -> float:
     return (span - max(busy)) / span
 
 
+def eval_loss_rows(results: Sequence) -> list[dict]:
+    """The report's `eval_losses` (either mode's): [{step (1-based), loss}] from the rank that evaluated."""
+    return [{"step": s + 1, "loss": loss} for s, loss in next((r.eval_losses for r in results if r.eval_losses), ())]
+
+
 def iteration_times(results: Sequence[RankResult]) -> list[tuple[int, float]]:
     """(step, first start to last end over the ranks), in step order."""
     spans: dict[int, tuple[float, float]] = {}
@@ -299,8 +304,7 @@ def report_of(run: RunRecord) -> RunReport:
         "between_passes_s": between_passes(timed),
         **({"recompute_step_cost_s_simulated": simulated.recompute_step_cost} if recomputed else {}),
         "losses": [{"step": s + 1, "loss": loss} for s, loss in losses],
-        "eval_losses": [{"step": s + 1, "loss": loss} for s, loss in next((r.eval_losses for r in by_rank
-                                                                              if r.eval_losses), ())],
+        "eval_losses": eval_loss_rows(by_rank),
         "stages": [
             {"stage": s, "f_s": costs.t_f[s], "b_s": costs.t_b[s], "w_s": costs.t_w[s],
              "activation_bytes": memory[s].m_b, "kept_for_w_bytes": memory[s].m_w}

@@ -46,7 +46,7 @@ from ...core.simulator.simulate import simulate, simulate_program
 from ...core.simulator.steady import SteadyState, steady_state
 from ...core.simulator.timeline import Event, Timeline
 from ..config import TrainConfig
-from ..report import between_passes, profiled_costs
+from ..report import between_passes, eval_loss_rows, profiled_costs
 from .plan import segment_program
 from .steps import AsyncRankResult, SegmentRecord
 
@@ -79,8 +79,7 @@ def build_async_report(cfg: TrainConfig, results: list[AsyncRankResult]) -> Asyn
         "saved": list(head.saved), "tokens_per_step": cfg.tokens_per_step, "emulated": cfg.emulation is not None,
         "losses": [{"step": head.first_step + i + 1, "loss": x, "synchronous": head.first_step + i < w}
                    for i, x in enumerate(losses)],
-        "eval_losses": [{"step": s + 1, "loss": x} for s, x in next((r.eval_losses for r in results if r.eval_losses),
-                                                                     ())],
+        "eval_losses": eval_loss_rows(results),
         "delays": delays,
         "async_s": max(r.async_s for r in results), "warmup_s": max(r.warmup_s for r in results),
         "steady_state": steady,
