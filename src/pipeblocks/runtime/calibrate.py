@@ -43,9 +43,8 @@ from ..models.build import build_model, split_stages
 from ..models.family import get_family
 from ..models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
 from ..sim.overhead import local_gaps
-from .backward import input_backward
 from .launch import spawn
-from .profile import profile_stage_memory, profile_stage_times
+from .profile import grads_kept, measure_passes, profile_stage_memory, profile_stage_times
 from .runner import PipelineRunner
 
 __all__ = [
@@ -143,31 +142,9 @@ def count_stage_passes(
     """Per stage, the FLOPs of (F, B, W) of one microbatch through all stages in this process,
     with the runtime's own forward and split backward (stage 0: B counts nothing, W the whole
     backward). Parameter `.grad` is left as it was."""
-    params = [p for stage in stages for p in stage.parameters()]
-    before = [None if p.grad is None else p.grad.clone() for p in params]
-    x, outputs, forward = inputs, [], []
-    for index, stage in enumerate(stages):
-        if index > 0:
-            x = x.detach().requires_grad_(x.is_floating_point())
-        with GemmCounter() as counter:
-            out = stage(x)
-            if index == len(stages) - 1:
-                out = loss_fn(out, target)
-        forward.append(counter.count)
-        outputs.append((x, out))
-        x = out
-    grad, counts = None, [None] * len(stages)
-    for index in reversed(range(len(stages))):
-        x, out = outputs[index]
-        with GemmCounter() as b_counter:
-            dx, work = input_backward(out, grad, x if index > 0 else None, list(stages[index].parameters()))
-        with GemmCounter() as w_counter:
-            work.run()
-        counts[index] = (forward[index], b_counter.count, w_counter.count)
-        grad = dx
-    for p, g in zip(params, before):
-        p.grad = g
-    return tuple(counts)
+    with grads_kept(stages):
+        meters = measure_passes(stages, inputs, loss_fn, target, GemmCounter)
+    return tuple(tuple(counter.count for counter in passes) for passes in meters)
 
 
 @dataclass(frozen=True)
