@@ -43,7 +43,7 @@ from ..models.build import build_model, split_stages
 from ..models.family import get_family
 from ..models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
 from ..sim.overhead import local_gaps
-from .launch import spawn
+from .launch import choose_device, default_device, spawn
 from .profile import grads_kept, measure_passes, profile_stage_memory, profile_stage_times
 from .runner import PipelineRunner
 
@@ -169,14 +169,9 @@ class ShapePoint:
 
 
 def resolve_device(requested: str) -> torch.device:
-    """cpu, cuda or auto (CUDA when there is one); cuda without CUDA is one ValueError."""
-    if requested not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"--device {requested!r}: choose auto, cpu or cuda")
-    has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
-    if requested == "cuda" and not has_cuda:
-        raise ValueError("--device cuda: CUDA is not available here (torch.cuda.is_available() is False): "
-                         "use --device cpu, or a machine with a GPU and a CUDA build of torch")
-    return torch.device("cuda", 0) if requested == "cuda" or (requested == "auto" and has_cuda) else torch.device("cpu")
+    """cpu, cuda or auto (CUDA when there is one), as `launch.choose_device` picks it for one
+    rank; cuda without CUDA is one ValueError."""
+    return default_device(0, choose_device(requested, 1))
 
 
 def device_clock(device: torch.device) -> Callable[[], float]:
