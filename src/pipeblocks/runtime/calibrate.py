@@ -139,9 +139,8 @@ class GemmCounter(TorchDispatchMode):
 def count_stage_passes(
     stages: Sequence[torch.nn.Module], inputs: torch.Tensor, loss_fn: Callable, target: torch.Tensor,
 ) -> tuple[tuple[PassCount, PassCount, PassCount], ...]:
-    """Per stage, the FLOPs of (F, B, W) of one microbatch through all stages in this process,
-    with the runtime's own forward and split backward (stage 0: B counts nothing, W the whole
-    backward). Parameter `.grad` is left as it was."""
+    """Per stage, the FLOPs of (F, B, W) of one microbatch through all stages in this process
+    (`profile.measure_passes`). Parameter `.grad` is left as it was."""
     with grads_kept(stages):
         meters = measure_passes(stages, inputs, loss_fn, target, GemmCounter)
     return tuple(tuple(counter.count for counter in passes) for passes in meters)

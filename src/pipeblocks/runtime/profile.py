@@ -32,11 +32,8 @@ def profile_stage_memory(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     target: torch.Tensor,
 ) -> tuple[StageMemory, ...]:
-    """Run one microbatch through all stages in this process and measure M_B and M_W per stage.
-
-    Uses the runtime's own forward and split backward, so the numbers are what the executor
-    holds. Gradients it computes are discarded (parameter `.grad` is left as it was).
-    """
+    """Run one microbatch through all stages in this process and measure M_B and M_W per stage,
+    as the executor holds them (module doc); parameter `.grad` is left as it was."""
     with grads_kept(stages) as params:
         tracker = SavedTensorTracker()
         tracker.exclude([*params, *(b for stage in stages for b in stage.buffers())])
