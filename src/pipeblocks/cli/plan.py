@@ -126,10 +126,8 @@ def register(sub) -> None:
 def problem_from_args(args: argparse.Namespace) -> PlanProblem:
     if args.hf:
         model = model_from_hf(args.hf, seq=args.seq)
-    elif args.model in MODELS or args.model.count(",") >= 3:
-        model = parse_model(args.model)
-    else:
-        model = _short_model(args.model)
+    else:  # LAYERS,HIDDEN,HEADS alone: a context of 1024 tokens
+        model = parse_model(args.model + (",1024" if args.model.count(",") == 2 else ""))
     model = dataclasses.replace(
         model, seq=args.seq or model.seq, microbatch_size=1, flash_attention=args.flash_attention,
         dropout=model.dropout if args.dropout is None else args.dropout,
@@ -163,13 +161,6 @@ def _intensity(setting: str, hardware) -> bool:
                  "arithmetic intensity already: the intensity model is off")
         return False
     return setting == "on"
-
-
-def _short_model(text: str):
-    parts = text.split(",")
-    if len(parts) == 3:
-        return parse_model(text + ",1024")
-    return parse_model(text)  # its error lists the forms
 
 
 def run(args: argparse.Namespace) -> int:

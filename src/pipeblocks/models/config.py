@@ -41,6 +41,13 @@ class FamilyConfig:
     def from_json(cls: type[_Config], data: dict) -> _Config:
         return cls(**data)
 
+    def _check_counts(self, names: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+        """Each field of `names`, and of `optional` unless it is None, an integer >= 1."""
+        for name in (*names, *(name for name in optional if getattr(self, name) is not None)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{type(self).__name__}.{name} must be an integer >= 1, got {value!r}")
+
 
 @dataclass(frozen=True)
 class GPTConfig(FamilyConfig):
@@ -62,10 +69,7 @@ class GPTConfig(FamilyConfig):
     """MLP inner width, as a multiple of hidden."""
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "seq", "vocab", "mlp_ratio"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be an integer >= 1, got {value!r}")
+        self._check_counts(("layers", "hidden", "heads", "seq", "vocab", "mlp_ratio"))
         if self.hidden % self.heads:
             raise ValueError(
                 f"hidden ({self.hidden}) must be a multiple of heads ({self.heads}): "

@@ -8,7 +8,7 @@
 
 The model is built from the same size options as the built-in Llama, untied, without
 dropout, with SDPA attention by default; its weights come from (seed, parameter name)
-(`parameter_init`). Its stages run as any Hugging Face decoder's (`models.hf`: the layout,
+(`init.normal_init`). Its stages run as any Hugging Face decoder's (`models.hf`: the layout,
 the adapter and the tensor-parallel plan). A model directory with its own weights is
 `models.hf.hf_spec(DIR)` (`pipeblocks train --hf DIR`).
 
@@ -18,9 +18,9 @@ stages without it raises one line saying how to install it.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
 from .hf.adapter import HF_LAYOUT, MISSING_TRANSFORMERS, HFDecoderAdapter, require_transformers
 from .hf.tp import hf_tp_plan
@@ -29,8 +29,7 @@ from .llama_config import LlamaConfig
 from .shapes import llama_shape
 from .spec import HFExport, ModelSpec
 
-__all__ = ["MISSING_TRANSFORMERS", "build_hf_llama", "hf_config", "hf_llama_spec", "llama_config_json", "llama_hf_name",
-           "parameter_init"]
+__all__ = ["MISSING_TRANSFORMERS", "build_hf_llama", "hf_config", "hf_llama_spec", "llama_config_json", "llama_hf_name"]
 
 
 def hf_config(cfg: LlamaConfig, *, attn_implementation: str = "sdpa") -> Any:
@@ -46,20 +45,15 @@ def hf_config(cfg: LlamaConfig, *, attn_implementation: str = "sdpa") -> Any:
 
 
 def build_hf_llama(cfg: LlamaConfig, *, seed: int | None = None, attn_implementation: str = "sdpa") -> nn.Module:
-    """HF's LlamaForCausalLM of cfg's shape, in cfg's dtype; with `seed`, its weights from `parameter_init`."""
+    """HF's LlamaForCausalLM of cfg's shape, in cfg's dtype; with `seed`, its weights from `normal_init`."""
     tf = require_transformers()
     model = tf.LlamaForCausalLM(hf_config(cfg, attn_implementation=attn_implementation)).to(cfg.torch_dtype)
     if seed is not None:
-        init = parameter_init(cfg, seed=seed)
+        init = normal_init(seed)
         for name, param in model.named_parameters():
             if not param.is_meta:
                 init(name, param)
     return model
-
-
-def parameter_init(cfg: LlamaConfig, *, seed: int) -> Callable[[str, Tensor], None]:
-    """`init(name, tensor)` from (seed, the HF name): norms one, every other weight N(0, 0.02) (HF's range)."""
-    return normal_init(seed)
 
 
 def hf_llama_spec(cfg: LlamaConfig, *, attn_implementation: str = "sdpa"):
@@ -67,7 +61,7 @@ def hf_llama_spec(cfg: LlamaConfig, *, attn_implementation: str = "sdpa"):
     require_transformers()
     return ModelSpec(name="hf-llama", title="Hugging Face Llama",
                      build=partial(build_hf_llama, cfg, attn_implementation=attn_implementation), layout=HF_LAYOUT,
-                     shape=llama_shape(cfg), init=lambda seed: parameter_init(cfg, seed=seed),
+                     shape=llama_shape(cfg), init=normal_init,
                      adapter=HFDecoderAdapter(attn_implementation), tp_plan=hf_tp_plan,
                      export=HFExport(config=partial(llama_config_json, cfg)))
 

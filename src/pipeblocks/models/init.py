@@ -29,15 +29,16 @@ def seeded_normal_(tensor: Tensor, *, seed: int, name: str, std: float) -> Tenso
         return tensor.copy_(values.to(tensor.dtype))
 
 
-def normal_init(seed: int, std: float = 0.02):
+def normal_init(seed: int, std: float = 0.02, *, residual: tuple[str, ...] = (), residual_std: float = 0.0):
     """`init(name, tensor)`: norms' weights one, every other parameter N(0, std²) from (seed, name),
-    as transformers draws a fresh model's weights."""
+    as transformers draws a fresh model's weights; those whose names end in one of `residual`
+    N(0, residual_std²) instead (GPT-2's scaled residual projections)."""
 
     def init(name: str, tensor: Tensor) -> None:
         with torch.no_grad():
             if name.endswith("norm.weight"):
                 tensor.fill_(1.0)
             else:
-                seeded_normal_(tensor, seed=seed, name=name, std=std)
+                seeded_normal_(tensor, seed=seed, name=name, std=residual_std if name.endswith(residual) else std)
 
     return init

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from .adapter import BlockAdapter, KVExtenderLike, SequenceChunkLike
 from .hf_llama import llama_config_json, llama_hf_name
-from .init import seeded_normal_
+from .init import normal_init
 from .layout import Layout
 from .llama_config import LlamaConfig
 from .shapes import llama_shape
@@ -168,16 +168,7 @@ class Llama(nn.Module):
 def parameter_init(cfg: LlamaConfig, *, seed: int) -> Callable[[str, Tensor], None]:
     """`init(name, tensor)`: fill one parameter from (seed, its full-model name)."""
     residual_std = 0.02 / math.sqrt(2 * cfg.layers)
-
-    def init(name: str, param: Tensor) -> None:
-        with torch.no_grad():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
-                seeded_normal_(param, seed=seed, name=name, std=std)
-
-    return init
+    return normal_init(seed, residual=("o_proj.weight", "down_proj.weight"), residual_std=residual_std)
 
 
 class _Context(NamedTuple):

@@ -41,11 +41,7 @@ class LlamaConfig(FamilyConfig):
     """RMSNorm epsilon."""
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "seq", "vocab"):
-            _positive_int(name, getattr(self, name))
-        for name in ("kv_heads", "intermediate"):
-            if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
+        self._check_counts(("layers", "hidden", "heads", "seq", "vocab"), optional=("kv_heads", "intermediate"))
         if self.hidden % self.heads:
             raise ValueError(
                 f"hidden ({self.hidden}) must be a multiple of heads ({self.heads}): "
@@ -78,8 +74,3 @@ class LlamaConfig(FamilyConfig):
         if self.intermediate is not None:
             return self.intermediate
         return 8 * math.ceil(8 * self.hidden / 3 / 8)
-
-
-def _positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"LlamaConfig.{name} must be an integer >= 1, got {value!r}")

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENTRY_POINT_GROUP", "HFExport", "ModelSpec", "cross_entropy", "load_spec", "model_logits", "portable_reference",
-    "register_model", "registered_models",
+    "register_model",
 ]
 
 ENTRY_POINT_GROUP = "pipeblocks.models"
@@ -167,11 +167,6 @@ def register_model(name: str, spec: ModelSpec | Callable[[], ModelSpec]) -> None
     if held is not None and held[1] != module and (file is None or held[2] != file):
         raise ValueError(f"register_model: {name!r} is registered already (by {held[1]}): choose another name")
     _REGISTRY[name] = (spec, module, file)
-
-
-def registered_models() -> dict[str, str]:
-    """{name: the module that registered it} for the specs registered in this process."""
-    return {name: module for name, (_, module, _) in _REGISTRY.items()}
 
 
 def load_spec(text: str) -> ModelSpec:

@@ -210,9 +210,13 @@ def input_backward(
 
 def _partition(children: dict[Node, list[Node]], root: Node, targets: Sequence[torch.Tensor],
                params: list) -> list[_Group]:
-    on_input_path = _reaches(children, [get_gradient_edge(t).node for t in targets])
+    parents: dict[Node, list[Node]] = {}
+    for node, kids in children.items():
+        for kid in kids:
+            parents.setdefault(kid, []).append(node)
+    on_input_path = _reaches(children, parents, [get_gradient_edge(t).node for t in targets])
     on_input_path.add(root)
-    return _param_groups(children, on_input_path, params)
+    return _param_groups(children, parents, on_input_path, params)
 
 
 @dataclass(frozen=True)
@@ -359,12 +363,8 @@ def _graph(root: Node) -> dict[Node, list[Node]]:
     return children
 
 
-def _reaches(children: dict[Node, list[Node]], targets: Sequence[Node]) -> set[Node]:
+def _reaches(children: dict[Node, list[Node]], parents: dict[Node, list[Node]], targets: Sequence[Node]) -> set[Node]:
     """Nodes with a path to any of targets (the targets included)."""
-    parents: dict[Node, list[Node]] = {}
-    for node, kids in children.items():
-        for kid in kids:
-            parents.setdefault(kid, []).append(node)
     found = {t for t in targets if t in children}
     stack = list(found)
     while stack:
@@ -376,12 +376,9 @@ def _reaches(children: dict[Node, list[Node]], targets: Sequence[Node]) -> set[N
     return found
 
 
-def _param_groups(children: dict[Node, list[Node]], on_input_path: set[Node], params: list) -> list[_Group]:
+def _param_groups(children: dict[Node, list[Node]], parents: dict[Node, list[Node]], on_input_path: set[Node],
+                  params: list) -> list[_Group]:
     """Group parameters by the input-path nodes their gradient paths leave from."""
-    parents: dict[Node, list[Node]] = {}
-    for node, kids in children.items():
-        for kid in kids:
-            parents.setdefault(kid, []).append(node)
     group_of: dict[Node, _Group] = {}
     groups: list[_Group] = []
     for param in params:

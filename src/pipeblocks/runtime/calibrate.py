@@ -43,9 +43,8 @@ from ..models.build import build_model, split_stages
 from ..models.family import get_family
 from ..models.toy import ToyConfig, cross_entropy, toy_batch, toy_stages
 from ..sim.overhead import local_gaps
-from .backward import input_backward
-from .launch import spawn
-from .profile import profile_stage_memory, profile_stage_times
+from .launch import choose_device, default_device, spawn
+from .profile import grads_kept, measure_passes, profile_stage_memory, profile_stage_times
 from .runner import PipelineRunner
 
 __all__ = [
@@ -140,34 +139,11 @@ class GemmCounter(TorchDispatchMode):
 def count_stage_passes(
     stages: Sequence[torch.nn.Module], inputs: torch.Tensor, loss_fn: Callable, target: torch.Tensor,
 ) -> tuple[tuple[PassCount, PassCount, PassCount], ...]:
-    """Per stage, the FLOPs of (F, B, W) of one microbatch through all stages in this process,
-    with the runtime's own forward and split backward (stage 0: B counts nothing, W the whole
-    backward). Parameter `.grad` is left as it was."""
-    params = [p for stage in stages for p in stage.parameters()]
-    before = [None if p.grad is None else p.grad.clone() for p in params]
-    x, outputs, forward = inputs, [], []
-    for index, stage in enumerate(stages):
-        if index > 0:
-            x = x.detach().requires_grad_(x.is_floating_point())
-        with GemmCounter() as counter:
-            out = stage(x)
-            if index == len(stages) - 1:
-                out = loss_fn(out, target)
-        forward.append(counter.count)
-        outputs.append((x, out))
-        x = out
-    grad, counts = None, [None] * len(stages)
-    for index in reversed(range(len(stages))):
-        x, out = outputs[index]
-        with GemmCounter() as b_counter:
-            dx, work = input_backward(out, grad, x if index > 0 else None, list(stages[index].parameters()))
-        with GemmCounter() as w_counter:
-            work.run()
-        counts[index] = (forward[index], b_counter.count, w_counter.count)
-        grad = dx
-    for p, g in zip(params, before):
-        p.grad = g
-    return tuple(counts)
+    """Per stage, the FLOPs of (F, B, W) of one microbatch through all stages in this process
+    (`profile.measure_passes`). Parameter `.grad` is left as it was."""
+    with grads_kept(stages):
+        meters = measure_passes(stages, inputs, loss_fn, target, GemmCounter)
+    return tuple(tuple(counter.count for counter in passes) for passes in meters)
 
 
 @dataclass(frozen=True)
@@ -192,14 +168,9 @@ class ShapePoint:
 
 
 def resolve_device(requested: str) -> torch.device:
-    """cpu, cuda or auto (CUDA when there is one); cuda without CUDA is one ValueError."""
-    if requested not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"--device {requested!r}: choose auto, cpu or cuda")
-    has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
-    if requested == "cuda" and not has_cuda:
-        raise ValueError("--device cuda: CUDA is not available here (torch.cuda.is_available() is False): "
-                         "use --device cpu, or a machine with a GPU and a CUDA build of torch")
-    return torch.device("cuda", 0) if requested == "cuda" or (requested == "auto" and has_cuda) else torch.device("cpu")
+    """cpu, cuda or auto (CUDA when there is one), as `launch.choose_device` picks it for one
+    rank; cuda without CUDA is one ValueError."""
+    return default_device(0, choose_device(requested, 1))
 
 
 def device_clock(device: torch.device) -> Callable[[], float]:

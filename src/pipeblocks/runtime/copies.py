@@ -33,7 +33,7 @@ class StageCopies:
     timeout: datetime.timedelta | None
 
     @staticmethod
-    def of(schedule: Schedule, rank: int, stages: Mapping[int, nn.Module], group, data_parallel,
+    def of(schedule: Schedule, stages: Mapping[int, nn.Module], group, data_parallel,
            timeout_s: float | None) -> StageCopies | None:
         """None for a schedule of one chain."""
         if schedule.chains == 1:

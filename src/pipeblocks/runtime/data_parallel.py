@@ -155,7 +155,7 @@ class DataParallel:
     @compute.setter
     def compute(self, compute) -> None:
         self._compute = compute
-        if self.link is not None and self.link.has_units and hasattr(compute, "pass_timer"):
+        if self.link is not None and self.link.units is not None and hasattr(compute, "pass_timer"):
             compute.pass_timer = self.link.run_pass
 
     # ---- the optimizer ---------------------------------------------------------------

@@ -84,10 +84,6 @@ class EmulatedLink:
         self._last_pass: tuple[int, str, dict[int, float]] | None = None  # stage, kind, end of each unit
         self._pass_waits = 0.0
 
-    @property
-    def has_units(self) -> bool:
-        return self.units is not None
-
     def issue(self, kind: str, stage: int, unit: int | None = None) -> float | None:
         """Issue `kind` (UNSHARD, RESHARD, REDUCE_GRAD) of `stage` (and `unit`) now; returns
         its deadline (None while it waits for its pass to issue it)."""

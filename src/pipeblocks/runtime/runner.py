@@ -207,7 +207,7 @@ class PipelineRunner:
         self.tracker = SavedTensorTracker(enabled=measure_memory)
         self.compute = compute if compute is not None else self._module_compute(loss_fn)
         # DualPipe: the copies of a model stage (one per chain) sum their gradients each step
-        self.copies = StageCopies.of(schedule, self.rank, self.stages, group, data_parallel, self.timeout_s)
+        self.copies = StageCopies.of(schedule, self.stages, group, data_parallel, self.timeout_s)
         self.mailbox = Mailbox(group, self.timeout_s, self.rank)
         if data_parallel is not None:
             self._attach_data_parallel(data_parallel, emulated=compute is not None)

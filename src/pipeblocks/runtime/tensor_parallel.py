@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["full_tensor", "local_numel", "planned_shapes", "settle_partial_grads", "tp_local_shape"]
+__all__ = ["full_tensor", "planned_shapes", "settle_partial_grads", "tp_local_shape"]
 
 
 def settle_partial_grads(params) -> None:
@@ -118,8 +118,3 @@ def planned_shapes(stage: nn.Module, plan: Any, tp: int) -> list[tuple[int, ...]
             shape[split[id(param)]] //= tp
         shapes.append(tuple(shape))
     return shapes
-
-
-def local_numel(tensor) -> int:
-    """Elements this rank holds of `tensor` (a DTensor's local shard)."""
-    return getattr(tensor, "_local_tensor", tensor).numel()
