@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
@@ -47,10 +45,8 @@ from .report import RankResult
 from .sharded_checkpoint import uses_sharded_checkpoints
 from .steps_sync import SyncSteps
 
-__all__ = ["Ran", "TrainConfig", "checkpoint_note", "launch", "launch_or_report", "launch_reported", "run_loop",
+__all__ = ["Ran", "TrainConfig", "checkpoint_note", "launch", "launch_reported", "run_loop",
            "train_rank", "uses_sharded_checkpoints"]
-
-T = TypeVar("T")
 
 
 def launch(cfg: TrainConfig) -> list[RankResult] | list[AsyncRankResult] | None:
@@ -60,7 +56,7 @@ def launch(cfg: TrainConfig) -> list[RankResult] | list[AsyncRankResult] | None:
     asynchronous run spawns its p ranks here and shares the drain boundary with them."""
     torchrun = under_torchrun()
     if not torchrun or reporting_process():
-        claim_checkpoints(cfg, lambda directory: sharded.claim_sharded(directory, overwrite=cfg.checkpoint.overwrite))
+        claim_checkpoints(cfg)
     world = cfg.world_size
     check_world_size(cfg.schedule.p, cfg.dp, world, cfg.tp)
     if cfg.async_mode is not None:
@@ -73,12 +69,6 @@ def launch(cfg: TrainConfig) -> list[RankResult] | list[AsyncRankResult] | None:
         train_rank, world, args=(cfg,), timeout_s=cfg.timeout_s, threads_per_rank=cfg.threads_for(world),
         schedule=None if cfg.data_parallel or cfg.tp > 1 else cfg.schedule.schedule, device=cfg.mesh.device,
     )
-
-
-def launch_reported(cfg: TrainConfig) -> list[RankResult] | list[AsyncRankResult] | None:
-    """`launch(cfg)`; a failed, stalled or stopped run is reported as `launch_or_report` does,
-    with what its checkpoint directory now resumes from."""
-    return launch_or_report(lambda: launch(cfg), note=lambda: checkpoint_note(cfg))
 
 
 def reporting_process() -> bool:
@@ -170,15 +160,15 @@ class _LastGood:
                       file=sys.stderr, flush=True)
 
 
-def launch_or_report(start: Callable[[], T], note: Callable[[], str] | None = None) -> T | None:
-    """`start()` (a launch of the ranks). A rank that failed or a run that made no progress is
-    reported on stderr, followed by `note()` (asked after the failure, so it can say what the
-    run left behind), and gives None; a run stopped by a signal exits with 128 + the signal,
-    the shell's convention for a signalled process."""
+def launch_reported(cfg: TrainConfig) -> list[RankResult] | list[AsyncRankResult] | None:
+    """`launch(cfg)`. A rank that failed or a run that made no progress is reported on stderr,
+    followed by what its checkpoint directory now resumes from (`checkpoint_note`), and gives
+    None; a run stopped by a signal exits with 128 + the signal, the shell's convention for a
+    signalled process."""
     try:
-        return start()
+        return launch(cfg)
     except (RankFailedError, TimeoutError, RunStoppedError) as err:
-        print(f"pipeblocks train: {err}" + (f"\npipeblocks train: {note()}" if note else ""), file=sys.stderr)
+        print(f"pipeblocks train: {err}\npipeblocks train: {checkpoint_note(cfg)}", file=sys.stderr)
         if isinstance(err, RunStoppedError):
             raise SystemExit(128 + err.signal) from None
         return None

@@ -21,10 +21,10 @@ from .config import TrainConfig
 from . import checkpoint as ckpt
 from .evaluate import held_out_loss
 from .metrics import MetricsWriter
+from .sharded_checkpoint import claim_sharded
 from .stage_copies import model_stages
 
-__all__ = ["Progress", "claim_checkpoints", "evaluation_due", "evaluate_if_due", "metrics_writer", "progress_line",
-           "save_when_due", "writes_progress"]
+__all__ = ["Progress", "claim_checkpoints", "evaluation_due", "evaluate_if_due", "save_when_due", "writes_progress"]
 
 
 def writes_progress(cfg: TrainConfig, setup) -> bool:
@@ -32,14 +32,6 @@ def writes_progress(cfg: TrainConfig, setup) -> bool:
     last stage, of replica 0 (and tensor-parallel rank 0)."""
     last = model_stages(cfg.schedule.schedule) - 1  # DualPipe: the first direction's last stage
     return last in setup.modules and setup.replica == 0 and getattr(setup, "tp_rank", 0) == 0
-
-
-def metrics_writer(cfg: TrainConfig, setup):
-    """The `--metrics` writer of this rank (None without --metrics, under --verify, or on a
-    rank that does not write)."""
-    if cfg.metrics is None or cfg.verify or not writes_progress(cfg, setup):
-        return None
-    return MetricsWriter(cfg.metrics, resume=cfg.checkpoint is not None and cfg.checkpoint.resume)
 
 
 def evaluation_due(cfg: TrainConfig, done: int, last: int) -> bool:
@@ -63,12 +55,6 @@ def evaluate_if_due(cfg: TrainConfig, ctx, setup, done: int, last: int) -> float
     return loss
 
 
-def progress_line(cfg: TrainConfig, step: int, shown: str, seconds: float, note: str = "") -> None:
-    """The line printed after step `step` (0-based): its loss as `shown`, throughput, wall time."""
-    print(f"step {step + 1:>5}/{cfg.steps}  loss {shown}  {cfg.tokens_per_step / seconds:>9,.0f} tokens/s  "
-          f"{seconds * 1e3:7.1f} ms{note}", flush=True)
-
-
 class Progress:
     """The progress lines and `--metrics` of the rank that writes them (`writes_progress`), one
     per optimizer step. The metrics line of a step the held-out loss is evaluated after waits
@@ -76,7 +62,9 @@ class Progress:
 
     def __init__(self, cfg: TrainConfig, setup) -> None:
         self.cfg, self.rank, self.on = cfg, setup.rank, writes_progress(cfg, setup)
-        self.metrics = metrics_writer(cfg, setup)
+        # --metrics: on the rank that writes, outside --verify
+        self.metrics = (MetricsWriter(cfg.metrics, resume=cfg.checkpoint is not None and cfg.checkpoint.resume)
+                        if cfg.metrics is not None and not cfg.verify and self.on else None)
         self.pending: dict | None = None
 
     def step(self, step: int, loss: float | None, seconds: float, note: str = "", **measured) -> None:
@@ -93,7 +81,8 @@ class Progress:
                 self._flush()
         if not (cfg.quiet or cfg.verify):
             shown = "emulated" if cfg.emulation is not None or loss is None else f"{loss:.4f}"
-            progress_line(cfg, step, shown, seconds, note)
+            print(f"step {step + 1:>5}/{cfg.steps}  loss {shown}  {cfg.tokens_per_step / seconds:>9,.0f} tokens/s  "
+                  f"{seconds * 1e3:7.1f} ms{note}", flush=True)
 
     def evaluated(self, done: int, loss: float | None) -> None:
         """The held-out loss after step `done` (None: none was evaluated) joins that step's metrics line."""
@@ -116,13 +105,14 @@ class Progress:
             self.metrics.close()
 
 
-def claim_checkpoints(cfg: TrainConfig, claim: Callable[[str], list] = lambda directory: []) -> None:
-    """Before a fresh run: take `--checkpoint DIR` (refused if it holds another run's files
-    unless --overwrite); `claim` removes the files of another format too."""
+def claim_checkpoints(cfg: TrainConfig) -> None:
+    """Before a fresh run: take `--checkpoint DIR` (refused if it holds another run's files, of
+    either format, unless --overwrite)."""
     ck = cfg.checkpoint
     if ck is None or ck.resume or cfg.verify:
         return
-    removed = ckpt.claim_directory(ck.directory, overwrite=ck.overwrite) + claim(ck.directory)
+    removed = (ckpt.claim_directory(ck.directory, overwrite=ck.overwrite)
+               + claim_sharded(ck.directory, overwrite=ck.overwrite))
     if removed:
         print(f"--overwrite: removed {len(removed)} checkpoint file(s) of an earlier run from {ck.directory!r}",
               file=sys.stderr, flush=True)

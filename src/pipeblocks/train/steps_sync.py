@@ -5,10 +5,13 @@
 
 `SyncSteps` builds what `rank_setup.setup_rank` builds, an AdamW over the rank's parameters
 (one per chunk with data parallelism; through a `PostValidator` otherwise, which clips and
-skips a non-finite step on every rank), and a `PipelineRunner`. `run(step)` feeds the batch
-`TokenWindows.batch(step, m*b, seed)` (this replica's share of it), settles the tensor-
-parallel and tied gradients, steps the optimizer uninterruptibly and returns a `StepDone`;
-`last_good` (loop.py) learns each completed step. The loop (loop.py) runs the observers.
+skips a non-finite step on every rank), and a `PipelineRunner`. `run(step, progress)` feeds
+the batch `TokenWindows.batch(step, m*b, seed)` (this replica's share of it), settles the
+tensor-parallel and tied gradients, steps the optimizer uninterruptibly (`last_good`,
+loop.py, learns each completed step) and reports the step to `progress`. It keeps what the
+report needs: the spans, the saved-activation peaks, and on rank 0 the measured Timeline of
+each of the latest steps (one gather per step), from which the launcher profiles pass
+times and the bubble (report.py).
 """
 from __future__ import annotations
 
@@ -227,8 +230,9 @@ def _restore(cfg: TrainConfig, ctx, setup, optimizer) -> int:
         return 0
     if uses_sharded_checkpoints(cfg):
         step = _resume_sharded(cfg, setup.modules, optimizer)
-    else:
-        step = _resume(cfg, ctx, setup.modules, optimizer, setup.data.source)
+    else:  # verify this rank's checkpoints, agree with the other ranks on a step, restore it
+        state = ckpt.load_agreed(ck.directory, rank=ctx.rank, world_size=ctx.world_size, meta=cfg.meta(setup.data.source))
+        step = ckpt.restore_rank(state, setup.modules, optimizer)
     if setup.tied is not None:  # the checkpoint holds a tied weight once, on the first stage
         setup.tied.copy_first_to_last()
     return step
@@ -236,7 +240,8 @@ def _restore(cfg: TrainConfig, ctx, setup, optimizer) -> int:
 
 def _runner(cfg: TrainConfig, ctx, setup):
     """This rank's PipelineRunner over its stages (emulated compute under `cfg.emulation`)."""
-    compute = _emulated_compute(cfg, setup.modules, ctx.device) if cfg.emulation is not None else None
+    compute = None if cfg.emulation is None else EmulatedCompute(
+        emulated_costs(cfg), setup.modules, cfg.num_stages, ctx.device, vocab_parallel=cfg.schedule.vocab_parallel)
     vocab = {"vocab": setup.vocab} if setup.vocab is not None else {}
     return PipelineRunner(
         cfg.schedule.schedule, setup.runner_stages, setup.loss_fn, rank=setup.rank, device=ctx.device,
@@ -272,19 +277,13 @@ def _replica_mean(loss: float, mesh) -> float:
     """The step's loss over all replicas (the mean of their means: equal microbatches)."""
     if mesh is None or mesh.dp == 1:
         return loss
-
     total = torch.tensor([loss], dtype=torch.float64)
     dist.all_reduce(total, group=mesh.dp_group)
     return float(total.item()) / mesh.dp
 
 
-def _full(tensor):
-    """A DTensor (an FSDP2 or tensor-parallel shard) gathered whole; a plain tensor as is."""
-    return full_tensor(tensor)
-
-
 def _full_grads(built) -> dict:
-    return {n: None if p.grad is None else _full(p.grad).detach().cpu().clone()
+    return {n: None if p.grad is None else full_tensor(p.grad).detach().cpu().clone()
             for s in built for n, p in s.named_parameters()}
 
 
@@ -293,12 +292,11 @@ def _vocab_tables(cfg: TrainConfig, setup) -> tuple[dict, dict]:
     (every pipeline rank takes part); ({}, {}) without it."""
     if setup.vocab is None:
         return {}, {}
-
     return full_tables(cfg.model.spec(), setup.vocab, setup.pp_group)
 
 
 def _full_params(built) -> dict:
-    return {n: _full(p).detach().cpu().clone() for s in built for n, p in s.named_parameters()}
+    return {n: full_tensor(p).detach().cpu().clone() for s in built for n, p in s.named_parameters()}
 
 
 def _static_now(built, optimizer) -> int:
@@ -315,15 +313,6 @@ def _predict_static(cfg: TrainConfig, program, rank: int, replica: int, shapes) 
                             precision=cfg.precision, optimizer_state=held)
         for held in (False, True)
     )
-
-
-def _resume(cfg: TrainConfig, ctx, stages, optimizer, data_source: str) -> int:
-    """Verify this rank's checkpoints, agree with the other ranks on a step, restore it."""
-    state = ckpt.load_agreed(cfg.checkpoint.directory, rank=ctx.rank, world_size=ctx.world_size,
-                             meta=cfg.meta(data_source))
-    return ckpt.restore_rank(state, stages, optimizer)
-
-
 
 
 def chunk_optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -363,8 +352,3 @@ def _check_note(check, clip_grad: float | None) -> str:
     if clip_grad is None:
         return ""
     return f"  norm {check.norm:.3g}" + (" clipped" if check.outcome == "clipped" else "")
-
-
-def _emulated_compute(cfg: TrainConfig, stages, device):
-    return EmulatedCompute(emulated_costs(cfg), stages, cfg.num_stages, device,
-                           vocab_parallel=cfg.schedule.vocab_parallel)
