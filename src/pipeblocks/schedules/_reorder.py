@@ -19,7 +19,7 @@ from ..core.ir.deps import phase_of, requirements
 from ..core.ir.placement import Placement
 from ._grid import KINDS, SlotGrid
 
-__all__ = ["compact", "compact_both", "cost_table", "float_weights_of", "orders_of", "peaks_of", "replay", "replay_spans"]
+__all__ = ["compact", "cost_table", "float_weights_of", "orders_of", "peaks_of", "replay", "replay_spans"]
 
 Orders = tuple[tuple[Action, ...], ...]
 
@@ -163,17 +163,6 @@ def compact(
     if float_weights:
         float_weights_of(grid, caps)
     return orders_of(grid, actions)
-
-
-def compact_both(
-    timed: Sequence[Sequence[tuple[int, int, Action]]], table: StageCosts, caps: Sequence[float]
-) -> tuple[Orders, Orders]:
-    """`compact` without and with `float_weights`, sharing the first round."""
-    grid, actions = SlotGrid.from_timed(timed, table)
-    grid.compact(caps)
-    plain = orders_of(grid, actions)
-    float_weights_of(grid, caps)
-    return plain, orders_of(grid, actions)
 
 
 def float_weights_of(grid: SlotGrid, caps: Sequence[float]) -> None:
