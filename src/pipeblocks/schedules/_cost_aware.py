@@ -17,10 +17,10 @@ from ..core.cost.costs import Costs
 from ..core.ir.errors import ScheduleError
 from ..core.ir.placement import Placement
 from ..core.ir.schedule import Schedule
-from ._reorder import peaks_of
+from ._reorder import cost_table, peaks_of
 from ._zb_search import refill_weights
 from ._zb_select import select
-from ._zb_timing import Unplaceable, check_limit, stage_costs
+from ._zb_timing import Unplaceable, check_limit
 
 __all__ = ["cost_aware_v", "uniform", "wants_cost_aware"]
 
@@ -67,7 +67,7 @@ def cost_aware_v(
     """The best V-placement schedule under `costs` within the memory limit (default: the
     pattern's own peak under the costs); see the module docstring."""
     placement = Placement.v_shape(p)
-    table = stage_costs(placement, m, costs)
+    table = cost_table(placement, costs)
     limit = max(peaks_of(pattern, table)) if memory_limit is None else memory_limit
     check_limit(name, limit, placement, table)
     options = (("cost_aware", True), ("memory_limit", limit), ("search", search), *options)

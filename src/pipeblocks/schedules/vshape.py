@@ -29,8 +29,7 @@ from ..core.ir.errors import ScheduleError
 from ..core.ir.placement import Placement
 from ..core.ir.schedule import Schedule
 from ._cost_aware import cost_aware_v, wants_cost_aware
-from ._reorder import peaks_of
-from ._zb_timing import stage_costs
+from ._reorder import cost_table, peaks_of
 from ._zbv_reference import reference_v_candidates
 from .blocks import Block, BlockPass, build, build_orders, fit_block
 from .registry import register
@@ -216,7 +215,7 @@ def v_zb(*, p: int, m: int, costs: Costs | None = None, cost_aware: bool | None 
     block = v_block(p, (4, 2, 4, 2))
     if wants_cost_aware("v-zb", cost_aware, costs):
         pattern = build_orders(block, m)[0]
-        table = stage_costs(Placement.v_shape(p), m, costs)
+        table = cost_table(Placement.v_shape(p), costs)
         limit = max(peaks_of(pattern, table))
         return cost_aware_v(
             "v-zb", p, m, pattern, costs, search=search, reference=reference_v_candidates(p, m, table, limit),

@@ -23,10 +23,10 @@ from ..core.ir.schedule import Schedule
 from ..core.cost.costs import Costs
 from ._build import B, F, W
 from ._cost_aware import wants_cost_aware
-from ._reorder import peaks_of
+from ._reorder import cost_table, peaks_of
 from ._zb_search import refill_weights
 from ._zb_select import select
-from ._zb_timing import Unplaceable, check_limit, memory_floor, stage_costs
+from ._zb_timing import Unplaceable, check_limit, memory_floor
 from ._zbv_reference import reference_v_candidates
 from .registry import register
 
@@ -106,7 +106,7 @@ def zb_v(
             )
         return Schedule("zb-v", p, m, Placement.v_shape(p), zbv_handcrafted(p, m))
     placement = Placement.v_shape(p)
-    table = stage_costs(placement, m, costs)
+    table = cost_table(placement, costs)
     handcrafted = zbv_handcrafted(p, m)
     if memory_limit is None:
         # 1F1B's peak; where stages hold unequal activations the handcrafted order can peak
