@@ -29,10 +29,6 @@ def cost_table(placement: Placement, costs: Costs | None) -> StageCosts:
     return (costs or Costs()).resolve(placement)
 
 
-def _duration(table: StageCosts, a: Action) -> float:
-    return table.duration(a.kind, a.stage)
-
-
 def _memory_table(table: StageCosts) -> dict[tuple[int, Kind], tuple[float, float]]:
     """(allocated, released) per (stage, kind)."""
     return {(s, k): table.memory(k, s) for s in range(table.placement.num_stages) for k in Kind}
@@ -74,7 +70,7 @@ def _templates(table: StageCosts):
                 for ph, st, _, _ in requirements(probe, placement.num_stages, 1)
             )
             done = tuple(3 * stage + _PHASES[ph] for ph, _, _, _ in phase_of(probe))
-            out[(stage, kind)] = (_duration(table, probe), needs, done)
+            out[(stage, kind)] = (table.duration(kind, stage), needs, done)
     return out
 
 

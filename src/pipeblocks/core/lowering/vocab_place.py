@@ -276,7 +276,7 @@ def add_vocab(program: Program, costs, *, simulate: Callable[[Program, Any], Any
             + (f"overlapped forward-backward pairs ({paired})" if paired is not None else "microbatches from both ends")
             + ", into which the vocabulary passes are not placed yet: pick zb-v, v-half, 1f1b or another schedule"
         )
-    plain = costs_without_vocab(costs)
+    plain = dataclasses.replace(costs, vocab=None)
     candidates = [program]
     shifted = one_more_in_flight(schedule)
     if relower is not None and shifted.ranks != schedule.ranks:
@@ -310,7 +310,3 @@ def _tagged(program: Program, barriers: int) -> Program:
     schedule = program.schedule
     options = tuple(o for o in schedule.options if o[0] != "vocab_barriers") + (("vocab_barriers", barriers),)
     return Program(dataclasses.replace(schedule, options=options), program.ranks)
-
-
-def costs_without_vocab(costs):
-    return dataclasses.replace(costs, vocab=None)
