@@ -32,7 +32,7 @@ from typing import Any
 
 from ..ir.actions import Action, Kind
 from ..ir.errors import DeadlockError, ScheduleError
-from ..ir.ops import Comm, Overlap
+from ..ir.ops import Comm, Overlap, spliced
 from ..ir.program import Program
 from ..ir.schedule import Schedule
 from ..ir.vocab import VOCAB_KINDS, VocabPass, check_vocab, roots
@@ -88,12 +88,7 @@ def place(program: Program, events, vocab, barriers: int = 1) -> Program:
         slots: dict[int, list[VocabPass]] = {}
         for key in order:
             slots.setdefault(at[key], []).append(VocabPass(*key))
-        out = []
-        for pos, op in enumerate(ops):
-            out.extend(slots.get(pos, ()))
-            out.append(op)
-        out.extend(slots.get(len(ops), ()))
-        ranks.append(tuple(out))
+        ranks.append(spliced(ops, slots))
     return Program(program.schedule, tuple(ranks))
 
 
