@@ -71,10 +71,6 @@ def cost_aware_v(
     limit = max(peaks_of(pattern, table)) if memory_limit is None else memory_limit
     check_limit(name, limit, placement, table)
     options = (("cost_aware", True), ("memory_limit", limit), ("search", search), *options)
-
-    def schedule_of(ranks: Ranks) -> Schedule:
-        return Schedule(name, p, m, placement, tuple(tuple(r) for r in ranks), options=options)
-
     seeds = [("pattern", pattern), *extra]
     candidates = list(seeds)
     for label, ranks in seeds:
@@ -84,6 +80,6 @@ def cost_aware_v(
             except Unplaceable:  # the F/B order needs more memory than the limit at some point
                 continue
     return select(
-        name, schedule_of, placement=placement, m=m, table=table, limit=limit, costs=costs, mode="best",
+        name, options, placement=placement, m=m, table=table, limit=limit, costs=costs, mode="best",
         search=search, reference=reference, extra=candidates, baseline="reference V greedy",
     )

@@ -39,12 +39,8 @@ def build_zb(
     table = cost_table(placement, costs)
     check_limit(name, memory_limit, placement, table)
     options = (("memory_limit", memory_limit), ("mode", mode), ("search", search))
-
-    def schedule_of(ranks) -> Schedule:
-        return Schedule(name, p, m, placement, ranks, options=options)
-
     return select(
-        name, schedule_of, placement=placement, m=m, table=table, limit=memory_limit, costs=costs, mode=mode,
+        name, options, placement=placement, m=m, table=table, limit=memory_limit, costs=costs, mode=mode,
         search=search, reference=reference_candidates(p, m, table, memory_limit),
         extra=_lagged_family(p, m, table, memory_limit),
     )

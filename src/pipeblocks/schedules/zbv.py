@@ -116,10 +116,6 @@ def zb_v(
         limit = memory_limit
     check_limit("zb-v", limit, placement, table)
     options = (("cost_aware", True), ("memory_limit", limit), ("mode", mode), ("search", search))
-
-    def schedule_of(ranks) -> Schedule:
-        return Schedule("zb-v", p, m, placement, ranks, options=options)
-
     extra = [("handcrafted", handcrafted)]
     if mode == "best":
         for partial in (False, True):
@@ -129,7 +125,7 @@ def zb_v(
                 continue
             extra.append((f"handcrafted, Ws refilled (partial={partial})", refilled))
     return select(
-        "zb-v", schedule_of, placement=placement, m=m, table=table, limit=limit, costs=costs, mode=mode,
+        "zb-v", options, placement=placement, m=m, table=table, limit=limit, costs=costs, mode=mode,
         search=search, reference=reference_v_candidates(p, m, table, limit), extra=extra,
         baseline="reference V greedy",
     )
