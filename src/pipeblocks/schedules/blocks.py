@@ -40,7 +40,7 @@ import numpy as np
 
 from ..core.ir.actions import Action, Kind
 from ..core.cost.costs import StageCosts
-from ..core.ir.deps import requirements
+from ..core.ir.deps import phase_of, requirements
 from ..core.ir.errors import ScheduleError
 from ..core.ir.placement import Placement
 from ..core.ir.schedule import Schedule
@@ -199,12 +199,8 @@ class Block:
         S = self.placement.num_stages
         finish: dict[tuple[str, int], int] = {}
         for bp in self.passes:
-            if bp.kind is Kind.F:
-                finish[("F", bp.stage)] = bp.end
-            elif bp.kind is Kind.B:
-                finish[("B", bp.stage)] = bp.end
-            else:
-                finish[("B" if bp.kind is Kind.BW else "W", bp.stage)] = bp.end
+            for phase, stage, _, _ in phase_of(bp.action(0)):
+                finish[(phase, stage)] = bp.end
         for bp in self.passes:
             for phase, stage, _, _ in requirements(bp.action(0), S, 1):
                 need = finish[(phase, stage)]
