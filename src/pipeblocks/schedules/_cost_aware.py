@@ -10,21 +10,18 @@ span, then the makespan. The pattern is a candidate, so the result is never wors
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-from ..core.ir.actions import Action
 from ..core.cost.costs import Costs
 from ..core.ir.errors import ScheduleError
 from ..core.ir.placement import Placement
 from ..core.ir.schedule import Schedule
 from ._reorder import cost_table, peaks_of
 from ._zb_search import refill_weights
-from ._zb_select import select
+from ._zb_select import Ranks, select
 from ._zb_timing import Unplaceable, check_limit
 
 __all__ = ["cost_aware_v", "uniform", "wants_cost_aware"]
-
-Ranks = Sequence[Sequence[Action]]
 
 
 def wants_cost_aware(name: str, cost_aware: bool | None, costs: Costs | None) -> bool:
