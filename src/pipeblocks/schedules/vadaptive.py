@@ -36,9 +36,9 @@ from ._zb_search import refill_weights
 from ._zb_timing import Unplaceable
 from .blocks import Block, build_orders
 from .registry import register
-from .vshape import _checked, two_part_block, v_block_variants
+from .vshape import _checked, v_block_variants
 
-__all__ = ["v_adaptive", "adaptive_candidates", "two_part_block"]
+__all__ = ["v_adaptive", "adaptive_candidates"]
 
 _EPS = 1e-9
 _TRIES = 6  # candidate blocks built per call, the richest in memory first
