@@ -159,7 +159,6 @@ def with_vocab_parallel(costs: Costs, config: TransformerConfig, hardware: Hardw
         times[name] = tuple(values)
     mem_b = _per_stage(costs, "mem_b", num_stages)
     tokens = config.seq * config.microbatch_size
-    hidden_bytes = tokens * config.hidden * config.dtype_bytes
     kept_last = max(0.0, mem_b[last] - head_activation_bytes(config))
     kept_first = max(0.0, mem_b[0] - 8 * tokens)  # the token ids go with the embedding
     ratio = costs.mem_w_ratio
@@ -176,7 +175,7 @@ def with_vocab_parallel(costs: Costs, config: TransformerConfig, hardware: Hardw
     if isinstance(recompute, tuple):  # a recomputed stage keeps its input: stage 0's is now a hidden state
         recompute = list(recompute)
         for stage, kept in ((0, kept_first), (last, kept_last)):
-            recompute[stage] = min(1.0, hidden_bytes / kept) if kept > 0 else 1.0
+            recompute[stage] = min(1.0, config.hidden_bytes / kept) if kept > 0 else 1.0
         recompute = tuple(recompute)
     mem_b[0], mem_b[last] = kept_first, kept_last
     table = config.hidden * config.vocab
