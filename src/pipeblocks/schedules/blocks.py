@@ -41,7 +41,7 @@ import numpy as np
 from ..core.ir.actions import Action, Kind
 from ..core.cost.costs import StageCosts
 from ..core.ir.deps import phase_of, requirements
-from ..core.ir.errors import ScheduleError
+from ..core.ir.errors import ScheduleError, check_counts
 from ..core.ir.placement import Placement
 from ..core.ir.schedule import Schedule
 from ._progress import Progress
@@ -243,8 +243,7 @@ class Block:
 
 def tile(block: Block, m: int) -> tuple[tuple[tuple[int, Action], ...], ...]:
     """Per rank, (slot, action) for m copies of the block, in slot order."""
-    if not isinstance(m, int) or m < 1:
-        raise ScheduleError(f"m must be an integer >= 1, got {m!r}")
+    check_counts(m=m)
     rows: list[list[tuple[int, Action]]] = [[] for _ in range(block.p)]
     for j in range(m):
         for bp in block.passes:
@@ -263,8 +262,7 @@ def build_orders(
     largest rank peak and the rank's lifespan bound, so reordering never raises the
     peak; an explicit `memory_cap` (one value, or one per rank) replaces it.
     """
-    if not isinstance(m, int) or m < 1:
-        raise ScheduleError(f"m must be an integer >= 1, got {m!r}")
+    check_counts(m=m)
     table = cost_table(block.placement, costs)
     grid = _tiled_grid(block, m, table)
     # the candidates are layouts of one grid (a start slot per pass), timed without orders
