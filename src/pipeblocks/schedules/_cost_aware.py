@@ -17,9 +17,9 @@ from ..core.ir.errors import ScheduleError
 from ..core.ir.placement import Placement
 from ..core.ir.schedule import Schedule
 from ._reorder import cost_table, peaks_of
-from ._zb_search import refill_weights
+from ._zb_search import refilled
 from ._zb_select import Ranks, select
-from ._zb_timing import Unplaceable, check_limit
+from ._zb_timing import check_limit
 
 __all__ = ["cost_aware_v", "uniform", "wants_cost_aware"]
 
@@ -71,11 +71,7 @@ def cost_aware_v(
     seeds = [("pattern", pattern), *extra]
     candidates = list(seeds)
     for label, ranks in seeds:
-        for partial in (False, True):
-            try:
-                candidates.append((f"{label}, Ws refilled", refill_weights(placement, ranks, table, limit, partial=partial)))
-            except Unplaceable:  # the F/B order needs more memory than the limit at some point
-                continue
+        candidates += [(f"{label}, Ws refilled", again) for _, again in refilled(placement, ranks, table, limit)]
     return select(
         name, options, placement=placement, m=m, table=table, limit=limit, costs=costs, mode="best",
         search=search, reference=reference, extra=candidates, baseline="reference V greedy",

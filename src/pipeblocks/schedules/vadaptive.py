@@ -32,8 +32,7 @@ from ..core.ir.schedule import Schedule
 from ._cost_aware import uniform
 from ._progress import Progress
 from ._reorder import cost_table, peaks_of, replay
-from ._zb_search import refill_weights
-from ._zb_timing import Unplaceable
+from ._zb_search import refilled
 from .blocks import Block, build_orders
 from .registry import register
 from .vshape import v_block_variants
@@ -141,12 +140,5 @@ def v_adaptive(*, p: int, m: int, memory_limit: float | None = None, costs: obje
 
 def _refilled(placement: Placement, built, table, limit: float) -> list:
     """Each built order with its Ws placed again under the costs, as (orders, times, peaks)."""
-    out = []
-    for orders, _, _ in built:
-        for partial in (False, True):
-            try:
-                again = refill_weights(placement, orders, table, limit, partial=partial)
-            except Unplaceable:
-                continue
-            out.append((again, replay(again, table), peaks_of(again, table)))
-    return out
+    return [(again, replay(again, table), peaks_of(again, table))
+            for orders, _, _ in built for _, again in refilled(placement, orders, table, limit)]

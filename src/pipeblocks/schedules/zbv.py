@@ -24,9 +24,9 @@ from ..core.cost.costs import Costs
 from ._build import B, F, W
 from ._cost_aware import wants_cost_aware
 from ._reorder import cost_table, peaks_of
-from ._zb_search import refill_weights
+from ._zb_search import refilled
 from ._zb_select import select
-from ._zb_timing import Unplaceable, check_limit, memory_floor
+from ._zb_timing import check_limit, memory_floor
 from ._zbv_reference import reference_v_candidates
 from .registry import register
 
@@ -117,13 +117,9 @@ def zb_v(
     check_limit("zb-v", limit, placement, table)
     options = (("cost_aware", True), ("memory_limit", limit), ("mode", mode), ("search", search))
     extra = [("handcrafted", handcrafted)]
-    if mode == "best":
-        for partial in (False, True):
-            try:
-                refilled = refill_weights(placement, handcrafted, table, limit, partial=partial)
-            except Unplaceable:  # the handcrafted F/B order does not fit a limit below p*M_B
-                continue
-            extra.append((f"handcrafted, Ws refilled (partial={partial})", refilled))
+    if mode == "best":  # a limit below p*M_B may leave the handcrafted F/B order no refill
+        extra += [(f"handcrafted, Ws refilled (partial={partial})", again)
+                  for partial, again in refilled(placement, handcrafted, table, limit)]
     return select(
         "zb-v", options, placement=placement, m=m, table=table, limit=limit, costs=costs, mode=mode,
         search=search, reference=reference_v_candidates(p, m, table, limit), extra=extra,
