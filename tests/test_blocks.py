@@ -168,8 +168,7 @@ def test_fast_compaction_equals_the_slot_grid_specification(costs):
     from _slow_compact import compact as slow_compact
 
     from pipeblocks.schedules._reorder import compact
-    from pipeblocks.schedules.vadaptive import two_part_block
-    from pipeblocks.schedules.vshape import v_block, v_fused_block
+    from pipeblocks.schedules.vshape import two_part_block, v_block, v_fused_block
 
     blocks = [v_block(4, (1, 1, 1, 1)), v_block(5, (2, 1, 2, 1)), v_block(4, (4, 2, 4, 2)), v_fused_block(4),
               two_part_block(6, 3, 1, 3), Block.parse(Placement.loop(2), "0F@0 1F@1 1B@2 1W@3 0B@3 0W@5", interval=4)]

@@ -27,20 +27,15 @@ from __future__ import annotations
 import dataclasses
 
 from ..core.cost.costs import Costs
-from ..core.cost.dp_model import DPCostModel, Link
-from ..core.cost.tp_model import TPCostModel
+from ..core.cost.dp_model import DPCostModel
 from ..core.ir.sharding import ShardingPolicy
 from ..sim.blocks import transformer_blocks
 from ..sim.analytic import Hardware, TransformerConfig, dp_link, stage0_backward_in_w, transformer_costs
 from ..sim.memory_estimate import activation_costs, precision_config
+from ..sim.tp_costs import tp_model
 from .intensity import head_efficiency, layer_efficiency
 
-__all__ = ["tp_cost_model", "replica_costs"]
-
-
-def tp_cost_model(hardware: Hardware, tp: int) -> TPCostModel:
-    """The tensor-parallel collectives of `tp` ranks on the hardware's intra-node link."""
-    return TPCostModel(tp=tp, link=Link(hardware.intra_bandwidth, hardware.intra_latency))
+__all__ = ["replica_costs"]
 
 
 def replica_costs(
@@ -72,8 +67,8 @@ def replica_costs(
     if tp == 1:
         return dataclasses.replace(base, data_parallel=data_parallel)
     activation = config.hidden_bytes
-    split = tp_cost_model(hardware, tp).split(base, layers=config.stage_layers(num_stages),
-                                              activation_bytes=activation)
+    split = tp_model(hardware, tp).split(base, layers=config.stage_layers(num_stages),
+                                         activation_bytes=activation)
     hop = hardware.latency + activation / tp / hardware.bandwidth  # each rank sends its token shard
     if seq_chunks == 1:  # stage 0's tensor-parallel collectives of the backward run in its W too
         split = stage0_backward_in_w(split)

@@ -5,20 +5,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..sim.plots import check_plot_suffix, rank_colours
+from ..sim.plots import plot_file, pyplot, rank_colours
 from .search import PlanResult
 
 __all__ = ["plot_plan"]
 
 
 def plot_plan(result: PlanResult, path: str | os.PathLike) -> Path:
-    path = check_plot_suffix(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    import matplotlib  # optional and heavy: only --plot needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    path = plot_file(path)
+    plt = pyplot()
     ranked = result.ranked
     labels = sorted({e.candidate.label for e in ranked})
     colours = dict(zip(labels, rank_colours(max(len(labels), 1))))

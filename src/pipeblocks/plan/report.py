@@ -101,10 +101,7 @@ def commands(result: PlanResult, chosen: Evaluated | None = None) -> list[str]:
     (`--model-family gpt`); a Llama-shaped preset names `--model-family llama` (and
     `--kv-heads`), whose MLP width and vocabulary are then train's own. Tensor-parallel
     groups stay inside a node. `chosen`: another evaluated plan than the best."""
-    return _commands(result, result.ranked[0] if chosen is None else chosen)
-
-
-def _commands(result: PlanResult, e: Evaluated) -> list[str]:
+    e = result.ranked[0] if chosen is None else chosen
     p, c = result.problem, e.candidate
     model = p.model
     seq = f" --seq-chunks {c.seq_chunks}" if c.seq_chunks > 1 else ""

@@ -35,7 +35,6 @@ for the GPT 72*s*h^2*L*(1 + s/(6h) + V/(12*h*L)), as Megatron-LM and the papers 
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import multiprocessing
 import os
@@ -52,7 +51,7 @@ from ..schedules import get
 from ..schedules.sequence import split_sequence
 from ..sim.analytic import sequence_flops
 from ..sim.memory_estimate import rank_static_peak
-from ..sim.sequence_split import chunk_shares, split_lengths
+from ..sim.sequence_split import with_chunk_shares
 from ..sim.vocab_memory import vocab_rank_static_peak
 from .costs import replica_costs
 from .space import SHARDING_ORDER, MeshShape, PlanProblem, meshes, microbatch_sizes
@@ -318,7 +317,7 @@ def _costs(problem: PlanProblem, shape: MeshShape, b: int, stages: int, k: int, 
         precision=problem.precision, intensity=problem.intensity, seq_chunks=k, w_keeps=problem.w_keeps,
         dp_unit=problem.dp_unit,
     )
-    return _with_chunks(costs, config, k)
+    return with_chunk_shares(costs, config, k)
 
 
 def evaluate(
@@ -439,14 +438,6 @@ def search_schedule(
             else:
                 too_big[entry.shape] = min(too_big.get(entry.shape, entry.microbatch_size), entry.microbatch_size)
     return evaluated, skipped, runs, pruned
-
-
-def _with_chunks(costs, config, k: int):
-    if k == 1:
-        return costs
-    lengths = split_lengths(config.seq, k, "balanced", config)
-    seq_time, seq_mem = chunk_shares(lengths, config)
-    return dataclasses.replace(costs, seq_time=seq_time, seq_mem=seq_mem)
 
 
 def seq_chunk_rounds(problem: PlanProblem) -> tuple[tuple[int, ...], tuple[int, ...], bool]:

@@ -38,7 +38,7 @@ from ..sim.hardware_profile import resolve_hardware
 from .recompute_auto import choose_recompute, minimal_recompute
 from .recompute_place import place_recompute
 from ..sim.vocab_costs import with_vocab_parallel
-from ..sim.sequence_split import chunk_shares, split_lengths
+from ..sim.sequence_split import with_chunk_shares
 from .split_auto import SplitChoice, balanced_counts, choose_split
 from ..core.cost.split import AUTO, check_split, layer_counts, rank_balanced
 
@@ -357,10 +357,7 @@ def resolve_costs(spec: CostSpec, num_stages: int, seq_chunks: int = 1, tp: int 
         if spec.mem_w_ratio is not None:
             costs = dataclasses.replace(costs, mem_w_ratio=spec.mem_w_ratio)
         costs = dataclasses.replace(costs, blocks=transformer_blocks(config, num_stages=num_stages))
-        if seq_chunks > 1:
-            lengths = split_lengths(config.seq, seq_chunks, spec.seq_split, config)
-            seq_time, seq_mem = chunk_shares(lengths, config)
-            costs = dataclasses.replace(costs, seq_time=seq_time, seq_mem=seq_mem)
+        costs = with_chunk_shares(costs, config, seq_chunks, spec.seq_split)
         if spec.vocab_parallel:
             if seq_chunks > 1:
                 raise ScheduleError(f"--vocab-parallel runs whole microbatches: drop --seq-chunks {seq_chunks}")

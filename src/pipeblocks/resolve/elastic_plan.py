@@ -35,13 +35,12 @@ from ..core.ir.schedule import Schedule
 from ..core.ir.sharding import ShardingPolicy
 from .program import simulate_run
 from ..schedules.elastic import elastic, group_candidates, rule_groups, rule_sequences
-from .auto_sharding import descend_policies, regathering
+from .auto_sharding import Policies, descend_policies, regathering
 from .recompute_auto import choose_recompute, memory_need
 
 __all__ = ["ElasticPlan", "choose_elastic_plan"]
 
 Groups = tuple[tuple[int, ...], tuple[int, ...]]
-Policies = tuple[ShardingPolicy, ...]
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,11 @@ from ..core.ir.program import Program
 from ..core.ir.schedule import Schedule
 from ..core.ir.sharding import ShardingPolicy
 from ..core.lowering.entry import lower_for
+from ..core.lowering.recompute import Pair
 from ..core.simulator.simulate import simulate_lowered, simulate_program
 from ..core.simulator.timeline import Timeline
 
 __all__ = ["Lowering", "simulate_run"]
-
-Pair = tuple[int, int]
 
 
 @dataclass(frozen=True)

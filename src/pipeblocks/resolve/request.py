@@ -78,8 +78,7 @@ class CostSpec:
     """the grain of data-parallel communication (`core.ir.dp_units`): "block" (one gather and
     one reduction per block, pipelined with the passes) or "chunk" (one per chunk)"""
     dp_prefetch: int | None = None
-    """at block grain, how many of a zero3 chunk's units are gathered ahead of its first
-    pass (None: all; k: the rest each while the pass computes the unit k before it)"""
+    """at block grain, the zero3 units gathered ahead of a chunk's first pass (`DPCostModel.prefetch`)"""
     hf: str | None = None
     """analytic transformer costs of a Hugging Face model: its directory or config.json, read
     by `core.cost.hf_config.read_hf_config` when the costs are built (`resolve.build.model_config`);

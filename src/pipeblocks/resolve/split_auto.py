@@ -70,10 +70,8 @@ def balanced_counts(layers: int, per_layer: float, fixed: Sequence[float]) -> tu
     (2, 3, 2, 1)
     """
     stages = len(fixed)
-    if layers < stages:
-        return layer_counts(layers, stages)  # its error names the numbers
-    if per_layer <= 0:
-        return layer_counts(layers, stages)
+    if layers < stages or per_layer <= 0:
+        return layer_counts(layers, stages)  # with too few layers, its error names the numbers
 
     def capacity(limit: float) -> list[int]:
         return [max(1, int((limit - fixed[s]) / per_layer + 1e-9)) for s in range(stages)]

@@ -10,21 +10,18 @@ span, then the makespan. The pattern is a candidate, so the result is never wors
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-from ..core.ir.actions import Action
 from ..core.cost.costs import Costs
 from ..core.ir.errors import ScheduleError
 from ..core.ir.placement import Placement
 from ..core.ir.schedule import Schedule
-from ._reorder import peaks_of
-from ._zb_search import refill_weights
-from ._zb_select import select
-from ._zb_timing import Unplaceable, check_limit, stage_costs
+from ._reorder import cost_table, peaks_of
+from ._zb_search import refilled
+from ._zb_select import Ranks, select
+from ._zb_timing import check_limit
 
 __all__ = ["cost_aware_v", "uniform", "wants_cost_aware"]
-
-Ranks = Sequence[Sequence[Action]]
 
 
 def wants_cost_aware(name: str, cost_aware: bool | None, costs: Costs | None) -> bool:
@@ -67,23 +64,15 @@ def cost_aware_v(
     """The best V-placement schedule under `costs` within the memory limit (default: the
     pattern's own peak under the costs); see the module docstring."""
     placement = Placement.v_shape(p)
-    table = stage_costs(placement, m, costs)
+    table = cost_table(placement, costs)
     limit = max(peaks_of(pattern, table)) if memory_limit is None else memory_limit
     check_limit(name, limit, placement, table)
     options = (("cost_aware", True), ("memory_limit", limit), ("search", search), *options)
-
-    def schedule_of(ranks: Ranks) -> Schedule:
-        return Schedule(name, p, m, placement, tuple(tuple(r) for r in ranks), options=options)
-
     seeds = [("pattern", pattern), *extra]
     candidates = list(seeds)
     for label, ranks in seeds:
-        for partial in (False, True):
-            try:
-                candidates.append((f"{label}, Ws refilled", refill_weights(placement, ranks, table, limit, partial=partial)))
-            except Unplaceable:  # the F/B order needs more memory than the limit at some point
-                continue
+        candidates += [(f"{label}, Ws refilled", again) for _, again in refilled(placement, ranks, table, limit)]
     return select(
-        name, schedule_of, placement=placement, m=m, table=table, limit=limit, costs=costs, mode="best",
+        name, options, placement=placement, m=m, table=table, limit=limit, costs=costs, mode="best",
         search=search, reference=reference, extra=candidates, baseline="reference V greedy",
     )

@@ -19,7 +19,7 @@ from ..core.ir.deps import phase_of, requirements
 from ..core.ir.placement import Placement
 from ._grid import KINDS, SlotGrid
 
-__all__ = ["compact", "compact_both", "cost_table", "float_weights_of", "orders_of", "peaks_of", "replay", "replay_spans"]
+__all__ = ["compact", "cost_table", "float_weights_of", "orders_of", "peaks_of", "replay", "replay_spans"]
 
 Orders = tuple[tuple[Action, ...], ...]
 
@@ -27,10 +27,6 @@ Orders = tuple[tuple[Action, ...], ...]
 def cost_table(placement: Placement, costs: Costs | None) -> StageCosts:
     """Per-stage costs for `placement`; unit costs for None."""
     return (costs or Costs()).resolve(placement)
-
-
-def _duration(table: StageCosts, a: Action) -> float:
-    return table.duration(a.kind, a.stage)
 
 
 def _memory_table(table: StageCosts) -> dict[tuple[int, Kind], tuple[float, float]]:
@@ -74,7 +70,7 @@ def _templates(table: StageCosts):
                 for ph, st, _, _ in requirements(probe, placement.num_stages, 1)
             )
             done = tuple(3 * stage + _PHASES[ph] for ph, _, _, _ in phase_of(probe))
-            out[(stage, kind)] = (_duration(table, probe), needs, done)
+            out[(stage, kind)] = (table.duration(kind, stage), needs, done)
     return out
 
 
@@ -163,17 +159,6 @@ def compact(
     if float_weights:
         float_weights_of(grid, caps)
     return orders_of(grid, actions)
-
-
-def compact_both(
-    timed: Sequence[Sequence[tuple[int, int, Action]]], table: StageCosts, caps: Sequence[float]
-) -> tuple[Orders, Orders]:
-    """`compact` without and with `float_weights`, sharing the first round."""
-    grid, actions = SlotGrid.from_timed(timed, table)
-    grid.compact(caps)
-    plain = orders_of(grid, actions)
-    float_weights_of(grid, caps)
-    return plain, orders_of(grid, actions)
 
 
 def float_weights_of(grid: SlotGrid, caps: Sequence[float]) -> None:

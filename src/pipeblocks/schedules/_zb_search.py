@@ -34,7 +34,7 @@ from ..core.cost.costs import Costs, StageCosts
 from ._reorder import peaks_of, replay_spans
 from ._zb_timing import Timer, Unplaceable
 
-__all__ = ["hill_climb", "list_schedule", "refill_weights"]
+__all__ = ["hill_climb", "list_schedule", "refill_weights", "refilled"]
 
 F_, B_, W_ = Kind.F, Kind.B, Kind.W
 _EPS = 1e-9
@@ -191,6 +191,19 @@ def refill_weights(
         raise Unplaceable("refill_weights: the F/B order deadlocks")
     timer.drain()
     return timer.ranks()
+
+
+def refilled(
+    placement: Placement, ranks: Sequence[Sequence[Action]], table: StageCosts, limit: float
+) -> list[tuple[bool, tuple[tuple[Action, ...], ...]]]:
+    """(partial, order) of `refill_weights` with partial False, then True, each that fits `limit`."""
+    out = []
+    for partial in (False, True):
+        try:
+            out.append((partial, refill_weights(placement, ranks, table, limit, partial=partial)))
+        except Unplaceable:  # the F/B order needs more memory than the limit at some point
+            continue
+    return out
 
 
 def _producer(a: Action, last: int) -> tuple[Kind, int, int]:

@@ -7,7 +7,7 @@ candidates (handcrafted orders), the memory-safe list scheduler preferring B or 
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from ..core.ir.actions import Action
 from ..core.cost.costs import Costs, StageCosts
@@ -27,7 +27,7 @@ Ranks = Sequence[Sequence[Action]]
 
 def select(
     name: str,
-    schedule_of: Callable[[Ranks], Schedule],
+    options: tuple[tuple[str, object], ...],
     *,
     placement: Placement,
     m: int,
@@ -43,6 +43,10 @@ def select(
     require(mode in MODES, f"{name}: mode must be one of {MODES}, got {mode!r}")
     require(isinstance(search, int) and search >= 0, f"{name}: search must be an integer >= 0, got {search!r}")
     progress = Progress(f"{name} p={placement.num_ranks} m={m}")
+
+    def schedule_of(ranks: Ranks) -> Schedule:
+        return Schedule(name, placement.num_ranks, m, placement, tuple(tuple(r) for r in ranks), options=options)
+
     candidates: list[Candidate] = [
         evaluate(f"reference {knobs}", schedule_of(ranks), costs) for knobs, ranks in reference
     ]

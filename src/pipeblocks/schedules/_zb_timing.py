@@ -28,16 +28,11 @@ from ..core.ir.errors import DeadlockError
 from ..core.lowering.validate import check_structure
 from ._reorder import peaks_of, replay_spans
 
-__all__ = ["Timer", "Unplaceable", "Candidate", "stage_costs", "evaluate", "pick_best", "memory_floor", "check_limit"]
+__all__ = ["Timer", "Unplaceable", "Candidate", "evaluate", "pick_best", "memory_floor", "check_limit"]
 
 
 class Unplaceable(Exception):
     """A greedy rule asked for a pass whose inputs are not placed, or that cannot fit memory."""
-
-
-def stage_costs(placement: Placement, m: int, costs: Costs | None) -> StageCosts:
-    """Per-global-stage durations and memory for this placement (V chunks take t/2)."""
-    return (costs or Costs()).resolve(placement)
 
 
 def memory_floor(placement: Placement, table: StageCosts) -> float:

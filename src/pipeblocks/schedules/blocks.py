@@ -40,8 +40,8 @@ import numpy as np
 
 from ..core.ir.actions import Action, Kind
 from ..core.cost.costs import StageCosts
-from ..core.ir.deps import requirements
-from ..core.ir.errors import ScheduleError
+from ..core.ir.deps import phase_of, requirements
+from ..core.ir.errors import ScheduleError, check_counts
 from ..core.ir.placement import Placement
 from ..core.ir.schedule import Schedule
 from ._progress import Progress
@@ -199,12 +199,8 @@ class Block:
         S = self.placement.num_stages
         finish: dict[tuple[str, int], int] = {}
         for bp in self.passes:
-            if bp.kind is Kind.F:
-                finish[("F", bp.stage)] = bp.end
-            elif bp.kind is Kind.B:
-                finish[("B", bp.stage)] = bp.end
-            else:
-                finish[("B" if bp.kind is Kind.BW else "W", bp.stage)] = bp.end
+            for phase, stage, _, _ in phase_of(bp.action(0)):
+                finish[(phase, stage)] = bp.end
         for bp in self.passes:
             for phase, stage, _, _ in requirements(bp.action(0), S, 1):
                 need = finish[(phase, stage)]
@@ -247,8 +243,7 @@ class Block:
 
 def tile(block: Block, m: int) -> tuple[tuple[tuple[int, Action], ...], ...]:
     """Per rank, (slot, action) for m copies of the block, in slot order."""
-    if not isinstance(m, int) or m < 1:
-        raise ScheduleError(f"m must be an integer >= 1, got {m!r}")
+    check_counts(m=m)
     rows: list[list[tuple[int, Action]]] = [[] for _ in range(block.p)]
     for j in range(m):
         for bp in block.passes:
@@ -267,8 +262,7 @@ def build_orders(
     largest rank peak and the rank's lifespan bound, so reordering never raises the
     peak; an explicit `memory_cap` (one value, or one per rank) replaces it.
     """
-    if not isinstance(m, int) or m < 1:
-        raise ScheduleError(f"m must be an integer >= 1, got {m!r}")
+    check_counts(m=m)
     table = cost_table(block.placement, costs)
     grid = _tiled_grid(block, m, table)
     # the candidates are layouts of one grid (a start slot per pass), timed without orders

@@ -110,8 +110,7 @@ def seq1f1b(*, p: int, m: int, seq_chunks: int = 2) -> Schedule:
         2: 2F0.0 2F0.1 2F1.0 2BW0.1 2F1.1 2BW0.0 2F2.0 2BW1.1 2F2.1 2BW1.0 2F3.0 2BW2.1 2F3.1 2BW2.0 2F4.0 2BW3.1 2F4.1 2BW3.0 2F5.0 2BW4.1 2F5.1 2BW4.0 2F6.0 2BW5.1 2F6.1 2BW5.0 2F7.0 2BW6.1 2F7.1 2BW6.0 2BW7.1 2BW7.0
         3: 3F0.0 3F0.1 3BW0.1 3F1.0 3BW0.0 3F1.1 3BW1.1 3F2.0 3BW1.0 3F2.1 3BW2.1 3F3.0 3BW2.0 3F3.1 3BW3.1 3F4.0 3BW3.0 3F4.1 3BW4.1 3F5.0 3BW4.0 3F5.1 3BW5.1 3F6.0 3BW5.0 3F6.1 3BW6.1 3F7.0 3BW6.0 3F7.1 3BW7.1 3BW7.0
     """
-    schedule = split_sequence("1f1b", p=p, m=m, seq_chunks=seq_chunks)
-    return _renamed(schedule, "seq1f1b")
+    return dataclasses.replace(split_sequence("1f1b", p=p, m=m, seq_chunks=seq_chunks), name="seq1f1b")
 
 
 @register("seq1f1b-i", "interleaved Seq1F1B: interleaved 1F1B over sequence chunks and v looped chunks")
@@ -129,9 +128,4 @@ def seq1f1b_interleaved(*, p: int, m: int, v: int = 2, seq_chunks: int = 2, grou
         3: 3F0.0 3F0.1 3F1.0 3F1.1 7F0.0 7F0.1 7BW0.1 7F1.0 7BW0.0 7F1.1 7BW1.1 3F2.0 3F2.1 3F3.0 3F3.1 7F2.0 7BW1.0 3BW0.1 3BW0.0 3BW1.1 7F2.1 7F3.0 7F3.1 3F4.0 3BW1.0 7BW2.1 7BW2.0 7BW3.1 3F4.1 3F5.0 3F5.1 7F4.0 7BW3.0 3BW2.1 3BW2.0 3BW3.1 7F4.1 7F5.0 7F5.1 3F6.0 3BW3.0 7BW4.1 7BW4.0 7BW5.1 3F6.1 3F7.0 3F7.1 7F6.0 7BW5.0 3BW4.1 3BW4.0 3BW5.1 3BW5.0 7F6.1 7BW6.1 7F7.0 7BW6.0 7F7.1 7BW7.1 7BW7.0 3BW6.1 3BW6.0 3BW7.1 3BW7.0
     """
     schedule = split_sequence("interleaved-1f1b", p=p, m=m, seq_chunks=seq_chunks, v=v, group_size=group_size)
-    return _renamed(schedule, "seq1f1b-i")
-
-
-def _renamed(schedule: Schedule, name: str) -> Schedule:
-    return Schedule(name, schedule.p, schedule.m, schedule.placement, schedule.ranks,
-                    seq_chunks=schedule.seq_chunks, options=schedule.options)
+    return dataclasses.replace(schedule, name="seq1f1b-i")

@@ -26,19 +26,18 @@ from __future__ import annotations
 
 import functools
 
-from ..core.ir.errors import ScheduleError
+from ..core.ir.errors import ScheduleError, check_counts
 from ..core.ir.placement import Placement
 from ..core.ir.schedule import Schedule
 from ._cost_aware import uniform
 from ._progress import Progress
 from ._reorder import cost_table, peaks_of, replay
-from ._zb_search import refill_weights
-from ._zb_timing import Unplaceable
+from ._zb_search import refilled
 from .blocks import Block, build_orders
 from .registry import register
-from .vshape import _checked, two_part_block, v_block_variants
+from .vshape import v_block_variants
 
-__all__ = ["v_adaptive", "adaptive_candidates", "two_part_block"]
+__all__ = ["v_adaptive", "adaptive_candidates"]
 
 _EPS = 1e-9
 _TRIES = 6  # candidate blocks built per call, the richest in memory first
@@ -96,7 +95,7 @@ def v_adaptive(*, p: int, m: int, memory_limit: float | None = None, costs: obje
         2: 2F0 2F1 2F2 5F0 5F1 5F2 5B0 5W0 2F3 5B1 2B0 5W1 2W0 5F3 2F4 5B2 2B1 5W2 2W1 5F4 2F5 5B3 2B2 5W3 2W2 5F5 2F6 5B4 2B3 5W4 2W3 5F6 2F7 5B5 2B4 5W5 2W4 5F7 5B6 2B5 5W6 2B6 5B7 2W5 2W6 2B7 5W7 2W7
         3: 3F0 4F0 3F1 4F1 3F2 4F2 4B0 4W0 3B0 3W0 3F3 4F3 4B1 4W1 3B1 3W1 3F4 4F4 4B2 4W2 3B2 3W2 3F5 4F5 4B3 4W3 3B3 3W3 3F6 4F6 4B4 4W4 3B4 3W4 3F7 4F7 4B5 3B5 4B6 3B6 4W5 3W5 4B7 3B7 4W6 3W6 4W7 3W7
     """
-    _checked(p, m)
+    check_counts(p=p, m=m)
     placement = Placement.v_shape(p)
     limit = float(p if memory_limit is None else memory_limit)
     if not limit > 0:
@@ -141,12 +140,5 @@ def v_adaptive(*, p: int, m: int, memory_limit: float | None = None, costs: obje
 
 def _refilled(placement: Placement, built, table, limit: float) -> list:
     """Each built order with its Ws placed again under the costs, as (orders, times, peaks)."""
-    out = []
-    for orders, _, _ in built:
-        for partial in (False, True):
-            try:
-                again = refill_weights(placement, orders, table, limit, partial=partial)
-            except Unplaceable:
-                continue
-            out.append((again, replay(again, table), peaks_of(again, table)))
-    return out
+    return [(again, replay(again, table), peaks_of(again, table))
+            for orders, _, _ in built for _, again in refilled(placement, orders, table, limit)]

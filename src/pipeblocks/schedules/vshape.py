@@ -25,12 +25,11 @@ from __future__ import annotations
 
 from ..core.ir.actions import Action, Kind
 from ..core.cost.costs import Costs
-from ..core.ir.errors import ScheduleError
+from ..core.ir.errors import ScheduleError, check_counts
 from ..core.ir.placement import Placement
 from ..core.ir.schedule import Schedule
 from ._cost_aware import cost_aware_v, wants_cost_aware
-from ._reorder import peaks_of
-from ._zb_timing import stage_costs
+from ._reorder import cost_table, peaks_of
 from ._zbv_reference import reference_v_candidates
 from .blocks import Block, BlockPass, build, build_orders, fit_block
 from .registry import register
@@ -129,12 +128,6 @@ def v_fused_block(p: int) -> Block:
     return fit_block(placement, (), chain, interval=T)
 
 
-def _checked(p: int, m: int) -> None:
-    for name, value in (("p", p), ("m", m)):
-        if not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"{name} must be an integer >= 1, got {value!r}")
-
-
 @register("v-min", "V shape, shifts 1/1: about 1/3 of 1F1B's activation memory", v=2)
 def v_min(*, p: int, m: int, costs: Costs | None = None, cost_aware: bool | None = None, search: int = 100) -> Schedule:
     """V-Min: the V block with every shift 1, so each rank holds about 2p/3 chunk
@@ -150,7 +143,7 @@ def v_min(*, p: int, m: int, costs: Costs | None = None, cost_aware: bool | None
         2: 2F0 5F0 2F1 5B0 5F1 5W0 2B0 2F2 2W0 5B1 5F2 5W1 2B1 2F3 2W1 5B2 5F3 5W2 2B2 2F4 2W2 5B3 5F4 5W3 2B3 2F5 2W3 5B4 5F5 5W4 2B4 2F6 2W4 5B5 5F6 5W5 2B5 2F7 2W5 5B6 5F7 5W6 2B6 2W6 5B7 5W7 2B7 2W7
         3: 3F0 4F0 3F1 4F1 4B0 3B0 4W0 3W0 3F2 4F2 4B1 3B1 4W1 3W1 3F3 4F3 4B2 3B2 4W2 3W2 3F4 4F4 4B3 3B3 4W3 3W3 3F5 4F5 4B4 3B4 4W4 3W4 3F6 4F6 4B5 3B5 4W5 3W5 3F7 4F7 4B6 3B6 4W6 3W6 4B7 3B7 4W7 3W7
     """
-    _checked(p, m)
+    check_counts(p=p, m=m)
     if wants_cost_aware("v-min", cost_aware, costs):
         return cost_aware_v(
             "v-min", p, m, _v_min_orders(p, m, None), costs, search=search,
@@ -188,7 +181,7 @@ def v_half(*, p: int, m: int, costs: Costs | None = None, cost_aware: bool | Non
         2: 2F0 2F1 2F2 5F0 5F1 5F2 5B0 5W0 2F3 5B1 2B0 5W1 2W0 5F3 2F4 5B2 2B1 5W2 2W1 5F4 2F5 5B3 2B2 5W3 2W2 5F5 2F6 5B4 2B3 5W4 2W3 5F6 2F7 5B5 2B4 5W5 2W4 5F7 5B6 2B5 5W6 2B6 5B7 2W5 2W6 2B7 5W7 2W7
         3: 3F0 4F0 3F1 4F1 3F2 4F2 4B0 4W0 3B0 3W0 3F3 4F3 4B1 4W1 3B1 3W1 3F4 4F4 4B2 4W2 3B2 3W2 3F5 4F5 4B3 4W3 3B3 3W3 3F6 4F6 4B4 4W4 3B4 3W4 3F7 4F7 4B5 3B5 4B6 3B6 4W5 3W5 4B7 3B7 4W6 3W6 4W7 3W7
     """
-    _checked(p, m)
+    check_counts(p=p, m=m)
     block = v_block(p, (2, 1, 2, 1))
     if wants_cost_aware("v-half", cost_aware, costs):
         return cost_aware_v(
@@ -212,11 +205,11 @@ def v_zb(*, p: int, m: int, costs: Costs | None = None, cost_aware: bool | None 
         2: 2F0 2F1 2F2 5F0 2F3 5F1 2F4 5F2 5B0 5W0 5F3 5B1 2B0 5W1 2W0 2F5 5F4 5B2 2B1 5W2 2W1 2F6 5F5 5B3 2B2 5W3 2W2 2F7 5F6 5B4 2B3 5W4 2W3 5F7 5B5 2B4 5B6 2B5 5B7 2B6 5W5 2B7 2W4 5W6 2W5 5W7 2W6 2W7
         3: 3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 4B0 3B0 4W0 3W0 3F4 4F4 4B1 3B1 4W1 3W1 3F5 4F5 4B2 3B2 4W2 3W2 3F6 4F6 4B3 3B3 4W3 3W3 3F7 4F7 4B4 3B4 4B5 3B5 4B6 3B6 4B7 3B7 4W4 3W4 4W5 3W5 4W6 3W6 4W7 3W7
     """
-    _checked(p, m)
+    check_counts(p=p, m=m)
     block = v_block(p, (4, 2, 4, 2))
     if wants_cost_aware("v-zb", cost_aware, costs):
         pattern = build_orders(block, m)[0]
-        table = stage_costs(Placement.v_shape(p), m, costs)
+        table = cost_table(Placement.v_shape(p), costs)
         limit = max(peaks_of(pattern, table))
         return cost_aware_v(
             "v-zb", p, m, pattern, costs, search=search, reference=reference_v_candidates(p, m, table, limit),
@@ -241,5 +234,5 @@ def one_f_one_b_v(*, p: int, m: int, costs: object | None = None) -> Schedule:
         2: 2F0 2F1 2F2 5F0 5F1 5F2 5BW0 2F3 5BW1 2F4 2BW0 5F3 5BW2 2BW1 5F4 5BW3 2F5 2BW2 5F5 5BW4 2F6 2BW3 5F6 5BW5 2F7 2BW4 5F7 5BW6 2BW5 5BW7 2BW6 2BW7
         3: 3F0 4F0 3F1 4F1 3F2 4F2 4BW0 3BW0 3F3 4F3 4BW1 3BW1 3F4 4F4 4BW2 3BW2 3F5 4F5 4BW3 3BW3 3F6 4F6 4BW4 3BW4 3F7 4F7 4BW5 3BW5 4BW6 3BW6 4BW7 3BW7
     """
-    _checked(p, m)
+    check_counts(p=p, m=m)
     return build(v_fused_block(p), m, name="1f1b-v", costs=costs)

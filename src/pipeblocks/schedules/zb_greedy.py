@@ -23,7 +23,8 @@ from ..core.ir.schedule import Schedule
 from ..core.cost.costs import Costs
 from ._zb_reference import reference_candidates
 from ._zb_select import select
-from ._zb_timing import check_limit, stage_costs
+from ._reorder import cost_table
+from ._zb_timing import check_limit
 from .registry import register
 from .zero_bubble import lagged_w_program
 
@@ -35,15 +36,11 @@ def build_zb(
     name: str, p: int, m: int, memory_limit: float, costs: Costs | None, mode: str, search: int
 ) -> Schedule:
     placement = Placement.loop(p)
-    table = stage_costs(placement, m, costs)
+    table = cost_table(placement, costs)
     check_limit(name, memory_limit, placement, table)
     options = (("memory_limit", memory_limit), ("mode", mode), ("search", search))
-
-    def schedule_of(ranks) -> Schedule:
-        return Schedule(name, p, m, placement, ranks, options=options)
-
     return select(
-        name, schedule_of, placement=placement, m=m, table=table, limit=memory_limit, costs=costs, mode=mode,
+        name, options, placement=placement, m=m, table=table, limit=memory_limit, costs=costs, mode=mode,
         search=search, reference=reference_candidates(p, m, table, memory_limit),
         extra=_lagged_family(p, m, table, memory_limit),
     )
@@ -70,7 +67,7 @@ def _lagged_family(p: int, m: int, table, limit: float):
 
 
 def _default_limit(p: int, costs: Costs | None, factor: int) -> float:
-    table = stage_costs(Placement.loop(p), 1, costs)
+    table = cost_table(Placement.loop(p), costs)
     return factor * p * max(table.mem_b)
 
 

@@ -23,10 +23,10 @@ from ..core.ir.schedule import Schedule
 from ..core.cost.costs import Costs
 from ._build import B, F, W
 from ._cost_aware import wants_cost_aware
-from ._reorder import peaks_of
-from ._zb_search import refill_weights
+from ._reorder import cost_table, peaks_of
+from ._zb_search import refilled
 from ._zb_select import select
-from ._zb_timing import Unplaceable, check_limit, memory_floor, stage_costs
+from ._zb_timing import check_limit, memory_floor
 from ._zbv_reference import reference_v_candidates
 from .registry import register
 
@@ -106,7 +106,7 @@ def zb_v(
             )
         return Schedule("zb-v", p, m, Placement.v_shape(p), zbv_handcrafted(p, m))
     placement = Placement.v_shape(p)
-    table = stage_costs(placement, m, costs)
+    table = cost_table(placement, costs)
     handcrafted = zbv_handcrafted(p, m)
     if memory_limit is None:
         # 1F1B's peak; where stages hold unequal activations the handcrafted order can peak
@@ -116,20 +116,12 @@ def zb_v(
         limit = memory_limit
     check_limit("zb-v", limit, placement, table)
     options = (("cost_aware", True), ("memory_limit", limit), ("mode", mode), ("search", search))
-
-    def schedule_of(ranks) -> Schedule:
-        return Schedule("zb-v", p, m, placement, ranks, options=options)
-
     extra = [("handcrafted", handcrafted)]
-    if mode == "best":
-        for partial in (False, True):
-            try:
-                refilled = refill_weights(placement, handcrafted, table, limit, partial=partial)
-            except Unplaceable:  # the handcrafted F/B order does not fit a limit below p*M_B
-                continue
-            extra.append((f"handcrafted, Ws refilled (partial={partial})", refilled))
+    if mode == "best":  # a limit below p*M_B may leave the handcrafted F/B order no refill
+        extra += [(f"handcrafted, Ws refilled (partial={partial})", again)
+                  for partial, again in refilled(placement, handcrafted, table, limit)]
     return select(
-        "zb-v", schedule_of, placement=placement, m=m, table=table, limit=limit, costs=costs, mode=mode,
+        "zb-v", options, placement=placement, m=m, table=table, limit=limit, costs=costs, mode=mode,
         search=search, reference=reference_v_candidates(p, m, table, limit), extra=extra,
         baseline="reference V greedy",
     )

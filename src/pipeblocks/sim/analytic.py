@@ -604,7 +604,6 @@ def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stag
     Stage 0's B is 0 and its W the whole backward, as the runtime runs it (its input, token
     ids, needs no gradient); `stage0_input_grad=True` splits it like any other stage (with
     sequence chunks, whose earlier K/V need their gradient in B)."""
-    s, b, h = config.seq, config.microbatch_size, config.hidden
     peak = hardware.flops
     layer_i, head_i = layer_intensity(config), head_intensity(config)
     layer = layer_flops(config)  # F, B, W
@@ -628,9 +627,9 @@ def transformer_costs(config: TransformerConfig, hardware: Hardware, *, num_stag
 
     t_f, t_b, t_w = (tuple(time(kind, i) for i in range(num_stages)) for kind in range(3))
     mem_b = stage_activation_bytes(config, num_stages)
-    t_comm = hardware.latency + s * b * h * config.dtype_bytes / hardware.bandwidth
+    t_comm = hardware.latency + config.hidden_bytes / hardware.bandwidth
     # a recomputed stage keeps only its input, one hidden state per token
-    kept = tuple(min(1.0, s * b * h * config.dtype_bytes / m) if m > 0 else 1.0 for m in mem_b)
+    kept = tuple(min(1.0, config.hidden_bytes / m) if m > 0 else 1.0 for m in mem_b)
     costs = Costs(
         recompute_input_ratio=kept,
         t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, mem_b=mem_b, mem_w_ratio=transformer_w_ratio(config),

@@ -177,7 +177,7 @@ def activation_costs(config: TransformerConfig, num_stages: int, seq_chunks: int
     mem_b = stage_activation_bytes(config, S) if tp == 1 else tp_stage_activation_bytes(config, S, tp)
     # a recomputed forward keeps its input: the token ids on the first stage, a hidden state elsewhere
     tokens = config.seq * config.microbatch_size
-    inputs = [8 * tokens] + [tokens * config.hidden * config.dtype_bytes / tp] * (S - 1)
+    inputs = [8 * tokens] + [config.hidden_bytes / tp] * (S - 1)
     recompute = tuple(min(1.0, x / m) for x, m in zip(inputs, mem_b))
     seq_mem = None
     k = seq_chunks

@@ -25,7 +25,7 @@ from ..core.ir.vocab import VocabPass
 
 __all__ = [
     "plot_timeline", "plot_pareto", "ParetoPoint", "KIND_COLOURS", "DP_COLOURS", "check_plot_suffix", "rank_colours",
-    "timeline_figure",
+    "timeline_figure", "plot_file", "pyplot",
 ]
 
 # Paper-like palette: forward blue, input-grad teal/green, weight-grad orange, fused purple.
@@ -40,7 +40,8 @@ TIME_UNITS = ("units", "s")
 MEMORY_UNITS = ("units", "bytes")
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend."""
     import matplotlib  # optional: only plots need it
 
     matplotlib.use("Agg")
@@ -57,7 +58,8 @@ def check_plot_suffix(path: str | os.PathLike) -> Path:
     return path
 
 
-def _check_path(path: str | os.PathLike) -> Path:
+def plot_file(path: str | os.PathLike) -> Path:
+    """`check_plot_suffix`'s Path, its folder made."""
     path = check_plot_suffix(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
@@ -66,10 +68,10 @@ def _check_path(path: str | os.PathLike) -> Path:
 def plot_timeline(timeline: Timeline, path: str | os.PathLike, **options) -> Path:
     """Draw the timeline (and, with `memory`, activation memory over time) to `path`; the
     options are `timeline_figure`'s."""
-    path = _check_path(path)
+    path = plot_file(path)
     fig = timeline_figure(timeline, **options)
     fig.savefig(path, dpi=130)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -91,7 +93,7 @@ def timeline_figure(
     microbatch's activation of one full stage) or "bytes".
     """
     _check_units(time_unit, memory_unit)
-    plt = _pyplot()
+    plt = pyplot()
     panels = [(compare, compare_label)] if compare is not None else []
     panels.append((timeline, title or _default_title(timeline, memory_unit)))
     rows = len(panels) + (1 if memory else 0)
@@ -257,8 +259,8 @@ def plot_pareto(
     peak = max((q.peak_activation for q in points), default=0.0)
     scale, label = _memory_axis(peak, memory_unit)
     points = [ParetoPoint(q.label, q.peak_activation / scale, q.bubble_ratio, q.series) for q in points]
-    plt = _pyplot()
-    path = _check_path(path)
+    plt = pyplot()
+    path = plot_file(path)
     fig, ax = plt.subplots(figsize=(7.5, 5))
     series: dict[str, list[ParetoPoint]] = {}
     spots: dict[tuple[float, float], list[str]] = {}  # schedules that land on one spot share a label

@@ -26,8 +26,10 @@ it, plus one whole-sequence K/V per microbatch it holds a chunk of (`memory_rati
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
+from ..core.cost.costs import Costs
 from ..core.ir.actions import Kind
 from ..core.ir.errors import ScheduleError
 from ..core.ir.schedule import Schedule
@@ -35,7 +37,7 @@ from .analytic import TransformerConfig, layer_activation_bytes
 
 __all__ = [
     "even_split", "balanced_split", "split_lengths", "chunk_flops", "chunk_shares", "kv_buffers_held", "memory_ratio",
-    "SPLITS",
+    "SPLITS", "with_chunk_shares",
 ]
 
 SPLITS = ("balanced", "even")
@@ -126,6 +128,14 @@ def chunk_shares(lengths: tuple[int, ...], config: TransformerConfig) -> tuple[t
     memory = [layer_activation_bytes(config, n, e, kv=False) + (kv if c == 0 else 0.0)
               for c, (n, e) in enumerate(zip(lengths, bounds[1:]))]
     return tuple(x / sum(flops) for x in flops), tuple(x / whole for x in memory)
+
+
+def with_chunk_shares(costs: Costs, config: TransformerConfig, k: int, how: str = "balanced") -> Costs:
+    """`costs` with the `chunk_shares` of k chunks cut `how` (`split_lengths`); k <= 1: as they are."""
+    if k <= 1:
+        return costs
+    seq_time, seq_mem = chunk_shares(split_lengths(config.seq, k, how, config), config)
+    return dataclasses.replace(costs, seq_time=seq_time, seq_mem=seq_mem)
 
 
 def kv_buffers_held(schedule: Schedule, rank: int) -> int:

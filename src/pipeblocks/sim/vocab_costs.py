@@ -46,6 +46,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..core.cost.costs import BlockCosts, Costs
+from ..core.cost.dp_model import Link, all_reduce_time
 from ..core.ir.errors import ScheduleError
 from ..core.cost.vocab_partition import VocabPartition, partition_vocab
 from ..core.ir.vocab import VocabCosts
@@ -60,12 +61,6 @@ __all__ = ["vocab_costs", "head_seconds", "head_activation_bytes", "with_vocab_p
 def shard_rows(vocab: int, ranks: int) -> int:
     """Rows each rank holds, padding included: ceil(V/p) (`core.cost.vocab_partition`)."""
     return VocabPartition(vocab, ranks).shard_size
-
-
-def _all_reduce(nbytes: float, ranks: int, hardware: Hardware) -> float:
-    if ranks == 1:
-        return 0.0
-    return 2 * (ranks - 1) / ranks * nbytes / hardware.bandwidth + 2 * (ranks - 1) * hardware.latency
 
 
 def _broadcast(nbytes: float, ranks: int, hardware: Hardware) -> float:
@@ -111,6 +106,7 @@ def vocab_costs(config: TransformerConfig, hardware: Hardware, *, ranks: int,
     product = head_flops(shard)  # 2*n*h*V_r
     intensity = head_intensity(shard)
     bandwidth = hardware.memory_bandwidth
+    link = Link(hardware.bandwidth, hardware.latency)  # the collectives run on the pipeline's link
 
     def gemm(kind: int) -> float:
         return product / (hardware.flops * hardware.fraction(kind, intensity) * gemm_efficiency)
@@ -126,9 +122,9 @@ def vocab_costs(config: TransformerConfig, hardware: Hardware, *, ranks: int,
         t_if=streamed(2 * hidden_bytes),
         t_ib=streamed(3 * hidden_bytes),
         t_bcast=_broadcast(hidden_bytes, ranks, hardware),
-        t_c0=_all_reduce(3 * ranks * n * f, ranks, hardware) + _all_reduce(n * h * f, ranks, hardware),
+        t_c0=all_reduce_time(3 * ranks * n * f, ranks, link) + all_reduce_time(n * h * f, ranks, link),
         t_c1=0.0,
-        t_if_reduce=_all_reduce(hidden_bytes, ranks, hardware),
+        t_if_reduce=all_reduce_time(hidden_bytes, ranks, link),
         t_ib_bcast=_broadcast(hidden_bytes, ranks, hardware),
         mem_st=float(hidden_bytes + n * rows * f + n * h * f + n * (2 * f + 8)),
         params=float(rows * h * (1 if config.tied else 2)),
@@ -163,7 +159,6 @@ def with_vocab_parallel(costs: Costs, config: TransformerConfig, hardware: Hardw
         times[name] = tuple(values)
     mem_b = _per_stage(costs, "mem_b", num_stages)
     tokens = config.seq * config.microbatch_size
-    hidden_bytes = tokens * config.hidden * config.dtype_bytes
     kept_last = max(0.0, mem_b[last] - head_activation_bytes(config))
     kept_first = max(0.0, mem_b[0] - 8 * tokens)  # the token ids go with the embedding
     ratio = costs.mem_w_ratio
@@ -180,7 +175,7 @@ def with_vocab_parallel(costs: Costs, config: TransformerConfig, hardware: Hardw
     if isinstance(recompute, tuple):  # a recomputed stage keeps its input: stage 0's is now a hidden state
         recompute = list(recompute)
         for stage, kept in ((0, kept_first), (last, kept_last)):
-            recompute[stage] = min(1.0, hidden_bytes / kept) if kept > 0 else 1.0
+            recompute[stage] = min(1.0, config.hidden_bytes / kept) if kept > 0 else 1.0
         recompute = tuple(recompute)
     mem_b[0], mem_b[last] = kept_first, kept_last
     table = config.hidden * config.vocab

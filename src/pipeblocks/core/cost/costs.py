@@ -193,8 +193,7 @@ class Costs:
                 f"block costs are given for {len(blocks.params)} stages but the placement has {S}: build them for "
                 "the schedule's stage count"
             )
-        units = units_for(self.data_parallel.unit, blocks.counts if blocks is not None else (1,) * S,
-                          prefetch=self.data_parallel.prefetch)
+        units = self.dp_units(S)
         return StageCosts(
             placement=placement,
             f=per_stage("t_f", frac), b=per_stage("t_b", frac), w=per_stage("t_w", frac),

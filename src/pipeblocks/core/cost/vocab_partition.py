@@ -60,9 +60,6 @@ class VocabPartition:
                 f"each rank holds {self.shard_size} rows and the last shard(s) end in {self.padding} zero "
                 f"row(s) (masked out of the softmax, never updated)")
 
-    def __repr__(self) -> str:
-        return f"VocabPartition(vocab_size={self.vocab_size}, ranks={self.ranks})"
-
 
 def partition_vocab(vocab_size: int, ranks: int) -> VocabPartition:
     """The vocabulary split of V rows over p ranks; refuses a split that leaves a rank no real row."""

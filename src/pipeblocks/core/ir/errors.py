@@ -5,7 +5,7 @@ the action in text form and what to change, so a CLI can print it as it is.
 """
 from __future__ import annotations
 
-__all__ = ["ScheduleError", "DeadlockError"]
+__all__ = ["ScheduleError", "DeadlockError", "check_counts"]
 
 
 class ScheduleError(ValueError):
@@ -14,3 +14,10 @@ class ScheduleError(ValueError):
 
 class DeadlockError(ScheduleError):
     """A lowered program would block forever: every unfinished rank waits on another."""
+
+
+def check_counts(**values: int) -> None:
+    """ScheduleError naming the first of `values` (name=count) that is not an integer >= 1."""
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{name} must be an integer >= 1, got {value!r}")

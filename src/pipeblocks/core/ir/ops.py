@@ -23,7 +23,7 @@ from .errors import ScheduleError
 from .schedule import Schedule
 from .vocab import VOCAB_RE, VocabPass
 
-__all__ = ["Comm", "DPOp", "DP_KINDS", "OptimizerStep", "Op", "Overlap", "Recompute", "expanded", "Stream", "OpType", "OP_TYPES", "ACTION", "P2P", "DP", "STEP", "RECOMPUTE", "VOCAB", "OVERLAP", "UnknownOpError", "op_type", "format_op", "parse_op", "require_known"]
+__all__ = ["Comm", "DPOp", "DP_KINDS", "OptimizerStep", "Op", "Overlap", "Recompute", "expanded", "spliced", "Stream", "OpType", "OP_TYPES", "ACTION", "P2P", "DP", "STEP", "RECOMPUTE", "VOCAB", "OVERLAP", "UnknownOpError", "op_type", "format_op", "parse_op", "require_known"]
 
 
 class Comm(NamedTuple):
@@ -138,6 +138,18 @@ def expanded(ops: tuple[Op, ...]) -> list[Op]:
         else:
             out.append(op)
     return out
+
+
+def spliced(ops: tuple[Op, ...], insert_at: Mapping[int, Iterable[Op]]) -> tuple[Op, ...]:
+    """`ops` with the ops `insert_at[i]` lists placed before ops[i] (at len(ops): after the last)."""
+    if not insert_at:
+        return ops
+    out: list[Op] = []
+    for i, op in enumerate(ops):
+        out.extend(insert_at.get(i, ()))
+        out.append(op)
+    out.extend(insert_at.get(len(ops), ()))
+    return tuple(out)
 
 
 class Stream(str, Enum):

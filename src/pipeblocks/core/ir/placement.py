@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from .errors import ScheduleError
+from .errors import ScheduleError, check_counts
 
 __all__ = ["Placement"]
 
@@ -48,12 +48,12 @@ class Placement:
 
     @staticmethod
     def loop(p: int, v: int = 1) -> Placement:
-        _check_positive(p=p, v=v)
+        check_counts(p=p, v=v)
         return Placement(tuple(s % p for s in range(p * v)), "loop")
 
     @staticmethod
     def v_shape(p: int) -> Placement:
-        _check_positive(p=p)
+        check_counts(p=p)
         return Placement(tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p)), "v")
 
     @property
@@ -96,9 +96,3 @@ class Placement:
         if not isinstance(shape, str):
             raise ScheduleError(f"placement \"shape\" must be a string such as \"loop\" or \"v\", got {shape!r}")
         return Placement(tuple(ranks), shape)
-
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"{name} must be an integer >= 1, got {value!r}")

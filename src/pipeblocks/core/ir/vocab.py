@@ -43,7 +43,7 @@ from typing import NamedTuple
 from .actions import Action, Kind
 from .errors import ScheduleError
 
-__all__ = ["VOCAB_KINDS", "VocabPass", "VocabCosts", "VOCAB_RE", "parse_vocab", "check_vocab", "roots"]
+__all__ = ["VOCAB_KINDS", "VocabPass", "VocabCosts", "VOCAB_RE", "check_vocab", "roots"]
 
 VOCAB_KINDS = ("IF", "S", "T", "IB")
 VOCAB_RE = re.compile(r"(IF|IB|S|T)(\d+)")
@@ -57,13 +57,6 @@ class VocabPass(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.kind}{self.microbatch}"
-
-
-def parse_vocab(text: str) -> VocabPass:
-    match = VOCAB_RE.fullmatch(text.strip())
-    if match is None:
-        raise ScheduleError(f"cannot parse vocabulary pass {text!r}: expected IF5, S5, T5 or IB5")
-    return VocabPass(match.group(1), int(match.group(2)))
 
 
 @dataclass(frozen=True)

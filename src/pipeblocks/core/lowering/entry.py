@@ -40,7 +40,7 @@ from ..ir.ops import UnknownOpError
 from .overlap import fuse_overlaps
 from .passes_dp import check_dp_ops, dp_passes, dp_passes_at_end
 from ..ir.program import Program
-from .recompute import add_recompute, check_recompute, recompute_pairs
+from .recompute import Pair, add_recompute, check_recompute, recompute_pairs
 from ..cost.costs import Costs
 from ..ir.schedule import Schedule
 from ..ir.sharding import ShardingPolicy, per_stage
@@ -48,8 +48,6 @@ from .validate import check_structure
 from .vocab_place import add_vocab
 
 __all__ = ["lower_for"]
-
-Pair = tuple[int, int]
 
 
 def lower_for(

@@ -22,7 +22,7 @@ from ..ir.ops import Comm, Op, Overlap
 from ..ir.program import Program
 from ..ir.schedule import Schedule
 
-__all__ = ["check_overlaps", "fuse_overlaps", "compute_parts"]
+__all__ = ["check_overlaps", "fuse_overlaps"]
 
 
 def check_overlaps(schedule: Schedule) -> None:
@@ -80,8 +80,3 @@ def fuse_overlaps(program: Program) -> Program:
             pos = end + 1
         ranks.append(tuple(out))
     return Program(program.schedule, tuple(ranks))
-
-
-def compute_parts(op: object) -> tuple:
-    """The compute actions of a compute op: an Overlap's two parts, else the op itself."""
-    return op.parts if type(op) is Overlap else (op,)

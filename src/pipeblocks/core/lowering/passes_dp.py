@@ -53,7 +53,7 @@ from collections.abc import Iterable
 from ..ir.actions import Action, Kind
 from ..ir.dp_units import DPUnits
 from ..ir.errors import ScheduleError
-from ..ir.ops import Comm, DPOp, Op, Recompute, expanded
+from ..ir.ops import Comm, DPOp, Op, Recompute, expanded, spliced
 from ..ir.program import Program
 from ..ir.sharding import ShardingPolicy, per_stage
 
@@ -132,7 +132,7 @@ def _grad_reduce(program: Program, units: DPUnits | None) -> Program:
         insert_at: dict[int, list[Op]] = {}
         for stage, i in last.items():
             insert_at.setdefault(_after_sends(ops, i), []).extend(_reductions(units, stage))
-        ranks.append(_splice(ops, insert_at))
+        ranks.append(spliced(ops, insert_at))
     return Program(program.schedule, tuple(ranks))
 
 
@@ -248,7 +248,7 @@ def add_sharding(policies: Iterable[ShardingPolicy], units: DPUnits | None = Non
                 insert_at.setdefault(index, []).extend(gathers)
             for added in insert_at.values():  # frees first where a free and a gather meet
                 added.sort(key=lambda op: op.kind == UNSHARD)
-            ranks.append(_splice(ops, insert_at))
+            ranks.append(spliced(ops, insert_at))
         return Program(program.schedule, tuple(ranks))
 
     add_sharding_pass.__name__ = add_sharding_pass.__qualname__ = "add_sharding"
@@ -292,17 +292,6 @@ def regather_gaps(ops: tuple[Op, ...], passes: list[int], stage: int) -> list[tu
             down = next(i for i in range(top + 1, len(levels)) if levels[i] <= (crest + ends) / 2)
             out.append((a, a + down + 1))
     return out
-
-
-def _splice(ops: tuple[Op, ...], insert_at: dict[int, list[Op]]) -> tuple[Op, ...]:
-    if not insert_at:
-        return ops
-    out: list[Op] = []
-    for i, op in enumerate(ops):
-        out.extend(insert_at.get(i, ()))
-        out.append(op)
-    out.extend(insert_at.get(len(ops), ()))
-    return tuple(out)
 
 
 def check_dp_ops(program: Program, policies: Iterable[ShardingPolicy] | None = None,

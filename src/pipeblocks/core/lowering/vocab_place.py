@@ -32,7 +32,7 @@ from typing import Any
 
 from ..ir.actions import Action, Kind
 from ..ir.errors import DeadlockError, ScheduleError
-from ..ir.ops import Comm, Overlap
+from ..ir.ops import Comm, Overlap, spliced
 from ..ir.program import Program
 from ..ir.schedule import Schedule
 from ..ir.vocab import VOCAB_KINDS, VocabPass, check_vocab, roots
@@ -88,12 +88,7 @@ def place(program: Program, events, vocab, barriers: int = 1) -> Program:
         slots: dict[int, list[VocabPass]] = {}
         for key in order:
             slots.setdefault(at[key], []).append(VocabPass(*key))
-        out = []
-        for pos, op in enumerate(ops):
-            out.extend(slots.get(pos, ()))
-            out.append(op)
-        out.extend(slots.get(len(ops), ()))
-        ranks.append(tuple(out))
+        ranks.append(spliced(ops, slots))
     return Program(program.schedule, tuple(ranks))
 
 
@@ -276,7 +271,7 @@ def add_vocab(program: Program, costs, *, simulate: Callable[[Program, Any], Any
             + (f"overlapped forward-backward pairs ({paired})" if paired is not None else "microbatches from both ends")
             + ", into which the vocabulary passes are not placed yet: pick zb-v, v-half, 1f1b or another schedule"
         )
-    plain = costs_without_vocab(costs)
+    plain = dataclasses.replace(costs, vocab=None)
     candidates = [program]
     shifted = one_more_in_flight(schedule)
     if relower is not None and shifted.ranks != schedule.ranks:
@@ -310,7 +305,3 @@ def _tagged(program: Program, barriers: int) -> Program:
     schedule = program.schedule
     options = tuple(o for o in schedule.options if o[0] != "vocab_barriers") + (("vocab_barriers", barriers),)
     return Program(dataclasses.replace(schedule, options=options), program.ranks)
-
-
-def costs_without_vocab(costs):
-    return dataclasses.replace(costs, vocab=None)

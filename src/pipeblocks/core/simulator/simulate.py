@@ -8,16 +8,10 @@ allocated at the start of F and released at the end of the freeing pass.
 The loop visits every op once: a rank runs until it meets a receive whose send has not
 happened yet, parks there, and is woken by that send.
 
-Data-parallel ops (`DPOp`) run on a second, communication stream per rank, in program
-order: each is issued when the compute stream reaches it (the end of the compute action
-before it) and starts when the stream is free; its duration is the link model's
-(`dp_model`). The first pass of a stage after its UNSHARD waits for the gather; the end of
-the step waits for every REDUCE_GRAD, then runs the zero1/zero2 parameter gather. The
-compute stream's waits are the rank's exposed communication. Point-to-point transfers keep
-their own model (t_comm after the send) and do not occupy the DP stream.
-
-At block grain (`dp_units`: DP ops that name a unit, `2UNSHARD.1`) a pass of a stage with
-several units runs through them in sub-intervals where the DP ops meet it (`dp_stream`).
+Data-parallel ops (`DPOp`) run on a second, communication stream per rank (`dp_stream`:
+when each is issued and starts, where the compute stream waits for one, which is the rank's
+exposed communication, and how a pass at block grain meets them). Point-to-point transfers
+keep their own model (t_comm after the send) and do not occupy the DP stream.
 
 An optimizer step (`OptimizerStep`, asynchronous programs) occupies the compute stream for
 its cost `t_step` and shows in the timeline as an event of its own.
