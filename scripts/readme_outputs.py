@@ -170,10 +170,12 @@ def _same(block: Block, fresh: str) -> bool:
     if block.kind == "json":
         return json.loads(block.shown) == json.loads(fresh)
     if block.kind == "train":
+        # the steps shown are among the run's; the other lines are those of the run cut as README cuts it
+        # (`_train_block`: the eval lines between the first and the last step are left out, as those steps are)
         shown_steps = {line for line in _train_view(block.shown) if line.startswith("step")}
-        fresh_view = _train_view(fresh)
-        return shown_steps <= set(fresh_view) and [x for x in _train_view(block.shown) if not x.startswith("step")] == [
-            x for x in fresh_view if not x.startswith("step")]
+        cut = [x for x in _train_view(_train_block(fresh)) if not x.startswith("step")]
+        return shown_steps <= set(_train_view(fresh)) and [
+            x for x in _train_view(block.shown) if not x.startswith("step")] == cut
     return block.shown.rstrip("\n") == fresh.rstrip("\n")
 
 

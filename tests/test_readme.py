@@ -77,3 +77,18 @@ def test_train_blocks_compare_losses_and_memory_but_not_times():
     assert not script._same(block, run.replace("6.4 MiB     6.4", "6.5 MiB     6.4"))
     assert script._train_block(run).splitlines()[1:3] == ["step     1/3  loss 5.5457 ...",
                                                           "step     3/3  loss 3.4022      9,999 tokens/s    9.9 ms"]
+
+
+def test_train_blocks_leave_out_the_eval_lines_the_cut_leaves_out():
+    # README cuts a run after its first step's loss up to its last step: the held-out losses
+    # evaluated in between are not shown, the last one is and must agree
+    script = _script()
+    shown = ("$ pipeblocks train -p 2 --steps 4 --eval-every 2\ntraining 2-layer GPT\nstep     1/4  loss 5.5457 ...\n"
+             "step     4/4  loss 3.4022      3,568 tokens/s    573.9 ms\neval     4/4  held-out loss 3.1000\n")
+    block = script.find_blocks(f"```text\n{shown}```\n")[0]
+    run = ("training 2-layer GPT\nstep     1/4  loss 5.5457      1,000 tokens/s    1.0 ms\n"
+           "step     2/4  loss 4.0000      1,000 tokens/s    1.0 ms\neval     2/4  held-out loss 3.9000\n"
+           "step     3/4  loss 3.7000      1,000 tokens/s    1.0 ms\n"
+           "step     4/4  loss 3.4022      9,999 tokens/s    9.9 ms\neval     4/4  held-out loss 3.1000\n")
+    assert script._same(block, run)
+    assert not script._same(block, run.replace("loss 3.1000", "loss 3.1001"))
