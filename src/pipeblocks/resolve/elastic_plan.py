@@ -77,7 +77,11 @@ def choose_elastic_plan(
     sharding_only = (rule, search.best_sharding(rule, start) if search_sharding else start)
     plans = [groups_only, sharding_only]
     if search_sharding:
-        plans += [search.refined(plan, rounds) for plan in _starts(search, start, rule, groups_only, sharding_only)]
+        # a third start (see the module docstring): the groups searched with start's zero3 chunks freed between visits
+        released = tuple(ShardingPolicy.ZERO3_REGATHER if ShardingPolicy(x) is ShardingPolicy.ZERO3 else x
+                         for x in start)
+        third = [(search.best_groups(released, rule), released)] if v > 1 and released != start else []
+        plans += [search.refined(plan, rounds) for plan in plans + third]
     chosen = plans[0]
     for plan in plans[1:]:
         if search.better(plan, chosen):
@@ -103,18 +107,6 @@ def choose_elastic_plan(
         schedule, policies, pairs, makespan, search.evaluate(*groups_only)[1], search.evaluate(*sharding_only)[1],
         len(search.seen),
     )
-
-
-def _starts(search: _Search, start: Policies, rule: Groups, groups_only, sharding_only) -> list:
-    """Where the joint search starts: the two one-sided answers, and a third: the groups
-    searched with start's zero3 chunks freed between visits. Larger groups may fit only so,
-    and zero3-regather pays off only with larger groups, which a move of one coordinate at a
-    time does not reach from the other two."""
-    starts = [groups_only, sharding_only]
-    released = tuple(ShardingPolicy.ZERO3_REGATHER if ShardingPolicy(x) is ShardingPolicy.ZERO3 else x for x in start)
-    if search.v > 1 and released != start:
-        starts.append((search.best_groups(released, rule), released))
-    return starts
 
 
 class _Search:
