@@ -336,7 +336,8 @@ def _compile(ops, table, schedule: Schedule, vocab=None) -> tuple[tuple[list, ..
     link_of = compiler.link_of
     for at, op in enumerate(ops):
         if link_of is not None and at in link_of:  # what a vocabulary pass, or an action it feeds, waits for
-            compiler.wait_vocab(at)
+            for k in link_of[at][0]:
+                compiler.waiting = _joined(compiler.waiting, compiler.vkeys[k])
         handler = handlers.get(type(op))
         if handler is None:
             raise unsupported(op, "the simulator", (ACTION, P2P, DP, STEP, RECOMPUTE, OVERLAP))
@@ -383,20 +384,15 @@ class _RankCompiler:
     def stage_gate(self, stage: int):
         return self.pending.pop(stage, None) if self.pending else None
 
-    def wait_vocab(self, at: int) -> None:
-        for k in self.link_of[at][0]:
-            self.waiting = _joined(self.waiting, self.vkeys[k])
-
     def comm(self, op: Comm, at: int) -> None:
         payload, send, stage, mb, chunk, _peer = op
         grad = payload != "F"
         producer = stage if send else (stage + 1 if grad else stage - 1)
         key = ((mb * self.chunks + (chunk or 0)) * self.stages + producer) * 2 + grad
         if send:
-            before = self.sends[-1]
-            self.sends[-1] = key if before is None else _joined(before, key)
+            self.sends[-1] = _joined(self.sends[-1], key)
         else:
-            self.waiting = key if self.waiting is None else _joined(self.waiting, key)
+            self.waiting = _joined(self.waiting, key)
 
     def action(self, op: Action, at: int) -> None:
         table, cost_of = self.table, self.cost_of
@@ -413,7 +409,7 @@ class _RankCompiler:
             cost = cost_of.get(ckey)
         if cost is None:
             cost = cost_of[ckey] = (table.duration(*ckey), *table.memory(*ckey))
-        self.push(op, cost[0], cost[1], cost[2], self.pending.pop(op.stage, None) if self.pending else None)
+        self.push(op, cost[0], cost[1], cost[2], self.stage_gate(op.stage))
         if self.link_of is not None and at in self.link_of:
             _vocab_sends(self.sends, self.link_of[at][1], self.vkeys)
         if self.units is not None:
