@@ -37,7 +37,7 @@ from ..ir.program import Program
 from ..ir.schedule import Schedule
 from ..ir.vocab import VOCAB_KINDS, VocabPass, check_vocab, roots
 
-__all__ = ["one_more_in_flight", "add_vocab", "place", "strip_vocab", "ROUNDS"]
+__all__ = ["one_more_in_flight", "add_vocab", "place", "ROUNDS"]
 
 ROUNDS = 3
 _ORDER = {k: n for n, k in enumerate(VOCAB_KINDS)}
@@ -65,11 +65,6 @@ def one_more_in_flight(schedule: Schedule) -> Schedule:
         out.extend(held)
         ranks.append(tuple(out))
     return dataclasses.replace(schedule, ranks=tuple(ranks))
-
-
-def strip_vocab(program: Program) -> Program:
-    return Program(program.schedule, tuple(tuple(op for op in ops if type(op) is not VocabPass)
-                                           for ops in program.ranks))
 
 
 def place(program: Program, events, vocab, barriers: int = 1) -> Program:
