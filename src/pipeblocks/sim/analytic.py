@@ -158,26 +158,16 @@ class TransformerConfig:
         microbatch; `config.shape == shape`."""
         if not isinstance(shape, ModelShape):
             raise TypeError(f"shape must be a ModelShape, got {type(shape).__name__}")
-        return cls(
-            layers=shape.layers, hidden=shape.hidden, heads=shape.heads, seq=seq, vocab=shape.vocab,
-            microbatch_size=microbatch_size, dtype=dtype, flash_attention=flash_attention, dropout=dropout,
-            kv_heads=shape.kv_heads, head_dim=shape.head_dim, ffn=shape.ffn, mlp=shape.mlp, norm=shape.norm,
-            positions=shape.positions, context=shape.context, tied=shape.tied, linear_bias=shape.linear_bias,
-            qkv_bias=shape.qkv_bias, qk_norm=shape.qk_norm,
-        )
+        return cls(**dataclasses.asdict(shape), seq=seq, microbatch_size=microbatch_size, dtype=dtype,
+                   flash_attention=flash_attention, dropout=dropout)
 
     @functools.cached_property
     def shape(self) -> ModelShape:
         """The model's sizes; a learned position table without a context has seq rows."""
-        context = self.context
-        if context is None and self.positions == "learned":
-            context = self.seq
-        return ModelShape(
-            layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab, kv_heads=self.kv_heads,
-            head_dim=self.head_dim, ffn=self.ffn, mlp=self.mlp, norm=self.norm, positions=self.positions,
-            context=context, tied=self.tied, linear_bias=self.linear_bias, qkv_bias=self.qkv_bias,
-            qk_norm=self.qk_norm,
-        )
+        sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelShape)}
+        if sizes["context"] is None and self.positions == "learned":
+            sizes["context"] = self.seq
+        return ModelShape(**sizes)
 
     def stage_layers(self, num_stages: int) -> tuple[int, ...]:
         """Layers per global stage: `split` when given (it must have `num_stages` entries),
