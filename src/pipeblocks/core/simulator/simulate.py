@@ -51,7 +51,7 @@ from ..ir.ops import ACTION, DP, OVERLAP, P2P, RECOMPUTE, STEP, Comm, DPOp, Opti
 from ..ir.program import Program
 from ..ir.schedule import Schedule
 from ..lowering.validate import check_structure
-from ..cost.costs import Costs, StageCosts
+from ..cost.costs import Costs
 from ..cost.dp_model import gathered_bytes
 from .dp_stream import CommStream, UnitPasses, after_step_gathers
 from .timeline import Event, Timeline
@@ -282,15 +282,10 @@ def _memory_peak(table, placement, static_peak, peak, crests) -> tuple[float, ..
     return tuple(
         static_peak[r] + peak[r] if crests[r] is None
         else static_peak[r] + crests[r]
-        - sum(gathered_bytes(table.params[s], policies[s], dp.bytes) for s in _regathered(table, placement.stages_of(r)))
+        - sum(gathered_bytes(table.params[s], policies[s], dp.bytes)
+              for s in placement.stages_of(r) if policies[s].regathers)  # the chunks freed between visits
         for r in range(len(crests))
     )
-
-
-def _regathered(table: StageCosts, stages) -> list[int]:
-    """The `stages` whose policy frees their parameters between visits."""
-    policies = table.data_parallel.policies(len(table.params))
-    return [s for s in stages if policies[s].regathers]
 
 
 def _crest(allocs: list[float], releases: list[float], held: list[tuple[int, float]]) -> float:
