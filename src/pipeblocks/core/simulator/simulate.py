@@ -212,8 +212,12 @@ def _event_loop(compiled, table, streams, events, delays):
                 end = gate.run(streams[r], now)
                 now = end - durations[pos]
             act = actions[pos]
-            if type(act) is Overlap:
-                _overlap_events(evs, act, table, now, end)
+            if type(act) is Overlap:  # two events, sharing the pair's time as their parts' durations
+                f_part = table.duration(Kind.F, act.forward.stage)
+                whole = f_part + table.duration(Kind.BW, act.backward.stage)
+                mid = now + (end - now) * (f_part / whole if whole > 0 else 0.5)
+                evs.append(new_event(Event, (act.forward, now, mid)))
+                evs.append(new_event(Event, (act.backward, mid, end)))
             else:
                 evs.append(new_event(Event, (act, now, end)))
             alloc = allocs[pos]
@@ -247,15 +251,6 @@ def _all_received(key: tuple[int, ...], arrival: dict[int, float], parked: dict[
         parked[missing] = r
         return None
     return max(arrival.pop(k) for k in key)
-
-
-def _overlap_events(evs: list, act: Overlap, table, now: float, end: float) -> None:
-    """An overlapped pair as two events, sharing the pair's time as their parts' durations."""
-    f_part = table.duration(Kind.F, act.forward.stage)
-    whole = f_part + table.duration(Kind.BW, act.backward.stage)
-    mid = now + (end - now) * (f_part / whole if whole > 0 else 0.5)
-    evs.append(Event(act.forward, now, mid))
-    evs.append(Event(act.backward, mid, end))
 
 
 def _static_memory(table, schedule: Schedule, p: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
