@@ -248,8 +248,7 @@ def add_vocab(program: Program, costs, *, simulate: Callable[[Program, Any], Any
     schedule's timeline and on `one_more_in_flight`'s (lowered by `relower`, as `program`
     was, and checked; none given: the plain schedule only), each placed again `rounds`
     times on the timeline of the result, and the Program that simulates fastest kept.
-    `simulate(program, costs)` gives a Program's timeline (`simulator.simulate.simulate_program`:
-    lowering does not import the simulator, which lowers)."""
+    `simulate`: as `entry.lower_for`'s."""
     vocab = costs.vocab
     if vocab is None:
         raise ScheduleError("add_vocab needs costs with vocab set (VocabCosts): the vocabulary passes' prices")
