@@ -525,12 +525,15 @@ def stage_activation_bytes(config: TransformerConfig, num_stages: int) -> tuple[
     layer = layer_activation_bytes(config, s, s)
     embed = 8 * s * b + (8 * s if config.positions == "learned" else 0) + (s * b * h if config.dropout else 0)
     head = s * b * (2 * h * e + _NORM_STATISTICS[config.norm] * f) + loss_activation_bytes(config)
-    rotary = rotary_table_bytes(config)
-    last = num_stages - 1
-    return tuple(
-        n * layer + rotary + (embed if i == 0 else 0) + (head if i == last else 0)
-        for i, n in enumerate(config.stage_layers(num_stages))
-    )
+    return _stage_sums(config, num_stages, layer, embed, head)
+
+
+def _stage_sums(config: TransformerConfig, num_stages: int, layer: float, embed: float, head: float) -> tuple[float, ...]:
+    """Per global stage: its layers at `layer` bytes each and the rotary tables, plus `embed` on
+    the first stage and `head` on the last (`stage_activation_bytes`, and tp_memory's at tp > 1)."""
+    rotary, last = rotary_table_bytes(config), num_stages - 1
+    return tuple(n * layer + rotary + (embed if i == 0 else 0) + (head if i == last else 0)
+                 for i, n in enumerate(config.stage_layers(num_stages)))
 
 
 def w_elements(config: TransformerConfig) -> int:
