@@ -70,8 +70,7 @@ def choose_elastic_plan(
     it is kept and only the groups are searched (`groups_from` "search")."""
     start = start * (p * v) if len(start) == 1 else tuple(start)
     search = _Search(p, m, v, costs, budget, recompute, unit, tolerance)
-    rule_costs = dataclasses.replace(costs, data_parallel=dataclasses.replace(costs.data_parallel, sharding=start))
-    g, _, _ = rule_groups(p, m, v, rule_costs, budget)
+    g, _, _ = rule_groups(p, m, v, costs.with_sharding(start), budget)
     rule = rule_sequences(m, g)
     groups_only = (search.best_groups(start, rule), start)
     sharding_only = (rule, search.best_sharding(rule, start) if search_sharding else start)
@@ -126,8 +125,7 @@ class _Search:
     def evaluate(self, groups: Groups, policies: Policies) -> tuple:
         key = (groups, policies)
         if key not in self.seen:
-            dp = dataclasses.replace(self.costs.data_parallel, sharding=policies)
-            trial = dataclasses.replace(self.costs, data_parallel=dp)
+            trial = self.costs.with_sharding(policies)
             schedule = elastic(p=self.p, m=self.m, v=self.v, forward_groups=groups[0], backward_groups=groups[1])
             pairs: frozenset = frozenset()
             if self.recompute and self.budget is not None:
