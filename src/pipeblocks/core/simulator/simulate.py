@@ -425,10 +425,8 @@ class _RankCompiler:
         alloc = table.memory(Kind.F, f.stage)[0]
         if self.recomputed and f.unit in self.recomputed:
             alloc -= table.recomputed_share(f.stage)
-        gate = None
-        if self.pending:
-            waits = [g for g in (self.pending.pop(f.stage, None), self.pending.pop(bw.stage, None)) if g is not None]
-            gate = max(waits) if waits else None
+        waits = [g for g in (self.stage_gate(f.stage), self.stage_gate(bw.stage)) if g is not None]
+        gate = max(waits) if waits else None
         self.push(op, table.pair_duration(f.stage, bw.stage), alloc, table.memory(Kind.BW, bw.stage)[1], gate)
 
     def optimizer_step(self, op: OptimizerStep, at: int) -> None:  # compute stream, no activation memory
