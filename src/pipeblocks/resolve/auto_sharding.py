@@ -20,8 +20,6 @@ that chunk's gathered parameters and the activations together (`Timeline.memory_
 """
 from __future__ import annotations
 
-import dataclasses
-
 from collections.abc import Callable, Sequence
 
 from ..core.cost.costs import Costs
@@ -47,8 +45,7 @@ def choose_sharding(
 
     def score(policies: tuple[ShardingPolicy, ...]) -> tuple:
         if policies not in seen:
-            dp = dataclasses.replace(costs.data_parallel, sharding=policies)
-            timeline = simulate_run(schedule, dataclasses.replace(costs, data_parallel=dp))
+            timeline = simulate_run(schedule, costs.with_sharding(policies))
             need = max(timeline.memory_need)
             over = max(0.0, need - memory_budget) if memory_budget is not None else 0.0
             seen[policies] = (over, timeline.makespan, max(timeline.static_memory), need)

@@ -166,11 +166,7 @@ def _chosen(request: ScheduleRequest) -> Built:
     if request.auto_sharding:
         budget = memory_budget(request)
         chosen = choose_sharding(built.schedule, built.costs, memory_budget=budget)
-        dp = dataclasses.replace(built.costs.data_parallel, sharding=chosen)
-        built = Built(
-            dataclasses.replace(request, sharding=chosen), built.schedule,
-            dataclasses.replace(built.costs, data_parallel=dp),
-        )
+        built = Built(dataclasses.replace(request, sharding=chosen), built.schedule, built.costs.with_sharding(chosen))
     if request.recompute == "all":
         return dataclasses.replace(built, recompute=all_pairs(built.schedule))
     if request.recompute == "auto":
@@ -211,9 +207,8 @@ def _build_elastic_plan(request: ScheduleRequest) -> Built:
         request.p, request.m, v, costs, budget=memory_budget(request), recompute=request.recompute == "auto",
         start=start, unit=1e9 if request.costs.analytic else 1.0, search_sharding=request.auto_sharding,
     )
-    dp = dataclasses.replace(costs.data_parallel, sharding=plan.sharding if request.auto_sharding else start)
     chosen = dataclasses.replace(request, sharding=plan.sharding) if request.auto_sharding else request
-    final = dataclasses.replace(costs, data_parallel=dp)
+    final = costs.with_sharding(plan.sharding if request.auto_sharding else start)
     pairs = plan.recompute
     if pairs and request.recompute == "auto" and pairs != all_pairs(plan.schedule):
         # the search scored its candidates with the greedy choice; the one chosen recomputes only what binds

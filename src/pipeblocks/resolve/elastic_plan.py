@@ -70,14 +70,17 @@ def choose_elastic_plan(
     it is kept and only the groups are searched (`groups_from` "search")."""
     start = start * (p * v) if len(start) == 1 else tuple(start)
     search = _Search(p, m, v, costs, budget, recompute, unit, tolerance)
-    rule_costs = dataclasses.replace(costs, data_parallel=dataclasses.replace(costs.data_parallel, sharding=start))
-    g, _, _ = rule_groups(p, m, v, rule_costs, budget)
+    g, _, _ = rule_groups(p, m, v, costs.with_sharding(start), budget)
     rule = rule_sequences(m, g)
     groups_only = (search.best_groups(start, rule), start)
     sharding_only = (rule, search.best_sharding(rule, start) if search_sharding else start)
     plans = [groups_only, sharding_only]
     if search_sharding:
-        plans += [search.refined(plan, rounds) for plan in _starts(search, start, rule, groups_only, sharding_only)]
+        # a third start (see the module docstring): the groups searched with start's zero3 chunks freed between visits
+        released = tuple(ShardingPolicy.ZERO3_REGATHER if ShardingPolicy(x) is ShardingPolicy.ZERO3 else x
+                         for x in start)
+        third = [(search.best_groups(released, rule), released)] if v > 1 and released != start else []
+        plans += [search.refined(plan, rounds) for plan in plans + third]
     chosen = plans[0]
     for plan in plans[1:]:
         if search.better(plan, chosen):
@@ -105,18 +108,6 @@ def choose_elastic_plan(
     )
 
 
-def _starts(search: _Search, start: Policies, rule: Groups, groups_only, sharding_only) -> list:
-    """Where the joint search starts: the two one-sided answers, and a third: the groups
-    searched with start's zero3 chunks freed between visits. Larger groups may fit only so,
-    and zero3-regather pays off only with larger groups, which a move of one coordinate at a
-    time does not reach from the other two."""
-    starts = [groups_only, sharding_only]
-    released = tuple(ShardingPolicy.ZERO3_REGATHER if ShardingPolicy(x) is ShardingPolicy.ZERO3 else x for x in start)
-    if search.v > 1 and released != start:
-        starts.append((search.best_groups(released, rule), released))
-    return starts
-
-
 class _Search:
     """Candidates (groups, policies) scored once each: memory over the budget, step time,
     then the fewest regathering chunks, then memory."""
@@ -134,8 +125,7 @@ class _Search:
     def evaluate(self, groups: Groups, policies: Policies) -> tuple:
         key = (groups, policies)
         if key not in self.seen:
-            dp = dataclasses.replace(self.costs.data_parallel, sharding=policies)
-            trial = dataclasses.replace(self.costs, data_parallel=dp)
+            trial = self.costs.with_sharding(policies)
             schedule = elastic(p=self.p, m=self.m, v=self.v, forward_groups=groups[0], backward_groups=groups[1])
             pairs: frozenset = frozenset()
             if self.recompute and self.budget is not None:

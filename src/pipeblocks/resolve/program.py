@@ -30,19 +30,15 @@ __all__ = ["Lowering", "simulate_run"]
 
 @dataclass(frozen=True)
 class Lowering:
-    """The settings a run's Program is lowered with (`core.lowering.entry.lower_for`)."""
+    """The settings a run's Program is lowered with: the arguments of `core.lowering.entry.lower_for`
+    of the same names (`sharding` is its `policies`), which its docstring explains."""
 
     sharding: tuple[ShardingPolicy | str, ...] = ()
-    """the policy of every chunk (one, or one per stage); none: replicate"""
     dp: int = 1
     units: DPUnits | None = None
-    """the DP units of every stage (None: chunk grain)"""
     recompute: Iterable[Pair] = frozenset()
-    """the pairs recomputed; none: the schedule's own (`1f1b-r`)"""
     recompute_at: Mapping[tuple[int, int, int], Action] = field(default_factory=dict)
-    """where a recomputation runs when earlier than before its backward (`recompute_place`)"""
     vocab: Costs | None = None
-    """costs whose `vocab` is set: the vocabulary passes, placed by these costs"""
 
     @classmethod
     def of(cls, schedule: Schedule, costs: Costs, *, recompute: Iterable[Pair] = (),

@@ -26,6 +26,13 @@ def _positive(name: str, value: object, fix: str) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}: {fix}")
 
 
+def _finite(flag: str, value: object, *, positive: bool) -> None:
+    """ValueError unless `value` is None or a finite number, > 0 when `positive`, else >= 0."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not math.isfinite(value) or (value <= 0 if positive else value < 0)):
+        raise ValueError(f"{flag} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Mesh:
     """The device mesh: ranks along each named dimension; world size is their product."""
@@ -128,15 +135,8 @@ class CostSpec:
                 _positive(flag, size, f"give {flag} 1 or more")
         if (self.seq is not None or self.microbatch_size is not None) and not self.analytic:
             raise ValueError("--seq and --microbatch-size size the analytic model: give --model or --hf with them")
-        for flag, value, positive in (("--dp-bandwidth", self.dp_bandwidth, True), ("--dp-latency", self.dp_latency, False)):
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
-                value <= 0 if positive else value < 0
-            ):
-                raise ValueError(
-                    f"{flag} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}"
-                )
+        _finite("--dp-bandwidth", self.dp_bandwidth, positive=True)
+        _finite("--dp-latency", self.dp_latency, positive=False)
         if self.model is not None and self.times is not None:
             raise ValueError("give either --model (analytic costs) or --costs, not both")
         ratio = self.mem_w_ratio
@@ -186,11 +186,7 @@ class ScheduleRequest:
         _positive("m", self.m, "give -m 1 or more (microbatches per step)")
         if self.seq_chunks is not None:
             _positive("--seq-chunks", self.seq_chunks, "give 1 or more sequence chunks")
-        budget = self.gpu_memory
-        if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0
-        ):
-            raise ValueError(f"--gpu-memory must be a finite number > 0, got {budget!r}")
+        _finite("--gpu-memory", self.gpu_memory, positive=True)
         if not isinstance(self.sharding, tuple) or not all(isinstance(p, ShardingPolicy) for p in self.sharding):
             object.__setattr__(self, "sharding", parse_sharding(self.sharding))
         keys = [key for key, _ in self.options]

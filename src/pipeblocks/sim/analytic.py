@@ -158,26 +158,16 @@ class TransformerConfig:
         microbatch; `config.shape == shape`."""
         if not isinstance(shape, ModelShape):
             raise TypeError(f"shape must be a ModelShape, got {type(shape).__name__}")
-        return cls(
-            layers=shape.layers, hidden=shape.hidden, heads=shape.heads, seq=seq, vocab=shape.vocab,
-            microbatch_size=microbatch_size, dtype=dtype, flash_attention=flash_attention, dropout=dropout,
-            kv_heads=shape.kv_heads, head_dim=shape.head_dim, ffn=shape.ffn, mlp=shape.mlp, norm=shape.norm,
-            positions=shape.positions, context=shape.context, tied=shape.tied, linear_bias=shape.linear_bias,
-            qkv_bias=shape.qkv_bias, qk_norm=shape.qk_norm,
-        )
+        return cls(**dataclasses.asdict(shape), seq=seq, microbatch_size=microbatch_size, dtype=dtype,
+                   flash_attention=flash_attention, dropout=dropout)
 
     @functools.cached_property
     def shape(self) -> ModelShape:
         """The model's sizes; a learned position table without a context has seq rows."""
-        context = self.context
-        if context is None and self.positions == "learned":
-            context = self.seq
-        return ModelShape(
-            layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab, kv_heads=self.kv_heads,
-            head_dim=self.head_dim, ffn=self.ffn, mlp=self.mlp, norm=self.norm, positions=self.positions,
-            context=context, tied=self.tied, linear_bias=self.linear_bias, qkv_bias=self.qkv_bias,
-            qk_norm=self.qk_norm,
-        )
+        sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelShape)}
+        if sizes["context"] is None and self.positions == "learned":
+            sizes["context"] = self.seq
+        return ModelShape(**sizes)
 
     def stage_layers(self, num_stages: int) -> tuple[int, ...]:
         """Layers per global stage: `split` when given (it must have `num_stages` entries),
@@ -535,12 +525,15 @@ def stage_activation_bytes(config: TransformerConfig, num_stages: int) -> tuple[
     layer = layer_activation_bytes(config, s, s)
     embed = 8 * s * b + (8 * s if config.positions == "learned" else 0) + (s * b * h if config.dropout else 0)
     head = s * b * (2 * h * e + _NORM_STATISTICS[config.norm] * f) + loss_activation_bytes(config)
-    rotary = rotary_table_bytes(config)
-    last = num_stages - 1
-    return tuple(
-        n * layer + rotary + (embed if i == 0 else 0) + (head if i == last else 0)
-        for i, n in enumerate(config.stage_layers(num_stages))
-    )
+    return _stage_sums(config, num_stages, layer, embed, head)
+
+
+def _stage_sums(config: TransformerConfig, num_stages: int, layer: float, embed: float, head: float) -> tuple[float, ...]:
+    """Per global stage: its layers at `layer` bytes each and the rotary tables, plus `embed` on
+    the first stage and `head` on the last (`stage_activation_bytes`, and tp_memory's at tp > 1)."""
+    rotary, last = rotary_table_bytes(config), num_stages - 1
+    return tuple(n * layer + rotary + (embed if i == 0 else 0) + (head if i == last else 0)
+                 for i, n in enumerate(config.stage_layers(num_stages)))
 
 
 def w_elements(config: TransformerConfig) -> int:

@@ -111,13 +111,8 @@ class MemoryEstimate:
 def stage_param_shapes(config: TransformerConfig, num_stages: int, tp: int = 1) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """The trainable parameters' shapes per global stage, in module order, as the model holds
     them (`tp_memory.tp_stage_param_shapes`, which lists them; tp > 1: one tensor-parallel
-    rank's share). For the reference GPT: token and position embeddings on the first stage;
-    per layer two LayerNorms, the fused QKV and output projections and the 4h MLP, with
-    biases; the final LayerNorm and the untied head (no bias) on the last. Other shapes have
-    separate q, k, v, o (and gate, up, down) tensors of their widths; a tied head is a tensor
-    of each end stage (one on a single stage). The static memory sizes each tensor on its own
-    (FSDP2 pads every tensor to its shards, zero1 partitions whole tensors), so the shapes,
-    not only the count, decide it."""
+    rank's share). The static memory sizes each tensor on its own (FSDP2 pads every tensor to
+    its shards, zero1 partitions whole tensors), so the shapes, not only the count, decide it."""
     return tp_stage_param_shapes(config, num_stages, tp)
 
 

@@ -41,7 +41,7 @@ Dropout, when the config has it, saves its masks on the sharded tensors (1/t).
 """
 from __future__ import annotations
 
-from .analytic import _NORM_STATISTICS, TransformerConfig, loss_activation_bytes, rotary_table_bytes
+from .analytic import _NORM_STATISTICS, TransformerConfig, _stage_sums, loss_activation_bytes
 
 __all__ = ["tp_layer_activation_bytes", "tp_stage_activation_bytes", "tp_stage_param_shapes", "tp_mismatch"]
 
@@ -136,9 +136,4 @@ def tp_stage_activation_bytes(config: TransformerConfig, num_stages: int, tp: in
     layer = tp_layer_activation_bytes(config, tp)
     embed = 8 * s * b + (8 * s if config.positions == "learned" else 0) + (s * b * h / t if config.dropout else 0)
     head = s * b * (h * e / t + _NORM_STATISTICS[config.norm] * f / t + h * e) + loss_activation_bytes(config)
-    rotary = rotary_table_bytes(config)
-    last = num_stages - 1
-    return tuple(
-        n * layer + rotary + (embed if i == 0 else 0) + (head if i == last else 0)
-        for i, n in enumerate(config.stage_layers(num_stages))
-    )
+    return _stage_sums(config, num_stages, layer, embed, head)

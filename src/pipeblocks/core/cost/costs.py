@@ -214,6 +214,10 @@ class Costs:
             raise ScheduleError(f"block costs are given for {len(blocks)} stages but the schedule has {num_stages}")
         return units_for(self.data_parallel.unit, blocks, prefetch=self.data_parallel.prefetch)
 
+    def with_sharding(self, policies: tuple) -> Costs:
+        """These costs with `policies` (one, or one per chunk) as their data-parallel sharding."""
+        return dataclasses.replace(self, data_parallel=dataclasses.replace(self.data_parallel, sharding=policies))
+
 
 @dataclass(frozen=True)
 class StageCosts:

@@ -37,7 +37,7 @@ from ..ir.program import Program
 from ..ir.schedule import Schedule
 from ..ir.vocab import VOCAB_KINDS, VocabPass, check_vocab, roots
 
-__all__ = ["one_more_in_flight", "add_vocab", "place", "strip_vocab", "ROUNDS"]
+__all__ = ["one_more_in_flight", "add_vocab", "place", "ROUNDS"]
 
 ROUNDS = 3
 _ORDER = {k: n for n, k in enumerate(VOCAB_KINDS)}
@@ -65,11 +65,6 @@ def one_more_in_flight(schedule: Schedule) -> Schedule:
         out.extend(held)
         ranks.append(tuple(out))
     return dataclasses.replace(schedule, ranks=tuple(ranks))
-
-
-def strip_vocab(program: Program) -> Program:
-    return Program(program.schedule, tuple(tuple(op for op in ops if type(op) is not VocabPass)
-                                           for ops in program.ranks))
 
 
 def place(program: Program, events, vocab, barriers: int = 1) -> Program:
@@ -253,8 +248,7 @@ def add_vocab(program: Program, costs, *, simulate: Callable[[Program, Any], Any
     schedule's timeline and on `one_more_in_flight`'s (lowered by `relower`, as `program`
     was, and checked; none given: the plain schedule only), each placed again `rounds`
     times on the timeline of the result, and the Program that simulates fastest kept.
-    `simulate(program, costs)` gives a Program's timeline (`simulator.simulate.simulate_program`:
-    lowering does not import the simulator, which lowers)."""
+    `simulate`: as `entry.lower_for`'s."""
     vocab = costs.vocab
     if vocab is None:
         raise ScheduleError("add_vocab needs costs with vocab set (VocabCosts): the vocabulary passes' prices")

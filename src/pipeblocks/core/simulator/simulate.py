@@ -51,7 +51,7 @@ from ..ir.ops import ACTION, DP, OVERLAP, P2P, RECOMPUTE, STEP, Comm, DPOp, Opti
 from ..ir.program import Program
 from ..ir.schedule import Schedule
 from ..lowering.validate import check_structure
-from ..cost.costs import Costs, StageCosts
+from ..cost.costs import Costs
 from ..cost.dp_model import gathered_bytes
 from .dp_stream import CommStream, UnitPasses, after_step_gathers
 from .timeline import Event, Timeline
@@ -212,8 +212,12 @@ def _event_loop(compiled, table, streams, events, delays):
                 end = gate.run(streams[r], now)
                 now = end - durations[pos]
             act = actions[pos]
-            if type(act) is Overlap:
-                _overlap_events(evs, act, table, now, end)
+            if type(act) is Overlap:  # two events, sharing the pair's time as their parts' durations
+                f_part = table.duration(Kind.F, act.forward.stage)
+                whole = f_part + table.duration(Kind.BW, act.backward.stage)
+                mid = now + (end - now) * (f_part / whole if whole > 0 else 0.5)
+                evs.append(new_event(Event, (act.forward, now, mid)))
+                evs.append(new_event(Event, (act.backward, mid, end)))
             else:
                 evs.append(new_event(Event, (act, now, end)))
             alloc = allocs[pos]
@@ -249,15 +253,6 @@ def _all_received(key: tuple[int, ...], arrival: dict[int, float], parked: dict[
     return max(arrival.pop(k) for k in key)
 
 
-def _overlap_events(evs: list, act: Overlap, table, now: float, end: float) -> None:
-    """An overlapped pair as two events, sharing the pair's time as their parts' durations."""
-    f_part = table.duration(Kind.F, act.forward.stage)
-    whole = f_part + table.duration(Kind.BW, act.backward.stage)
-    mid = now + (end - now) * (f_part / whole if whole > 0 else 0.5)
-    evs.append(Event(act.forward, now, mid))
-    evs.append(Event(act.backward, mid, end))
-
-
 def _static_memory(table, schedule: Schedule, p: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per rank, static memory between steps and at the step's peak (with the vocabulary rows)."""
     dp, placement = table.data_parallel, schedule.placement
@@ -282,15 +277,10 @@ def _memory_peak(table, placement, static_peak, peak, crests) -> tuple[float, ..
     return tuple(
         static_peak[r] + peak[r] if crests[r] is None
         else static_peak[r] + crests[r]
-        - sum(gathered_bytes(table.params[s], policies[s], dp.bytes) for s in _regathered(table, placement.stages_of(r)))
+        - sum(gathered_bytes(table.params[s], policies[s], dp.bytes)
+              for s in placement.stages_of(r) if policies[s].regathers)  # the chunks freed between visits
         for r in range(len(crests))
     )
-
-
-def _regathered(table: StageCosts, stages) -> list[int]:
-    """The `stages` whose policy frees their parameters between visits."""
-    policies = table.data_parallel.policies(len(table.params))
-    return [s for s in stages if policies[s].regathers]
 
 
 def _crest(allocs: list[float], releases: list[float], held: list[tuple[int, float]]) -> float:
@@ -336,7 +326,8 @@ def _compile(ops, table, schedule: Schedule, vocab=None) -> tuple[tuple[list, ..
     link_of = compiler.link_of
     for at, op in enumerate(ops):
         if link_of is not None and at in link_of:  # what a vocabulary pass, or an action it feeds, waits for
-            compiler.wait_vocab(at)
+            for k in link_of[at][0]:
+                compiler.waiting = _joined(compiler.waiting, compiler.vkeys[k])
         handler = handlers.get(type(op))
         if handler is None:
             raise unsupported(op, "the simulator", (ACTION, P2P, DP, STEP, RECOMPUTE, OVERLAP))
@@ -383,20 +374,15 @@ class _RankCompiler:
     def stage_gate(self, stage: int):
         return self.pending.pop(stage, None) if self.pending else None
 
-    def wait_vocab(self, at: int) -> None:
-        for k in self.link_of[at][0]:
-            self.waiting = _joined(self.waiting, self.vkeys[k])
-
     def comm(self, op: Comm, at: int) -> None:
         payload, send, stage, mb, chunk, _peer = op
         grad = payload != "F"
         producer = stage if send else (stage + 1 if grad else stage - 1)
         key = ((mb * self.chunks + (chunk or 0)) * self.stages + producer) * 2 + grad
         if send:
-            before = self.sends[-1]
-            self.sends[-1] = key if before is None else _joined(before, key)
+            self.sends[-1] = _joined(self.sends[-1], key)
         else:
-            self.waiting = key if self.waiting is None else _joined(self.waiting, key)
+            self.waiting = _joined(self.waiting, key)
 
     def action(self, op: Action, at: int) -> None:
         table, cost_of = self.table, self.cost_of
@@ -413,7 +399,7 @@ class _RankCompiler:
             cost = cost_of.get(ckey)
         if cost is None:
             cost = cost_of[ckey] = (table.duration(*ckey), *table.memory(*ckey))
-        self.push(op, cost[0], cost[1], cost[2], self.pending.pop(op.stage, None) if self.pending else None)
+        self.push(op, cost[0], cost[1], cost[2], self.stage_gate(op.stage))
         if self.link_of is not None and at in self.link_of:
             _vocab_sends(self.sends, self.link_of[at][1], self.vkeys)
         if self.units is not None:
@@ -439,10 +425,8 @@ class _RankCompiler:
         alloc = table.memory(Kind.F, f.stage)[0]
         if self.recomputed and f.unit in self.recomputed:
             alloc -= table.recomputed_share(f.stage)
-        gate = None
-        if self.pending:
-            waits = [g for g in (self.pending.pop(f.stage, None), self.pending.pop(bw.stage, None)) if g is not None]
-            gate = max(waits) if waits else None
+        waits = [g for g in (self.stage_gate(f.stage), self.stage_gate(bw.stage)) if g is not None]
+        gate = max(waits) if waits else None
         self.push(op, table.pair_duration(f.stage, bw.stage), alloc, table.memory(Kind.BW, bw.stage)[1], gate)
 
     def optimizer_step(self, op: OptimizerStep, at: int) -> None:  # compute stream, no activation memory
