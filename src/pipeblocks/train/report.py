@@ -2,7 +2,7 @@
 
     >>> report = report_of(RunRecord(schedule, results, memory, warmup=2))  # report.data: the --report JSON
     >>> print(format_report(report.data))
-    >>> write_timeline_plot(report.measured, report.simulated, "run.png")
+    >>> write_report(report, "run.json", "run.png")   # --report JSON, --plot: the timelines side by side
 
 The prediction uses costs profiled from the run itself:
 
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..core.ir.actions import Action, Kind
-from ..core.ir.schedule import Schedule
+from ..core.ir.schedule import Schedule, write_atomically
 from ..core.cost.costs import BlockCosts, Costs
 from ..core.cost.dp_model import DPCostModel, Link
 from ..core.ir.dp_units import DPUnits
@@ -57,11 +57,12 @@ from ..core.ir.sharding import parse_sharding
 from ..core.simulator.simulate import simulate, simulate_program
 from ..core.simulator.timeline import Timeline
 from ..core.ir.vocab import VocabCosts, VocabPass
+from ..core.util.jsontext import json_text
 from ..resolve.program import Lowering
 from ..sim.overhead import handover_gaps, local_gaps
 
 __all__ = ["RankResult", "RunRecord", "format_bytes", "RunReport", "profiled_costs", "iteration_times", "build_report",
-           "report_of", "format_report", "machine_load", "write_timeline_plot"]
+           "report_of", "format_report", "machine_load", "write_report", "write_timeline_plot"]
 
 
 @dataclass(frozen=True)
@@ -437,6 +438,20 @@ def format_report(data: dict) -> str:
                      f"{row['recompute_s_simulated'] * 1e3:.2f} ms   exposed {row['recompute_exposed_s_simulated'] * 1e3:.2f} ms"
                      for row in data["ranks"])
     return "\n".join(lines)
+
+
+def write_report(built, report: str | None, plot: str | None) -> list[str]:
+    """Write `built.data` (a RunReport's, or an asynchronous run's AsyncReport's) as the --report
+    JSON and its timelines to --plot (default: beside the report, as .png; none without a
+    measured timeline); the lines to print."""
+    out = []
+    if report:
+        write_atomically(Path(report), json_text(built.data, indent=1) + "\n")
+        out.append(f"report   {report}")
+    plot = plot or (str(Path(report).with_suffix(".png")) if report else None)
+    if plot and built.measured is not None:
+        out.append(f"timeline {write_timeline_plot(built.measured, built.simulated, plot)}")
+    return out
 
 
 def write_timeline_plot(measured: Timeline, simulated: Timeline, path: str | os.PathLike) -> Path:

@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING, TextIO
 
 from ..core.cost.costs import Costs
 from ..core.cost.static_memory import predict_static_peak
-from ..core.ir.schedule import write_atomically
-from ..core.util.jsontext import json_text
 from ..resolve.program import simulate_run
 from ..schedules import names
 from ..sim.hardware_profile import resolve_hardware
@@ -265,7 +263,7 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
     from ..runtime.profile import profile_chunk_memory, profile_stage_memory  # torch: only a run that trains
     from .loop import launch_reported, reporting_process
     from .rank_setup import dp_units
-    from .report import RunRecord, format_report, machine_load, report_of, write_timeline_plot
+    from .report import RunRecord, format_report, machine_load, report_of, write_report
 
     s = cfg.schedule
     if reporting_process():
@@ -307,14 +305,9 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
         files = finish_save(cfg)
         print(f"saved    {cfg.save_hf} (Hugging Face: config.json, {len(files)} safetensors file(s)"
               f"{', tokenizer' if (Path(cfg.save_hf) / 'tokenizer.json').exists() else ''})")
-    if report:
-        write_atomically(Path(report), json_text(built.data, indent=1) + "\n")
-        print(f"report   {report}")
-    plot = plot or (str(Path(report).with_suffix(".png")) if report else None)
-    if plot:
-        print(f"timeline {write_timeline_plot(built.measured, built.simulated, plot)}")
-    else:
-        print("(add --plot FILE.png, or --report FILE.json, to draw the measured timeline under the simulated one)")
+    for line in write_report(built, report, plot) or [
+            "(add --plot FILE.png, or --report FILE.json, to draw the measured timeline under the simulated one)"]:
+        print(line)
     return 0
 
 

@@ -36,9 +36,10 @@ from ..describe import describe_loop
 from ..loop import launch_reported
 from ..loop import train_rank as async_rank  # one rank of the run: the one loop, asynchronous steps for --async
 from ..reference import TOLERANCE, relative_difference, torch_threads
+from ..report import write_report
 from .plan import nominal_delays, run_segments, run_versions
 from .reference import replay
-from .report import build_async_report, format_async_report, write_async_report
+from .report import build_async_report, format_async_report
 from .steps import AsyncRankResult, microbatches
 
 __all__ = [
@@ -96,9 +97,8 @@ def train_async(cfg: TrainConfig, data, *, report: str | None = None, plot: str 
         return 1
     built = build_async_report(cfg, results)
     print(format_async_report(built.data))
-    if report or plot:
-        for line in write_async_report(built, report, plot):
-            print(line)
+    for line in write_report(built, report, plot):
+        print(line)
     return 0
 
 
