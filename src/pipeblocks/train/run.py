@@ -143,9 +143,12 @@ def profiled_stages(cfg: TrainConfig):
     A pretrained model is profiled with weights drawn from the seed instead of its own: what
     a pass saves and how long it takes do not depend on the values, and nothing is read."""
     from ..models.build import build_stages  # torch: the command line imports this module without it
+    from ..models.init import normal_init
     from ..runtime.precision import torch_dtype
 
-    spec = profiling_spec(cfg.model.spec())
+    spec = cfg.model.spec()
+    if spec.weights is not None:  # drawn from the seed instead
+        spec = dataclasses.replace(spec, weights=None, init=normal_init)
     dtype = torch_dtype(cfg.precision.compute if cfg.precision.mixed else cfg.precision.master)
     if cfg.schedule.schedule.chains > 1:  # DualPipe: every model stage once per chain, in global stage order
         from .stage_copies import build_copies
@@ -155,16 +158,6 @@ def profiled_stages(cfg: TrainConfig):
     stages = build_stages(spec, seed=cfg.seed, num_stages=cfg.num_stages, stages=range(cfg.num_stages), dtype=dtype,
                           counts=cfg.stage_layers)
     return stages, spec.loss
-
-
-def profiling_spec(spec):
-    """`spec` with weights drawn from the seed where it has pretrained ones (see `profiled_stages`)."""
-    if spec.weights is None:
-        return spec
-
-    from ..models.init import normal_init  # torch, as above
-
-    return dataclasses.replace(spec, weights=None, init=normal_init)
 
 
 def _times_from(cfg: TrainConfig, hardware: str | None) -> str:
@@ -233,11 +226,6 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = No
     return stages, costs
 
 
-def _vocab_placement(cfg: TrainConfig):
-    """Under --vocab-parallel, the costs the runner placed the vocabulary passes by; else None."""
-    return run_lowering(cfg).vocab
-
-
 # ---- launch --------------------------------------------------------------------------------
 def execute(cfg: TrainConfig, data: TokenWindows, *, dry: bool = False, report: str | None = None,
             plot: str | None = None, hardware: str | None = None) -> int:
@@ -286,7 +274,7 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
         s.schedule, tuple(results), tuple(memory), warmup=warmup, emulated=cfg.emulation is not None, seq_mem=seq_mem,
         dp=cfg.dp, sharding=tuple(str(p) for p in cfg.sharding), recompute=s.recompute, recompute_at=s.recompute_anchors,
         stage_param_bytes=tuple(sum(q.numel() for q in st.parameters()) * cfg.precision.master_bytes for st in stages),
-        dp_units=dp_units(cfg), tokens_per_step=cfg.tokens_per_step, vocab=_vocab_placement(cfg)))
+        dp_units=dp_units(cfg), tokens_per_step=cfg.tokens_per_step, vocab=run_lowering(cfg).vocab))
     built.data["model"] = cfg.model.to_json()
     built.data["precision"] = cfg.precision.name
     built.data["device"] = cfg.mesh.device
