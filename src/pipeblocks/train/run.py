@@ -34,7 +34,7 @@ from .predict import (
     threads_mismatch,
     with_runtime_time,
 )
-from .prepare import prepare, run_lowering
+from .prepare import dp_units, prepare, run_lowering
 from .report import format_bytes
 from .stage_copies import one_chain, per_chain
 from .tp_predict import tp_shapes, tp_stage_memory
@@ -250,7 +250,6 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
     """Train, then print measured against simulated (and write --report / --plot)."""
     from ..runtime.profile import profile_chunk_memory, profile_stage_memory  # torch: only a run that trains
     from .loop import launch_reported, reporting_process
-    from .rank_setup import dp_units
     from .report import RunRecord, format_report, machine_load, report_of, write_report
 
     s = cfg.schedule
