@@ -371,8 +371,6 @@ def machine_load(local_ranks: int, device: str) -> dict:
     1-minute load average when the report is made (os.getloadavg; None where there is none).
     On the CPU the simulated side assumes every rank has cores of its own: ranks that
     outnumber the cores, or other work on them, make the measured times longer."""
-    import os
-
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
@@ -396,7 +394,7 @@ def contention_notes(data: dict) -> list[str]:
     return notes
 
 
-def _static_shown(measured: int | None) -> str:
+def _shown_bytes(measured: int | None) -> str:
     return "n/a (emulated)" if measured is None else format_bytes(measured)
 
 
@@ -421,12 +419,11 @@ def format_report(data: dict) -> str:
     for row in data["ranks"]:
         measured, predicted = row["peak_activation_bytes_measured"], row["peak_activation_bytes_predicted"]
         ratio = f"{measured / predicted:.3f}" if predicted and measured is not None else "-"
-        shown = "n/a (emulated)" if measured is None else format_bytes(measured)
         stages = ",".join(map(str, row["stages"]))
         exposed, exposed_sim = row.get("dp_comm_exposed_s_measured"), row.get("dp_comm_exposed_s_simulated")
         lines.append(
-            f"{row['rank']:>4}  {row.get('dp_rank', 0):>2}  {stages:<7}  {shown:>25}   {format_bytes(predicted):>9}   "
-            f"{ratio:>18}   {_static_shown(row.get('static_bytes_measured', 0)):>16}   "
+            f"{row['rank']:>4}  {row.get('dp_rank', 0):>2}  {stages:<7}  {_shown_bytes(measured):>25}   "
+            f"{format_bytes(predicted):>9}   {ratio:>18}   {_shown_bytes(row.get('static_bytes_measured', 0)):>16}   "
             f"{format_bytes(row.get('static_bytes_predicted', 0)):>9}   "
             + ("-" if exposed is None else f"{exposed * 1e3:.2f} ms") + " / "
             + ("-" if exposed_sim is None else f"{exposed_sim * 1e3:.2f} ms")

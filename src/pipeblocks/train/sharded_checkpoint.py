@@ -65,10 +65,6 @@ def step_path(directory: str | os.PathLike, step: int) -> Path:
     return Path(directory) / f"dcp-step{step:08d}"
 
 
-def _temporary_path(directory: str | os.PathLike, step: int) -> Path:
-    return Path(directory) / f".dcp-step{step:08d}.tmp"
-
-
 def portable_meta(meta: Mapping[str, object]) -> dict:
     """The run description a resume must match: the dp and tp sizes, the policies and m may
     change as long as the global batch (dp x m x microbatch) stays the same."""
@@ -101,7 +97,7 @@ def save_sharded(
 ) -> Path:
     """Save every rank's state after `step` completed steps (a collective); return the step directory."""
     directory = Path(directory)
-    tmp, final = _temporary_path(directory, step), step_path(directory, step)
+    tmp, final = directory / f".dcp-step{step:08d}.tmp", step_path(directory, step)
     rank = dist.get_rank()
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
