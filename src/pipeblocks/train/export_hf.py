@@ -107,40 +107,38 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     if not directory.is_dir():
         raise ValueError(f"{str(checkpoint)!r} is not a directory: give the --checkpoint directory of a run")
     parts = Path(out) / PARTS
-    if sharded.has_sharded(directory):
+    data_parallel = sharded.has_sharded(directory)
+    if data_parallel:
         step = sharded.latest_sharded_step(directory)
         if step is None:
             raise ValueError(f"{str(directory)!r} holds no complete data-parallel checkpoint (no {sharded.MARKER})")
         meta = sharded.read_marker(directory, step)["meta"]
-        choice = checkpoint_choice(meta)
-        spec = choice.spec()
-        export = hf_export_of(spec)
-        num_stages = len(meta["placement"])
+    else:
+        meta = _per_rank_meta(directory)
+        p = int(meta["p"])
+        step = ckpt.latest_step(directory, p)
+        if step is None:
+            raise ValueError(f"{str(directory)!r} holds no step that every one of its {p} ranks saved: nothing to "
+                             "export")
+    choice = checkpoint_choice(meta)
+    spec = choice.spec()
+    export = hf_export_of(spec)
+    num_stages = len(meta["placement"])
+    if data_parallel:
         for s in range(num_stages):
             say(f"export: stage {s + 1}/{num_stages} of step {step} (torch.distributed.checkpoint)")
             write_part(parts, f"stage-{s:05d}", _renamed(export, _sharded_stage(spec, choice, directory, step, s,
                                                                                 num_stages)))
     else:
-        meta0 = _per_rank_meta(directory)
-        p = int(meta0["p"])
-        step = ckpt.latest_step(directory, p)
-        if step is None:
-            raise ValueError(f"{str(directory)!r} holds no step that every one of its {p} ranks saved: nothing to "
-                             "export")
-        choice = checkpoint_choice(meta0)
-        spec = choice.spec()
-        export = hf_export_of(spec)
-        weights = _weight_names(spec, len(meta0["placement"]))
+        weights = _weight_names(spec, num_stages)
         for rank in range(p):
             say(f"export: rank {rank + 1}/{p} of step {step}")
             state = ckpt.load_rank(directory, rank=rank, step=step)
             tensors = {name: t for stage in state["stages"].values() for name, t in stage.items() if name in weights}
             write_part(parts, f"rank-{rank:05d}", _renamed(export, tensors))
             del state
-    tokenizer = meta.get("tokenizer") if sharded.has_sharded(directory) else meta0.get("tokenizer")
-    files = _finish(spec, str(out), dtype=choice.weights_dtype, tokenizer=tokenizer or choice.hf_directory,
-                    max_shard_bytes=max_shard_bytes)
-    return files
+    return _finish(spec, str(out), dtype=choice.weights_dtype, tokenizer=meta.get("tokenizer") or choice.hf_directory,
+                   max_shard_bytes=max_shard_bytes)
 
 
 def _per_rank_meta(directory: Path) -> dict:
