@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..data import TokenWindows
 
 __all__ = [
-    "check_checkpoint_directory", "check_resume", "check_torchrun_world", "emulated_link", "run_device",
+    "check_checkpoint_directory", "check_resume", "check_torchrun_world", "emulated_link", "progress", "run_device",
     "sequence_chunk_lengths", "tp_link",
 ]
 
@@ -42,7 +42,7 @@ def run_device(requested: str, ranks: int, policy) -> str:
     from ..runtime.launch import choose_device, under_torchrun  # torch, as above
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) if under_torchrun() else ranks
-    kind = choose_device(requested, local, note=_progress)
+    kind = choose_device(requested, local, note=progress)
     if kind == "cuda" and policy.compute == "bfloat16":
         import torch
 
@@ -148,5 +148,6 @@ def _check_sharded_resume(cfg: TrainConfig, data: TokenWindows) -> None:
         raise ValueError(f"--resume: the checkpoint is at step {step} already: raise --steps above {step}")
 
 
-def _progress(message: str) -> None:
+def progress(message: str) -> None:
+    """A line about what is happening, on stderr: stdout keeps only the command's result."""
     print(message, file=sys.stderr, flush=True)

@@ -35,6 +35,7 @@ from .predict import (
     with_runtime_time,
 )
 from .prepare import dp_units, prepare, run_lowering
+from .prepare_checks import progress
 from .report import format_bytes
 from .stage_copies import one_chain, per_chain
 from .tp_predict import tp_shapes, tp_stage_memory
@@ -184,7 +185,7 @@ def _threads_against_profile(cfg: TrainConfig, hardware: str | None) -> dict:
     mine = cfg.threads_for(ranks)
     warning = threads_mismatch(hardware, threads=mine, local_ranks=ranks, cores=os.cpu_count() or 1)
     if warning is not None:
-        print(warning, file=sys.stderr, flush=True)
+        progress(warning)
     return {"threads_per_rank": mine, "profile_threads": profile_threads(hardware)}
 
 
@@ -312,13 +313,13 @@ def verify(cfg: TrainConfig, data: TokenWindows) -> int:
     # machine: say what is happening (on stderr, so stdout keeps only the verdict).
     started = time.monotonic()
     if reporting_process():
-        _progress(f"verify: starting {cfg.world_size} processes for one {cfg.schedule.name} step ...")
+        progress(f"verify: starting {cfg.world_size} processes for one {cfg.schedule.name} step ...")
     results = launch_reported(cfg)
     if not reporting_process():
         return 0
     if results is None:
         return 1
-    _progress(f"verify: pipeline step done ({time.monotonic() - started:.0f} s); one-process reference step ...")
+    progress(f"verify: pipeline step done ({time.monotonic() - started:.0f} s); one-process reference step ...")
     largest, tolerance, lines = judge(cfg, data, results)
     print("\n".join(lines))
     return 0 if largest <= tolerance else 1
@@ -415,7 +416,3 @@ def verify_tolerance(cfg: TrainConfig) -> float:
     if cfg.tp > 1 and cfg.precision.name == "fp64" and cfg.model.spec().float32_norms:
         return TOLERANCE["fp32"]
     return TOLERANCE[cfg.precision.name]
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

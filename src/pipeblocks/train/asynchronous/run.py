@@ -23,7 +23,6 @@ same weights, data and delays, comparing every step's loss and every weight at t
 from __future__ import annotations
 
 import statistics
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +33,7 @@ from ...models.build import build_model, split_stages
 from ..config import TrainConfig
 from ..describe import describe_loop
 from ..loop import launch_reported
+from ..prepare_checks import progress
 from ..loop import train_rank as async_rank  # one rank of the run: the one loop, asynchronous steps for --async
 from ..reference import TOLERANCE, relative_difference, torch_threads
 from ..report import write_report
@@ -170,7 +170,7 @@ def check_against_replay(cfg: TrainConfig, data, results: list[AsyncRankResult])
 
 def verify_async(cfg: TrainConfig, data) -> int:
     """The run on the ranks against the one-process replay; 0 within the tolerance of `--verify`."""
-    print(f"verify: {describe_async(cfg)}", file=sys.stderr, flush=True)
+    progress(f"verify: {describe_async(cfg)}")
     results = launch_reported(cfg)
     if results is None:
         return 1
