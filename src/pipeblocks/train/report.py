@@ -1,6 +1,6 @@
 """After a run: measured against predicted, per rank, and the timelines side by side.
 
-    >>> report = report_of(RunRecord(schedule, results, memory, warmup=2))  # report.data: the --report JSON
+    >>> report = build_report(schedule, results, memory, warmup=2)  # report.data: the --report JSON; RunRecord's fields
     >>> print(format_report(report.data))
     >>> write_report(report, "run.json", "run.png")   # --report JSON, --plot: the timelines side by side
 
@@ -62,7 +62,7 @@ from ..resolve.program import Lowering
 from ..sim.overhead import handover_gaps, local_gaps
 
 __all__ = ["RankResult", "RunRecord", "format_bytes", "RunReport", "profiled_costs", "iteration_times", "build_report",
-           "report_of", "format_report", "machine_load", "write_report", "write_timeline_plot"]
+           "format_report", "machine_load", "write_report", "write_timeline_plot"]
 
 
 @dataclass(frozen=True)
@@ -254,18 +254,14 @@ class RunRecord:
     mean measured duration (`vocab_pass_costs`)"""
 
 
-def build_report(schedule: Schedule, results: Sequence[RankResult], memory: Sequence, **run) -> RunReport:
-    """`report_of` the run; `run`: the other fields of `RunRecord` (`warmup` at least)."""
-    return report_of(RunRecord(schedule, results, memory, **run))
-
-
-def report_of(run: RunRecord) -> RunReport:
-    """Compare the run with the simulator's replay of it (see `RunRecord` for what each field
-    adds). The static bytes (parameters, gradients, optimizer state) are measured at the
+def build_report(schedule: Schedule, results: Sequence[RankResult], memory: Sequence, **record) -> RunReport:
+    """Compare the run with the simulator's replay of it; `record`: the other fields of its
+    `RunRecord` (`warmup` at least; see there what each adds). The static bytes (parameters, gradients, optimizer state) are measured at the
     step's peak and predicted by `core.cost.static_memory`; `dp_comm_exposed_s_measured` is the
     median over the timed steps of the time the rank waited on data-parallel communication.
     The keys the asynchronous report shares are `train.report_keys.SHARED_KEYS`."""
-    schedule, memory, emulated = run.schedule, run.memory, run.emulated
+    run = RunRecord(schedule, results, memory, **record)
+    emulated = run.emulated
     by_rank = sorted(run.results, key=lambda r: (r.dp_rank, r.rank))
     timelines = next((r.timelines for r in by_rank if r.timelines), ())
     if not timelines:

@@ -251,7 +251,7 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
     """Train, then print measured against simulated (and write --report / --plot)."""
     from ..runtime.profile import profile_chunk_memory, profile_stage_memory  # torch: only a run that trains
     from .loop import launch_reported, reporting_process
-    from .report import RunRecord, format_report, machine_load, report_of, write_report
+    from .report import build_report, format_report, machine_load, write_report
 
     s = cfg.schedule
     if reporting_process():
@@ -270,11 +270,11 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
         memory = tp_stage_memory(cfg, memory)
     seq_mem = profile_chunk_memory(stages, x, loss_fn, y, s.seq_lengths) if s.seq_chunks > 1 else None
     warmup = min(WARMUP_STEPS, max(0, len(results[0].step_spans) - 1))
-    built = report_of(RunRecord(
+    built = build_report(
         s.schedule, tuple(results), tuple(memory), warmup=warmup, emulated=cfg.emulation is not None, seq_mem=seq_mem,
         dp=cfg.dp, sharding=tuple(str(p) for p in cfg.sharding), recompute=s.recompute, recompute_at=s.recompute_anchors,
         stage_param_bytes=tuple(sum(q.numel() for q in st.parameters()) * cfg.precision.master_bytes for st in stages),
-        dp_units=dp_units(cfg), tokens_per_step=cfg.tokens_per_step, vocab=run_lowering(cfg).vocab))
+        dp_units=dp_units(cfg), tokens_per_step=cfg.tokens_per_step, vocab=run_lowering(cfg).vocab)
     built.data["model"] = cfg.model.to_json()
     built.data["precision"] = cfg.precision.name
     built.data["device"] = cfg.mesh.device
