@@ -22,7 +22,6 @@ without one are refused, named.
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
@@ -37,6 +36,7 @@ from . import checkpoint as ckpt
 from . import sharded_checkpoint as sharded
 from .corpus import tokenizer_source
 from .model_choice import ModelChoice
+from .prepare_checks import progress
 
 __all__ = ["checkpoint_choice", "export_checkpoint", "finish_save", "hf_export_of", "save_rank_part"]
 
@@ -66,11 +66,10 @@ def save_rank_part(cfg, setup) -> None:
         write_part(Path(cfg.save_hf) / PARTS, f"rank-{setup.rank:05d}", tensors)
 
 
-def finish_save(cfg, *, max_shard_bytes: int | None = None) -> list[Path]:
+def finish_save(cfg) -> list[Path]:
     """The launcher's half of `--save-hf`: the final files, config.json and the tokenizer's files."""
-    spec = cfg.model.spec()
-    return _finish(spec, cfg.save_hf, dtype=cfg.model.weights_dtype,
-                   tokenizer=tokenizer_source(cfg.data, cfg.model.hf_directory), max_shard_bytes=max_shard_bytes)
+    return _finish(cfg.model.spec(), cfg.save_hf, dtype=cfg.model.weights_dtype,
+                   tokenizer=tokenizer_source(cfg.data, cfg.model.hf_directory), max_shard_bytes=None)
 
 
 def _finish(spec, out: str, *, dtype: str, tokenizer: str | None, max_shard_bytes: int | None) -> list[Path]:
@@ -98,11 +97,10 @@ def checkpoint_choice(meta: Mapping[str, Any]):
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
-                      max_shard_bytes: int | None = None, progress=None) -> list[Path]:
+                      max_shard_bytes: int | None = None) -> list[Path]:
     """Write the newest complete checkpoint in `checkpoint` as a Hugging Face directory `out`."""
     from ..models.hf.export import PARTS, write_part
 
-    say = progress or (lambda message: print(message, file=sys.stderr, flush=True))
     directory = Path(checkpoint)
     if not directory.is_dir():
         raise ValueError(f"{str(checkpoint)!r} is not a directory: give the --checkpoint directory of a run")
@@ -126,13 +124,13 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     num_stages = len(meta["placement"])
     if data_parallel:
         for s in range(num_stages):
-            say(f"export: stage {s + 1}/{num_stages} of step {step} (torch.distributed.checkpoint)")
+            progress(f"export: stage {s + 1}/{num_stages} of step {step} (torch.distributed.checkpoint)")
             write_part(parts, f"stage-{s:05d}", _renamed(export, _sharded_stage(spec, choice, directory, step, s,
                                                                                 num_stages)))
     else:
         weights = _weight_names(spec, num_stages)
         for rank in range(p):
-            say(f"export: rank {rank + 1}/{p} of step {step}")
+            progress(f"export: rank {rank + 1}/{p} of step {step}")
             state = ckpt.load_rank(directory, rank=rank, step=step)
             tensors = {name: t for stage in state["stages"].values() for name, t in stage.items() if name in weights}
             write_part(parts, f"rank-{rank:05d}", _renamed(export, tensors))
