@@ -60,7 +60,8 @@ def _peer(group, peer: int) -> int:
 
 
 def _send(value, peer: int, group, device) -> None:
-    dist.send_object_list([_to(value, torch.device("cpu"))], dst=_peer(group, peer), group=group, device=_comm_device(device))
+    dist.send_object_list([_to(value, torch.device("cpu"))], dst=_peer(group, peer), group=group,
+                          device=_comm_device(device))
 
 
 def _receive(peer: int, group, device):

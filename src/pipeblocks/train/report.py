@@ -256,10 +256,11 @@ class RunRecord:
 
 def build_report(schedule: Schedule, results: Sequence[RankResult], memory: Sequence, **record) -> RunReport:
     """Compare the run with the simulator's replay of it; `record`: the other fields of its
-    `RunRecord` (`warmup` at least; see there what each adds). The static bytes (parameters, gradients, optimizer state) are measured at the
-    step's peak and predicted by `core.cost.static_memory`; `dp_comm_exposed_s_measured` is the
-    median over the timed steps of the time the rank waited on data-parallel communication.
-    The keys the asynchronous report shares are `train.report_keys.SHARED_KEYS`."""
+    `RunRecord` (`warmup` at least; see there what each adds). The static bytes (parameters,
+    gradients, optimizer state) are measured at the step's peak and predicted by
+    `core.cost.static_memory`; `dp_comm_exposed_s_measured` is the median over the timed steps
+    of the time the rank waited on data-parallel communication. The keys the asynchronous
+    report shares are `train.report_keys.SHARED_KEYS`."""
     run = RunRecord(schedule, results, memory, **record)
     emulated = run.emulated
     by_rank = sorted(run.results, key=lambda r: (r.dp_rank, r.rank))
