@@ -112,7 +112,11 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
             raise ValueError(f"{str(directory)!r} holds no complete data-parallel checkpoint (no {sharded.MARKER})")
         meta = sharded.read_marker(directory, step)["meta"]
     else:
-        meta = _per_rank_meta(directory)
+        check = ckpt.verify_rank(directory, 0)
+        if not check.intact:
+            raise ValueError(f"{str(directory)!r} holds no intact checkpoint of rank 0: give the --checkpoint "
+                             "directory of a run that saved")
+        meta = ckpt.load_rank(directory, rank=0, step=check.intact[-1])["meta"]
         p = int(meta["p"])
         step = ckpt.latest_step(directory, p)
         if step is None:
@@ -128,7 +132,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
             write_part(parts, f"stage-{s:05d}", _renamed(export, _sharded_stage(spec, choice, directory, step, s,
                                                                                 num_stages)))
     else:
-        weights = _weight_names(spec, num_stages)
+        # the stages' parameters: no tied copy, no buffer a stage's state also holds
+        weights = {name for s in range(num_stages) for name in stage_parameter_shapes(spec, num_stages, s)}
         for rank in range(p):
             progress(f"export: rank {rank + 1}/{p} of step {step}")
             state = ckpt.load_rank(directory, rank=rank, step=step)
@@ -139,22 +144,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
                    max_shard_bytes=max_shard_bytes)
 
 
-def _per_rank_meta(directory: Path) -> dict:
-    check = ckpt.verify_rank(directory, 0)
-    if not check.intact:
-        raise ValueError(f"{str(directory)!r} holds no intact checkpoint of rank 0: give the --checkpoint directory of "
-                         "a run that saved")
-    return ckpt.load_rank(directory, rank=0, step=check.intact[-1])["meta"]
-
-
 def _renamed(export, tensors: Mapping[str, Any]) -> dict:
     return {export.rename(name): tensor for name, tensor in tensors.items()}
-
-
-def _weight_names(spec, num_stages: int) -> set[str]:
-    """Every parameter an export writes: the stages' parameters, without the tied copies (and
-    without buffers a stage's state also holds)."""
-    return {name for s in range(num_stages) for name in stage_parameter_shapes(spec, num_stages, s)}
 
 
 def _sharded_stage(spec, choice, directory: Path, step: int, stage: int, num_stages: int) -> dict:
