@@ -38,8 +38,8 @@ from .loop_options import resolve_loop_options
 from .model_choice import ModelChoice
 from .prepare_checks import (
     check_checkpoint_directory, check_torchrun_world, emulated_link, run_device, sequence_chunk_lengths, tp_link,
+    warn_tp_across_nodes,
 )
-from .tp_checks import warn_tp_across_nodes
 
 if TYPE_CHECKING:
     from ..data import TokenWindows

@@ -1,6 +1,7 @@
 """The checks and resolutions `train.run.prepare` makes before any process starts: the
 torchrun world, the device, the sequence chunks' lengths, the emulated links, and whether a
-`--resume` can work. Each raises ValueError with the numbers and the fix.
+`--resume` can work. Each raises ValueError with the numbers and the fix; a tensor-parallel
+group that would span nodes is only warned about.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "check_checkpoint_directory", "check_resume", "check_torchrun_world", "emulated_link", "progress", "run_device",
-    "sequence_chunk_lengths", "tp_link",
+    "sequence_chunk_lengths", "tp_link", "warn_tp_across_nodes",
 ]
 
 
@@ -34,6 +35,18 @@ def check_torchrun_world(world: int, tp: int = 1) -> None:
             f"the run needs {shape} = {world} processes but torchrun started {started} (WORLD_SIZE): give torchrun "
             f"--nnodes x --nproc-per-node = {world}, or choose {options} whose product is {started}"
         )
+
+
+def warn_tp_across_nodes(tp: int, device: str) -> None:
+    """On CUDA under torchrun, say so when a tp group would span machines (its per-layer
+    collectives would cross the slower link between them)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if tp == 1 or device != "cuda" or local is None:
+        return
+    if int(local) % tp:
+        print(f"warning: --tp {tp} does not divide the {local} processes per node (LOCAL_WORLD_SIZE): tensor-parallel "
+              "groups would span nodes, and their collectives (several per layer) cross the network; use a --tp "
+              f"that divides {local}", file=sys.stderr, flush=True)
 
 
 def run_device(requested: str, ranks: int, policy) -> str:
