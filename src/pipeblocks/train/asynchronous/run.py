@@ -5,14 +5,12 @@
     >>> train_async(cfg, data, report="run.json")   # loss per step, delays, steady state vs simulated
     >>> verify_async(cfg, data)                     # the same run against the one-process replay
 
-A run of `cfg.steps` optimizer steps of m microbatches each is the mode's W synchronous
-warm-up steps (one-step Programs: a flush after each), then the schedule's asynchronous
-form (`pipeblocks.schedules.asynchronous.ASYNC_FORMS`) over the remaining steps, cut where
-the run drains (at `--save-every` points, or early on a stop request: plan.py, drain.py).
-Each Program is one unit of the training loop (train/loop.py) with the asynchronous step
-strategy (steps.py): one `PipelineRunner.step` per rank, whose OPTIMIZER_STEP ops the
-rank's `AsyncCompute` takes. Step k trains on `TokenWindows.batch(k, m*b, seed)`,
-cut into m microbatches, as synchronous training does.
+A run of `cfg.steps` optimizer steps is its Programs (plan.py: the W synchronous warm-up
+steps, then the schedule's asynchronous form, cut where the run drains; drain.py), each one
+unit of the training loop (train/loop.py) with the asynchronous step strategy (steps.py):
+one `PipelineRunner.step` per rank, whose OPTIMIZER_STEP ops the rank's `AsyncCompute`
+takes. Step k trains on `TokenWindows.batch(k, m*b, seed)`, cut into m microbatches, as
+synchronous training does.
 
 Every rank measures the delay of every microbatch at its stages (the versions its
 backward and its forward saw); `verify_async` checks them against the Programs' and
