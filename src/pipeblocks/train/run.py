@@ -192,7 +192,7 @@ def _threads_against_profile(cfg: TrainConfig, hardware: str | None) -> dict:
 def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = None):
     """All stage modules (this process) and the costs to simulate the run with: seconds and bytes."""
     # torch: --dry-run profiles the stages, which `pipeblocks list` and the CLI's parsing must not import
-    from ..runtime.profile import profile_chunk_memory, profile_stage_memory, profile_stage_times
+    from ..runtime.profile import profile_stage_times
     from .rank_setup import emulated_costs
     from .reference import torch_threads
 
@@ -200,10 +200,7 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = No
     x, y = data.batch(0, cfg.microbatch_size, seed=cfg.seed)
     stages, loss_fn = profiled_stages(cfg)
     chain = one_chain(s.schedule, stages)  # DualPipe: one direction profiled, its figures repeated for the other
-    memory = per_chain(s.schedule, profile_stage_memory(chain, x, loss_fn, y))
-    if cfg.tp > 1:  # what one tensor-parallel rank saves of the whole stages profiled here
-        memory = tp_stage_memory(cfg, memory)
-    seq_mem = profile_chunk_memory(stages, x, loss_fn, y, s.seq_lengths) if s.seq_chunks > 1 else None
+    memory, seq_mem = _profiled_memory(cfg, stages, loss_fn, x, y)
     t_comm = 0.0
     if cfg.emulation is not None:
         ms = emulated_costs(cfg).sim_costs(s.schedule)
@@ -225,6 +222,18 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = No
                   seq_mem=tuple(seq_mem) if seq_mem is not None else None,
                   recompute_input_ratio=tuple(x.input_ratio for x in memory))
     return stages, costs
+
+
+def _profiled_memory(cfg: TrainConfig, stages, loss_fn, x, y):
+    """Per stage, the activation bytes one microbatch saves, measured the way the runtime
+    counts them (one tensor-parallel rank's share), and with sequence chunks each chunk's."""
+    from ..runtime.profile import profile_chunk_memory, profile_stage_memory  # torch, as in _stage_costs
+
+    s = cfg.schedule
+    memory = per_chain(s.schedule, profile_stage_memory(one_chain(s.schedule, stages), x, loss_fn, y))
+    if cfg.tp > 1:  # what one tensor-parallel rank saves of the whole stages profiled here
+        memory = tp_stage_memory(cfg, memory)
+    return memory, profile_chunk_memory(stages, x, loss_fn, y, s.seq_lengths) if s.seq_chunks > 1 else None
 
 
 # ---- launch --------------------------------------------------------------------------------
@@ -249,8 +258,7 @@ def execute(cfg: TrainConfig, data: TokenWindows, *, dry: bool = False, report: 
 
 def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, plot: str | None = None) -> int:
     """Train, then print measured against simulated (and write --report / --plot)."""
-    from ..runtime.profile import profile_chunk_memory, profile_stage_memory  # torch: only a run that trains
-    from .loop import launch_reported, reporting_process
+    from .loop import launch_reported, reporting_process  # torch: only a run that trains
     from .report import build_report, format_report, machine_load, write_report
 
     s = cfg.schedule
@@ -262,13 +270,9 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
     if results is None:
         return 1
     results = [r for r in results if r.tp_rank == 0]  # one row per (pipeline rank, replica)
-    # Per-stage activation bytes of one microbatch, measured the way the runtime counts them.
     x, y = data.batch(0, cfg.microbatch_size, seed=cfg.seed)
     stages, loss_fn = profiled_stages(cfg)
-    memory = per_chain(s.schedule, profile_stage_memory(one_chain(s.schedule, stages), x, loss_fn, y))
-    if cfg.tp > 1:  # what one tensor-parallel rank saves of the whole stages profiled here
-        memory = tp_stage_memory(cfg, memory)
-    seq_mem = profile_chunk_memory(stages, x, loss_fn, y, s.seq_lengths) if s.seq_chunks > 1 else None
+    memory, seq_mem = _profiled_memory(cfg, stages, loss_fn, x, y)
     warmup = min(WARMUP_STEPS, max(0, len(results[0].step_spans) - 1))
     built = build_report(
         s.schedule, tuple(results), tuple(memory), warmup=warmup, emulated=cfg.emulation is not None, seq_mem=seq_mem,
