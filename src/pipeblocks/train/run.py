@@ -36,8 +36,8 @@ from .predict import (
 )
 from .prepare import dp_units, prepare, run_lowering
 from .prepare_checks import progress
-from .report import format_bytes
-from .stage_copies import one_chain, per_chain
+from .report import build_report, format_bytes, format_report, machine_load, write_report
+from .stage_copies import build_copies, one_chain, per_chain
 from .tp_predict import tp_shapes, tp_stage_memory
 
 if TYPE_CHECKING:  # torch enters only when a run starts, so `pipeblocks list` stays fast
@@ -152,8 +152,6 @@ def profiled_stages(cfg: TrainConfig):
         spec = dataclasses.replace(spec, weights=None, init=normal_init)
     dtype = torch_dtype(cfg.precision.compute if cfg.precision.mixed else cfg.precision.master)
     if cfg.schedule.schedule.chains > 1:  # DualPipe: every model stage once per chain, in global stage order
-        from .stage_copies import build_copies
-
         copies = build_copies(spec, cfg.schedule.schedule, range(cfg.num_stages), seed=cfg.seed, dtype=dtype)
         return [copies[s] for s in range(cfg.num_stages)], spec.loss
     stages = build_stages(spec, seed=cfg.seed, num_stages=cfg.num_stages, stages=range(cfg.num_stages), dtype=dtype,
@@ -259,7 +257,6 @@ def execute(cfg: TrainConfig, data: TokenWindows, *, dry: bool = False, report: 
 def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, plot: str | None = None) -> int:
     """Train, then print measured against simulated (and write --report / --plot)."""
     from .loop import launch_reported, reporting_process  # torch: only a run that trains
-    from .report import build_report, format_report, machine_load, write_report
 
     s = cfg.schedule
     if reporting_process():

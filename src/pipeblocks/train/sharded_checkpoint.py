@@ -40,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from .checkpoint import held_once, with_tied_copies
 from .config import TrainConfig
 
 __all__ = [
@@ -76,8 +77,6 @@ def portable_meta(meta: Mapping[str, object]) -> dict:
 def _state(stages: Mapping[int, nn.Module], optimizers: Sequence[torch.optim.Optimizer]):
     """The module and the state dict DCP saves and loads: every stage's weights (a tied head's
     copy left out: the checkpoint holds the weight once) and the optimizers' state."""
-    from .checkpoint import held_once
-
     model = nn.ModuleDict({f"stage{s}": stages[s] for s in sorted(stages)})
     model_state, optim_state = get_state_dict(model, optimizers=list(optimizers), options=_OPTIONS)
     for s in sorted(stages):
@@ -138,8 +137,6 @@ def load_sharded(
         raise ValueError(
             f"{str(path)!r} is not a complete checkpoint (no {MARKER}): resume from latest_sharded_step"
         )
-    from .checkpoint import with_tied_copies
-
     model, state = _state(stages, optimizers)
     dcp.load(state, checkpoint_id=str(path))
     current = get_state_dict(model, optimizers=[], options=_OPTIONS)[0]
