@@ -105,11 +105,12 @@ class RankResult:
 
 @dataclass(frozen=True)
 class RunReport:
-    """`data` is the `--report` JSON; the timelines are for plotting."""
+    """`data` is the `--report` JSON; the timelines are for plotting (an asynchronous run's:
+    its steady state's, None without one)."""
 
     data: dict
-    measured: Timeline
-    simulated: Timeline
+    measured: Timeline | None
+    simulated: Timeline | None
 
 
 def profiled_costs(schedule: Schedule, timelines: Sequence[Timeline], m_b: Sequence[float],
@@ -434,10 +435,10 @@ def format_report(data: dict) -> str:
     return "\n".join(lines)
 
 
-def write_report(built, report: str | None, plot: str | None) -> list[str]:
-    """Write `built.data` (a RunReport's, or an asynchronous run's AsyncReport's) as the --report
-    JSON and its timelines to --plot (default: beside the report, as .png; none without a
-    measured timeline); the lines to print."""
+def write_report(built: RunReport, report: str | None, plot: str | None) -> list[str]:
+    """Write `built.data` (a RunReport, either mode's) as the --report JSON and its timelines to
+    --plot (default: beside the report, as .png; none without a measured timeline); the lines
+    to print."""
     out = []
     if report:
         write_atomically(Path(report), json_text(built.data, indent=1) + "\n")

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from dataclasses import dataclass
 
 from ...core.ir.actions import Action
 from ...core.cost.costs import Costs
@@ -43,21 +42,14 @@ from ...core.simulator.simulate import simulate, simulate_program
 from ...core.simulator.steady import SteadyState, steady_state
 from ...core.simulator.timeline import Event, Timeline
 from ..config import TrainConfig
-from ..report import between_passes, eval_loss_rows, profiled_costs
+from ..report import RunReport, between_passes, eval_loss_rows, profiled_costs
 from .plan import segment_program
 from .steps import AsyncRankResult, SegmentRecord
 
-__all__ = ["AsyncReport", "build_async_report", "format_async_report"]
+__all__ = ["build_async_report", "format_async_report"]
 
 
-@dataclass(frozen=True)
-class AsyncReport:
-    data: dict
-    measured: Timeline | None
-    simulated: Timeline | None
-
-
-def build_async_report(cfg: TrainConfig, results: list[AsyncRankResult]) -> AsyncReport:
+def build_async_report(cfg: TrainConfig, results: list[AsyncRankResult]) -> RunReport:
     results = sorted(results, key=lambda r: r.rank)
     n, w = cfg.schedule.m, cfg.async_mode.sync_warmup_steps
     head = results[0]
@@ -82,7 +74,7 @@ def build_async_report(cfg: TrainConfig, results: list[AsyncRankResult]) -> Asyn
         "steady_state": steady,
         **_shared(steady),
     }
-    return AsyncReport(data, measured, simulated)
+    return RunReport(data, measured, simulated)
 
 
 def _shared(steady: dict | None) -> dict:
