@@ -175,7 +175,7 @@ def test_simulate_train_and_the_runtime_run_one_program(run, monkeypatch, capsys
     from pipeblocks.resolve import program as resolve_program
     from pipeblocks.runtime.runner import _check_program, _lower
     from pipeblocks.train.prepare import run_program
-    from pipeblocks.train.rank_setup import dp_units
+    from pipeblocks.train.prepare import dp_units
 
     name, options = ONE_RUN[run]
     resolved = _recording(monkeypatch, resolve_program)

@@ -199,7 +199,7 @@ def test_emulated_tp_ranks_sleep_a_share_of_the_layer_and_its_collectives():
 
 
 def test_a_tp_group_that_would_span_nodes_is_warned_about_on_cuda(monkeypatch, capsys):
-    from pipeblocks.train.tp_checks import warn_tp_across_nodes
+    from pipeblocks.train.prepare_checks import warn_tp_across_nodes
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     warn_tp_across_nodes(8, "cuda")

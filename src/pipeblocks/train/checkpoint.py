@@ -169,12 +169,11 @@ def no_intact_message(directory: str | os.PathLike, checks: Sequence[RankCheck])
     )
 
 
-def warn_damaged(check: RankCheck, step: int | None, *, stream=None) -> None:
+def warn_damaged(check: RankCheck, step: int | None) -> None:
     """One line per damaged file of this rank, naming it and the step used instead."""
-    stream = stream or sys.stderr
     for path, why in check.damaged:
         instead = f"resuming from step {step}" if step is not None else "no intact step to resume from"
-        print(f"warning: checkpoint {path} is damaged ({why}): {instead}", file=stream, flush=True)
+        print(f"warning: checkpoint {path} is damaged ({why}): {instead}", file=sys.stderr, flush=True)
 
 
 def load_rank(directory: str | os.PathLike, *, rank: int, step: int) -> dict:

@@ -60,7 +60,8 @@ def _peer(group, peer: int) -> int:
 
 
 def _send(value, peer: int, group, device) -> None:
-    dist.send_object_list([_to_cpu(value)], dst=_peer(group, peer), group=group, device=_comm_device(device))
+    dist.send_object_list([_to(value, torch.device("cpu"))], dst=_peer(group, peer), group=group,
+                          device=_comm_device(device))
 
 
 def _receive(peer: int, group, device):
@@ -71,10 +72,6 @@ def _receive(peer: int, group, device):
 
 def _comm_device(device):
     return device if device is not None and torch.device(device).type == "cuda" else None
-
-
-def _to_cpu(value):
-    return _to(value, torch.device("cpu"))
 
 
 def _to(value, device):

@@ -22,7 +22,6 @@ without one are refused, named.
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
@@ -37,6 +36,7 @@ from . import checkpoint as ckpt
 from . import sharded_checkpoint as sharded
 from .corpus import tokenizer_source
 from .model_choice import ModelChoice
+from .prepare_checks import progress
 
 __all__ = ["checkpoint_choice", "export_checkpoint", "finish_save", "hf_export_of", "save_rank_part"]
 
@@ -66,11 +66,10 @@ def save_rank_part(cfg, setup) -> None:
         write_part(Path(cfg.save_hf) / PARTS, f"rank-{setup.rank:05d}", tensors)
 
 
-def finish_save(cfg, *, max_shard_bytes: int | None = None) -> list[Path]:
+def finish_save(cfg) -> list[Path]:
     """The launcher's half of `--save-hf`: the final files, config.json and the tokenizer's files."""
-    spec = cfg.model.spec()
-    return _finish(spec, cfg.save_hf, dtype=cfg.model.weights_dtype,
-                   tokenizer=tokenizer_source(cfg.data, cfg.model.hf_directory), max_shard_bytes=max_shard_bytes)
+    return _finish(cfg.model.spec(), cfg.save_hf, dtype=cfg.model.weights_dtype,
+                   tokenizer=tokenizer_source(cfg.data, cfg.model.hf_directory), max_shard_bytes=None)
 
 
 def _finish(spec, out: str, *, dtype: str, tokenizer: str | None, max_shard_bytes: int | None) -> list[Path]:
@@ -98,67 +97,55 @@ def checkpoint_choice(meta: Mapping[str, Any]):
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
-                      max_shard_bytes: int | None = None, progress=None) -> list[Path]:
+                      max_shard_bytes: int | None = None) -> list[Path]:
     """Write the newest complete checkpoint in `checkpoint` as a Hugging Face directory `out`."""
     from ..models.hf.export import PARTS, write_part
 
-    say = progress or (lambda message: print(message, file=sys.stderr, flush=True))
     directory = Path(checkpoint)
     if not directory.is_dir():
         raise ValueError(f"{str(checkpoint)!r} is not a directory: give the --checkpoint directory of a run")
     parts = Path(out) / PARTS
-    if sharded.has_sharded(directory):
+    data_parallel = sharded.has_sharded(directory)
+    if data_parallel:
         step = sharded.latest_sharded_step(directory)
         if step is None:
             raise ValueError(f"{str(directory)!r} holds no complete data-parallel checkpoint (no {sharded.MARKER})")
         meta = sharded.read_marker(directory, step)["meta"]
-        choice = checkpoint_choice(meta)
-        spec = choice.spec()
-        export = hf_export_of(spec)
-        num_stages = len(meta["placement"])
-        for s in range(num_stages):
-            say(f"export: stage {s + 1}/{num_stages} of step {step} (torch.distributed.checkpoint)")
-            write_part(parts, f"stage-{s:05d}", _renamed(export, _sharded_stage(spec, choice, directory, step, s,
-                                                                                num_stages)))
     else:
-        meta0 = _per_rank_meta(directory)
-        p = int(meta0["p"])
+        check = ckpt.verify_rank(directory, 0)
+        if not check.intact:
+            raise ValueError(f"{str(directory)!r} holds no intact checkpoint of rank 0: give the --checkpoint "
+                             "directory of a run that saved")
+        meta = ckpt.load_rank(directory, rank=0, step=check.intact[-1])["meta"]
+        p = int(meta["p"])
         step = ckpt.latest_step(directory, p)
         if step is None:
             raise ValueError(f"{str(directory)!r} holds no step that every one of its {p} ranks saved: nothing to "
                              "export")
-        choice = checkpoint_choice(meta0)
-        spec = choice.spec()
-        export = hf_export_of(spec)
-        weights = _weight_names(spec, len(meta0["placement"]))
+    choice = checkpoint_choice(meta)
+    spec = choice.spec()
+    export = hf_export_of(spec)
+    num_stages = len(meta["placement"])
+    if data_parallel:
+        for s in range(num_stages):
+            progress(f"export: stage {s + 1}/{num_stages} of step {step} (torch.distributed.checkpoint)")
+            write_part(parts, f"stage-{s:05d}", _renamed(export, _sharded_stage(spec, choice, directory, step, s,
+                                                                                num_stages)))
+    else:
+        # the stages' parameters: no tied copy, no buffer a stage's state also holds
+        weights = {name for s in range(num_stages) for name in stage_parameter_shapes(spec, num_stages, s)}
         for rank in range(p):
-            say(f"export: rank {rank + 1}/{p} of step {step}")
+            progress(f"export: rank {rank + 1}/{p} of step {step}")
             state = ckpt.load_rank(directory, rank=rank, step=step)
             tensors = {name: t for stage in state["stages"].values() for name, t in stage.items() if name in weights}
             write_part(parts, f"rank-{rank:05d}", _renamed(export, tensors))
             del state
-    tokenizer = meta.get("tokenizer") if sharded.has_sharded(directory) else meta0.get("tokenizer")
-    files = _finish(spec, str(out), dtype=choice.weights_dtype, tokenizer=tokenizer or choice.hf_directory,
-                    max_shard_bytes=max_shard_bytes)
-    return files
-
-
-def _per_rank_meta(directory: Path) -> dict:
-    check = ckpt.verify_rank(directory, 0)
-    if not check.intact:
-        raise ValueError(f"{str(directory)!r} holds no intact checkpoint of rank 0: give the --checkpoint directory of "
-                         "a run that saved")
-    return ckpt.load_rank(directory, rank=0, step=check.intact[-1])["meta"]
+    return _finish(spec, str(out), dtype=choice.weights_dtype, tokenizer=meta.get("tokenizer") or choice.hf_directory,
+                   max_shard_bytes=max_shard_bytes)
 
 
 def _renamed(export, tensors: Mapping[str, Any]) -> dict:
     return {export.rename(name): tensor for name, tensor in tensors.items()}
-
-
-def _weight_names(spec, num_stages: int) -> set[str]:
-    """Every parameter an export writes: the stages' parameters, without the tied copies (and
-    without buffers a stage's state also holds)."""
-    return {name for s in range(num_stages) for name in stage_parameter_shapes(spec, num_stages, s)}
 
 
 def _sharded_stage(spec, choice, directory: Path, step: int, stage: int, num_stages: int) -> dict:

@@ -129,11 +129,6 @@ def default_lr(hidden: int) -> float:
     return DEFAULT_LR * min(1.0, DEFAULT_LR_WIDTH / hidden)
 
 
-def default_warmup(steps: int) -> int:
-    """A tenth of the schedule's steps, at most DEFAULT_WARMUP_CAP (0 under 10 steps)."""
-    return min(DEFAULT_WARMUP_CAP, int(steps * DEFAULT_WARMUP_FRACTION))
-
-
 def resolve_schedule(kind: str | None, *, lr: float, warmup_steps: int | None, min_lr: float | None, steps: int,
                      decay_steps: int | None = None, saved: dict | None = None) -> LRSchedule:
     """The schedule of a run of `steps` steps from the command line's options (None: not
@@ -157,8 +152,8 @@ def resolve_schedule(kind: str | None, *, lr: float, warmup_steps: int | None, m
         raise ValueError(f"--min-lr {min_lr:g} with --lr-schedule constant has no effect: drop --min-lr, or choose "
                          "--lr-schedule cosine or linear")
     total = steps if decay_steps is None else decay_steps
-    if warmup_steps is None:
-        warmup_steps = default_warmup(total)
+    if warmup_steps is None:  # a tenth of the schedule's steps, at most DEFAULT_WARMUP_CAP (0 under 10 steps)
+        warmup_steps = min(DEFAULT_WARMUP_CAP, int(total * DEFAULT_WARMUP_FRACTION))
     if kind != "constant" and min_lr is None and lr is not None and math.isfinite(lr):
         min_lr = lr * DEFAULT_MIN_LR_RATIO
     return LRSchedule(kind, lr, warmup_steps, min_lr, total)

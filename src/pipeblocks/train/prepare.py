@@ -38,13 +38,13 @@ from .loop_options import resolve_loop_options
 from .model_choice import ModelChoice
 from .prepare_checks import (
     check_checkpoint_directory, check_torchrun_world, emulated_link, run_device, sequence_chunk_lengths, tp_link,
+    warn_tp_across_nodes,
 )
-from .tp_checks import warn_tp_across_nodes
 
 if TYPE_CHECKING:
     from ..data import TokenWindows
 
-__all__ = ["prepare", "model_choice", "run_lowering", "run_program"]
+__all__ = ["prepare", "dp_units", "load_data", "model_choice", "run_lowering", "run_program"]
 
 
 def prepare(
@@ -97,7 +97,7 @@ def prepare(
     emulation = None if emulate is None else EmulationSpec(
         tuple(emulate), emulated_link(request) if mesh.data_parallel else None,
         tp_link=tp_link(request) if tp > 1 else None)
-    corpus = _load_data(data, choice)
+    corpus = load_data(data, choice)
     options, train_data = resolve_loop_options(
         train_options, corpus, checkpoint=checkpoint, resume=resume, emulate=emulate, p=schedule.p,
         hidden=choice.hidden, async_mode=train_options.get("async_mode"))
@@ -167,7 +167,7 @@ def _check_fits(choice: ModelChoice, schedule: Schedule, tp: int,
     return counts
 
 
-def _load_data(data: DataSpec, choice: ModelChoice) -> TokenWindows:
+def load_data(data: DataSpec, choice: ModelChoice) -> TokenWindows:
     """The corpus in windows of the run's sequence, its ids checked against the model's vocabulary."""
     return load_corpus(data, seq=choice.sequence, vocab=choice.vocab, model_tokenizer=model_tokenizer(choice))
 
@@ -204,8 +204,12 @@ def run_lowering(cfg: TrainConfig) -> Lowering:
         vocab = vocab_costs(cfg)
     if not cfg.data_parallel:
         return Lowering(recompute=s.recompute, recompute_at=s.recompute_anchors, vocab=vocab)
-    return Lowering(tuple(cfg.sharding), cfg.dp, units_for(cfg.mesh.dp_unit, cfg.stage_layers), s.recompute,
-                    s.recompute_anchors, vocab)
+    return Lowering(tuple(cfg.sharding), cfg.dp, dp_units(cfg), s.recompute, s.recompute_anchors, vocab)
+
+
+def dp_units(cfg: TrainConfig):
+    """The DP units of every stage at the run's grain (None at chunk grain): one per block."""
+    return units_for(cfg.mesh.dp_unit, cfg.stage_layers)
 
 
 def run_program(cfg: TrainConfig) -> Program:

@@ -1,6 +1,7 @@
 """The checks and resolutions `train.run.prepare` makes before any process starts: the
 torchrun world, the device, the sequence chunks' lengths, the emulated links, and whether a
-`--resume` can work. Each raises ValueError with the numbers and the fix.
+`--resume` can work. Each raises ValueError with the numbers and the fix; a tensor-parallel
+group that would span nodes is only warned about.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ if TYPE_CHECKING:
     from ..data import TokenWindows
 
 __all__ = [
-    "check_checkpoint_directory", "check_resume", "check_torchrun_world", "emulated_link", "run_device",
-    "sequence_chunk_lengths", "tp_link",
+    "check_checkpoint_directory", "check_resume", "check_torchrun_world", "emulated_link", "progress", "run_device",
+    "sequence_chunk_lengths", "tp_link", "warn_tp_across_nodes",
 ]
 
 
@@ -36,13 +37,25 @@ def check_torchrun_world(world: int, tp: int = 1) -> None:
         )
 
 
+def warn_tp_across_nodes(tp: int, device: str) -> None:
+    """On CUDA under torchrun, say so when a tp group would span machines (its per-layer
+    collectives would cross the slower link between them)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if tp == 1 or device != "cuda" or local is None:
+        return
+    if int(local) % tp:
+        print(f"warning: --tp {tp} does not divide the {local} processes per node (LOCAL_WORLD_SIZE): tensor-parallel "
+              "groups would span nodes, and their collectives (several per layer) cross the network; use a --tp "
+              f"that divides {local}", file=sys.stderr, flush=True)
+
+
 def run_device(requested: str, ranks: int, policy) -> str:
     """The device type for `ranks` processes (on this machine, or this node under torchrun),
     and a precision the device runs."""
     from ..runtime.launch import choose_device, under_torchrun  # torch, as above
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) if under_torchrun() else ranks
-    kind = choose_device(requested, local, note=_progress)
+    kind = choose_device(requested, local, note=progress)
     if kind == "cuda" and policy.compute == "bfloat16":
         import torch
 
@@ -148,5 +161,6 @@ def _check_sharded_resume(cfg: TrainConfig, data: TokenWindows) -> None:
         raise ValueError(f"--resume: the checkpoint is at step {step} already: raise --steps above {step}")
 
 
-def _progress(message: str) -> None:
+def progress(message: str) -> None:
+    """A line about what is happening, on stderr: stdout keeps only the command's result."""
     print(message, file=sys.stderr, flush=True)

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from ..core.cost.dp_model import DPCostModel, Link
-from ..core.ir.dp_units import units_for
 from ..core.ir.sharding import ShardingPolicy
 from ..data import TokenWindows
 from ..models.build import build_stages
@@ -39,8 +38,7 @@ from ..runtime.mesh import init_mesh
 from ..runtime.precision import ComputeCopies, fsdp_policy, torch_dtype
 from ..runtime.tied import TiedWeights
 from .config import TrainConfig
-from .corpus import load_corpus
-from .prepare import model_tokenizer
+from .prepare import dp_units, load_data
 from .stage_copies import build_copies
 from .tp_predict import tp_emulated_times
 from .vocab_setup import emulated_pass_times, strip_vocab, vocab_rank
@@ -133,9 +131,7 @@ def setup_rank(ctx, cfg: TrainConfig) -> RankSetup:
         )
 
     tied = TiedWeights.build(modules, cfg.schedule.placement, mesh=mesh, timeout_s=cfg.timeout_s)
-    corpus = load_corpus(cfg.data, seq=cfg.model.sequence, vocab=cfg.model.vocab,
-                         model_tokenizer=model_tokenizer(cfg.model))
-    data, held_out = corpus.split(cfg.held_out)
+    data, held_out = load_data(cfg.data, cfg.model).split(cfg.held_out)
     torch.manual_seed(cfg.seed)
     return RankSetup(rank, replica, mesh, modules, runner_stages, copies, data_parallel, data, spec.loss,
                      held_out, tied, vocab)
@@ -161,11 +157,6 @@ def emulated_costs(cfg: TrainConfig):
     if cfg.tp > 1:  # a tp rank computes 1/tp of a layer and waits on its collectives
         f, b, w = tp_emulated_times(cfg)
     return EmulatedCosts(f_ms=f, b_ms=b, w_ms=w, layers=cfg.stage_layers)
-
-
-def dp_units(cfg: TrainConfig):
-    """The DP units of every stage at the run's grain (None at chunk grain): one per block."""
-    return units_for(cfg.mesh.dp_unit, cfg.stage_layers)
 
 
 def _emulated_link(cfg: TrainConfig, stages):

@@ -30,6 +30,11 @@ import torch
 from torch import Tensor
 
 from ..core.cost.precision import PrecisionPolicy
+from ..models.build import build_model, spec_of
+from ..models.spec import model_logits
+from ..models.splitter import tied_pairs
+from ..runtime.precision import ComputeCopies, torch_dtype
+from .model_choice import ModelChoice
 
 __all__ = [
     "TOLERANCE",
@@ -87,10 +92,6 @@ def whole_model(model, *, seed: int) -> tuple[torch.nn.Module, Callable[[object,
     """(the whole model of `seed`, its loss on the model's output) for a `ModelChoice`, a
     `ModelSpec` or a built-in's config. The loss takes what the forward returns: logits, or a
     Hugging Face output object holding them."""
-    from ..models.build import build_model, spec_of
-    from ..models.spec import model_logits
-    from .model_choice import ModelChoice
-
     dtype = None
     if isinstance(model, ModelChoice):
         dtype = getattr(torch, model.weights_dtype)
@@ -106,8 +107,6 @@ def named_as_stages(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The whole model's parameters by the names the pipeline's stages give them: a weight the
     head shares with the embedding (tied) appears under both names, as the first and the last
     stage each hold a copy of it."""
-    from ..models.splitter import tied_pairs
-
     named = dict(model.named_parameters())
     layout = getattr(model, "pipeline_layout", None)
     if layout is not None:
@@ -186,8 +185,6 @@ def _accumulate(model: torch.nn.Module, loss_fn, inputs: Tensor, targets: Tensor
     """Each microbatch forward and backward with loss/m, in `precision` (None: the weights' own)."""
     run, copies = model, None
     if precision is not None and precision.mixed:
-        from ..runtime.precision import ComputeCopies, torch_dtype
-
         copies = ComputeCopies({0: model}, torch_dtype(precision.compute))
         run = copies.stages[0]
         copies.begin_step()

@@ -1,8 +1,8 @@
 """After a run: measured against predicted, per rank, and the timelines side by side.
 
-    >>> report = report_of(RunRecord(schedule, results, memory, warmup=2))  # report.data: the --report JSON
+    >>> report = build_report(schedule, results, memory, warmup=2)  # report.data: the --report JSON; RunRecord's fields
     >>> print(format_report(report.data))
-    >>> write_timeline_plot(report.measured, report.simulated, "run.png")
+    >>> write_report(report, "run.json", "run.png")   # --report JSON, --plot: the timelines side by side
 
 The prediction uses costs profiled from the run itself:
 
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..core.ir.actions import Action, Kind
-from ..core.ir.schedule import Schedule
+from ..core.ir.schedule import Schedule, write_atomically
 from ..core.cost.costs import BlockCosts, Costs
 from ..core.cost.dp_model import DPCostModel, Link
 from ..core.ir.dp_units import DPUnits
@@ -57,11 +57,12 @@ from ..core.ir.sharding import parse_sharding
 from ..core.simulator.simulate import simulate, simulate_program
 from ..core.simulator.timeline import Timeline
 from ..core.ir.vocab import VocabCosts, VocabPass
+from ..core.util.jsontext import json_text
 from ..resolve.program import Lowering
 from ..sim.overhead import handover_gaps, local_gaps
 
 __all__ = ["RankResult", "RunRecord", "format_bytes", "RunReport", "profiled_costs", "iteration_times", "build_report",
-           "report_of", "format_report", "machine_load", "write_timeline_plot"]
+           "format_report", "machine_load", "write_report", "write_timeline_plot"]
 
 
 @dataclass(frozen=True)
@@ -104,11 +105,12 @@ class RankResult:
 
 @dataclass(frozen=True)
 class RunReport:
-    """`data` is the `--report` JSON; the timelines are for plotting."""
+    """`data` is the `--report` JSON; the timelines are for plotting (an asynchronous run's:
+    its steady state's, None without one)."""
 
     data: dict
-    measured: Timeline
-    simulated: Timeline
+    measured: Timeline | None
+    simulated: Timeline | None
 
 
 def profiled_costs(schedule: Schedule, timelines: Sequence[Timeline], m_b: Sequence[float],
@@ -253,18 +255,15 @@ class RunRecord:
     mean measured duration (`vocab_pass_costs`)"""
 
 
-def build_report(schedule: Schedule, results: Sequence[RankResult], memory: Sequence, **run) -> RunReport:
-    """`report_of` the run; `run`: the other fields of `RunRecord` (`warmup` at least)."""
-    return report_of(RunRecord(schedule, results, memory, **run))
-
-
-def report_of(run: RunRecord) -> RunReport:
-    """Compare the run with the simulator's replay of it (see `RunRecord` for what each field
-    adds). The static bytes (parameters, gradients, optimizer state) are measured at the
-    step's peak and predicted by `core.cost.static_memory`; `dp_comm_exposed_s_measured` is the
-    median over the timed steps of the time the rank waited on data-parallel communication.
-    The keys the asynchronous report shares are `train.report_keys.SHARED_KEYS`."""
-    schedule, memory, emulated = run.schedule, run.memory, run.emulated
+def build_report(schedule: Schedule, results: Sequence[RankResult], memory: Sequence, **record) -> RunReport:
+    """Compare the run with the simulator's replay of it; `record`: the other fields of its
+    `RunRecord` (`warmup` at least; see there what each adds). The static bytes (parameters,
+    gradients, optimizer state) are measured at the step's peak and predicted by
+    `core.cost.static_memory`; `dp_comm_exposed_s_measured` is the median over the timed steps
+    of the time the rank waited on data-parallel communication. The keys the asynchronous
+    report shares are `train.report_keys.SHARED_KEYS`."""
+    run = RunRecord(schedule, results, memory, **record)
+    emulated = run.emulated
     by_rank = sorted(run.results, key=lambda r: (r.dp_rank, r.rank))
     timelines = next((r.timelines for r in by_rank if r.timelines), ())
     if not timelines:
@@ -370,8 +369,6 @@ def machine_load(local_ranks: int, device: str) -> dict:
     1-minute load average when the report is made (os.getloadavg; None where there is none).
     On the CPU the simulated side assumes every rank has cores of its own: ranks that
     outnumber the cores, or other work on them, make the measured times longer."""
-    import os
-
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
@@ -395,7 +392,7 @@ def contention_notes(data: dict) -> list[str]:
     return notes
 
 
-def _static_shown(measured: int | None) -> str:
+def _shown_bytes(measured: int | None) -> str:
     return "n/a (emulated)" if measured is None else format_bytes(measured)
 
 
@@ -420,12 +417,11 @@ def format_report(data: dict) -> str:
     for row in data["ranks"]:
         measured, predicted = row["peak_activation_bytes_measured"], row["peak_activation_bytes_predicted"]
         ratio = f"{measured / predicted:.3f}" if predicted and measured is not None else "-"
-        shown = "n/a (emulated)" if measured is None else format_bytes(measured)
         stages = ",".join(map(str, row["stages"]))
         exposed, exposed_sim = row.get("dp_comm_exposed_s_measured"), row.get("dp_comm_exposed_s_simulated")
         lines.append(
-            f"{row['rank']:>4}  {row.get('dp_rank', 0):>2}  {stages:<7}  {shown:>25}   {format_bytes(predicted):>9}   "
-            f"{ratio:>18}   {_static_shown(row.get('static_bytes_measured', 0)):>16}   "
+            f"{row['rank']:>4}  {row.get('dp_rank', 0):>2}  {stages:<7}  {_shown_bytes(measured):>25}   "
+            f"{format_bytes(predicted):>9}   {ratio:>18}   {_shown_bytes(row.get('static_bytes_measured', 0)):>16}   "
             f"{format_bytes(row.get('static_bytes_predicted', 0)):>9}   "
             + ("-" if exposed is None else f"{exposed * 1e3:.2f} ms") + " / "
             + ("-" if exposed_sim is None else f"{exposed_sim * 1e3:.2f} ms")
@@ -437,6 +433,20 @@ def format_report(data: dict) -> str:
                      f"{row['recompute_s_simulated'] * 1e3:.2f} ms   exposed {row['recompute_exposed_s_simulated'] * 1e3:.2f} ms"
                      for row in data["ranks"])
     return "\n".join(lines)
+
+
+def write_report(built: RunReport, report: str | None, plot: str | None) -> list[str]:
+    """Write `built.data` (a RunReport, either mode's) as the --report JSON and its timelines to
+    --plot (default: beside the report, as .png; none without a measured timeline); the lines
+    to print."""
+    out = []
+    if report:
+        write_atomically(Path(report), json_text(built.data, indent=1) + "\n")
+        out.append(f"report   {report}")
+    plot = plot or (str(Path(report).with_suffix(".png")) if report else None)
+    if plot and built.measured is not None:
+        out.append(f"timeline {write_timeline_plot(built.measured, built.simulated, plot)}")
+    return out
 
 
 def write_timeline_plot(measured: Timeline, simulated: Timeline, path: str | os.PathLike) -> Path:

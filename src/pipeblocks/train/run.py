@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING, TextIO
 
 from ..core.cost.costs import Costs
 from ..core.cost.static_memory import predict_static_peak
-from ..core.ir.schedule import write_atomically
-from ..core.util.jsontext import json_text
 from ..resolve.program import simulate_run
 from ..schedules import names
 from ..sim.hardware_profile import resolve_hardware
@@ -36,9 +34,10 @@ from .predict import (
     threads_mismatch,
     with_runtime_time,
 )
-from .prepare import prepare, run_lowering
-from .report import format_bytes
-from .stage_copies import one_chain, per_chain
+from .prepare import dp_units, prepare, run_lowering
+from .prepare_checks import progress
+from .report import build_report, format_bytes, format_report, machine_load, write_report
+from .stage_copies import build_copies, one_chain, per_chain
 from .tp_predict import tp_shapes, tp_stage_memory
 
 if TYPE_CHECKING:  # torch enters only when a run starts, so `pipeblocks list` stays fast
@@ -145,28 +144,19 @@ def profiled_stages(cfg: TrainConfig):
     A pretrained model is profiled with weights drawn from the seed instead of its own: what
     a pass saves and how long it takes do not depend on the values, and nothing is read."""
     from ..models.build import build_stages  # torch: the command line imports this module without it
+    from ..models.init import normal_init
     from ..runtime.precision import torch_dtype
 
-    spec = profiling_spec(cfg.model.spec())
+    spec = cfg.model.spec()
+    if spec.weights is not None:  # drawn from the seed instead
+        spec = dataclasses.replace(spec, weights=None, init=normal_init)
     dtype = torch_dtype(cfg.precision.compute if cfg.precision.mixed else cfg.precision.master)
     if cfg.schedule.schedule.chains > 1:  # DualPipe: every model stage once per chain, in global stage order
-        from .stage_copies import build_copies
-
         copies = build_copies(spec, cfg.schedule.schedule, range(cfg.num_stages), seed=cfg.seed, dtype=dtype)
         return [copies[s] for s in range(cfg.num_stages)], spec.loss
     stages = build_stages(spec, seed=cfg.seed, num_stages=cfg.num_stages, stages=range(cfg.num_stages), dtype=dtype,
                           counts=cfg.stage_layers)
     return stages, spec.loss
-
-
-def profiling_spec(spec):
-    """`spec` with weights drawn from the seed where it has pretrained ones (see `profiled_stages`)."""
-    if spec.weights is None:
-        return spec
-
-    from ..models.init import normal_init  # torch, as above
-
-    return dataclasses.replace(spec, weights=None, init=normal_init)
 
 
 def _times_from(cfg: TrainConfig, hardware: str | None) -> str:
@@ -193,14 +183,14 @@ def _threads_against_profile(cfg: TrainConfig, hardware: str | None) -> dict:
     mine = cfg.threads_for(ranks)
     warning = threads_mismatch(hardware, threads=mine, local_ranks=ranks, cores=os.cpu_count() or 1)
     if warning is not None:
-        print(warning, file=sys.stderr, flush=True)
+        progress(warning)
     return {"threads_per_rank": mine, "profile_threads": profile_threads(hardware)}
 
 
 def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = None):
     """All stage modules (this process) and the costs to simulate the run with: seconds and bytes."""
     # torch: --dry-run profiles the stages, which `pipeblocks list` and the CLI's parsing must not import
-    from ..runtime.profile import profile_chunk_memory, profile_stage_memory, profile_stage_times
+    from ..runtime.profile import profile_stage_times
     from .rank_setup import emulated_costs
     from .reference import torch_threads
 
@@ -208,10 +198,7 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = No
     x, y = data.batch(0, cfg.microbatch_size, seed=cfg.seed)
     stages, loss_fn = profiled_stages(cfg)
     chain = one_chain(s.schedule, stages)  # DualPipe: one direction profiled, its figures repeated for the other
-    memory = per_chain(s.schedule, profile_stage_memory(chain, x, loss_fn, y))
-    if cfg.tp > 1:  # what one tensor-parallel rank saves of the whole stages profiled here
-        memory = tp_stage_memory(cfg, memory)
-    seq_mem = profile_chunk_memory(stages, x, loss_fn, y, s.seq_lengths) if s.seq_chunks > 1 else None
+    memory, seq_mem = _profiled_memory(cfg, stages, loss_fn, x, y)
     t_comm = 0.0
     if cfg.emulation is not None:
         ms = emulated_costs(cfg).sim_costs(s.schedule)
@@ -235,9 +222,16 @@ def _stage_costs(cfg: TrainConfig, data: TokenWindows, hardware: str | None = No
     return stages, costs
 
 
-def _vocab_placement(cfg: TrainConfig):
-    """Under --vocab-parallel, the costs the runner placed the vocabulary passes by; else None."""
-    return run_lowering(cfg).vocab
+def _profiled_memory(cfg: TrainConfig, stages, loss_fn, x, y):
+    """Per stage, the activation bytes one microbatch saves, measured the way the runtime
+    counts them (one tensor-parallel rank's share), and with sequence chunks each chunk's."""
+    from ..runtime.profile import profile_chunk_memory, profile_stage_memory  # torch, as in _stage_costs
+
+    s = cfg.schedule
+    memory = per_chain(s.schedule, profile_stage_memory(one_chain(s.schedule, stages), x, loss_fn, y))
+    if cfg.tp > 1:  # what one tensor-parallel rank saves of the whole stages profiled here
+        memory = tp_stage_memory(cfg, memory)
+    return memory, profile_chunk_memory(stages, x, loss_fn, y, s.seq_lengths) if s.seq_chunks > 1 else None
 
 
 # ---- launch --------------------------------------------------------------------------------
@@ -262,10 +256,7 @@ def execute(cfg: TrainConfig, data: TokenWindows, *, dry: bool = False, report: 
 
 def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, plot: str | None = None) -> int:
     """Train, then print measured against simulated (and write --report / --plot)."""
-    from ..runtime.profile import profile_chunk_memory, profile_stage_memory  # torch: only a run that trains
-    from .loop import launch_reported, reporting_process
-    from .rank_setup import dp_units
-    from .report import RunRecord, format_report, machine_load, report_of, write_timeline_plot
+    from .loop import launch_reported, reporting_process  # torch: only a run that trains
 
     s = cfg.schedule
     if reporting_process():
@@ -276,19 +267,15 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
     if results is None:
         return 1
     results = [r for r in results if r.tp_rank == 0]  # one row per (pipeline rank, replica)
-    # Per-stage activation bytes of one microbatch, measured the way the runtime counts them.
     x, y = data.batch(0, cfg.microbatch_size, seed=cfg.seed)
     stages, loss_fn = profiled_stages(cfg)
-    memory = per_chain(s.schedule, profile_stage_memory(one_chain(s.schedule, stages), x, loss_fn, y))
-    if cfg.tp > 1:  # what one tensor-parallel rank saves of the whole stages profiled here
-        memory = tp_stage_memory(cfg, memory)
-    seq_mem = profile_chunk_memory(stages, x, loss_fn, y, s.seq_lengths) if s.seq_chunks > 1 else None
+    memory, seq_mem = _profiled_memory(cfg, stages, loss_fn, x, y)
     warmup = min(WARMUP_STEPS, max(0, len(results[0].step_spans) - 1))
-    built = report_of(RunRecord(
+    built = build_report(
         s.schedule, tuple(results), tuple(memory), warmup=warmup, emulated=cfg.emulation is not None, seq_mem=seq_mem,
         dp=cfg.dp, sharding=tuple(str(p) for p in cfg.sharding), recompute=s.recompute, recompute_at=s.recompute_anchors,
         stage_param_bytes=tuple(sum(q.numel() for q in st.parameters()) * cfg.precision.master_bytes for st in stages),
-        dp_units=dp_units(cfg), tokens_per_step=cfg.tokens_per_step, vocab=_vocab_placement(cfg)))
+        dp_units=dp_units(cfg), tokens_per_step=cfg.tokens_per_step, vocab=run_lowering(cfg).vocab)
     built.data["model"] = cfg.model.to_json()
     built.data["precision"] = cfg.precision.name
     built.data["device"] = cfg.mesh.device
@@ -307,14 +294,9 @@ def train(cfg: TrainConfig, data: TokenWindows, *, report: str | None = None, pl
         files = finish_save(cfg)
         print(f"saved    {cfg.save_hf} (Hugging Face: config.json, {len(files)} safetensors file(s)"
               f"{', tokenizer' if (Path(cfg.save_hf) / 'tokenizer.json').exists() else ''})")
-    if report:
-        write_atomically(Path(report), json_text(built.data, indent=1) + "\n")
-        print(f"report   {report}")
-    plot = plot or (str(Path(report).with_suffix(".png")) if report else None)
-    if plot:
-        print(f"timeline {write_timeline_plot(built.measured, built.simulated, plot)}")
-    else:
-        print("(add --plot FILE.png, or --report FILE.json, to draw the measured timeline under the simulated one)")
+    for line in write_report(built, report, plot) or [
+            "(add --plot FILE.png, or --report FILE.json, to draw the measured timeline under the simulated one)"]:
+        print(line)
     return 0
 
 
@@ -332,13 +314,13 @@ def verify(cfg: TrainConfig, data: TokenWindows) -> int:
     # machine: say what is happening (on stderr, so stdout keeps only the verdict).
     started = time.monotonic()
     if reporting_process():
-        _progress(f"verify: starting {cfg.world_size} processes for one {cfg.schedule.name} step ...")
+        progress(f"verify: starting {cfg.world_size} processes for one {cfg.schedule.name} step ...")
     results = launch_reported(cfg)
     if not reporting_process():
         return 0
     if results is None:
         return 1
-    _progress(f"verify: pipeline step done ({time.monotonic() - started:.0f} s); one-process reference step ...")
+    progress(f"verify: pipeline step done ({time.monotonic() - started:.0f} s); one-process reference step ...")
     largest, tolerance, lines = judge(cfg, data, results)
     print("\n".join(lines))
     return 0 if largest <= tolerance else 1
@@ -435,7 +417,3 @@ def verify_tolerance(cfg: TrainConfig) -> float:
     if cfg.tp > 1 and cfg.precision.name == "fp64" and cfg.model.spec().float32_norms:
         return TOLERANCE["fp32"]
     return TOLERANCE[cfg.precision.name]
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

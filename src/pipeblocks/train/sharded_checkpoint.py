@@ -40,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from .checkpoint import held_once, with_tied_copies
 from .config import TrainConfig
 
 __all__ = [
@@ -65,10 +66,6 @@ def step_path(directory: str | os.PathLike, step: int) -> Path:
     return Path(directory) / f"dcp-step{step:08d}"
 
 
-def _temporary_path(directory: str | os.PathLike, step: int) -> Path:
-    return Path(directory) / f".dcp-step{step:08d}.tmp"
-
-
 def portable_meta(meta: Mapping[str, object]) -> dict:
     """The run description a resume must match: the dp and tp sizes, the policies and m may
     change as long as the global batch (dp x m x microbatch) stays the same."""
@@ -80,8 +77,6 @@ def portable_meta(meta: Mapping[str, object]) -> dict:
 def _state(stages: Mapping[int, nn.Module], optimizers: Sequence[torch.optim.Optimizer]):
     """The module and the state dict DCP saves and loads: every stage's weights (a tied head's
     copy left out: the checkpoint holds the weight once) and the optimizers' state."""
-    from .checkpoint import held_once
-
     model = nn.ModuleDict({f"stage{s}": stages[s] for s in sorted(stages)})
     model_state, optim_state = get_state_dict(model, optimizers=list(optimizers), options=_OPTIONS)
     for s in sorted(stages):
@@ -101,7 +96,7 @@ def save_sharded(
 ) -> Path:
     """Save every rank's state after `step` completed steps (a collective); return the step directory."""
     directory = Path(directory)
-    tmp, final = _temporary_path(directory, step), step_path(directory, step)
+    tmp, final = directory / f".dcp-step{step:08d}.tmp", step_path(directory, step)
     rank = dist.get_rank()
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
@@ -142,8 +137,6 @@ def load_sharded(
         raise ValueError(
             f"{str(path)!r} is not a complete checkpoint (no {MARKER}): resume from latest_sharded_step"
         )
-    from .checkpoint import with_tied_copies
-
     model, state = _state(stages, optimizers)
     dcp.load(state, checkpoint_id=str(path))
     current = get_state_dict(model, optimizers=[], options=_OPTIONS)[0]

@@ -54,7 +54,41 @@ class AsyncUnit(Unit):
     target: Tensor | None = None
 
 
-class AsyncCompute:
+class _ProgramWindow:
+    """What both computes keep of the running Program: where it starts in the run, the order of
+    this rank's forwards per stage, and the drain (None: never) that may end it early."""
+
+    drain: Drain | None
+    step_size: int
+    _mb_offset = _step_offset = _end = 0
+
+    def _begin(self, program: Program, rank: int, microbatch_offset: int, step_offset: int) -> None:
+        self._order: dict[int, deque[int]] = {}
+        for op in program.ranks[rank]:
+            if type(op) is Action and op.kind is Kind.F:
+                self._order.setdefault(op.stage, deque()).append(op.microbatch)
+        self._mb_offset, self._step_offset = microbatch_offset, step_offset
+        self._end = microbatch_offset + program.schedule.m
+        self.events = []
+
+    def microbatch_limit(self) -> int | None:
+        """The first microbatch of the running Program that a drain keeps out (None: none)."""
+        return None if self.drain is None else self.drain.limit(self._mb_offset)
+
+    def _next_forward(self, stage: int) -> int:
+        """The Program's next microbatch at `stage`, told to the drain at the first stage."""
+        local = self._order[stage].popleft()
+        if stage == 0 and self.drain is not None:
+            self.drain.before_first_stage_forward(self._mb_offset + local, self._end)
+        return local
+
+    def _drained(self, step: int) -> bool:
+        """Whether a drain keeps out microbatches of the Program's `step`: its optimizer step is not taken."""
+        limit = self.microbatch_limit()
+        return limit is not None and (step + 1) * self.step_size > limit
+
+
+class AsyncCompute(_ProgramWindow):
     """Runs this rank's AsyncStages for the executor (see the module doc).
 
     stages: global stage index -> AsyncStage, for this rank's stages.
@@ -82,31 +116,14 @@ class AsyncCompute:
         self.step_loss: dict[int, float] = {}
         """step of the run -> the mean loss of its microbatches (the last stage's rank)"""
         self._losses: dict[int, list[float]] = {}
-        self._order: dict[int, deque[int]] = {}
-        self._mb_offset = 0
-        self._step_offset = 0
-        self._end = 0
 
     def start(self, program: Program, microbatch_offset: int = 0, step_offset: int = 0) -> None:
         """The next Program to run begins at this microbatch and optimizer step of the run."""
-        self._order = {s: deque() for s in self.stages}
-        for op in program.ranks[self.rank]:
-            if type(op) is Action and op.kind is Kind.F:
-                self._order[op.stage].append(op.microbatch)
-        self._mb_offset = microbatch_offset
-        self._step_offset = step_offset
-        self._end = microbatch_offset + program.schedule.m
-        self.events = []
-
-    def microbatch_limit(self) -> int | None:
-        """The first microbatch of the running Program that a drain keeps out (None: none)."""
-        return None if self.drain is None else self.drain.limit(self._mb_offset)
+        self._begin(program, self.rank, microbatch_offset, step_offset)
 
     def forward(self, stage: int, x: Tensor, target: Tensor | None) -> tuple[Tensor | None, Unit]:
-        local = self._order[stage].popleft()
+        local = self._next_forward(stage)
         mb = self._mb_offset + local
-        if stage == 0 and self.drain is not None:
-            self.drain.before_first_stage_forward(mb, self._end)
         start = time.perf_counter()
         st = self.stages[stage]
         v_f = st.begin(mb)
@@ -142,9 +159,8 @@ class AsyncCompute:
     weight_grad = input_grad
 
     def optimizer_step(self, stage: int, step: int) -> None:
-        limit = self.microbatch_limit()
-        if limit is not None and (step + 1) * self.step_size > limit:
-            return  # drained: this step's microbatches never all entered
+        if self._drained(step):
+            return  # this step's microbatches never all entered
         start = time.perf_counter()
         local, step = step, step + self._step_offset
         st = self.stages[stage]
@@ -165,7 +181,7 @@ class AsyncCompute:
             )
 
 
-class EmulatedAsyncCompute(EmulatedCompute):
+class EmulatedAsyncCompute(EmulatedCompute, _ProgramWindow):
     """Emulated compute (every pass sleeps its modelled time) that also takes the Program's
     optimizer steps, which change nothing: emulated passes make no gradients. Passes and
     steps are timed, and a drain ends a Program early, as in `AsyncCompute`."""
@@ -178,25 +194,12 @@ class EmulatedAsyncCompute(EmulatedCompute):
         self.step_size = step_size
         self.events: list[tuple[Action | OptimizerStep, float, float]] = []
         self.step_loss: dict[int, float] = {}
-        self._order: dict[int, deque[int]] = {}
-        self._mb_offset = self._step_offset = self._end = 0
 
     def start(self, program: Program, microbatch_offset: int = 0, step_offset: int = 0, *, rank: int = 0) -> None:
-        self._order = {}
-        for op in program.ranks[rank]:
-            if type(op) is Action and op.kind is Kind.F:
-                self._order.setdefault(op.stage, deque()).append(op.microbatch)
-        self._mb_offset, self._step_offset = microbatch_offset, step_offset
-        self._end = microbatch_offset + program.schedule.m
-        self.events = []
-
-    def microbatch_limit(self) -> int | None:
-        return None if self.drain is None else self.drain.limit(self._mb_offset)
+        self._begin(program, rank, microbatch_offset, step_offset)
 
     def forward(self, stage: int, x, target, **kwargs):
-        local = self._order[stage].popleft()
-        if stage == 0 and self.drain is not None:
-            self.drain.before_first_stage_forward(self._mb_offset + local, self._end)
+        local = self._next_forward(stage)
         start = time.perf_counter()
         out, unit = super().forward(stage, x, target, **kwargs)
         unit.microbatch = local
@@ -211,8 +214,7 @@ class EmulatedAsyncCompute(EmulatedCompute):
         return dx
 
     def optimizer_step(self, stage: int, step: int) -> None:
-        limit = self.microbatch_limit()
-        if limit is not None and (step + 1) * self.step_size > limit:
+        if self._drained(step):
             return
         now = time.perf_counter()
         self.events.append((OptimizerStep(stage, step), now, now))

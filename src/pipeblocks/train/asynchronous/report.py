@@ -3,7 +3,7 @@ state beside the simulator's.
 
     >>> built = build_async_report(cfg, results)      # results: every rank's AsyncRankResult
     >>> print(format_async_report(built.data))
-    >>> write_async_report(built, "run.json", "run.png")   # --report JSON, --plot timelines
+    >>> write_report(built, "run.json", "run.png")   # --report JSON, --plot timelines (train.report)
 
 The steady state is measured on the longest asynchronous Program of the run that took 3
 or more steps (a run with save points or a drain has several): every rank times its
@@ -34,33 +34,22 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from dataclasses import dataclass
-from pathlib import Path
 
 from ...core.ir.actions import Action
 from ...core.cost.costs import Costs
-from ...core.util.jsontext import json_text
 from ...core.ir.ops import OptimizerStep
-from ...core.ir.schedule import write_atomically
 from ...core.simulator.simulate import simulate, simulate_program
 from ...core.simulator.steady import SteadyState, steady_state
 from ...core.simulator.timeline import Event, Timeline
 from ..config import TrainConfig
-from ..report import between_passes, eval_loss_rows, profiled_costs
+from ..report import RunReport, between_passes, eval_loss_rows, profiled_costs
 from .plan import segment_program
 from .steps import AsyncRankResult, SegmentRecord
 
-__all__ = ["AsyncReport", "build_async_report", "format_async_report", "write_async_report"]
+__all__ = ["build_async_report", "format_async_report"]
 
 
-@dataclass(frozen=True)
-class AsyncReport:
-    data: dict
-    measured: Timeline | None
-    simulated: Timeline | None
-
-
-def build_async_report(cfg: TrainConfig, results: list[AsyncRankResult]) -> AsyncReport:
+def build_async_report(cfg: TrainConfig, results: list[AsyncRankResult]) -> RunReport:
     results = sorted(results, key=lambda r: r.rank)
     n, w = cfg.schedule.m, cfg.async_mode.sync_warmup_steps
     head = results[0]
@@ -85,7 +74,7 @@ def build_async_report(cfg: TrainConfig, results: list[AsyncRankResult]) -> Asyn
         "steady_state": steady,
         **_shared(steady),
     }
-    return AsyncReport(data, measured, simulated)
+    return RunReport(data, measured, simulated)
 
 
 def _shared(steady: dict | None) -> dict:
@@ -198,18 +187,3 @@ def format_async_report(data: dict) -> str:
     if data["saved"]:
         lines.append(f"checkpoints: steps {data['saved']}")
     return "\n".join(lines)
-
-
-def write_async_report(built: AsyncReport, report: str | None, plot: str | None) -> list[str]:
-    """Write the JSON and the plot; the lines to print."""
-    out = []
-    if report:
-        write_atomically(Path(report), json_text(built.data, indent=1) + "\n")
-        out.append(f"report   {report}")
-    plot = plot or (str(Path(report).with_suffix(".png")) if report else None)
-    if plot and built.measured is not None:
-        from ..report import write_timeline_plot
-
-        out.append(f"timeline {write_timeline_plot(built.measured, built.simulated, plot)}")
-    return out
-

@@ -5,14 +5,12 @@
     >>> train_async(cfg, data, report="run.json")   # loss per step, delays, steady state vs simulated
     >>> verify_async(cfg, data)                     # the same run against the one-process replay
 
-A run of `cfg.steps` optimizer steps of m microbatches each is the mode's W synchronous
-warm-up steps (one-step Programs: a flush after each), then the schedule's asynchronous
-form (`pipeblocks.schedules.asynchronous.ASYNC_FORMS`) over the remaining steps, cut where
-the run drains (at `--save-every` points, or early on a stop request: plan.py, drain.py).
-Each Program is one unit of the training loop (train/loop.py) with the asynchronous step
-strategy (steps.py): one `PipelineRunner.step` per rank, whose OPTIMIZER_STEP ops the
-rank's `AsyncCompute` takes. Step k trains on `TokenWindows.batch(k, m*b, seed)`,
-cut into m microbatches, as synchronous training does.
+A run of `cfg.steps` optimizer steps is its Programs (plan.py: the W synchronous warm-up
+steps, then the schedule's asynchronous form, cut where the run drains; drain.py), each one
+unit of the training loop (train/loop.py) with the asynchronous step strategy (steps.py):
+one `PipelineRunner.step` per rank, whose OPTIMIZER_STEP ops the rank's `AsyncCompute`
+takes. Step k trains on `TokenWindows.batch(k, m*b, seed)`, cut into m microbatches, as
+synchronous training does.
 
 Every rank measures the delay of every microbatch at its stages (the versions its
 backward and its forward saw); `verify_async` checks them against the Programs' and
@@ -23,7 +21,6 @@ same weights, data and delays, comparing every step's loss and every weight at t
 from __future__ import annotations
 
 import statistics
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -34,11 +31,13 @@ from ...models.build import build_model, split_stages
 from ..config import TrainConfig
 from ..describe import describe_loop
 from ..loop import launch_reported
+from ..prepare_checks import progress
 from ..loop import train_rank as async_rank  # one rank of the run: the one loop, asynchronous steps for --async
 from ..reference import TOLERANCE, relative_difference, torch_threads
+from ..report import write_report
 from .plan import nominal_delays, run_segments, run_versions
 from .reference import replay
-from .report import build_async_report, format_async_report, write_async_report
+from .report import build_async_report, format_async_report
 from .steps import AsyncRankResult, microbatches
 
 __all__ = [
@@ -96,9 +95,8 @@ def train_async(cfg: TrainConfig, data, *, report: str | None = None, plot: str 
         return 1
     built = build_async_report(cfg, results)
     print(format_async_report(built.data))
-    if report or plot:
-        for line in write_async_report(built, report, plot):
-            print(line)
+    for line in write_report(built, report, plot):
+        print(line)
     return 0
 
 
@@ -170,7 +168,7 @@ def check_against_replay(cfg: TrainConfig, data, results: list[AsyncRankResult])
 
 def verify_async(cfg: TrainConfig, data) -> int:
     """The run on the ranks against the one-process replay; 0 within the tolerance of `--verify`."""
-    print(f"verify: {describe_async(cfg)}", file=sys.stderr, flush=True)
+    progress(f"verify: {describe_async(cfg)}")
     results = launch_reported(cfg)
     if results is None:
         return 1
