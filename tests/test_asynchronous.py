@@ -266,3 +266,29 @@ def test_simulate_async_reports_steady_state_delays_and_weight_memory(capsys):
 def test_simulate_async_errors(capsys, argv, message):
     assert main(["simulate", *argv, "-p", "4", "-m", "4"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plot_draws_the_optimizer_steps_on_the_passes_time_scale():
+    # a run drawn in ms (scale 1e-3): the black step marks sit where the steps are, as the passes do
+    from pipeblocks.sim.plots import _draw_ranks
+
+    class Axis:
+        def __init__(self):
+            self.bars, self.marks = [], []
+
+        def broken_barh(self, spans, *args, **kwargs):
+            self.bars.extend(spans)
+
+        def vlines(self, x, *args, **kwargs):
+            self.marks.append(x)
+
+        def __getattr__(self, name):  # titles, labels, ticks, text: not drawn here
+            return lambda *args, **kwargs: None
+
+    timeline = simulate_program(async_1f1b(p=2, n=2, steps=3), Costs(t_step=0.25))
+    steps = sorted(e.start - timeline.start for events in timeline.events for e in events
+                   if type(e.action) is OptimizerStep)
+    ax = Axis()
+    _draw_ranks(ax, timeline, "async", scale=1e-3)
+    assert sorted(ax.marks) == pytest.approx([t / 1e-3 for t in steps])
+    assert max(start + length for start, length in ax.bars) == pytest.approx(timeline.makespan / 1e-3)

@@ -137,3 +137,8 @@ def test_kv_buffers_held_on_rank0(p, k, held):
     assert memory_ratio(p, k, kv_fraction=1.0, buffers=held) == approx(held / p)  # all K/V: buffers alone count
     with pytest.raises(ScheduleError, match="buffers >= 1"):
         memory_ratio(p, k, kv_fraction=0.1)
+
+
+def test_a_kv_share_without_buffers_names_the_number_given():
+    with pytest.raises(ScheduleError, match=r"kv_fraction 0.1 needs .* got 0$"):
+        memory_ratio(2, 2, kv_fraction=0.1, buffers=0)

@@ -215,8 +215,9 @@ def _draw_ranks(ax, timeline: Timeline, title: str, scale: float = 1.0) -> None:
             a = e.action
             if type(a) is OptimizerStep:  # asynchronous programs: a black bar where the weights change
                 if e.end > e.start:
-                    ax.broken_barh([(e.start - origin, e.end - e.start)], (r - 0.4, 0.8), facecolors="black")
-                ax.vlines(e.start - origin, r - 0.45, r + 0.45, colors="black", linewidth=1.5)
+                    ax.broken_barh([((e.start - origin) / scale, (e.end - e.start) / scale)], (r - 0.4, 0.8),
+                                   facecolors="black")
+                ax.vlines((e.start - origin) / scale, r - 0.45, r + 0.45, colors="black", linewidth=1.5)
                 continue
             if type(a) is VocabPass:  # vocabulary parallelism: a grey bar on every rank, labelled S5, T5, ...
                 ax.broken_barh([((e.start - origin) / scale, (e.end - e.start) / scale)], (r + top, height),

@@ -170,7 +170,7 @@ def memory_ratio(p: int, k: int, *, kv_fraction: float = 0.0, buffers: int = 0) 
     if kv_fraction > 0 and buffers < 1:
         raise ScheduleError(
             f"kv_fraction {kv_fraction} needs the number of K/V buffers held at the peak (buffers >= 1, from "
-            "kv_buffers_held), got {buffers}"
+            f"kv_buffers_held), got {buffers}"
         )
     formula = (k + p - 1) / (k * p)
     return formula + kv_fraction * (buffers / p - formula)
