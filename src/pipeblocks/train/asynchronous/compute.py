@@ -186,17 +186,20 @@ class EmulatedAsyncCompute(EmulatedCompute, _ProgramWindow):
     optimizer steps, which change nothing: emulated passes make no gradients. Passes and
     steps are timed, and a drain ends a Program early, as in `AsyncCompute`."""
 
-    def __init__(self, *args, on_step: Callable[[int, int], None] | None = None, drain: Drain | None = None,
-                 step_size: int = 1, **kwargs) -> None:
+    def __init__(self, *args, rank: int = 0, on_step: Callable[[int, int], None] | None = None,
+                 drain: Drain | None = None, step_size: int = 1, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.rank = rank
+        self.lrs: dict[int, list[float]] = {}
+        """none: emulated stages have no optimizer"""
         self.on_step = on_step
         self.drain = drain
         self.step_size = step_size
         self.events: list[tuple[Action | OptimizerStep, float, float]] = []
         self.step_loss: dict[int, float] = {}
 
-    def start(self, program: Program, microbatch_offset: int = 0, step_offset: int = 0, *, rank: int = 0) -> None:
-        self._begin(program, rank, microbatch_offset, step_offset)
+    def start(self, program: Program, microbatch_offset: int = 0, step_offset: int = 0) -> None:
+        self._begin(program, self.rank, microbatch_offset, step_offset)
 
     def forward(self, stage: int, x, target, **kwargs):
         local = self._next_forward(stage)

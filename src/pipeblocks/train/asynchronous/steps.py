@@ -134,10 +134,7 @@ class AsyncSteps:
         """Run the Program of `segment` (drained early on a stop request); the steps complete after it."""
         self.progress, n, start = progress, self.cfg.schedule.m, self.start
         program, runner = self._runner_for(segment)
-        if self.cfg.emulation is not None:
-            self.compute.start(program, segment.first * n, segment.first, rank=self.ctx.rank)
-        else:
-            self.compute.start(program, segment.first * n, segment.first)
+        self.compute.start(program, segment.first * n, segment.first)
         a, b = (segment.first - start) * n, (segment.end - start) * n
         began = time.perf_counter()
         runner.step(self.xs[a:b] if 0 in self.mine else None, self.ys[a:b] if self.last in self.mine else None)
@@ -213,9 +210,7 @@ def _compute(cfg: TrainConfig, ctx, setup, stages, versions, drain, on_step):
     """The compute the runners call: the stages' versioned passes, or their emulated costs."""
     schedule = cfg.schedule.schedule
     if cfg.emulation is not None:
-        compute = EmulatedAsyncCompute(emulated_costs(cfg), setup.modules, schedule.num_stages, ctx.device,
-                                       on_step=on_step, drain=drain, step_size=schedule.m)
-        compute.lrs = {}
-        return compute
+        return EmulatedAsyncCompute(emulated_costs(cfg), setup.modules, schedule.num_stages, ctx.device,
+                                    rank=ctx.rank, on_step=on_step, drain=drain, step_size=schedule.m)
     return AsyncCompute(stages, versions, setup.loss_fn, last_stage=schedule.num_stages - 1, rank=ctx.rank,
                         on_step=on_step, drain=drain)
